@@ -1,0 +1,118 @@
+// ClusterStore: the typed cluster state. The only code that spells a Redis key lives in its
+// Redis implementation (redis_cluster_store.cc); the key layout is in docs/design.md.
+//
+// Two implementations run the same test suite: connectRedisStore() (real Redis over hiredis)
+// and makeFakeClusterStore() (in memory, for fast unit tests).
+// Thread-safety: one ClusterStore object is used by one thread at a time (the owner's I/O
+// thread in daemons); open one per thread. Calls block for one Redis round trip.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "troupe/runtime/ids.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe {
+
+// Resource name -> quantity ("CPU", "memory" in bytes, "GPU", or a custom name).
+using Resources = std::map<std::string, double>;
+
+enum class NodeState { kAlive, kDead };
+const char* nodeStateName(NodeState state);  // "ALIVE" / "DEAD"
+
+struct NodeRecord {
+  NodeId id;
+  std::string address;   // HOST:PORT of the node agent's RPC server
+  std::string hostname;
+  int64_t pid = 0;       // node agent process id on its host
+  bool isHead = false;
+  NodeState state = NodeState::kAlive;
+  Resources total;
+  Resources used;
+  std::map<std::string, std::string> labels;
+  int64_t registeredMs = 0;     // wall clock, ms since epoch
+  int64_t lastHeartbeatMs = 0;  // wall clock, ms since epoch
+  std::string deathReason;      // empty while alive
+};
+
+// What a controller needs to continue a cluster after a restart.
+struct ClusterMeta {
+  std::string token;              // the cluster token every RPC connection presents
+  std::string controllerAddress;  // HOST:PORT of the controller's RPC server
+  int64_t controllerPid = 0;
+  int64_t createdMs = 0;
+};
+
+enum class ClusterEventType { kNodeAdded, kNodeDead };
+const char* clusterEventTypeName(ClusterEventType type);  // "NODE_ADDED" / "NODE_DEAD"
+
+// A membership event, published on the cluster's events channel.
+struct ClusterEvent {
+  ClusterEventType type = ClusterEventType::kNodeAdded;
+  NodeId nodeId;
+  std::string reason;
+  int64_t timeMs = 0;
+};
+
+// Receives membership events published after subscribe() returned.
+// Thread-safety: one thread at a time; it has its own connection.
+class EventSubscription {
+ public:
+  virtual ~EventSubscription() = default;
+  // Waits up to `timeout` for the next event; nullopt on timeout.
+  virtual Result<std::optional<ClusterEvent>> next(std::chrono::milliseconds timeout) = 0;
+};
+
+class ClusterStore {
+ public:
+  virtual ~ClusterStore() = default;
+
+  virtual Status putMeta(const ClusterMeta& meta) = 0;
+  // nullopt when no cluster has been created under this prefix yet.
+  virtual Result<std::optional<ClusterMeta>> getMeta() = 0;
+
+  // Writes the node as ALIVE with a heartbeat that expires after `ttl`, and publishes
+  // NODE_ADDED. Idempotent: registering the same id again refreshes it and publishes again.
+  virtual Status registerNode(const NodeRecord& node, std::chrono::milliseconds ttl) = 0;
+  // Refreshes the node's heartbeat. Returns false (and writes nothing) when the node is
+  // unknown or already DEAD: the agent must then stop, since the cluster has declared it dead.
+  virtual Result<bool> heartbeat(const NodeId& id, std::chrono::milliseconds ttl) = 0;
+  virtual Result<std::optional<NodeRecord>> getNode(const NodeId& id) = 0;
+  // Every node ever registered under this cluster, alive or dead, sorted by registration time.
+  virtual Result<std::vector<NodeRecord>> listNodes() = 0;
+  // Atomically marks DEAD each ALIVE node whose heartbeat has expired, publishes NODE_DEAD
+  // for each, and returns their ids. Safe to run from several controllers at once.
+  virtual Result<std::vector<NodeId>> reapExpiredNodes() = 0;
+  // Marks the node DEAD with `reason` (e.g. a clean shutdown) and publishes NODE_DEAD.
+  // NotFound for an unknown node; a node already dead is left as it is.
+  virtual Status markNodeDead(const NodeId& id, const std::string& reason) = 0;
+
+  // Opens a subscription to membership events (its own connection for Redis).
+  virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
+};
+
+struct RedisOptions {
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  std::string password;        // required: a Redis that accepts clients without one is refused
+  std::string cluster = "default";  // key prefix is "troupe:<cluster>:"
+  std::chrono::milliseconds timeout{2000};  // connect and per-command timeout
+};
+
+// Connects and authenticates. Errors: kUnavailable (cannot reach it), kUnauthenticated (wrong
+// password), kFailedPrecondition (Redis accepts clients without a password).
+Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& options);
+
+// An in-memory store with the same behaviour; instances made from the same `FakeClusterState`
+// share data (as two connections to one Redis do).
+struct FakeClusterState;
+std::shared_ptr<FakeClusterState> makeFakeClusterState();
+std::unique_ptr<ClusterStore> makeFakeClusterStore(std::shared_ptr<FakeClusterState> state);
+
+}  // namespace troupe

@@ -1,0 +1,42 @@
+// Configuration shared by the CLI and the daemons: addresses, the run directory and its
+// cluster file, environment overrides. Thread-safety: plain functions and value types.
+#pragma once
+
+#include <string>
+
+#include "troupe/runtime/status.h"
+
+namespace troupe {
+
+struct HostPort {
+  std::string host;
+  int port = 0;
+  std::string toString() const;
+};
+
+// Parses "HOST:PORT" (port 1..65535). kInvalidArgument with the offending text otherwise.
+Result<HostPort> parseHostPort(const std::string& text);
+
+// Root of all run directories: $TROUPE_TEMP_DIR, else /tmp/troupe.
+std::string runRoot();
+// The newest run directory (runRoot()/latest), if any.
+Result<std::string> latestRunDir();
+// Creates runRoot()/run_<UTC time>_<pid> with logs/ and pids/, and points `latest` at it.
+Result<std::string> createRunDir();
+
+// What a client needs to reach a cluster; stored as <run_dir>/cluster.json, mode 0600.
+struct ClusterFile {
+  std::string controllerAddress;
+  std::string token;
+  std::string redisAddress;
+  std::string redisPassword;
+  std::string cluster = "default";
+  bool embeddedRedis = false;
+};
+Status writeClusterFile(const std::string& runDir, const ClusterFile& file);
+Result<ClusterFile> readClusterFile(const std::string& runDir);
+
+// Milliseconds since the Unix epoch (wall clock, for records shown to people).
+int64_t wallClockMs();
+
+}  // namespace troupe

@@ -1,0 +1,77 @@
+// Status and Result<T>: the error channel for failures a caller handles.
+// Thread-safety: value types; safe to copy and move between threads.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace troupe {
+
+enum class StatusCode {
+  kOk = 0,
+  kInvalidArgument,   // bad input from a user or caller
+  kNotFound,          // a node, actor, group or file that does not exist
+  kAlreadyExists,     // a name or port that is taken
+  kUnavailable,       // a peer, Redis or the controller cannot be reached
+  kUnauthenticated,   // wrong or missing cluster token / Redis password
+  kDeadlineExceeded,  // a wait ran out of time
+  kFailedPrecondition,// the system is not in a state that allows the call
+  kResourceExhausted, // no memory, disk or cluster resources
+  kAborted,           // the operation was cancelled (epoch bump, shutdown)
+  kInternal,          // a broken invariant or an unexpected reply
+};
+
+const char* statusCodeName(StatusCode code);
+
+// A code and a message that says what failed, with which value, and what to do.
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status ok() { return Status(); }
+
+  bool isOk() const { return code_ == StatusCode::kOk; }
+  explicit operator bool() const { return isOk(); }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // "UNAVAILABLE: cannot reach Redis at 127.0.0.1:1 ..."
+  std::string toString() const;
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+// Either a value or a non-ok Status.
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : value_(std::move(value)) {}
+  Result(Status status) : status_(std::move(status)) {}
+
+  bool isOk() const { return value_.has_value(); }
+  explicit operator bool() const { return isOk(); }
+  const Status& status() const { return status_; }
+  T& value() & { return *value_; }
+  const T& value() const& { return *value_; }
+  T&& value() && { return std::move(*value_); }
+  T* operator->() { return &*value_; }
+  const T* operator->() const { return &*value_; }
+  T& operator*() & { return *value_; }
+  const T& operator*() const& { return *value_; }
+
+ private:
+  std::optional<T> value_;
+  Status status_;
+};
+
+#define TROUPE_RETURN_IF_ERROR(expr)           \
+  do {                                         \
+    ::troupe::Status troupe_status_ = (expr);  \
+    if (!troupe_status_.isOk()) return troupe_status_; \
+  } while (0)
+
+}  // namespace troupe

@@ -1,0 +1,187 @@
+#include "troupe/runtime/process.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+extern char** environ;
+
+namespace troupe {
+
+std::string ExitInfo::toString() const {
+  if (signal != 0) return fmt::format("signal {} ({})", signal, strsignal(signal));
+  return fmt::format("exit code {}", exitCode);
+}
+
+Result<pid_t> spawnProcess(const SpawnOptions& options) {
+  if (options.argv.empty()) return Status(StatusCode::kInvalidArgument, "spawnProcess: empty argv");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+  if (options.newSession) flags |= POSIX_SPAWN_SETSID;
+  posix_spawnattr_setflags(&attr, flags);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  if (!options.outputPath.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 1, options.outputPath.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0600);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  }
+  std::vector<char*> argv;
+  for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> env;
+  for (char** e = environ; *e; ++e) env.push_back(*e);
+  for (const auto& e : options.env) env.push_back(const_cast<char*>(e.c_str()));
+  env.push_back(nullptr);
+  pid_t pid = 0;
+  int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), env.data());
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    return Status(StatusCode::kNotFound,
+                  fmt::format("cannot start '{}': {}", options.argv[0], strerror(rc)));
+  }
+  return pid;
+}
+
+namespace {
+ExitInfo decode(int status) {
+  ExitInfo info;
+  if (WIFEXITED(status)) info.exitCode = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) info.signal = WTERMSIG(status);
+  return info;
+}
+}  // namespace
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  if (this != &other) {
+    if (pid_ > 0) stop(SIGKILL, std::chrono::milliseconds(5000));
+    pid_ = other.pid_;
+    other.pid_ = 0;
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0) stop(SIGKILL, std::chrono::milliseconds(5000));
+}
+
+std::optional<ExitInfo> ChildProcess::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return ExitInfo{};
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  // waitpid has no timeout; poll with a short back-off (children exit within milliseconds
+  // of a signal, so the back-off stays small).
+  auto pause = std::chrono::microseconds(200);
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      pid_ = 0;
+      return decode(status);
+    }
+    if (r < 0 && errno != EINTR) {  // not our child any more
+      pid_ = 0;
+      return ExitInfo{};
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+
+ExitInfo ChildProcess::stop(int signal, std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return ExitInfo{};
+  ::kill(pid_, signal);
+  if (auto info = wait(timeout)) return *info;
+  ::kill(pid_, SIGKILL);
+  if (auto info = wait(std::chrono::milliseconds(5000))) return *info;
+  return ExitInfo{};
+}
+
+pid_t ChildProcess::release() {
+  pid_t p = pid_;
+  pid_ = 0;
+  return p;
+}
+
+bool processAlive(pid_t pid) {
+  if (pid <= 0) return false;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  if (!stat) return false;
+  std::string line;
+  std::getline(stat, line);
+  auto close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  char state = line[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::string processCommandLine(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/cmdline", pid), std::ios::binary);
+  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (char& c : raw) if (c == '\0') c = ' ';
+  while (!raw.empty() && raw.back() == ' ') raw.pop_back();
+  return raw;
+}
+
+Result<int> pickFreePort(const std::string& host) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status(StatusCode::kInternal, fmt::format("socket: {}", strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    ::close(fd);
+    return Status(StatusCode::kInvalidArgument, fmt::format("'{}' is not an IPv4 address", host));
+  }
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    ::close(fd);
+    return Status(StatusCode::kUnavailable, fmt::format("cannot bind {}: {}", host, strerror(err)));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
+bool portInUse(const std::string& host, int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+  bool inUse = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0;
+  ::close(fd);
+  return inUse;
+}
+
+std::string executableDir() {
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+}  // namespace troupe
