@@ -98,7 +98,8 @@ Status writeClusterFile(const std::string& runDir, const ClusterFile& file) {
                       {"redis_address", file.redisAddress},
                       {"redis_password", file.redisPassword},
                       {"cluster", file.cluster},
-                      {"embedded_redis", file.embeddedRedis}};
+                      {"embedded_redis", file.embeddedRedis},
+                      {"heartbeat_ttl_ms", file.heartbeatTtlMs}};
   std::string path = runDir + "/cluster.json";
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -133,6 +134,7 @@ Result<ClusterFile> readClusterFile(const std::string& runDir) {
     f.redisPassword = j.value("redis_password", "");
     f.cluster = j.value("cluster", "default");
     f.embeddedRedis = j.value("embedded_redis", false);
+    f.heartbeatTtlMs = j.value("heartbeat_ttl_ms", 3000);
     return f;
   } catch (const std::exception& e) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{} is corrupt: {}", path, e.what()));

@@ -1,0 +1,107 @@
+// The `troupe` command line: one function per subcommand, each returning the process exit
+// code after printing either its result or one line "troupe: error: ..." to stderr.
+// Internal to the CLI; runs on the main thread with its own KJ event loop per command.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <kj/async-io.h>
+
+#include "troupe.capnp.h"
+#include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/config.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe::cli {
+
+struct StartFlags {
+  bool head = false;
+  std::string address;          // --address: join this controller
+  std::string token;            // --token / TROUPE_TOKEN
+  int port = 6380;
+  std::string redisAddress;     // --redis-address: use this Redis instead of an embedded one
+  std::string redisPassword;    // --redis-password / TROUPE_REDIS_PASSWORD
+  std::string clusterName = "default";
+  double numCpus = -1;
+  std::string resources;
+  std::string nodeIp = "127.0.0.1";
+  int heartbeatTtlMs = 3000;
+  bool block = false;
+};
+
+struct StatusFlags {
+  std::string address;
+  std::string token;
+  bool json = false;
+};
+
+int startCommand(const StartFlags& flags);
+int statusCommand(const StatusFlags& flags);
+int stopCommand();
+int restartControllerCommand();
+
+// Prints "troupe: error: <message>" and returns 1 (2 for bad usage).
+int fail(const Status& status);
+
+// Where a command finds the cluster: explicit flags first, then the newest run directory.
+struct ClusterTarget {
+  HostPort controller;
+  std::string token;
+  std::string runDir;  // empty when the cluster was named only by flags
+};
+Result<ClusterTarget> resolveCluster(const std::string& address, const std::string& token);
+
+// Calls Controller.status on an authenticated connection, within `timeout`.
+Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
+                                           kj::Duration timeout);
+
+// The last `lines` lines of a log file, for error messages about a daemon that died.
+std::string logTail(const std::string& path, int lines);
+
+}  // namespace troupe::cli
+
+namespace troupe::cli {
+
+// Stops the daemons listed in <runDir>/pids (node agents, then the controller, then Redis):
+// SIGTERM, then SIGKILL after a grace period. Only processes whose command line names this run
+// directory are signalled, so a recycled pid is never hit. Returns how many were stopped.
+int stopRunDir(const std::string& runDir, bool verbose);
+
+// Polls `ready` until it returns true; fails early with the log's last lines if process `pid`
+// exits, and with kDeadlineExceeded after `limit`.
+template <typename Ready>
+Status waitReady(const std::string& what, pid_t pid, const std::string& logPath,
+                 std::chrono::milliseconds limit, Ready ready);
+
+// The path of a sibling executable (troupe-controller, troupe-node): $TROUPE_BIN_DIR, else the
+// directory of the running `troupe`.
+std::string siblingExecutable(const std::string& name);
+
+}  // namespace troupe::cli
+
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "troupe/runtime/process.h"
+
+template <typename Ready>
+troupe::Status troupe::cli::waitReady(const std::string& what, pid_t pid, const std::string& logPath,
+                                      std::chrono::milliseconds limit, Ready ready) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  auto pause = std::chrono::milliseconds(10);
+  for (;;) {
+    if (ready()) return Status::ok();
+    if (pid > 0 && !processAlive(pid)) {
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("{} exited during start-up: {} (log: {})", what, logTail(logPath, 3), logPath));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status(StatusCode::kDeadlineExceeded,
+                    fmt::format("{} did not become ready within {} s (log: {})", what, limit.count() / 1000, logPath));
+    }
+    std::this_thread::sleep_for(pause);  // polling a condition with a deadline, backing off
+    pause = std::min(pause * 2, std::chrono::milliseconds(200));
+  }
+}

@@ -1,0 +1,78 @@
+#include <fmt/format.h>
+
+#include <deque>
+#include <fstream>
+#include <iostream>
+
+#include "cli.h"
+#include "schema_convert.h"
+#include "troupe/runtime/rpc.h"
+
+namespace troupe::cli {
+
+int fail(const Status& status) {
+  std::cerr << "troupe: error: " << status.message() << std::endl;
+  return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+Result<ClusterTarget> resolveCluster(const std::string& address, const std::string& token) {
+  ClusterTarget target;
+  auto runDir = latestRunDir();
+  Result<ClusterFile> file = runDir.isOk() ? readClusterFile(*runDir) : Result<ClusterFile>(runDir.status());
+  if (!address.empty()) {
+    auto hp = parseHostPort(address);
+    if (!hp.isOk()) return hp.status();
+    target.controller = *hp;
+    target.token = token;
+    // The newest run directory on this machine may belong to the same cluster.
+    if (file.isOk() && file->controllerAddress == hp->toString()) {
+      if (target.token.empty()) target.token = file->token;
+      target.runDir = *runDir;
+    }
+    if (target.token.empty()) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("no cluster token for {}: pass --token (printed by 'troupe start --head') "
+                                "or set TROUPE_TOKEN",
+                                address));
+    }
+    return target;
+  }
+  if (!file.isOk()) return file.status();
+  auto hp = parseHostPort(file->controllerAddress);
+  if (!hp.isOk()) return hp.status();
+  target.controller = *hp;
+  target.token = token.empty() ? file->token : token;
+  target.runDir = *runDir;
+  return target;
+}
+
+Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
+                                           kj::Duration timeout) {
+  std::vector<NodeRecord> nodes;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    auto client = RpcClient::connect(io, target.controller, target.token, timeout).wait(io.waitScope);
+    auto call = client->bootstrap<rpc::Controller>().statusRequest().send();
+    auto response = io.provider->getTimer().timeoutAfter(timeout, kj::mv(call)).wait(io.waitScope);
+    for (auto node : response.getNodes()) nodes.push_back(fromNodeInfo(node));
+  })) {
+    Status s = statusFromException(*e, "");
+    return Status(s.code(), fmt::format("{}; is the cluster running? ('troupe start --head' starts one)",
+                                        s.message()));
+  }
+  return nodes;
+}
+
+std::string logTail(const std::string& path, int lines) {
+  std::ifstream in(path);
+  std::deque<std::string> tail;
+  std::string line;
+  while (std::getline(in, line)) {
+    tail.push_back(line);
+    if (static_cast<int>(tail.size()) > lines) tail.pop_front();
+  }
+  std::string out;
+  for (const auto& l : tail) out += (out.empty() ? "" : " | ") + l;
+  return out;
+}
+
+}  // namespace troupe::cli

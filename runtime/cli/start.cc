@@ -1,0 +1,291 @@
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "cli.h"
+#include "troupe/runtime/ids.h"
+#include "troupe/runtime/process.h"
+#include "troupe/runtime/resources.h"
+
+namespace troupe::cli {
+namespace {
+
+constexpr auto kStartLimit = std::chrono::seconds(10);
+
+// The daemons one `troupe start` launched. Until commit(), destruction kills them all, so a
+// failed start leaves nothing behind.
+class Launch {
+ public:
+  explicit Launch(bool block) : block_(block) {}
+
+  Result<pid_t> spawn(std::vector<std::string> argv, const std::string& logPath,
+                      std::vector<std::string> env = {}) {
+    SpawnOptions options;
+    options.argv = std::move(argv);
+    options.outputPath = logPath;
+    options.newSession = !block_;  // daemons outlive this terminal unless --block
+    options.env = std::move(env);
+    auto pid = spawnProcess(options);
+    if (pid.isOk()) children_.emplace_back(*pid);
+    return pid;
+  }
+
+  void commit() {
+    for (auto& c : children_) c.release();
+  }
+
+  std::vector<ChildProcess>& children() { return children_; }
+
+ private:
+  bool block_;
+  std::vector<ChildProcess> children_;
+};
+
+Status writeRedisConfig(const std::string& path, const std::string& dataDir, int port,
+                        const std::string& password) {
+  std::error_code ec;
+  std::filesystem::create_directories(dataDir, ec);
+  std::ofstream out(path);
+  out << "bind 127.0.0.1\n"
+      << "port " << port << "\n"
+      << "requirepass " << password << "\n"
+      << "protected-mode yes\n"
+      << "daemonize no\n"
+      << "dir " << dataDir << "\n"
+      << "appendonly yes\n"
+      << "appendfsync everysec\n"
+      << "save \"\"\n";
+  out.close();
+  if (!out || ::chmod(path.c_str(), 0600) != 0) {
+    return Status(StatusCode::kFailedPrecondition, fmt::format("cannot write {}", path));
+  }
+  return Status::ok();
+}
+
+void writePidFile(const std::string& runDir, const std::string& name, pid_t pid) {
+  std::ofstream(fmt::format("{}/pids/{}.pid", runDir, name)) << pid << "\n";
+}
+
+bool nodeAlive(kj::AsyncIoContext& io, const ClusterTarget& target, const NodeId& id) {
+  auto nodes = fetchNodes(io, target, 1 * kj::SECONDS);
+  if (!nodes.isOk()) return false;
+  for (const auto& n : *nodes) {
+    if (n.id == id) return n.state == NodeState::kAlive;
+  }
+  return false;
+}
+
+std::vector<std::string> nodeArgs(const StartFlags& f, const std::string& runDir, const std::string& controller,
+                                  const NodeId& id) {
+  std::vector<std::string> argv = {siblingExecutable("troupe-node"), "--run-dir", runDir, "--address", controller,
+                                   "--node-id", id.hex(), "--node-ip-address", f.nodeIp};
+  if (f.head) argv.push_back("--head");
+  if (f.numCpus >= 0) argv.insert(argv.end(), {"--num-cpus", fmt::format("{}", f.numCpus)});
+  if (!f.resources.empty()) argv.insert(argv.end(), {"--resources", f.resources});
+  return argv;
+}
+
+// --block: stay in the foreground until Ctrl-C / SIGTERM or until a daemon dies, then stop all.
+int blockUntilStopped(Launch& launch, const std::string& runDir) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, nullptr);
+  std::cout << "Running in the foreground (--block); Ctrl-C stops the cluster." << std::endl;
+  int rc = 0;
+  for (;;) {
+    timespec tick{0, 200 * 1000 * 1000};
+    if (sigtimedwait(&set, nullptr, &tick) > 0) break;
+    bool died = false;
+    for (auto& child : launch.children()) {
+      pid_t pid = child.pid();
+      if (auto info = child.wait(std::chrono::milliseconds(0))) {
+        std::cerr << "troupe: error: process " << pid << " exited (" << info->toString() << "); stopping"
+                  << std::endl;
+        died = true;
+        rc = 1;
+      }
+    }
+    if (died) break;
+  }
+  stopRunDir(runDir, true);
+  return rc;
+}
+
+int startHead(const StartFlags& f) {
+  if (portInUse(f.nodeIp, f.port)) {
+    return fail(Status(StatusCode::kAlreadyExists,
+                       fmt::format("port {} on {} is already in use (a cluster may be running: 'troupe status'); "
+                                   "pass --port or run 'troupe stop'",
+                                   f.port, f.nodeIp)));
+  }
+  Launch launch(f.block);
+  ClusterFile file;
+  file.cluster = f.clusterName;
+  file.heartbeatTtlMs = f.heartbeatTtlMs;
+  RedisOptions redis;
+  redis.cluster = f.clusterName;
+  std::string runDir;
+
+  if (!f.redisAddress.empty()) {
+    auto hp = parseHostPort(f.redisAddress);
+    if (!hp.isOk()) return fail(hp.status());
+    redis.host = hp->host;
+    redis.port = hp->port;
+    redis.password = f.redisPassword;
+    auto store = connectRedisStore(redis);
+    if (!store.isOk()) return fail(store.status());
+    auto meta = (*store)->getMeta();
+    if (!meta.isOk()) return fail(meta.status());
+    // An existing cluster in this Redis keeps its token: its nodes and clients stay valid.
+    file.token = meta->has_value() ? (*meta)->token : randomHex(16);
+    auto dir = createRunDir();
+    if (!dir.isOk()) return fail(dir.status());
+    runDir = *dir;
+  } else {
+    auto dir = createRunDir();
+    if (!dir.isOk()) return fail(dir.status());
+    runDir = *dir;
+    auto port = pickFreePort("127.0.0.1");
+    if (!port.isOk()) return fail(port.status());
+    redis.port = *port;
+    redis.password = randomHex(16);
+    std::string conf = runDir + "/redis.conf";
+    if (auto s = writeRedisConfig(conf, runDir + "/redis", redis.port, redis.password); !s.isOk()) return fail(s);
+    std::string log = runDir + "/logs/redis.log";
+    auto pid = launch.spawn({"redis-server", conf}, log);
+    if (!pid.isOk()) return fail(Status(StatusCode::kNotFound, "redis-server not found: run scripts/setup"));
+    writePidFile(runDir, "redis", *pid);
+    auto ready = waitReady("the embedded redis-server", *pid, log, kStartLimit,
+                           [&]() { return connectRedisStore(redis).isOk(); });
+    if (!ready.isOk()) return fail(ready);
+    file.token = randomHex(16);
+    file.embeddedRedis = true;
+  }
+
+  file.redisAddress = HostPort{redis.host, redis.port}.toString();
+  file.redisPassword = redis.password;
+  file.controllerAddress = HostPort{f.nodeIp, f.port}.toString();
+  if (auto s = writeClusterFile(runDir, file); !s.isOk()) return fail(s);
+
+  auto io = kj::setupAsyncIo();
+  ClusterTarget target{HostPort{f.nodeIp, f.port}, file.token, runDir};
+  std::string controllerLog = runDir + "/logs/controller.log";
+  auto controller = launch.spawn({siblingExecutable("troupe-controller"), "--run-dir", runDir, "--host", f.nodeIp,
+                                  "--port", std::to_string(f.port), "--heartbeat-ttl-ms",
+                                  std::to_string(f.heartbeatTtlMs)},
+                                 controllerLog);
+  if (!controller.isOk()) return fail(controller.status());
+  auto ready = waitReady("troupe-controller", *controller, controllerLog, kStartLimit,
+                         [&]() { return fetchNodes(io, target, 1 * kj::SECONDS).isOk(); });
+  if (!ready.isOk()) return fail(ready);
+
+  NodeId nodeId = NodeId::generate();
+  std::string nodeLog = fmt::format("{}/logs/node-{}.log", runDir, nodeId.hex());
+  auto node = launch.spawn(nodeArgs(f, runDir, file.controllerAddress, nodeId), nodeLog);
+  if (!node.isOk()) return fail(node.status());
+  ready = waitReady("troupe-node", *node, nodeLog, kStartLimit, [&]() { return nodeAlive(io, target, nodeId); });
+  if (!ready.isOk()) return fail(ready);
+
+  std::cout << "Troupe head started.\n"
+            << "  controller: " << file.controllerAddress << "\n"
+            << "  redis:      " << file.redisAddress << (file.embeddedRedis ? " (embedded)" : "") << "\n"
+            << "  head node:  " << nodeId.hex() << "\n"
+            << "  run dir:    " << runDir << "\n\n"
+            << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token
+            << "\n"
+            << "To see the cluster: troupe status\n"
+            << "To stop this machine's processes: troupe stop" << std::endl;
+  if (f.block) return blockUntilStopped(launch, runDir);
+  launch.commit();
+  return 0;
+}
+
+int joinCluster(const StartFlags& f) {
+  auto target = resolveCluster(f.address, f.token);
+  if (!target.isOk()) return fail(target.status());
+  auto io = kj::setupAsyncIo();
+  // Fail fast with a clear message before spawning anything.
+  auto reachable = fetchNodes(io, *target, 3 * kj::SECONDS);
+  if (!reachable.isOk()) return fail(reachable.status());
+
+  std::string runDir = target->runDir;
+  if (runDir.empty()) {
+    auto dir = createRunDir();
+    if (!dir.isOk()) return fail(dir.status());
+    runDir = *dir;
+    ClusterFile file;
+    file.controllerAddress = target->controller.toString();
+    file.token = target->token;
+    if (auto s = writeClusterFile(runDir, file); !s.isOk()) return fail(s);
+  }
+
+  Launch launch(f.block);
+  NodeId nodeId = NodeId::generate();
+  std::string nodeLog = fmt::format("{}/logs/node-{}.log", runDir, nodeId.hex());
+  // The token travels in the environment, not argv, so `ps` does not show it.
+  auto node = launch.spawn(nodeArgs(f, runDir, target->controller.toString(), nodeId), nodeLog,
+                           {"TROUPE_TOKEN=" + target->token});
+  if (!node.isOk()) return fail(node.status());
+  auto ready = waitReady("troupe-node", *node, nodeLog, kStartLimit, [&]() { return nodeAlive(io, *target, nodeId); });
+  if (!ready.isOk()) return fail(ready);
+  std::cout << "Node " << nodeId.hex() << " joined the cluster at " << target->controller.toString() << " (log: "
+            << nodeLog << ")" << std::endl;
+  if (f.block) return blockUntilStopped(launch, runDir);
+  launch.commit();
+  return 0;
+}
+
+}  // namespace
+
+int startCommand(const StartFlags& flags) {
+  if (flags.head == !flags.address.empty()) {
+    return fail(Status(StatusCode::kInvalidArgument,
+                       "pass --head to start a new cluster or --address HOST:PORT to join one (exactly one)"));
+  }
+  if (auto r = parseResources(flags.resources); !r.isOk()) return fail(r.status());
+  return flags.head ? startHead(flags) : joinCluster(flags);
+}
+
+int restartControllerCommand() {
+  auto runDir = latestRunDir();
+  if (!runDir.isOk()) return fail(runDir.status());
+  auto file = readClusterFile(*runDir);
+  if (!file.isOk()) return fail(file.status());
+  auto hp = parseHostPort(file->controllerAddress);
+  if (!hp.isOk()) return fail(hp.status());
+  std::ifstream pidFile(*runDir + "/pids/controller.pid");
+  pid_t old = 0;
+  if (pidFile >> old && processAlive(old) && processCommandLine(old).find(*runDir) != std::string::npos) {
+    ::kill(old, SIGTERM);
+    auto gone = waitReady("the old controller", 0, "", std::chrono::seconds(5), [&]() { return !processAlive(old); });
+    if (!gone.isOk()) ::kill(old, SIGKILL);
+  }
+  Launch launch(false);
+  std::string log = *runDir + "/logs/controller.log";
+  auto pid = launch.spawn({siblingExecutable("troupe-controller"), "--run-dir", *runDir, "--host", hp->host, "--port",
+                           std::to_string(hp->port), "--heartbeat-ttl-ms", std::to_string(file->heartbeatTtlMs)},
+                          log);
+  if (!pid.isOk()) return fail(pid.status());
+  auto io = kj::setupAsyncIo();
+  ClusterTarget target{*hp, file->token, *runDir};
+  size_t nodes = 0;
+  auto ready = waitReady("troupe-controller", *pid, log, kStartLimit, [&]() {
+    auto n = fetchNodes(io, target, 1 * kj::SECONDS);
+    if (n.isOk()) nodes = n->size();
+    return n.isOk();
+  });
+  if (!ready.isOk()) return fail(ready);
+  launch.commit();
+  std::cout << "Controller restarted (pid " << *pid << ") on " << hp->toString() << "; " << nodes
+            << " node(s) recovered from Redis." << std::endl;
+  return 0;
+}
+
+}  // namespace troupe::cli

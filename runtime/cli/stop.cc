@@ -1,0 +1,79 @@
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "cli.h"
+
+namespace troupe::cli {
+
+namespace fs = std::filesystem;
+
+std::string siblingExecutable(const std::string& name) {
+  const char* dir = std::getenv("TROUPE_BIN_DIR");
+  return fmt::format("{}/{}", dir && *dir ? dir : executableDir().c_str(), name);
+}
+
+int stopRunDir(const std::string& runDir, bool verbose) {
+  struct Daemon {
+    std::string name;
+    fs::path pidFile;
+    pid_t pid;
+  };
+  // Node agents first (they record a clean stop in Redis), then the controller, then Redis.
+  std::vector<Daemon> waves[3];
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(runDir) / "pids", ec)) {
+    std::string name = entry.path().stem().string();
+    pid_t pid = 0;
+    std::ifstream(entry.path()) >> pid;
+    // Daemons name the run directory in argv; redis-server rewrites its title but runs in it.
+    fs::path cwd = fs::read_symlink(fmt::format("/proc/{}/cwd", pid), ec);
+    bool ours = processAlive(pid) && (processCommandLine(pid).find(runDir) != std::string::npos ||
+                                      cwd.string().rfind(runDir, 0) == 0);
+    if (!ours) {
+      fs::remove(entry.path(), ec);  // stale: the process is gone or the pid was reused
+      continue;
+    }
+    int wave = name.rfind("node-", 0) == 0 ? 0 : name == "controller" ? 1 : 2;
+    waves[wave].push_back({name, entry.path(), pid});
+  }
+  int stopped = 0;
+  for (auto& wave : waves) {
+    for (auto& d : wave) ::kill(d.pid, SIGTERM);
+    for (auto& d : wave) {
+      auto gone = waitReady(d.name, 0, "", std::chrono::seconds(5), [&]() { return !processAlive(d.pid); });
+      if (!gone.isOk()) {
+        ::kill(d.pid, SIGKILL);
+        (void)waitReady(d.name, 0, "", std::chrono::seconds(5), [&]() { return !processAlive(d.pid); });
+      }
+      fs::remove(d.pidFile, ec);
+      if (verbose) std::cout << "Stopped " << d.name << " (pid " << d.pid << ")" << std::endl;
+      ++stopped;
+    }
+  }
+  // The token dies with the cluster; logs stay for post-mortems.
+  if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);
+  return stopped;
+}
+
+int stopCommand() {
+  std::error_code ec;
+  int stopped = 0;
+  for (const auto& entry : fs::directory_iterator(runRoot(), ec)) {
+    if (entry.is_directory() && entry.path().filename().string().rfind("run_", 0) == 0 && !entry.is_symlink()) {
+      stopped += stopRunDir(entry.path().string(), true);
+    }
+  }
+  // Shared-memory segments of this machine's checkpoints are named troupe_*; none may outlive stop.
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
+    if (entry.path().filename().string().rfind("troupe_", 0) == 0) fs::remove(entry.path(), ec);
+  }
+  std::cout << (stopped ? fmt::format("Stopped {} Troupe process(es).", stopped)
+                        : std::string("No Troupe processes were running."))
+            << std::endl;
+  return 0;
+}
+
+}  // namespace troupe::cli

@@ -1,0 +1,59 @@
+// troupe: start, join, inspect and stop a Troupe cluster.
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "cli.h"
+#include "troupe/runtime/logging.h"
+
+int main(int argc, char** argv) {
+  using namespace troupe::cli;
+  CLI::App app{"Troupe: an actor runtime for elastic distributed training"};
+  app.require_subcommand(1);
+
+  StartFlags start;
+  auto* startCmd = app.add_subcommand("start", "Start a head node (--head) or join a cluster (--address)");
+  startCmd->add_flag("--head", start.head, "Start a new cluster with this machine as its head");
+  startCmd->add_option("--address", start.address, "Join the cluster whose controller is at HOST:PORT");
+  startCmd->add_option("--token", start.token, "Cluster token (printed by start --head)")->envname("TROUPE_TOKEN");
+  startCmd->add_option("--port", start.port, "Controller RPC port (head)")->check(CLI::Range(1, 65535));
+  startCmd->add_option("--redis-address", start.redisAddress, "Use this Redis (HOST:PORT) instead of an embedded one");
+  startCmd->add_option("--redis-password", start.redisPassword, "Password of --redis-address")
+      ->envname("TROUPE_REDIS_PASSWORD");
+  startCmd->add_option("--cluster-name", start.clusterName, "Key prefix of this cluster in Redis");
+  startCmd->add_option("--num-cpus", start.numCpus, "CPUs this node offers (default: detected)")
+      ->check(CLI::NonNegativeNumber);
+  startCmd->add_option("--resources", start.resources, "Custom resources NAME=QTY,...");
+  startCmd->add_option("--node-ip-address", start.nodeIp, "Address this machine's servers bind (default 127.0.0.1)");
+  startCmd->add_option("--heartbeat-ttl-ms", start.heartbeatTtlMs, "A node silent this long is dead (head)")
+      ->check(CLI::Range(300, 600000));
+  startCmd->add_flag("--block", start.block, "Stay in the foreground; Ctrl-C stops what was started");
+
+  StatusFlags status;
+  auto* statusCmd = app.add_subcommand("status", "Show nodes, actors and groups");
+  statusCmd->add_option("--address", status.address, "Controller HOST:PORT (default: this machine's cluster)");
+  statusCmd->add_option("--token", status.token, "Cluster token")->envname("TROUPE_TOKEN");
+  statusCmd->add_flag("--json", status.json, "Print one JSON object");
+
+  auto* stopCmd = app.add_subcommand("stop", "Stop every Troupe process this machine started");
+  auto* restartCmd = app.add_subcommand("restart-controller",
+                                        "Restart this machine's controller; it recovers the cluster from Redis");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    std::cerr << "troupe: error: " << what << "; run 'troupe --help' for usage" << std::endl;
+    return 2;
+  }
+  troupe::setLogLevel(troupe::LogLevel::kWarning);
+  if (startCmd->parsed()) return startCommand(start);
+  if (statusCmd->parsed()) return statusCommand(status);
+  if (stopCmd->parsed()) return stopCommand();
+  if (restartCmd->parsed()) return restartControllerCommand();
+  return 2;
+}

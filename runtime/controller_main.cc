@@ -1,0 +1,52 @@
+// troupe-controller: the head's controller daemon, started by `troupe start --head`.
+#include <CLI/CLI.hpp>
+
+#include "controller.h"
+#include "daemon.h"
+#include "troupe/runtime/logging.h"
+
+int main(int argc, char** argv) {
+  using namespace troupe;
+  CLI::App app{"Troupe controller (started by `troupe start --head`)"};
+  std::string runDir, host = "127.0.0.1", logLevelName = "info";
+  int port = 6380, ttlMs = 3000;
+  app.add_option("--run-dir", runDir, "Run directory holding cluster.json")->required();
+  app.add_option("--host", host, "Address to bind");
+  app.add_option("--port", port, "RPC port");
+  app.add_option("--heartbeat-ttl-ms", ttlMs, "A node missing heartbeats this long is dead")->check(CLI::Range(300, 600000));
+  app.add_option("--log-level", logLevelName)->envname("TROUPE_LOG_LEVEL");
+  CLI11_PARSE(app, argc, argv);
+  setLogLevel(parseLogLevel(logLevelName));
+
+  DaemonFiles files(runDir, "controller");
+  auto cluster = readClusterFile(runDir);
+  if (!cluster.isOk()) {
+    TROUPE_LOG(kError, "{}", cluster.status().message());
+    return 1;
+  }
+  auto redisAddr = parseHostPort(cluster->redisAddress);
+  if (!redisAddr.isOk()) {
+    TROUPE_LOG(kError, "{}", redisAddr.status().message());
+    return 1;
+  }
+  ControllerOptions options;
+  options.bind = HostPort{host, port};
+  options.redis.host = redisAddr->host;
+  options.redis.port = redisAddr->port;
+  options.redis.password = cluster->redisPassword;
+  options.redis.cluster = cluster->cluster;
+  options.token = cluster->token;
+  options.heartbeatTtl = std::chrono::milliseconds(ttlMs);
+
+  captureStopSignals();
+  auto io = kj::setupAsyncIo();
+  IoThread ioThread;
+  auto controller = Controller::start(io, ioThread, options);
+  if (!controller.isOk()) {
+    TROUPE_LOG(kError, "{}", controller.status().message());
+    return 1;
+  }
+  std::string why = onStopSignal(io).wait(io.waitScope);
+  TROUPE_LOG(kInfo, "stopping on {}", why);
+  return 0;
+}

@@ -1,0 +1,39 @@
+#include "daemon.h"
+
+#include <kj/async-unix.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "troupe/runtime/logging.h"
+
+namespace troupe {
+
+void captureStopSignals() {
+  kj::UnixEventPort::captureSignal(SIGTERM);
+  kj::UnixEventPort::captureSignal(SIGINT);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+kj::Promise<std::string> onStopSignal(kj::AsyncIoContext& io) {
+  auto term = io.unixEventPort.onSignal(SIGTERM).then([](siginfo_t) { return std::string("SIGTERM"); });
+  auto intr = io.unixEventPort.onSignal(SIGINT).then([](siginfo_t) { return std::string("SIGINT"); });
+  return term.exclusiveJoin(kj::mv(intr));
+}
+
+DaemonFiles::DaemonFiles(const std::string& runDir, const std::string& name)
+    : pidPath_(fmt::format("{}/pids/{}.pid", runDir, name)) {
+  setLogProcessName(name);
+  std::string logPath = fmt::format("{}/logs/{}.log", runDir, name);
+  if (!openLogFile(logPath, false)) TROUPE_LOG(kWarning, "cannot open log file {}", logPath);
+  std::ofstream(pidPath_) << getpid() << "\n";
+}
+
+DaemonFiles::~DaemonFiles() { std::remove(pidPath_.c_str()); }
+
+}  // namespace troupe

@@ -1,0 +1,29 @@
+// What troupe-controller and troupe-node share: logging into the run directory, a pid file
+// that `troupe stop` finds, and a promise for SIGTERM/SIGINT. Internal to runtime/.
+#pragma once
+
+#include <string>
+
+#include <kj/async-io.h>
+
+namespace troupe {
+
+// Call before kj::setupAsyncIo(): routes SIGTERM and SIGINT to the KJ event port.
+void captureStopSignals();
+// Resolves with the signal's name when SIGTERM or SIGINT arrives.
+kj::Promise<std::string> onStopSignal(kj::AsyncIoContext& io);
+
+// Opens <runDir>/logs/<name>.log and writes <runDir>/pids/<name>.pid. The pid file is removed
+// by the returned object's destructor (a clean exit); `troupe stop` removes stale ones.
+class DaemonFiles {
+ public:
+  DaemonFiles(const std::string& runDir, const std::string& name);
+  ~DaemonFiles();
+  DaemonFiles(const DaemonFiles&) = delete;
+  DaemonFiles& operator=(const DaemonFiles&) = delete;
+
+ private:
+  std::string pidPath_;
+};
+
+}  // namespace troupe

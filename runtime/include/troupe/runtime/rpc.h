@@ -1,0 +1,61 @@
+// Authenticated Cap'n Proto RPC over TCP. Before any Cap'n Proto message, the client sends
+// "TRPE", a version byte, a length byte and the cluster token; the server answers 'Y' and
+// starts RPC, or answers 'N' and closes: a connection without the token never gets a
+// capability. Handshakes that do not finish within 5 s are closed too.
+// Thread-safety: every object here belongs to the KJ event-loop thread that created it.
+#pragma once
+
+#include <capnp/capability.h>
+#include <capnp/rpc-twoparty.h>
+#include <kj/async-io.h>
+
+#include <string>
+
+#include "troupe/runtime/config.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe {
+
+// Serves `bootstrap` to every connection on `bind` that presents `token`.
+class RpcServer {
+ public:
+  // Binds host:port (port 0: any free port). kAlreadyExists when the port is taken,
+  // kInvalidArgument for an address that cannot be bound.
+  static Result<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const HostPort& bind,
+                                           std::string token, capnp::Capability::Client bootstrap);
+  virtual ~RpcServer() noexcept(false) = default;
+  virtual int port() const = 0;
+  // Connections closed for a wrong or missing token (shown in logs and checked by tests).
+  virtual uint64_t refusedConnections() const = 0;
+};
+
+// One authenticated connection to a server.
+class RpcClient {
+ public:
+  // Connects and presents `token`. Rejects with a KJ exception naming the address: refused,
+  // token rejected, or no answer within `timeout`.
+  static kj::Promise<kj::Own<RpcClient>> connect(kj::AsyncIoContext& io, const HostPort& address,
+                                                 std::string token, kj::Duration timeout);
+  RpcClient(kj::Own<kj::AsyncIoStream> stream);
+
+  template <typename T>
+  typename T::Client bootstrap() {
+    return client_.bootstrap().castAs<T>();
+  }
+  // Resolves when the server closes the connection.
+  kj::Promise<void> onDisconnect() { return client_.onDisconnect(); }
+
+ private:
+  kj::Own<kj::AsyncIoStream> stream_;
+  capnp::TwoPartyClient client_;
+};
+
+// Turns a KJ exception from an RPC into a Status with a readable message.
+Status statusFromException(const kj::Exception& e, const std::string& what);
+
+}  // namespace troupe
+
+namespace troupe {
+// Throws `status` as a KJ exception at an RPC edge (kUnavailable becomes DISCONNECTED).
+[[noreturn]] void throwStatus(const Status& status);
+}  // namespace troupe

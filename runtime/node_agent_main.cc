@@ -1,0 +1,76 @@
+// troupe-node: a machine's node agent, started by `troupe start`.
+#include <CLI/CLI.hpp>
+
+#include "daemon.h"
+#include "node_agent.h"
+#include "troupe/runtime/logging.h"
+#include "troupe/runtime/resources.h"
+#include "troupe/runtime/rpc.h"
+
+int main(int argc, char** argv) {
+  using namespace troupe;
+  CLI::App app{"Troupe node agent (started by `troupe start`)"};
+  std::string runDir, address, nodeId, token, ip = "127.0.0.1", resourcesText, logLevelName = "info";
+  double numCpus = -1;
+  bool head = false;
+  app.add_option("--run-dir", runDir, "Run directory for logs and the pid file")->required();
+  app.add_option("--address", address, "Controller HOST:PORT")->required();
+  app.add_option("--node-id", nodeId, "This node's id (generated when absent)");
+  app.add_option("--token", token, "Cluster token (else TROUPE_TOKEN, else the run dir's cluster.json)")
+      ->envname("TROUPE_TOKEN");
+  app.add_option("--node-ip-address", ip, "Address this node's RPC server binds");
+  app.add_option("--num-cpus", numCpus, "CPUs to offer (default: detected)");
+  app.add_option("--resources", resourcesText, "Custom resources NAME=QTY,...");
+  app.add_flag("--head", head, "This is the head node");
+  app.add_option("--log-level", logLevelName)->envname("TROUPE_LOG_LEVEL");
+  CLI11_PARSE(app, argc, argv);
+  setLogLevel(parseLogLevel(logLevelName));
+
+  NodeAgentOptions options;
+  options.id = nodeId.empty() ? NodeId::generate() : NodeId(nodeId);
+  DaemonFiles files(runDir, "node-" + options.id.hex());
+  auto controller = parseHostPort(address);
+  auto custom = parseResources(resourcesText);
+  for (const Status& s : {controller.status(), custom.status()}) {
+    if (!s.isOk()) {
+      TROUPE_LOG(kError, "{}", s.message());
+      return 2;
+    }
+  }
+  if (token.empty()) {
+    auto cluster = readClusterFile(runDir);
+    if (cluster.isOk()) token = cluster->token;
+  }
+  if (token.empty()) {
+    TROUPE_LOG(kError, "no cluster token: pass --token or set TROUPE_TOKEN");
+    return 2;
+  }
+  options.controller = *controller;
+  options.token = token;
+  options.ip = ip;
+  options.isHead = head;
+  options.resources = detectLocalResources();
+  if (numCpus >= 0) options.resources["CPU"] = numCpus;
+  for (const auto& [name, qty] : *custom) options.resources[name] = qty;
+
+  captureStopSignals();
+  auto io = kj::setupAsyncIo();
+  IoThread ioThread;
+  kj::Own<NodeAgent> agent;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    agent = NodeAgent::start(io, ioThread, options).wait(io.waitScope);
+  })) {
+    TROUPE_LOG(kError, "cannot join the cluster: {}", statusFromException(*e, "").message());
+    return 1;
+  }
+  auto stop = onStopSignal(io).then([](std::string why) { return std::make_pair(why, true); });
+  auto fatal = agent->onFatal().then([](std::string why) { return std::make_pair(why, false); });
+  auto [why, clean] = stop.exclusiveJoin(kj::mv(fatal)).wait(io.waitScope);
+  if (!clean) {
+    TROUPE_LOG(kError, "{}", why);
+    return 3;
+  }
+  TROUPE_LOG(kInfo, "stopping on {}", why);
+  agent->shutdown("stopped by " + why).wait(io.waitScope);
+  return 0;
+}

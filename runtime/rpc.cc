@@ -1,0 +1,200 @@
+#include "troupe/runtime/rpc.h"
+
+#include <capnp/rpc.h>
+#include <kj/debug.h>
+
+#include <fmt/format.h>
+
+#include "troupe/runtime/logging.h"
+
+namespace troupe {
+namespace {
+
+constexpr kj::byte kMagic[4] = {'T', 'R', 'P', 'E'};
+constexpr kj::byte kVersion = 1;
+constexpr kj::byte kAccepted = 'Y';
+constexpr kj::byte kRejected = 'N';
+constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
+
+// Compares without an early exit so timing does not reveal a token prefix.
+bool tokensEqual(kj::ArrayPtr<const kj::byte> a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  kj::byte diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ static_cast<kj::byte>(b[i]);
+  return diff == 0;
+}
+
+class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
+ public:
+  RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
+                capnp::Capability::Client bootstrap)
+      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)), bootstrap_(kj::mv(bootstrap)),
+        tasks_(*this) {
+    tasks_.add(acceptLoop());
+  }
+
+  int port() const override { return port_; }
+  uint64_t refusedConnections() const override { return refused_; }
+
+ private:
+  kj::Promise<void> acceptLoop() {
+    return listener_->accept().then([this](kj::Own<kj::AsyncIoStream> stream) {
+      tasks_.add(serve(kj::mv(stream)));
+      return acceptLoop();
+    });
+  }
+
+  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) {
+    auto header = kj::heapArray<kj::byte>(6);
+    auto& s = *stream;
+    auto handshake =
+        s.read(header.begin(), header.size())
+            .then([this, &s, header = kj::mv(header)]() mutable -> kj::Promise<kj::Maybe<bool>> {
+              if (memcmp(header.begin(), kMagic, 4) != 0 || header[4] != kVersion) {
+                return kj::Maybe<bool>(false);
+              }
+              auto token = kj::heapArray<kj::byte>(header[5]);
+              auto ptr = token.begin();
+              auto size = token.size();
+              return s.read(ptr, size).then([this, token = kj::mv(token)]() -> kj::Maybe<bool> {
+                return tokensEqual(token, token_);
+              });
+            });
+    return io_.provider->getTimer()
+        .timeoutAfter(kHandshakeTimeout, kj::mv(handshake))
+        .then(
+            [this, stream = kj::mv(stream)](kj::Maybe<bool> ok) mutable -> kj::Promise<void> {
+              bool accepted = false;
+              KJ_IF_MAYBE(v, ok) { accepted = *v; }
+              if (!accepted) return refuse(kj::mv(stream));
+              auto& s = *stream;
+              return s.write(&kAccepted, 1).then([this, stream = kj::mv(stream)]() mutable {
+                auto network = kj::heap<capnp::TwoPartyVatNetwork>(*stream, capnp::rpc::twoparty::Side::SERVER);
+                auto rpc = kj::heap(capnp::makeRpcServer(*network, bootstrap_));
+                return network->onDisconnect().attach(kj::mv(rpc), kj::mv(network), kj::mv(stream));
+              });
+            },
+            [this](kj::Exception&& e) -> kj::Promise<void> {
+              // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
+              ++refused_;
+              TROUPE_LOG(kWarning, "closed an RPC connection that did not complete the token handshake: {}",
+                         e.getDescription().cStr());
+              return kj::READY_NOW;
+            });
+  }
+
+  kj::Promise<void> refuse(kj::Own<kj::AsyncIoStream> stream) {
+    ++refused_;
+    TROUPE_LOG(kWarning, "refused an RPC connection that presented a wrong cluster token");
+    auto& s = *stream;
+    return s.write(&kRejected, 1).attach(kj::mv(stream)).catch_([](kj::Exception&&) {});
+  }
+
+  void taskFailed(kj::Exception&& e) override {
+    if (e.getType() != kj::Exception::Type::DISCONNECTED) {
+      TROUPE_LOG(kWarning, "RPC connection ended with an error: {}", e.getDescription().cStr());
+    }
+  }
+
+  kj::AsyncIoContext& io_;
+  kj::Own<kj::ConnectionReceiver> listener_;
+  int port_;
+  std::string token_;
+  capnp::Capability::Client bootstrap_;
+  uint64_t refused_ = 0;
+  kj::TaskSet tasks_;
+};
+
+}  // namespace
+
+Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
+                                             std::string token, capnp::Capability::Client bootstrap) {
+  kj::Own<kj::ConnectionReceiver> listener;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
+    listener = addr->listen();
+  })) {
+    std::string desc = e->getDescription().cStr();
+    if (desc.find("in use") != std::string::npos || desc.find("EADDRINUSE") != std::string::npos) {
+      return Status(StatusCode::kAlreadyExists,
+                    fmt::format("port {} on {} is already in use; pass another --port or stop the "
+                                "process using it",
+                                bind.port, bind.host));
+    }
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("cannot listen on {}: {}", bind.toString(), desc));
+  }
+  kj::Own<RpcServer> server =
+      kj::heap<RpcServerImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(bootstrap));
+  return server;
+}
+
+RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream) : stream_(kj::mv(stream)), client_(*stream_) {}
+
+kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
+                                                  std::string token, kj::Duration timeout) {
+  KJ_REQUIRE(token.size() <= 255, "cluster token too long");
+  std::string where = address.toString();
+  auto hello = kj::heapArray<kj::byte>(6 + token.size());
+  memcpy(hello.begin(), kMagic, 4);
+  hello[4] = kVersion;
+  hello[5] = static_cast<kj::byte>(token.size());
+  memcpy(hello.begin() + 6, token.data(), token.size());
+  auto connected =
+      io.provider->getNetwork()
+          .parseAddress(address.host, address.port)
+          .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
+          .then([hello = kj::mv(hello)](kj::Own<kj::AsyncIoStream> stream) mutable {
+            auto& s = *stream;
+            auto ptr = hello.begin();
+            auto size = hello.size();
+            return s.write(ptr, size).attach(kj::mv(hello)).then([stream = kj::mv(stream)]() mutable {
+              auto reply = kj::heapArray<kj::byte>(1);
+              auto& s = *stream;
+              auto ptr = reply.begin();
+              return s.tryRead(ptr, 1, 1).then(
+                  [stream = kj::mv(stream), reply = kj::mv(reply)](size_t n) mutable {
+                    if (n != 1 || reply[0] != kAccepted) {
+                      kj::throwFatalException(KJ_EXCEPTION(DISCONNECTED, "the cluster token was rejected"));
+                    }
+                    return kj::heap<RpcClient>(kj::mv(stream));
+                  });
+            });
+          });
+  return io.provider->getTimer()
+      .timeoutAfter(timeout, kj::mv(connected))
+      .catch_([where](kj::Exception&& e) -> kj::Own<RpcClient> {
+        std::string desc = e.getDescription().cStr();
+        std::string reason = desc;
+        if (desc.find("timed out") != std::string::npos) reason = "no answer in time";
+        else if (desc.find("ECONNREFUSED") != std::string::npos || desc.find("refused") != std::string::npos)
+          reason = "connection refused";
+        else if (desc.find("token was rejected") != std::string::npos)
+          reason = "the cluster token was rejected";
+        kj::throwFatalException(kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
+                                              kj::str("cannot connect to ", where.c_str(), ": ", reason.c_str())));
+      });
+}
+
+Status statusFromException(const kj::Exception& e, const std::string& what) {
+  std::string desc = e.getDescription().cStr();
+  // KJ prefixes remote errors with "remote exception: "; keep only the message.
+  for (const char* prefix : {"remote exception: ", "expected "}) {
+    auto at = desc.find(prefix);
+    if (at == 0) desc = desc.substr(strlen(prefix));
+  }
+  StatusCode code = e.getType() == kj::Exception::Type::DISCONNECTED ? StatusCode::kUnavailable
+                    : e.getType() == kj::Exception::Type::OVERLOADED  ? StatusCode::kResourceExhausted
+                                                                      : StatusCode::kInternal;
+  return Status(code, what.empty() ? desc : fmt::format("{}: {}", what, desc));
+}
+
+}  // namespace troupe
+
+namespace troupe {
+void throwStatus(const Status& status) {
+  auto type = status.code() == StatusCode::kUnavailable ? kj::Exception::Type::DISCONNECTED
+                                                          : kj::Exception::Type::FAILED;
+  kj::throwFatalException(kj::Exception(type, __FILE__, __LINE__, kj::str(status.message().c_str())));
+}
+}  // namespace troupe
