@@ -118,6 +118,9 @@ TEST_CASE_TEMPLATE("register, get and list nodes keep every field", Backend,
   worker.registeredMs = 2000;
   worker.labels.clear();
   worker.used.clear();
+  // Ids in the opposite order to registration times, so sorting by id would be caught.
+  head.id = NodeId("ffffffff" + randomHex(4));
+  worker.id = NodeId("00000000" + randomHex(4));
 
   const int64_t before = wallClockMs();
   // Registered out of order: the listing follows registration time, not call order.

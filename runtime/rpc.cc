@@ -28,8 +28,8 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                 capnp::Capability::Client bootstrap)
-      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)), bootstrap_(kj::mv(bootstrap)),
-        tasks_(*this) {
+      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
+        twoParty_(kj::mv(bootstrap)), tasks_(*this) {
     tasks_.add(acceptLoop());
   }
 
@@ -69,9 +69,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
               if (!accepted) return refuse(kj::mv(stream));
               auto& s = *stream;
               return s.write(&kAccepted, 1).then([this, stream = kj::mv(stream)]() mutable {
-                auto network = kj::heap<capnp::TwoPartyVatNetwork>(*stream, capnp::rpc::twoparty::Side::SERVER);
-                auto rpc = kj::heap(capnp::makeRpcServer(*network, bootstrap_));
-                return network->onDisconnect().attach(kj::mv(rpc), kj::mv(network), kj::mv(stream));
+                twoParty_.accept(kj::mv(stream));
               });
             },
             [this](kj::Exception&& e) -> kj::Promise<void> {
@@ -100,7 +98,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
   kj::Own<kj::ConnectionReceiver> listener_;
   int port_;
   std::string token_;
-  capnp::Capability::Client bootstrap_;
+  capnp::TwoPartyServer twoParty_;  // owns the authenticated connections
   uint64_t refused_ = 0;
   kj::TaskSet tasks_;
 };

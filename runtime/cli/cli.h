@@ -68,8 +68,8 @@ namespace troupe::cli {
 // directory are signalled, so a recycled pid is never hit. Returns how many were stopped.
 int stopRunDir(const std::string& runDir, bool verbose);
 
-// Polls `ready` until it returns true; fails early with the log's last lines if process `pid`
-// exits, and with kDeadlineExceeded after `limit`.
+// Polls `ready` until it returns true. Fails early with kAborted on a pending SIGINT/SIGTERM,
+// with the log's last lines if process `pid` exits, and with kDeadlineExceeded after `limit`.
 template <typename Ready>
 Status waitReady(const std::string& what, pid_t pid, const std::string& logPath,
                  std::chrono::milliseconds limit, Ready ready);
@@ -79,6 +79,8 @@ Status waitReady(const std::string& what, pid_t pid, const std::string& logPath,
 std::string siblingExecutable(const std::string& name);
 
 }  // namespace troupe::cli
+
+#include <signal.h>
 
 #include <thread>
 
@@ -93,6 +95,11 @@ troupe::Status troupe::cli::waitReady(const std::string& what, pid_t pid, const 
   auto pause = std::chrono::milliseconds(10);
   for (;;) {
     if (ready()) return Status::ok();
+    sigset_t pending;
+    sigpending(&pending);
+    if (sigismember(&pending, SIGINT) || sigismember(&pending, SIGTERM)) {
+      return Status(StatusCode::kAborted, fmt::format("interrupted while waiting for {}", what));
+    }
     if (pid > 0 && !processAlive(pid)) {
       return Status(StatusCode::kUnavailable,
                     fmt::format("{} exited during start-up: {} (log: {})", what, logTail(logPath, 3), logPath));

@@ -96,7 +96,6 @@ int blockUntilStopped(Launch& launch, const std::string& runDir) {
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  sigprocmask(SIG_BLOCK, &set, nullptr);
   std::cout << "Running in the foreground (--block); Ctrl-C stops the cluster." << std::endl;
   int rc = 0;
   for (;;) {
@@ -250,6 +249,13 @@ int startCommand(const StartFlags& flags) {
                        "pass --head to start a new cluster or --address HOST:PORT to join one (exactly one)"));
   }
   if (auto r = parseResources(flags.resources); !r.isOk()) return fail(r.status());
+  // Ctrl-C or SIGTERM during start-up must still run the clean-up that kills half-started
+  // daemons, so those signals are held pending and checked while waiting (children unblock them).
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, nullptr);
   return flags.head ? startHead(flags) : joinCluster(flags);
 }
 

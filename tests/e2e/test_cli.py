@@ -1,0 +1,165 @@
+"""The foundation end to end: start --head, join, status, node death, stop, restart, bad input."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import BUILD, eventually, free_port, processes_under, start_redis
+
+
+def node_states(t):
+    return {n["id"]: n for n in t.status()["nodes"]}
+
+
+def test_head_join_status_death_and_stop(troupe):
+    port = free_port()
+    out = troupe.run("start", "--head", "--port", str(port), "--num-cpus", "2", "--resources", "ssd=1").stdout
+    assert f"127.0.0.1:{port}" in out and "--token" in out
+    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+
+    status = troupe.status()
+    assert set(status) >= {"nodes", "actors", "groups"}
+    nodes = status["nodes"]
+    assert len(nodes) == 2
+    assert all(n["state"] == "ALIVE" for n in nodes)
+    head = next(n for n in nodes if n["is_head"])
+    worker = next(n for n in nodes if not n["is_head"])
+    assert head["resources"]["CPU"] == 2 and head["resources"]["ssd"] == 1
+    assert worker["resources"]["CPU"] == 1 and worker["resources"]["memory"] > 0
+    for n in nodes:
+        assert set(n) >= {"id", "address", "state", "pid", "resources", "used"}
+        assert n["address"].startswith("127.0.0.1:")
+
+    killed_at = time.monotonic()
+    os.kill(worker["pid"], signal.SIGKILL)
+    dead = eventually(lambda: node_states(troupe)[worker["id"]]["state"] == "DEAD" and node_states(troupe),
+                      5, "the killed node to be shown DEAD")
+    assert time.monotonic() - killed_at <= 5
+    assert "heartbeat" in dead[worker["id"]]["death_reason"]
+    assert dead[head["id"]]["state"] == "ALIVE"
+
+    stopped = troupe.run("stop").stdout
+    assert "Stopped" in stopped
+    assert processes_under(troupe.root) == []
+    # The cluster is gone: status says so in one line, quickly.
+    p = troupe.run("status", check=False)
+    assert p.returncode != 0 and "no running Troupe cluster" in p.stderr and p.seconds < 5
+
+
+def test_controller_kill9_and_restart_keeps_the_nodes(troupe):
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port))
+    troupe.run("start", "--address", f"127.0.0.1:{port}")
+    before = node_states(troupe)
+    os.kill(troupe.pid_of("controller"), signal.SIGKILL)
+    p = troupe.run("status", check=False)
+    assert p.returncode != 0 and "cannot connect" in p.stderr
+    out = troupe.run("restart-controller").stdout
+    assert "2 node(s) recovered" in out
+    after = node_states(troupe)
+    assert after.keys() == before.keys()
+    for node_id, n in after.items():
+        assert n["state"] == "ALIVE"
+        assert n["registered_ms"] == before[node_id]["registered_ms"], "a node registered again"
+
+
+def test_unauthenticated_rpc_and_redis_are_refused(troupe):
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port))
+    # A raw connection without the token: answered 'N' and closed, nothing else.
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"\x00\x00\x00\x00\x02\x00\x00\x00" + b"\x00" * 16)
+        data = b""
+        try:
+            while chunk := s.recv(64):
+                data += chunk
+        except ConnectionResetError:
+            pass  # closed with our unread bytes still queued: a reset is a close too
+        assert data in (b"", b"N"), data
+    p = troupe.run("status", "--address", f"127.0.0.1:{port}", "--token", "0" * 32, check=False)
+    assert p.returncode != 0 and "token was rejected" in p.stderr
+    # The embedded Redis refuses a client that has no password.
+    redis = json.loads((troupe.run_dir() / "cluster.json").read_text())["redis_address"]
+    host, rport = redis.split(":")
+    with socket.create_connection((host, int(rport)), timeout=5) as s:
+        s.sendall(b"PING\r\n")
+        assert s.recv(128).startswith(b"-NOAUTH")
+    assert oct((troupe.run_dir() / "cluster.json").stat().st_mode & 0o777) == "0o600"
+
+
+def one_line_error(p):
+    assert p.returncode != 0
+    assert p.seconds < 5
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("troupe: error:"), p.stderr
+    return lines[0]
+
+
+def test_bad_input_gets_one_clear_line(troupe, tmp_path):
+    assert "not expected" in one_line_error(troupe.run("start", "--head", "--bogus", check=False))
+    assert "exactly one" in one_line_error(troupe.run("start", check=False))
+    assert "NAME=QUANTITY" in one_line_error(troupe.run("start", "--head", "--resources", "gpu", check=False))
+    assert "no running Troupe cluster" in one_line_error(troupe.run("status", check=False))
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "already in use" in one_line_error(troupe.run("start", "--head", "--port", str(port), check=False))
+
+    closed = free_port()
+    err = one_line_error(troupe.run("start", "--head", "--port", str(free_port()), "--redis-address",
+                                    f"127.0.0.1:{closed}", "--redis-password", "x", check=False))
+    assert "cannot reach Redis" in err
+
+    # A Redis without a password is refused.
+    redis, rport = start_redis(tmp_path)
+    try:
+        err = one_line_error(troupe.run("start", "--head", "--port", str(free_port()), "--redis-address",
+                                        f"127.0.0.1:{rport}", check=False))
+        assert "without a password" in err
+    finally:
+        redis.kill()
+        redis.wait()
+    assert processes_under(troupe.root) == [], "a failed start left processes behind"
+
+
+def test_block_runs_in_the_foreground_until_interrupted(troupe):
+    port = free_port()
+    p = subprocess.Popen([str(BUILD / "troupe"), "start", "--head", "--block", "--port", str(port)],
+                         env=troupe.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        eventually(lambda: troupe.run("status", check=False).returncode == 0, 15, "the blocking head to serve")
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert processes_under(troupe.root) == []
+
+
+def test_external_redis_cluster_survives_a_new_head(troupe, tmp_path):
+    """A head started with --redis-address continues the cluster already in that Redis."""
+    password = "s3cret-pass"
+    redis, rport = start_redis(tmp_path, password)
+    try:
+        port = free_port()
+        args = ["start", "--head", "--port", str(port), "--redis-address", f"127.0.0.1:{rport}",
+                "--redis-password", password]
+        troupe.run(*args)
+        first = node_states(troupe)
+        troupe.run("stop")
+        troupe.run(*args)
+        second = node_states(troupe)
+        assert set(first) < set(second)  # the old head node is still on record, now dead
+        assert all(second[i]["state"] == "DEAD" for i in first)
+        assert "SIGTERM" in second[next(iter(first))]["death_reason"]
+    finally:
+        troupe.run("stop", check=False)
+        redis.kill()
+        redis.wait()
