@@ -128,11 +128,11 @@ TEST_CASE("controller: nodes register with their resources and heartbeat") {
   CHECK(n.total.at("ssd") == 1);
   CHECK(n.total.at("memory") > 0);
   CHECK(n.pid == c.nodeProcesses().front().pid());
-  // Heartbeats keep it alive past several TTLs.
-  int64_t first = n.lastHeartbeatMs;
-  CHECK(eventually(std::chrono::milliseconds(3 * c.ttlMs()), [&]() {
+  // Heartbeats keep it alive well past its TTL: wait until it has beaten for two TTLs.
+  int64_t registered = n.registeredMs;
+  CHECK(eventually(std::chrono::milliseconds(4 * c.ttlMs()), [&]() {
     auto again = c.nodes();
-    return again.isOk() && again->front().lastHeartbeatMs > first;
+    return again.isOk() && again->front().lastHeartbeatMs > registered + 2 * c.ttlMs();
   }));
   CHECK(c.state(a) == "ALIVE");
 }

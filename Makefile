@@ -1,0 +1,32 @@
+# Troupe: the two commands are `make demo` and `make test`; both install what is missing.
+BUILD ?= build
+PYTHON ?= /usr/bin/python3
+
+.PHONY: all setup build test demo bench install clean
+
+all: build
+
+setup:
+	@scripts/setup
+
+# Configures once (warnings are errors), then builds incrementally.
+build: setup
+	@[ -f $(BUILD)/build.ninja ] || meson setup $(BUILD) -Dwerror=true
+	@ninja -C $(BUILD)
+
+test: build
+	meson test -C $(BUILD) --print-errorlogs
+	$(PYTHON) -m pytest -q tests
+
+demo: build
+	@scripts/demo
+
+bench: build
+	@bench/run all
+
+# Puts `troupe` on PATH (/usr/local/bin) as symlinks into the build directory.
+install: build
+	@scripts/install
+
+clean:
+	rm -rf $(BUILD)
