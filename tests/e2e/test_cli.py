@@ -133,7 +133,13 @@ def test_block_runs_in_the_foreground_until_interrupted(troupe):
     p = subprocess.Popen([str(BUILD / "troupe"), "start", "--head", "--block", "--port", str(port)],
                          env=troupe.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        eventually(lambda: troupe.run("status", check=False).returncode == 0, 15, "the blocking head to serve")
+        # The CLI says when start-up is done (readline returns at each line or at its exit).
+        lines = []
+        while not lines or "Running in the foreground" not in lines[-1]:
+            line = p.stdout.readline()
+            assert line, f"troupe start --block exited early: {''.join(lines)} {p.stderr.read()}"
+            lines.append(line)
+        assert troupe.status()["nodes"][0]["state"] == "ALIVE"
         assert p.poll() is None
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0
