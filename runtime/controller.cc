@@ -2,51 +2,57 @@
 
 #include <unistd.h>
 
-#include <asio/steady_timer.hpp>
+#include <map>
 
+#include "controller_core.h"
 #include "schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
 
-// Everything the I/O thread touches. Pending handlers hold a shared_ptr, so it outlives the
-// Controller until the last handler has run.
+// What the I/O thread owns: the store and the core deciding over it. Shared with pending
+// I/O-thread work so it outlives the Controller until that work has run.
 struct Controller::IoState {
-  IoState(asio::io_context& context, std::unique_ptr<ClusterStore> s) : store(std::move(s)), timer(context) {}
+  explicit IoState(std::unique_ptr<ClusterStore> s) : store(std::move(s)), core(*store) {}
   std::unique_ptr<ClusterStore> store;
-  asio::steady_timer timer;
-  std::chrono::milliseconds reapInterval{250};
-  bool stopping = false;
+  ControllerCore core;
 };
 
 namespace {
 
-void scheduleReap(std::shared_ptr<Controller::IoState> state) {
-  state->timer.expires_after(state->reapInterval);
-  state->timer.async_wait([state](const std::error_code& ec) {
-    if (ec || state->stopping) return;
-    auto dead = state->store->reapExpiredNodes();
-    if (!dead.isOk()) {
-      TROUPE_LOG(kWarning, "failure detector cannot read Redis: {}", dead.status().toString());
-    } else {
-      for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
-    }
-    scheduleReap(state);
-  });
+using Actions = std::vector<WorkerAction>;
+
+template <typename T>
+T valueOrThrow(Result<T> r) {
+  if (!r.isOk()) throwStatus(r.status());
+  return std::move(r).value();
 }
 
-class ControllerService final : public rpc::Controller::Server {
+template <typename R>
+struct ResultValue;
+template <typename T>
+struct ResultValue<Result<T>> {
+  using type = T;
+};
+
+// The RPC face of the controller. Decisions run on the I/O thread (ControllerCore, one call
+// at a time); this class carries out their side effects on node agents and answers waiters.
+// Owned by the KJ thread.
+class ControllerService final : public rpc::Controller::Server, private kj::TaskSet::ErrorHandler {
  public:
-  ControllerService(IoThread& io, std::shared_ptr<Controller::IoState> state, RedisOptions redis,
-                    std::chrono::milliseconds ttl)
-      : io_(io), state_(std::move(state)), redis_(std::move(redis)), ttl_(ttl) {}
+  ControllerService(kj::AsyncIoContext& asyncIo, IoThread& io, std::shared_ptr<Controller::IoState> state,
+                    RedisOptions redis, std::chrono::milliseconds ttl, std::chrono::milliseconds reapInterval,
+                    std::string token)
+      : asyncIo_(asyncIo), io_(io), state_(std::move(state)), redis_(std::move(redis)), ttl_(ttl),
+        reapInterval_(reapInterval), token_(std::move(token)), tasks_(*this) {
+    tasks_.add(reapLoop());
+  }
 
  protected:
   kj::Promise<void> ping(PingContext context) override {
-    auto results = context.getResults();
-    results.setPid(getpid());
-    results.setVersion("0.1.0");
+    context.getResults().setPid(getpid());
+    context.getResults().setVersion("0.1.0");
     return kj::READY_NOW;
   }
 
@@ -58,12 +64,16 @@ class ControllerService final : public rpc::Controller::Server {
     node.state = NodeState::kAlive;
     node.deathReason.clear();
     node.registeredMs = node.lastHeartbeatMs = wallClockMs();
-    auto state = state_;
     auto ttl = ttl_;
-    return io_.call([state, node, ttl]() { return state->store->registerNode(node, ttl); })
-        .then([this, context, node](Status status) mutable {
-          if (!status.isOk()) throwStatus(status);
+    return onIo([node, ttl](Controller::IoState& s) -> Result<Actions> {
+             TROUPE_RETURN_IF_ERROR(s.store->registerNode(node, ttl));
+             Actions actions;
+             TROUPE_RETURN_IF_ERROR(s.core.retryPending(actions));  // a new node may unblock work
+             return actions;
+           })
+        .then([this, context, node](Actions actions) mutable {
           TROUPE_LOG(kInfo, "node {} registered from {} ({})", node.id.hex(), node.address, node.hostname);
+          execute(kj::mv(actions));
           auto redis = context.getResults().initRedis();
           redis.setAddress(HostPort{redis_.host, redis_.port}.toString());
           redis.setPassword(redis_.password);
@@ -73,26 +83,337 @@ class ControllerService final : public rpc::Controller::Server {
   }
 
   kj::Promise<void> status(StatusContext context) override {
-    auto state = state_;
-    return io_.call([state]() { return state->store->listNodes(); })
-        .then([context](Result<std::vector<NodeRecord>> nodes) mutable {
-          if (!nodes.isOk()) throwStatus(nodes.status());
-          auto list = context.getResults().initNodes(static_cast<unsigned>(nodes->size()));
-          for (unsigned i = 0; i < nodes->size(); ++i) toNodeInfo((*nodes)[i], list[i]);
+    struct Snapshot {
+      std::vector<NodeRecord> nodes;
+      std::vector<ActorRecord> actors;
+      std::vector<PlacementGroupRecord> groups;
+    };
+    return onIo([](Controller::IoState& s) -> Result<Snapshot> {
+             auto nodes = s.store->listNodes();
+             if (!nodes.isOk()) return nodes.status();
+             auto actors = s.store->listActors();
+             if (!actors.isOk()) return actors.status();
+             auto groups = s.store->listPlacementGroups();
+             if (!groups.isOk()) return groups.status();
+             return Snapshot{std::move(*nodes), std::move(*actors), std::move(*groups)};
+           })
+        .then([context](Snapshot snap) mutable {
+          auto results = context.getResults();
+          auto nodes = results.initNodes(static_cast<unsigned>(snap.nodes.size()));
+          for (unsigned i = 0; i < snap.nodes.size(); ++i) toNodeInfo(snap.nodes[i], nodes[i]);
+          auto actors = results.initActors(static_cast<unsigned>(snap.actors.size()));
+          for (unsigned i = 0; i < snap.actors.size(); ++i) toActorInfo(snap.actors[i], actors[i]);
+          auto groups = results.initPlacementGroups(static_cast<unsigned>(snap.groups.size()));
+          for (unsigned i = 0; i < snap.groups.size(); ++i) toPlacementGroupInfo(snap.groups[i], groups[i]);
+        });
+  }
+
+  kj::Promise<void> createActor(CreateActorContext context) override {
+    auto params = context.getParams();
+    auto spec = params.getSpec();
+    ActorRecord actor;
+    actor.id = ActorId(params.getId().cStr());
+    actor.type = spec.getType().cStr();
+    actor.name = spec.getName().cStr();
+    actor.resources = fromResources(spec.getResources());
+    actor.maxRestarts = spec.getMaxRestarts();
+    actor.maxTaskRetries = spec.getMaxTaskRetries();
+    actor.detached = spec.getDetached();
+    auto args = spec.getInitArgs();
+    actor.initArgs.assign(reinterpret_cast<const char*>(args.begin()), args.size());
+    actor.placementGroup = PlacementGroupId(spec.getPlacementGroup().cStr());
+    actor.bundleIndex = spec.getBundleIndex();
+    return onIo([actor](Controller::IoState& s) -> Result<std::pair<ActorRecord, Actions>> {
+             Actions actions;
+             auto created = s.core.createActor(actor, actions);
+             if (!created.isOk()) return created.status();
+             return std::make_pair(std::move(*created), std::move(actions));
+           })
+        .then([this, context](std::pair<ActorRecord, Actions> done) mutable {
+          execute(kj::mv(done.second));
+          toActorInfo(done.first, context.getResults().initActor());
+        });
+  }
+
+  kj::Promise<void> waitActor(WaitActorContext context) override {
+    auto params = context.getParams();
+    ActorId id(params.getId().cStr());
+    auto deadline = asyncIo_.provider->getTimer().now() + params.getTimeoutMs() * kj::MILLISECONDS;
+    return waitFor(id, params.getMinIncarnation(), params.getRequireAlive(), deadline).then([context](ActorRecord actor) mutable {
+      toActorInfo(actor, context.getResults().initActor());
+    });
+  }
+
+  kj::Promise<void> getActorByName(GetActorByNameContext context) override {
+    std::string name = context.getParams().getName().cStr();
+    return onIo([name](Controller::IoState& s) { return s.core.getActorByName(name); })
+        .then([context](ActorRecord actor) mutable { toActorInfo(actor, context.getResults().initActor()); });
+  }
+
+  kj::Promise<void> killActor(KillActorContext context) override {
+    ActorId id(context.getParams().getId().cStr());
+    bool noRestart = context.getParams().getNoRestart();
+    return onIo([id, noRestart](Controller::IoState& s) -> Result<Actions> {
+             Actions actions;
+             TROUPE_RETURN_IF_ERROR(s.core.killActor(id, noRestart, actions));
+             return actions;
+           })
+        .then([this](Actions actions) {
+          execute(kj::mv(actions));
+          notifyWaiters();
+        });
+  }
+
+  kj::Promise<void> actorReady(ActorReadyContext context) override {
+    auto p = context.getParams();
+    ActorId id(p.getId().cStr());
+    uint32_t incarnation = p.getIncarnation();
+    std::string address = p.getAddress().cStr();
+    int64_t pid = p.getPid();
+    return onIo([id, incarnation, address, pid](Controller::IoState& s) {
+             return s.core.actorReady(id, incarnation, address, pid);
+           })
+        .then([this](ActorRecord actor) {
+          TROUPE_LOG(kInfo, "actor {} ({}) incarnation {} is ALIVE at {}", actor.id.hex(), actor.type, actor.incarnation,
+                     actor.address);
+          notifyWaiters();
+        });
+  }
+
+  kj::Promise<void> workerExited(WorkerExitedContext context) override {
+    auto p = context.getParams();
+    ActorId id(p.getId().cStr());
+    uint32_t incarnation = p.getIncarnation();
+    std::string reason = describeExit(p.getExit());
+    return onIo([id, incarnation, reason](Controller::IoState& s) -> Result<Actions> {
+             Actions actions;
+             TROUPE_RETURN_IF_ERROR(s.core.workerExited(id, incarnation, reason, actions));
+             return actions;
+           })
+        .then([this, id, reason](Actions actions) {
+          TROUPE_LOG(kInfo, "actor {} worker ended: {}", id.hex(), reason);
+          execute(kj::mv(actions));
+          notifyWaiters();
+        });
+  }
+
+  kj::Promise<void> createPlacementGroup(CreatePlacementGroupContext context) override {
+    auto p = context.getParams();
+    PlacementGroupRecord group;
+    group.id = PlacementGroupId(p.getId().cStr());
+    group.name = p.getName().cStr();
+    group.strategy = valueOrThrow(parsePlacementStrategy(p.getStrategy().cStr()));
+    for (auto b : p.getBundles()) group.bundles.push_back(Bundle{fromResources(b.getResources()), NodeId()});
+    return onIo([group](Controller::IoState& s) { return s.core.createPlacementGroup(group); })
+        .then([context](PlacementGroupRecord created) mutable {
+          toPlacementGroupInfo(created, context.getResults().initGroup());
+        });
+  }
+
+  kj::Promise<void> removePlacementGroup(RemovePlacementGroupContext context) override {
+    PlacementGroupId id(context.getParams().getId().cStr());
+    return onIo([id](Controller::IoState& s) -> Result<Actions> {
+             Actions actions;
+             TROUPE_RETURN_IF_ERROR(s.core.removePlacementGroup(id, actions));
+             return actions;
+           })
+        .then([this](Actions actions) {
+          execute(kj::mv(actions));
+          notifyWaiters();
+        });
+  }
+
+  kj::Promise<void> addBundles(AddBundlesContext context) override {
+    auto p = context.getParams();
+    PlacementGroupId id(p.getId().cStr());
+    std::vector<Resources> bundles;
+    for (auto b : p.getBundles()) bundles.push_back(fromResources(b.getResources()));
+    uint32_t from = p.getFromIndex();
+    return onIo([id, bundles, from](Controller::IoState& s) { return s.core.addBundles(id, bundles, from); })
+        .then([context](PlacementGroupRecord group) mutable {
+          toPlacementGroupInfo(group, context.getResults().initGroup());
+        });
+  }
+
+  kj::Promise<void> removeBundles(RemoveBundlesContext context) override {
+    auto p = context.getParams();
+    PlacementGroupId id(p.getId().cStr());
+    std::vector<uint32_t> indices;
+    for (uint32_t i : p.getIndices()) indices.push_back(i);
+    return onIo([id, indices](Controller::IoState& s) -> Result<std::pair<PlacementGroupRecord, Actions>> {
+             Actions actions;
+             auto group = s.core.removeBundles(id, indices, actions);
+             if (!group.isOk()) return group.status();
+             return std::make_pair(std::move(*group), std::move(actions));
+           })
+        .then([this, context](std::pair<PlacementGroupRecord, Actions> done) mutable {
+          execute(kj::mv(done.second));
+          notifyWaiters();
+          toPlacementGroupInfo(done.first, context.getResults().initGroup());
+        });
+  }
+
+  kj::Promise<void> getPlacementGroup(GetPlacementGroupContext context) override {
+    PlacementGroupId id(context.getParams().getId().cStr());
+    return onIo([id](Controller::IoState& s) { return s.core.getPlacementGroup(id); })
+        .then([context](PlacementGroupRecord group) mutable {
+          toPlacementGroupInfo(group, context.getResults().initGroup());
         });
   }
 
  private:
+  // Runs `fn` against the store on the I/O thread; an error Status becomes an RPC error.
+  template <typename Fn, typename R = std::invoke_result_t<Fn, Controller::IoState&>>
+  kj::Promise<typename ResultValue<R>::type> onIo(Fn fn) {
+    auto state = state_;
+    return io_.call([state, fn = kj::mv(fn)]() mutable -> R { return fn(*state); })
+        .then([](R r) { return valueOrThrow(kj::mv(r)); });
+  }
+
+  static std::string describeExit(rpc::WorkerExit::Reader exit) {
+    int sig = exit.getSignal();
+    const char* abbrev = sig != 0 ? sigabbrev_np(sig) : nullptr;
+    std::string how = sig != 0 ? fmt::format("killed by signal {} (SIG{})", sig, abbrev ? abbrev : "?")
+                               : fmt::format("exited with code {}", exit.getExitCode());
+    std::string tail = exit.getStderrTail().cStr();
+    return tail.empty() ? fmt::format("worker {}", how) : fmt::format("worker {}; last stderr: {}", how, tail);
+  }
+
+  // Failure detection: marks nodes whose heartbeat expired DEAD and moves their actors.
+  kj::Promise<void> reapLoop() {
+    return asyncIo_.provider->getTimer().afterDelay(reapInterval_.count() * kj::MILLISECONDS)
+        .then([this]() {
+          auto state = state_;
+          return io_.call([state]() -> Result<Actions> {
+            auto dead = state->store->reapExpiredNodes();
+            if (!dead.isOk()) return dead.status();
+            for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
+            Actions actions;
+            TROUPE_RETURN_IF_ERROR(state->core.reconcileDeadNodes(actions));
+            return actions;
+          });
+        })
+        .then([this](Result<Actions> actions) {
+          if (!actions.isOk()) {
+            TROUPE_LOG(kWarning, "failure detector cannot read Redis: {}", actions.status().toString());
+          } else if (!actions->empty()) {
+            execute(std::move(*actions));
+            notifyWaiters();
+          }
+          return reapLoop();
+        });
+  }
+
+  // Starts and stops workers as the core decided. A spawn that fails is reported back as the
+  // incarnation's end, so the restart policy applies to it too.
+  void execute(Actions actions) {
+    for (auto& action : actions) {
+      ActorRecord actor = kj::mv(action.actor);
+      bool spawn = action.kind == WorkerAction::Kind::kSpawn;
+      tasks_.add(nodeAgent(actor.nodeId)
+                     .then([actor, spawn](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
+                       if (!spawn) {
+                         auto kill = agent.killWorkerRequest();
+                         kill.setId(actor.id.hex());
+                         kill.setIncarnation(actor.incarnation);
+                         return kill.send().ignoreResult();
+                       }
+                       auto request = agent.spawnWorkerRequest();
+                       toActorInfo(actor, request.initActor());
+                       request.setInitArgs(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(actor.initArgs.data()),
+                                                               actor.initArgs.size()));
+                       return request.send().ignoreResult();
+                     })
+                     .catch_([this, actor, spawn](kj::Exception&& e) -> kj::Promise<void> {
+                       nodes_.erase(actor.nodeId);
+                       if (!spawn) return kj::READY_NOW;  // its node is gone: so is the worker
+                       std::string reason = fmt::format("could not start its worker on node {}: {}", actor.nodeId.hex(),
+                                                        e.getDescription().cStr());
+                       auto id = actor.id;
+                       auto incarnation = actor.incarnation;
+                       return onIo([id, incarnation, reason](Controller::IoState& s) -> Result<Actions> {
+                                Actions next;
+                                TROUPE_RETURN_IF_ERROR(s.core.workerExited(id, incarnation, reason, next));
+                                return next;
+                              })
+                           .then([this](Actions next) {
+                             execute(kj::mv(next));
+                             notifyWaiters();
+                           });
+                     }));
+    }
+  }
+
+  // A connection to a node's agent, made on first use and kept.
+  kj::Promise<rpc::NodeAgent::Client> nodeAgent(NodeId id) {
+    auto it = nodes_.find(id);
+    if (it != nodes_.end()) return it->second.cap;
+    return onIo([id](Controller::IoState& s) -> Result<NodeRecord> {
+             auto node = s.store->getNode(id);
+             if (!node.isOk()) return node.status();
+             if (!node->has_value()) return Status(StatusCode::kNotFound, fmt::format("no node {}", id.hex()));
+             return **node;
+           })
+        .then([this](NodeRecord node) {
+          auto address = valueOrThrow(parseHostPort(node.address));
+          return RpcClient::connect(asyncIo_, address, token_, 5 * kj::SECONDS);
+        })
+        .then([this, id](kj::Own<RpcClient> client) -> rpc::NodeAgent::Client {
+          auto it = nodes_.find(id);
+          if (it != nodes_.end()) return it->second.cap;  // another call connected first
+          auto cap = client->bootstrap<rpc::NodeAgent>();
+          nodes_.emplace(id, NodeConnection{kj::mv(client), cap});
+          return cap;
+        });
+  }
+
+  // Resolves with the actor once it reaches minIncarnation (ALIVE, if requireAlive) or is DEAD,
+  // or at the deadline.
+  kj::Promise<ActorRecord> waitFor(ActorId id, uint32_t minIncarnation, bool requireAlive, kj::TimePoint deadline) {
+    return onIo([id](Controller::IoState& s) { return s.core.getActor(id); })
+        .then([this, id, minIncarnation, requireAlive, deadline](ActorRecord actor) -> kj::Promise<ActorRecord> {
+          bool done = actor.state == ActorState::kDead ||
+                      (actor.incarnation >= minIncarnation && (actor.state == ActorState::kAlive || !requireAlive));
+          auto& timer = asyncIo_.provider->getTimer();
+          if (done || timer.now() >= deadline) return actor;
+          auto paf = kj::newPromiseAndFulfiller<void>();
+          waiters_.push_back(kj::mv(paf.fulfiller));
+          return paf.promise.exclusiveJoin(timer.atTime(deadline)).then([this, id, minIncarnation, requireAlive, deadline]() {
+            return waitFor(id, minIncarnation, requireAlive, deadline);
+          });
+        });
+  }
+
+  void notifyWaiters() {
+    std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters;
+    waiters.swap(waiters_);
+    for (auto& w : waiters) w->fulfill();
+  }
+
+  void taskFailed(kj::Exception&& e) override {
+    TROUPE_LOG(kWarning, "controller background task failed: {}", e.getDescription().cStr());
+  }
+
+  struct NodeConnection {
+    kj::Own<RpcClient> client;
+    rpc::NodeAgent::Client cap;
+  };
+
+  kj::AsyncIoContext& asyncIo_;
   IoThread& io_;
   std::shared_ptr<Controller::IoState> state_;
   RedisOptions redis_;
   std::chrono::milliseconds ttl_;
+  std::chrono::milliseconds reapInterval_;
+  std::string token_;
+  std::map<NodeId, NodeConnection> nodes_;
+  std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters_;
+  kj::TaskSet tasks_;
 };
 
 }  // namespace
 
-Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& ioThread,
-                                              ControllerOptions options) {
+Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& ioThread, ControllerOptions options) {
   auto store = connectRedisStore(options.redis);
   if (!store.isOk()) return store.status();
   auto meta = (*store)->getMeta();
@@ -111,30 +432,25 @@ Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& 
     cluster.createdMs = wallClockMs();
   }
 
-  auto state = std::make_shared<IoState>(ioThread.context(), std::move(*store));
-  state->reapInterval = options.reapInterval;
-  kj::Own<Controller> controller(new Controller(ioThread, state, cluster.token), kj::_::HeapDisposer<Controller>::instance);
-  auto service = kj::heap<ControllerService>(ioThread, state, options.redis, options.heartbeatTtl);
+  auto state = std::make_shared<IoState>(std::move(*store));
+  kj::Own<Controller> controller(new Controller(ioThread, state, cluster.token),
+                                 kj::_::HeapDisposer<Controller>::instance);
+  auto service = kj::heap<ControllerService>(io, ioThread, state, options.redis, options.heartbeatTtl,
+                                             options.reapInterval, cluster.token);
   auto server = RpcServer::listen(io, options.bind, cluster.token, rpc::Controller::Client(kj::mv(service)));
   if (!server.isOk()) return server.status();
   controller->server_ = kj::mv(*server);
 
-  // Recorded only once we listen, so the address in Redis is always one that answers.
+  // Recorded only once we listen, so the address in Redis is always one that answers. The
+  // store is used from this thread only until the service's first I/O-thread call.
   cluster.controllerAddress = HostPort{options.bind.host, controller->port()}.toString();
   cluster.controllerPid = getpid();
-  // The store is handed to the I/O thread below; until then this thread may use it.
-  TROUPE_RETURN_IF_ERROR(state->store->putMeta(cluster));
-  asio::post(ioThread.context(), [state]() { scheduleReap(state); });
+  auto put = ioThread.call([state, cluster]() { return state->store->putMeta(cluster); }).wait(io.waitScope);
+  if (!put.isOk()) return put;
   TROUPE_LOG(kInfo, "controller listening on {}", cluster.controllerAddress);
   return controller;
 }
 
-Controller::~Controller() {
-  auto state = state_;
-  asio::post(ioThread_.context(), [state]() {
-    state->stopping = true;
-    state->timer.cancel();
-  });
-}
+Controller::~Controller() = default;
 
 }  // namespace troupe

@@ -1,8 +1,8 @@
 // The controller: the head's RPC service for node registration and cluster status, and the
 // failure detector that marks nodes dead when their heartbeat expires. It keeps no state of its
 // own: everything it answers is read from Redis, so a restarted controller simply continues.
-// Thread-safety: created and destroyed on the KJ thread; its Redis store and reap timer live on
-// the IoThread passed in.
+// Thread-safety: created and destroyed on the KJ thread; its Redis store and the decisions over
+// it (ControllerCore) run on the IoThread passed in. The reap timer is a KJ timer.
 #pragma once
 
 #include <chrono>

@@ -1,12 +1,19 @@
 #include "node_agent.h"
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <fstream>
+
+#include <kj/async-unix.h>
 
 #include <asio/steady_timer.hpp>
 
 #include "schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/process.h"
 
 namespace troupe {
 
@@ -46,19 +53,50 @@ void scheduleHeartbeat(std::shared_ptr<NodeAgent::IoState> state) {
 
 class NodeAgentService final : public rpc::NodeAgent::Server {
  public:
-  explicit NodeAgentService(NodeId id) : id_(std::move(id)) {}
+  explicit NodeAgentService(NodeAgent& agent) : agent_(agent) {}
 
  protected:
   kj::Promise<void> ping(PingContext context) override {
     auto results = context.getResults();
-    results.setNodeId(id_.hex());
+    results.setNodeId(agent_.id().hex());
     results.setPid(getpid());
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> spawnWorker(SpawnWorkerContext context) override {
+    auto params = context.getParams();
+    ActorRecord actor = fromActorInfo(params.getActor());
+    auto args = params.getInitArgs();
+    auto pid = agent_.spawnWorker(actor, std::string_view(reinterpret_cast<const char*>(args.begin()), args.size()));
+    if (!pid.isOk()) throwStatus(pid.status());
+    context.getResults().setPid(*pid);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> killWorker(KillWorkerContext context) override {
+    agent_.killWorker(ActorId(context.getParams().getId().cStr()), context.getParams().getIncarnation());
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> readLogs(ReadLogsContext context) override {
+    auto [out, err] = agent_.readLogs(ActorId(context.getParams().getId().cStr()), context.getParams().getMaxBytes());
+    auto results = context.getResults();
+    results.setStdout(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(out.data()), out.size()));
+    results.setStderr(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(err.data()), err.size()));
+    return kj::READY_NOW;
+  }
+
  private:
-  NodeId id_;
+  NodeAgent& agent_;
 };
+
+class LogTaskErrors final : public kj::TaskSet::ErrorHandler {
+ public:
+  void taskFailed(kj::Exception&& e) override {
+    TROUPE_LOG(kWarning, "node agent task failed: {}", e.getDescription().cStr());
+  }
+};
+LogTaskErrors gLogTaskErrors;
 
 std::string hostName() {
   char buf[256] = {};
@@ -66,11 +104,44 @@ std::string hostName() {
   return buf;
 }
 
+// The last `maxBytes` of a file (whole lines where possible).
+std::string fileTail(const std::string& path, size_t maxBytes) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return "";
+  auto size = static_cast<size_t>(in.tellg());
+  size_t from = size > maxBytes ? size - maxBytes : 0;
+  in.seekg(static_cast<std::streamoff>(from));
+  std::string out(size - from, '\0');
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  if (from > 0) {
+    auto nl = out.find('\n');
+    if (nl != std::string::npos) out.erase(0, nl + 1);
+  }
+  return out;
+}
+
+// The last `lines` non-empty lines of `text`, joined with " | " for a one-line reason.
+std::string lastLines(const std::string& text, size_t lines) {
+  std::vector<std::string> all;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    if (nl > pos) all.push_back(text.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  std::string out;
+  for (size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) {
+    out += (out.empty() ? "" : " | ") + all[i];
+  }
+  return out;
+}
+
 }  // namespace
 
-NodeAgent::NodeAgent(IoThread& ioThread, NodeAgentOptions options)
-    : ioThread_(ioThread), options_(std::move(options)),
-      state_(std::make_shared<IoState>(ioThread.context())) {
+NodeAgent::NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOptions options)
+    : io_(io), ioThread_(ioThread), options_(std::move(options)),
+      state_(std::make_shared<IoState>(ioThread.context())), tasks_(kj::heap<kj::TaskSet>(gLogTaskErrors)) {
   state_->id = options_.id;
   auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
   state_->fatal = kj::mv(paf.fulfiller);
@@ -79,9 +150,9 @@ NodeAgent::NodeAgent(IoThread& ioThread, NodeAgentOptions options)
 
 kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThread& ioThread,
                                                  NodeAgentOptions options) {
-  kj::Own<NodeAgent> agent(new NodeAgent(ioThread, kj::mv(options)), kj::_::HeapDisposer<NodeAgent>::instance);
+  kj::Own<NodeAgent> agent(new NodeAgent(io, ioThread, kj::mv(options)), kj::_::HeapDisposer<NodeAgent>::instance);
   auto server = RpcServer::listen(io, HostPort{agent->options_.ip, 0}, agent->options_.token,
-                                  rpc::NodeAgent::Client(kj::heap<NodeAgentService>(agent->options_.id)));
+                                  rpc::NodeAgent::Client(kj::heap<NodeAgentService>(*agent)));
   if (!server.isOk()) throwStatus(server.status());
   agent->server_ = kj::mv(*server);
 
@@ -139,6 +210,87 @@ kj::Promise<void> NodeAgent::shutdown(std::string reason) {
          })
       .then([](Status status) {
         if (!status.isOk()) TROUPE_LOG(kWarning, "could not record the node's stop: {}", status.toString());
+      });
+}
+
+Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_view initArgs) {
+  auto it = workers_.find(actor.id);
+  if (it != workers_.end() && it->second.incarnation >= actor.incarnation) return it->second.pid;  // a retry
+  std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, actor.id.hex());
+  std::string argsFile = fmt::format("{}.{}.args", base, actor.incarnation);
+  {
+    std::ofstream out(argsFile, std::ios::binary);
+    out.write(initArgs.data(), static_cast<std::streamsize>(initArgs.size()));
+    if (!out) return Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}", argsFile));
+  }
+  SpawnOptions spawn;
+  spawn.argv = {options_.workerBinary, "--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation",
+                std::to_string(actor.incarnation), "--controller", options_.controller.toString(),
+                "--node-ip-address", options_.ip, "--args-file", argsFile, "--parent-pid", std::to_string(getpid())};
+  spawn.outputPath = base + ".out";
+  spawn.errorPath = base + ".err";
+  spawn.env = {"TROUPE_TOKEN=" + options_.token};
+  auto pid = spawnProcess(spawn);
+  if (!pid.isOk()) return pid.status();
+  workers_[actor.id] = Worker{actor.incarnation, *pid};
+  TROUPE_LOG(kInfo, "started worker {} for actor {} ({}) incarnation {}", *pid, actor.id.hex(), actor.type,
+             actor.incarnation);
+  tasks_->add(watchWorker(actor.id, actor.incarnation, *pid));
+  return static_cast<int64_t>(*pid);
+}
+
+void NodeAgent::killWorker(const ActorId& id, uint32_t incarnation) {
+  auto it = workers_.find(id);
+  if (it != workers_.end() && it->second.incarnation == incarnation && it->second.pid > 0) {
+    ::kill(it->second.pid, SIGKILL);
+  }
+}
+
+std::pair<std::string, std::string> NodeAgent::readLogs(const ActorId& id, size_t maxBytes) const {
+  std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, id.hex());
+  return {fileTail(base + ".out", maxBytes), fileTail(base + ".err", maxBytes)};
+}
+
+kj::Promise<void> NodeAgent::watchWorker(ActorId id, uint32_t incarnation, pid_t pid) {
+  auto watched = kj::heap<kj::Maybe<pid_t>>(pid);
+  auto& ref = *watched;
+  return io_.unixEventPort.onChildExit(ref).attach(kj::mv(watched)).then([this, id, incarnation](int status) {
+    auto it = workers_.find(id);
+    if (it != workers_.end() && it->second.incarnation == incarnation) it->second.pid = 0;
+    return reportExit(id, incarnation, status, 0);
+  });
+}
+
+kj::Promise<rpc::Controller::Client> NodeAgent::controller() {
+  if (controller_) return controller_->bootstrap<rpc::Controller>();
+  return RpcClient::connect(io_, options_.controller, options_.token, 5 * kj::SECONDS)
+      .then([this](kj::Own<RpcClient> client) {
+        controller_ = kj::mv(client);
+        return controller_->bootstrap<rpc::Controller>();
+      });
+}
+
+kj::Promise<void> NodeAgent::reportExit(ActorId id, uint32_t incarnation, int status, int attempt) {
+  return controller()
+      .then([this, id, incarnation, status](rpc::Controller::Client controller) {
+        auto request = controller.workerExitedRequest();
+        request.setId(id.hex());
+        request.setIncarnation(incarnation);
+        auto exit = request.initExit();
+        exit.setExitCode(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        exit.setSignal(WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+        exit.setStderrTail(lastLines(fileTail(fmt::format("{}/logs/actor-{}.err", options_.runDir, id.hex()), 4096), 3));
+        return request.send().ignoreResult();
+      })
+      .catch_([this, id, incarnation, status, attempt](kj::Exception&& e) -> kj::Promise<void> {
+        // The controller may be restarting: the report must not be lost, so retry.
+        controller_ = nullptr;
+        if (attempt >= 60) {
+          TROUPE_LOG(kError, "giving up reporting the exit of actor {}: {}", id.hex(), e.getDescription().cStr());
+          return kj::READY_NOW;
+        }
+        return io_.provider->getTimer().afterDelay(std::min(attempt + 1, 10) * 100 * kj::MILLISECONDS).then(
+            [this, id, incarnation, status, attempt]() { return reportExit(id, incarnation, status, attempt + 1); });
       });
 }
 

@@ -15,6 +15,7 @@
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/io_thread.h"
 #include "troupe/runtime/rpc.h"
+#include "troupe.capnp.h"
 
 namespace troupe {
 
@@ -26,6 +27,8 @@ struct NodeAgentOptions {
   Resources resources;
   std::map<std::string, std::string> labels;
   bool isHead = false;
+  std::string runDir;        // actors' logs go to <runDir>/logs/actor-<id>.{out,err}
+  std::string workerBinary;  // troupe-worker
 };
 
 class NodeAgent {
@@ -42,17 +45,36 @@ class NodeAgent {
   // Marks this node DEAD in Redis with `reason` (a clean stop), then stops heartbeating.
   kj::Promise<void> shutdown(std::string reason);
 
+  // Starts the worker of this actor incarnation unless it already runs; returns its pid.
+  Result<int64_t> spawnWorker(const ActorRecord& actor, std::string_view initArgs);
+  // SIGKILLs the worker of this incarnation if it runs (its exit is reported as usual).
+  void killWorker(const ActorId& id, uint32_t incarnation);
+  // The last `maxBytes` of the actor's captured stdout and stderr.
+  std::pair<std::string, std::string> readLogs(const ActorId& id, size_t maxBytes) const;
+
   struct IoState;
 
  private:
-  NodeAgent(IoThread& ioThread, NodeAgentOptions options);
+  struct Worker {
+    uint32_t incarnation = 0;
+    pid_t pid = 0;
+  };
 
+  NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOptions options);
+  kj::Promise<void> watchWorker(ActorId id, uint32_t incarnation, pid_t pid);
+  // Reports an exit to the controller, reconnecting and retrying while it is unreachable.
+  kj::Promise<void> reportExit(ActorId id, uint32_t incarnation, int status, int attempt);
+  kj::Promise<rpc::Controller::Client> controller();
+
+  kj::AsyncIoContext& io_;
   IoThread& ioThread_;
   NodeAgentOptions options_;
   std::shared_ptr<IoState> state_;
   kj::Own<RpcServer> server_;
   kj::Own<RpcClient> controller_;
   kj::Promise<std::string> fatal_ = nullptr;
+  std::map<ActorId, Worker> workers_;
+  kj::Own<kj::TaskSet> tasks_;
 };
 
 }  // namespace troupe

@@ -1,10 +1,13 @@
 // troupe-node: a machine's node agent, started by `troupe start`.
 #include <CLI/CLI.hpp>
 
+#include <kj/async-unix.h>
+
 #include "daemon.h"
 #include "node_agent.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/resources.h"
+#include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 
 int main(int argc, char** argv) {
@@ -49,11 +52,15 @@ int main(int argc, char** argv) {
   options.token = token;
   options.ip = ip;
   options.isHead = head;
+  options.runDir = runDir;
+  options.workerBinary = executableDir() + "/troupe-worker";
+  if (const char* dir = std::getenv("TROUPE_BIN_DIR"); dir && *dir) options.workerBinary = std::string(dir) + "/troupe-worker";
   options.resources = detectLocalResources();
   if (numCpus >= 0) options.resources["CPU"] = numCpus;
   for (const auto& [name, qty] : *custom) options.resources[name] = qty;
 
   captureStopSignals();
+  kj::UnixEventPort::captureChildExit();
   auto io = kj::setupAsyncIo();
   IoThread ioThread;
   kj::Own<NodeAgent> agent;

@@ -43,7 +43,10 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   if (!options.outputPath.empty()) {
     posix_spawn_file_actions_addopen(&actions, 1, options.outputPath.c_str(),
                                      O_WRONLY | O_CREAT | O_APPEND, 0600);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    if (options.errorPath.empty()) posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  }
+  if (!options.errorPath.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 2, options.errorPath.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
   }
   std::vector<char*> argv;
   for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));

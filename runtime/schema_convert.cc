@@ -1,7 +1,6 @@
 #include "schema_convert.h"
 
 namespace troupe {
-namespace {
 
 void toResources(const Resources& r, capnp::List<rpc::Resource>::Builder out) {
   unsigned i = 0;
@@ -17,8 +16,6 @@ Resources fromResources(capnp::List<rpc::Resource>::Reader in) {
   for (auto item : in) r[item.getName().cStr()] = item.getQuantity();
   return r;
 }
-
-}  // namespace
 
 void toNodeInfo(const NodeRecord& node, rpc::NodeInfo::Builder out) {
   out.setId(node.id.hex());
@@ -56,6 +53,78 @@ NodeRecord fromNodeInfo(rpc::NodeInfo::Reader in) {
   node.lastHeartbeatMs = in.getLastHeartbeatMs();
   node.deathReason = in.getDeathReason().cStr();
   return node;
+}
+
+void toActorInfo(const ActorRecord& a, rpc::ActorInfo::Builder out) {
+  out.setId(a.id.hex());
+  out.setType(a.type);
+  out.setName(a.name);
+  out.setNodeId(a.nodeId.hex());
+  out.setPid(a.pid);
+  out.setAddress(a.address);
+  out.setState(actorStateName(a.state));
+  out.setIncarnation(a.incarnation);
+  out.setRestarts(a.restarts);
+  out.setMaxRestarts(a.maxRestarts);
+  out.setMaxTaskRetries(a.maxTaskRetries);
+  out.setDeathReason(a.deathReason);
+  toResources(a.resources, out.initResources(static_cast<unsigned>(a.resources.size())));
+  out.setPlacementGroup(a.placementGroup.hex());
+  out.setBundleIndex(a.bundleIndex);
+  out.setDetached(a.detached);
+}
+
+ActorRecord fromActorInfo(rpc::ActorInfo::Reader in) {
+  ActorRecord a;
+  a.id = ActorId(in.getId().cStr());
+  a.type = in.getType().cStr();
+  a.name = in.getName().cStr();
+  a.nodeId = NodeId(in.getNodeId().cStr());
+  a.pid = in.getPid();
+  a.address = in.getAddress().cStr();
+  std::string state = in.getState().cStr();
+  a.state = state == "ALIVE" ? ActorState::kAlive
+            : state == "RESTARTING" ? ActorState::kRestarting
+            : state == "DEAD" ? ActorState::kDead
+                              : ActorState::kPending;
+  a.incarnation = in.getIncarnation();
+  a.restarts = in.getRestarts();
+  a.maxRestarts = in.getMaxRestarts();
+  a.maxTaskRetries = in.getMaxTaskRetries();
+  a.deathReason = in.getDeathReason().cStr();
+  a.resources = fromResources(in.getResources());
+  a.placementGroup = PlacementGroupId(in.getPlacementGroup().cStr());
+  a.bundleIndex = in.getBundleIndex();
+  a.detached = in.getDetached();
+  return a;
+}
+
+void toPlacementGroupInfo(const PlacementGroupRecord& g, rpc::PlacementGroupInfo::Builder out) {
+  out.setId(g.id.hex());
+  out.setName(g.name);
+  out.setStrategy(placementStrategyName(g.strategy));
+  out.setState(placementGroupStateName(g.state));
+  auto bundles = out.initBundles(static_cast<unsigned>(g.bundles.size()));
+  for (unsigned i = 0; i < g.bundles.size(); ++i) {
+    toResources(g.bundles[i].resources, bundles[i].initResources(static_cast<unsigned>(g.bundles[i].resources.size())));
+    bundles[i].setNodeId(g.bundles[i].nodeId.hex());
+  }
+  out.setPendingReason(g.pendingReason);
+}
+
+PlacementGroupRecord fromPlacementGroupInfo(rpc::PlacementGroupInfo::Reader in) {
+  PlacementGroupRecord g;
+  g.id = PlacementGroupId(in.getId().cStr());
+  g.name = in.getName().cStr();
+  auto strategy = parsePlacementStrategy(in.getStrategy().cStr());
+  g.strategy = strategy.isOk() ? *strategy : PlacementStrategy::kPack;
+  std::string state = in.getState().cStr();
+  g.state = state == "CREATED" ? PlacementGroupState::kCreated
+            : state == "REMOVED" ? PlacementGroupState::kRemoved
+                                 : PlacementGroupState::kPending;
+  for (auto b : in.getBundles()) g.bundles.push_back(Bundle{fromResources(b.getResources()), NodeId(b.getNodeId().cStr())});
+  g.pendingReason = in.getPendingReason().cStr();
+  return g;
 }
 
 }  // namespace troupe

@@ -6,7 +6,17 @@
 
 namespace troupe {
 
+void toResources(const Resources& r, capnp::List<rpc::Resource>::Builder out);
+Resources fromResources(capnp::List<rpc::Resource>::Reader in);
+
 void toNodeInfo(const NodeRecord& node, rpc::NodeInfo::Builder out);
 NodeRecord fromNodeInfo(rpc::NodeInfo::Reader in);
+
+// Everything but initArgs, which travels separately and only to the node agent.
+void toActorInfo(const ActorRecord& actor, rpc::ActorInfo::Builder out);
+ActorRecord fromActorInfo(rpc::ActorInfo::Reader in);
+
+void toPlacementGroupInfo(const PlacementGroupRecord& group, rpc::PlacementGroupInfo::Builder out);
+PlacementGroupRecord fromPlacementGroupInfo(rpc::PlacementGroupInfo::Reader in);
 
 }  // namespace troupe

@@ -39,6 +39,8 @@ struct StatusFlags {
 int startCommand(const StartFlags& flags);
 int statusCommand(const StatusFlags& flags);
 int stopCommand();
+// Prints an actor's captured stdout and stderr (by id, id prefix or name), fetched from its node.
+int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes);
 int restartControllerCommand();
 
 // Prints "troupe: error: <message>" and returns 1 (2 for bad usage).
@@ -52,7 +54,14 @@ struct ClusterTarget {
 };
 Result<ClusterTarget> resolveCluster(const std::string& address, const std::string& token);
 
+// Everything Controller.status returns.
+struct ClusterSnapshot {
+  std::vector<NodeRecord> nodes;
+  std::vector<ActorRecord> actors;
+  std::vector<PlacementGroupRecord> placementGroups;
+};
 // Calls Controller.status on an authenticated connection, within `timeout`.
+Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout);
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout);
 

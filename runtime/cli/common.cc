@@ -48,18 +48,26 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
 
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout) {
-  std::vector<NodeRecord> nodes;
+  auto snapshot = fetchStatus(io, target, timeout);
+  if (!snapshot.isOk()) return snapshot.status();
+  return std::move(snapshot->nodes);
+}
+
+Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout) {
+  ClusterSnapshot snap;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     auto client = RpcClient::connect(io, target.controller, target.token, timeout).wait(io.waitScope);
     auto call = client->bootstrap<rpc::Controller>().statusRequest().send();
     auto response = io.provider->getTimer().timeoutAfter(timeout, kj::mv(call)).wait(io.waitScope);
-    for (auto node : response.getNodes()) nodes.push_back(fromNodeInfo(node));
+    for (auto node : response.getNodes()) snap.nodes.push_back(fromNodeInfo(node));
+    for (auto actor : response.getActors()) snap.actors.push_back(fromActorInfo(actor));
+    for (auto group : response.getPlacementGroups()) snap.placementGroups.push_back(fromPlacementGroupInfo(group));
   })) {
     Status s = statusFromException(*e, "");
     return Status(s.code(), fmt::format("{}; is the cluster running? ('troupe start --head' starts one)",
                                         s.message()));
   }
-  return nodes;
+  return snap;
 }
 
 std::string logTail(const std::string& path, int lines) {

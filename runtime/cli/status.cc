@@ -30,6 +30,36 @@ nlohmann::json toJson(const NodeRecord& n) {
           {"death_reason", n.deathReason}};
 }
 
+nlohmann::json toJson(const ActorRecord& a) {
+  return {{"id", a.id.hex()},
+          {"type", a.type},
+          {"name", a.name},
+          {"node_id", a.nodeId.hex()},
+          {"pid", a.pid},
+          {"address", a.address},
+          {"state", actorStateName(a.state)},
+          {"incarnation", a.incarnation},
+          {"restarts", a.restarts},
+          {"max_restarts", a.maxRestarts},
+          {"resources", toJson(a.resources)},
+          {"placement_group", a.placementGroup.hex()},
+          {"bundle_index", a.bundleIndex},
+          {"death_reason", a.deathReason}};
+}
+
+nlohmann::json toJson(const PlacementGroupRecord& g) {
+  nlohmann::json bundles = nlohmann::json::array();
+  for (const auto& b : g.bundles) {
+    bundles.push_back({{"resources", toJson(b.resources)}, {"node_id", b.nodeId.hex()}, {"removed", b.resources.empty()}});
+  }
+  return {{"id", g.id.hex()},
+          {"name", g.name},
+          {"strategy", placementStrategyName(g.strategy)},
+          {"state", placementGroupStateName(g.state)},
+          {"bundles", bundles},
+          {"pending_reason", g.pendingReason}};
+}
+
 std::string ago(int64_t ms) {
   if (ms <= 0) return "-";
   double s = static_cast<double>(wallClockMs() - ms) / 1000.0;
@@ -42,15 +72,19 @@ int statusCommand(const StatusFlags& flags) {
   auto target = resolveCluster(flags.address, flags.token);
   if (!target.isOk()) return fail(target.status());
   auto io = kj::setupAsyncIo();
-  auto nodes = fetchNodes(io, *target, 3 * kj::SECONDS);
-  if (!nodes.isOk()) return fail(nodes.status());
+  auto snapshot = fetchStatus(io, *target, 3 * kj::SECONDS);
+  if (!snapshot.isOk()) return fail(snapshot.status());
+  auto* nodes = &snapshot->nodes;
 
   if (flags.json) {
     nlohmann::json out = {{"cluster", {{"address", target->controller.toString()}, {"run_dir", target->runDir}}},
                           {"nodes", nlohmann::json::array()},
                           {"actors", nlohmann::json::array()},
+                          {"placement_groups", nlohmann::json::array()},
                           {"groups", nlohmann::json::array()}};
     for (const auto& n : *nodes) out["nodes"].push_back(toJson(n));
+    for (const auto& a : snapshot->actors) out["actors"].push_back(toJson(a));
+    for (const auto& g : snapshot->placementGroups) out["placement_groups"].push_back(toJson(g));
     std::cout << out.dump() << std::endl;
     return 0;
   }
@@ -72,8 +106,26 @@ int statusCommand(const StatusFlags& flags) {
                              n.pid, nodeStateName(n.state), ago(n.lastHeartbeatMs), res);
     if (n.state == NodeState::kDead) std::cout << "    died: " << n.deathReason << "\n";
   }
-  std::cout << "Actors: none (actors are not built yet)\nGroups: none (elastic groups are not built yet)"
-            << std::endl;
+  if (snapshot->actors.empty()) {
+    std::cout << "Actors: none\n";
+  } else {
+    std::cout << fmt::format("\nActors ({})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", snapshot->actors.size(), "ACTOR",
+                             "TYPE", "NAME", "NODE", "PID", "STATE", "RESTARTS", "REASON");
+    for (const auto& a : snapshot->actors) {
+      std::cout << fmt::format("{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), a.type,
+                               a.name.empty() ? "-" : a.name, a.nodeId.empty() ? "-" : a.nodeId.hex(), a.pid,
+                               actorStateName(a.state), a.restarts, a.deathReason);
+    }
+  }
+  if (!snapshot->placementGroups.empty()) {
+    std::cout << fmt::format("\nPlacement groups ({})\n", snapshot->placementGroups.size());
+    for (const auto& g : snapshot->placementGroups) {
+      std::cout << fmt::format("{:<18}{:<14}{:<9}{} bundle(s){}\n", g.id.hex(), placementStrategyName(g.strategy),
+                               placementGroupStateName(g.state), g.bundles.size(),
+                               g.pendingReason.empty() ? "" : "  " + g.pendingReason);
+    }
+  }
+  std::cout << "Groups: none (elastic training groups are not built yet)" << std::endl;
   return 0;
 }
 

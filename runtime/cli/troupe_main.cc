@@ -35,6 +35,13 @@ int main(int argc, char** argv) {
   statusCmd->add_flag("--json", status.json, "Print one JSON object");
 
   auto* stopCmd = app.add_subcommand("stop", "Stop every Troupe process this machine started");
+  std::string logsActor, logsAddress, logsToken;
+  size_t logsBytes = 64 * 1024;
+  auto* logsCmd = app.add_subcommand("logs", "Print an actor's captured stdout and stderr");
+  logsCmd->add_option("actor", logsActor, "Actor id, id prefix, or name")->required();
+  logsCmd->add_option("--address", logsAddress, "Controller HOST:PORT (default: this machine's cluster)");
+  logsCmd->add_option("--token", logsToken, "Cluster token")->envname("TROUPE_TOKEN");
+  logsCmd->add_option("--bytes", logsBytes, "At most this much from the end of each stream");
   auto* restartCmd = app.add_subcommand("restart-controller",
                                         "Restart this machine's controller; it recovers the cluster from Redis");
 
@@ -54,6 +61,7 @@ int main(int argc, char** argv) {
   if (startCmd->parsed()) return startCommand(start);
   if (statusCmd->parsed()) return statusCommand(status);
   if (stopCmd->parsed()) return stopCommand();
+  if (logsCmd->parsed()) return logsCommand(logsActor, logsAddress, logsToken, logsBytes);
   if (restartCmd->parsed()) return restartControllerCommand();
   return 2;
 }

@@ -39,14 +39,113 @@ struct RedisEndpoint {
   heartbeatTtlMs @3 :UInt32;
 }
 
+struct ActorSpec {
+  type @0 :Text;
+  name @1 :Text;
+  resources @2 :List(Resource);
+  maxRestarts @3 :Int32;
+  maxTaskRetries @4 :Int32;
+  detached @5 :Bool;
+  initArgs @6 :Data;
+  placementGroup @7 :Text;   # empty: not in a group
+  bundleIndex @8 :Int32 = -1;
+}
+
+struct ActorInfo {
+  id @0 :Text;
+  type @1 :Text;
+  name @2 :Text;
+  nodeId @3 :Text;
+  pid @4 :Int64;
+  address @5 :Text;
+  state @6 :Text;            # PENDING | ALIVE | RESTARTING | DEAD
+  incarnation @7 :UInt32;
+  restarts @8 :Int32;
+  maxRestarts @9 :Int32;
+  maxTaskRetries @10 :Int32;
+  deathReason @11 :Text;
+  resources @12 :List(Resource);
+  placementGroup @13 :Text;
+  bundleIndex @14 :Int32;
+  detached @15 :Bool;
+}
+
+struct BundleInfo {
+  resources @0 :List(Resource);
+  nodeId @1 :Text;           # empty while not placed
+}
+
+struct PlacementGroupInfo {
+  id @0 :Text;
+  name @1 :Text;
+  strategy @2 :Text;         # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+  state @3 :Text;            # PENDING | CREATED | REMOVED
+  bundles @4 :List(BundleInfo);
+  pendingReason @5 :Text;
+}
+
+# How a worker process ended, as its node agent saw it.
+struct WorkerExit {
+  exitCode @0 :Int32;        # -1 when killed by a signal
+  signal @1 :Int32;
+  stderrTail @2 :Text;       # its last lines of stderr
+}
+
 interface Controller {
   ping @0 () -> (pid :Int64, version :Text);
   # Records the node as ALIVE (again, if it registers twice) and says where to heartbeat.
   registerNode @1 (node :NodeInfo) -> (redis :RedisEndpoint);
   # Everything `troupe status` shows, read from Redis at the time of the call.
-  status @2 () -> (nodes :List(NodeInfo));
+  status @2 () -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo));
+
+  # Actors. The caller picks the id, which makes creation idempotent: a retry returns the
+  # same actor. Infeasible demands are an error; busy clusters leave the actor PENDING.
+  createActor @3 (id :Text, spec :ActorSpec) -> (actor :ActorInfo);
+  # Waits (up to timeoutMs) until the actor has incarnation >= minIncarnation (and is ALIVE,
+  # if requireAlive) or is DEAD, and returns it; returns the current record on timeout.
+  waitActor @4 (id :Text, minIncarnation :UInt32, timeoutMs :UInt32, requireAlive :Bool = true)
+      -> (actor :ActorInfo);
+  getActorByName @5 (name :Text) -> (actor :ActorInfo);
+  killActor @6 (id :Text, noRestart :Bool) -> ();
+  # From workers and node agents: an incarnation is up, or has ended.
+  actorReady @7 (id :Text, incarnation :UInt32, address :Text, pid :Int64) -> ();
+  workerExited @8 (id :Text, incarnation :UInt32, exit :WorkerExit) -> ();
+
+  # Placement groups. Creation is all or nothing; a group that cannot be placed now stays
+  # PENDING with a reason and is retried when resources are freed; infeasible is an error.
+  createPlacementGroup @9 (id :Text, name :Text, strategy :Text, bundles :List(BundleInfo))
+      -> (group :PlacementGroupInfo);
+  removePlacementGroup @10 (id :Text) -> ();
+  # Resize a live group: append bundles (all or nothing) or remove bundles by index; the other
+  # bundles and the actors in them are untouched. `fromIndex` is the group's size the caller
+  # saw: a retry of an append that already happened returns the group unchanged. Removed
+  # bundles keep their index (shown with no resources), so actors' bundle indices stay valid.
+  addBundles @11 (id :Text, bundles :List(BundleInfo), fromIndex :UInt32) -> (group :PlacementGroupInfo);
+  removeBundles @12 (id :Text, indices :List(UInt32)) -> (group :PlacementGroupInfo);
+  getPlacementGroup @13 (id :Text) -> (group :PlacementGroupInfo);
 }
 
 interface NodeAgent {
   ping @0 () -> (nodeId :Text, pid :Int64);
+  # Starts the worker for this incarnation (idempotent: an incarnation already started is not
+  # started twice).
+  spawnWorker @1 (actor :ActorInfo, initArgs :Data) -> (pid :Int64);
+  # SIGKILLs the worker of this incarnation if it runs; its exit is reported as usual.
+  killWorker @2 (id :Text, incarnation :UInt32) -> ();
+  # The actor's captured output (stdout and stderr), up to maxBytes from the end of each.
+  readLogs @3 (id :Text, maxBytes :UInt32) -> (stdout :Data, stderr :Data);
+}
+
+# What a worker serves: one actor.
+interface Actor {
+  # Generic call: a method name and an opaque payload; the actor defines both.
+  call @0 (method :Text, payload :Data) -> (result :Data);
+  # The actor's typed interface, for built-in actors that have one (e.g. Counter).
+  typed @1 () -> (cap :Capability);
+}
+
+# Typed interface of the built-in Counter test actor.
+interface Counter {
+  add @0 (delta :Int64) -> (value :Int64);
+  get @1 () -> (value :Int64);
 }

@@ -49,6 +49,64 @@ struct ClusterMeta {
   int64_t createdMs = 0;
 };
 
+
+enum class ActorState { kPending, kAlive, kRestarting, kDead };
+const char* actorStateName(ActorState state);  // "PENDING" / "ALIVE" / "RESTARTING" / "DEAD"
+
+// One actor. The controller is its only writer (workers and node agents report to it).
+struct ActorRecord {
+  ActorId id;
+  std::string type;              // name in the worker's actor registry
+  std::string name;              // optional, unique per cluster while the actor is not DEAD
+  NodeId nodeId;                 // where the current incarnation runs (or ran)
+  int64_t pid = 0;
+  std::string address;           // HOST:PORT of the worker's RPC server; empty unless ALIVE
+  ActorState state = ActorState::kPending;
+  uint32_t incarnation = 0;      // bumped on every (re)start; stale reports are ignored
+  int32_t restarts = 0;
+  int32_t maxRestarts = 0;       // -1: unlimited
+  int32_t maxTaskRetries = 0;
+  bool detached = false;         // lifetime: detached actors outlive their creator
+  Resources resources;           // demand of one incarnation
+  std::string initArgs;          // opaque bytes handed to the actor's constructor
+  PlacementGroupId placementGroup;  // empty unless created into a bundle
+  int32_t bundleIndex = -1;
+  std::string deathReason;       // why the last incarnation ended (kept while RESTARTING)
+  int64_t createdMs = 0;
+  int64_t updatedMs = 0;
+};
+
+enum class PlacementStrategy { kPack, kSpread, kStrictPack, kStrictSpread };
+const char* placementStrategyName(PlacementStrategy strategy);  // "PACK", ..., "STRICT_SPREAD"
+Result<PlacementStrategy> parsePlacementStrategy(const std::string& name);
+
+enum class PlacementGroupState { kPending, kCreated, kRemoved };
+const char* placementGroupStateName(PlacementGroupState state);  // "PENDING" / "CREATED" / "REMOVED"
+
+struct Bundle {
+  Resources resources;
+  NodeId nodeId;  // empty while the bundle is not placed
+};
+
+// A placement group; resizable: bundles are appended or removed on a live group.
+struct PlacementGroupRecord {
+  PlacementGroupId id;
+  std::string name;
+  PlacementStrategy strategy = PlacementStrategy::kPack;
+  PlacementGroupState state = PlacementGroupState::kPending;
+  std::vector<Bundle> bundles;
+  std::string pendingReason;  // why it (or its newest bundles) could not be placed yet
+  int64_t createdMs = 0;
+};
+
+// A claim on a node's resources by a holder ("actor:<id>", "pg:<id>:<bundle>"). Claims are
+// keyed by holder, so making or releasing the same claim twice changes nothing.
+struct Reservation {
+  NodeId nodeId;
+  std::string holder;
+  Resources resources;
+};
+
 enum class ClusterEventType { kNodeAdded, kNodeDead };
 const char* clusterEventTypeName(ClusterEventType type);  // "NODE_ADDED" / "NODE_DEAD"
 
@@ -92,6 +150,35 @@ class ClusterStore {
   // Marks the node DEAD with `reason` (e.g. a clean shutdown) and publishes NODE_DEAD.
   // NotFound for an unknown node; a node already dead is left as it is.
   virtual Status markNodeDead(const NodeId& id, const std::string& reason) = 0;
+
+  // ---- Resources ----
+  // Atomically makes every reservation or none: true when each node is ALIVE and has the
+  // resources free (total minus the sum of its other holders' claims); false (nothing written)
+  // otherwise. A holder already holding a claim on that node keeps it (idempotent). The node's
+  // `used` is the sum of its claims.
+  virtual Result<bool> reserve(const std::vector<Reservation>& reservations) = 0;
+  // Drops the claims of these holders on these nodes (resources in the argument are ignored).
+  // Unknown claims are ignored.
+  virtual Status release(const std::vector<Reservation>& reservations) = 0;
+  // Every claim on a node, holder -> resources.
+  virtual Result<std::map<std::string, Resources>> reservations(const NodeId& node) = 0;
+
+  // ---- Actors ----
+  // Writes the whole record (the controller is the single writer).
+  virtual Status putActor(const ActorRecord& actor) = 0;
+  virtual Result<std::optional<ActorRecord>> getActor(const ActorId& id) = 0;
+  // Every actor ever created, sorted by creation time.
+  virtual Result<std::vector<ActorRecord>> listActors() = 0;
+  // Claims `name` for `id`: true if it was free or already `id`'s, false if another actor has it.
+  virtual Result<bool> claimActorName(const std::string& name, const ActorId& id) = 0;
+  // Frees `name` if `id` holds it.
+  virtual Status releaseActorName(const std::string& name, const ActorId& id) = 0;
+  virtual Result<std::optional<ActorId>> lookupActorName(const std::string& name) = 0;
+
+  // ---- Placement groups ----
+  virtual Status putPlacementGroup(const PlacementGroupRecord& group) = 0;
+  virtual Result<std::optional<PlacementGroupRecord>> getPlacementGroup(const PlacementGroupId& id) = 0;
+  virtual Result<std::vector<PlacementGroupRecord>> listPlacementGroups() = 0;
 
   // Opens a subscription to membership events (its own connection for Redis).
   virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;

@@ -31,6 +31,7 @@ class Id {
 using NodeId = Id<struct NodeIdTag>;
 using ActorId = Id<struct ActorIdTag>;
 using GroupId = Id<struct GroupIdTag>;
+using PlacementGroupId = Id<struct PlacementGroupIdTag>;
 
 }  // namespace troupe
 

@@ -16,7 +16,8 @@ namespace troupe {
 
 struct SpawnOptions {
   std::vector<std::string> argv;   // argv[0] is a path or a name looked up on PATH
-  std::string outputPath;          // stdout and stderr appended here; empty: inherit
+  std::string outputPath;          // stdout (and stderr, unless errorPath) appended here; empty: inherit
+  std::string errorPath;           // stderr appended here when set
   bool newSession = false;         // setsid(): survives the parent's terminal and group
   std::vector<std::string> env;    // extra "NAME=value" entries on top of the parent's
 };

@@ -1,0 +1,48 @@
+#include <iostream>
+
+#include "cli.h"
+#include "troupe/runtime/rpc.h"
+
+namespace troupe::cli {
+
+int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes) {
+  auto target = resolveCluster(address, token);
+  if (!target.isOk()) return fail(target.status());
+  auto io = kj::setupAsyncIo();
+  auto snapshot = fetchStatus(io, *target, 3 * kj::SECONDS);
+  if (!snapshot.isOk()) return fail(snapshot.status());
+  const ActorRecord* found = nullptr;
+  for (const auto& a : snapshot->actors) {
+    bool match = a.id.hex() == actor || a.name == actor || (actor.size() >= 4 && a.id.hex().rfind(actor, 0) == 0);
+    if (match && (!found || a.state != ActorState::kDead)) found = &a;
+  }
+  if (!found) return fail(Status(StatusCode::kNotFound, fmt::format("no actor with id or name '{}' (see 'troupe status')", actor)));
+  const NodeRecord* node = nullptr;
+  for (const auto& n : snapshot->nodes) {
+    if (n.id == found->nodeId) node = &n;
+  }
+  if (!node) return fail(Status(StatusCode::kNotFound, fmt::format("actor {} has not run on any node yet", found->id.hex())));
+  auto nodeAddress = parseHostPort(node->address);
+  if (!nodeAddress.isOk()) return fail(nodeAddress.status());
+  std::string out, err;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    auto client = RpcClient::connect(io, *nodeAddress, target->token, 3 * kj::SECONDS).wait(io.waitScope);
+    auto request = client->bootstrap<rpc::NodeAgent>().readLogsRequest();
+    request.setId(found->id.hex());
+    request.setMaxBytes(static_cast<uint32_t>(maxBytes));
+    auto response = request.send().wait(io.waitScope);
+    out.assign(reinterpret_cast<const char*>(response.getStdout().begin()), response.getStdout().size());
+    err.assign(reinterpret_cast<const char*>(response.getStderr().begin()), response.getStderr().size());
+  })) {
+    return fail(statusFromException(*e, fmt::format("cannot read the logs from node {} ({})", node->id.hex(),
+                                                    node->state == NodeState::kDead ? "it is dead" : node->address)));
+  }
+  std::cout << "== actor " << found->id.hex() << " (" << found->type << ") stdout\n" << out;
+  if (!out.empty() && out.back() != '\n') std::cout << '\n';
+  std::cout << "== stderr\n" << err;
+  if (!err.empty() && err.back() != '\n') std::cout << '\n';
+  std::cout.flush();
+  return 0;
+}
+
+}  // namespace troupe::cli

@@ -1,0 +1,441 @@
+#include "controller_core.h"
+
+#include <set>
+
+#include <fmt/format.h>
+
+#include "troupe/runtime/config.h"
+#include "troupe/runtime/logging.h"
+#include "troupe/runtime/resources.h"
+#include "troupe/scheduler/placement.h"
+
+namespace troupe {
+namespace {
+
+// A reservation can lose a race with another controller call's; a fresh snapshot then decides.
+constexpr int kReserveAttempts = 4;
+
+std::string actorHolder(const ActorId& id) { return "actor:" + id.hex(); }
+std::string bundleHolder(const PlacementGroupId& id, size_t index) { return fmt::format("pg:{}:{}", id.hex(), index); }
+
+// A removed bundle keeps its index with no resources and no node.
+bool isRemoved(const Bundle& b) { return b.resources.empty(); }
+
+Status validResources(const Resources& r, const std::string& what) {
+  for (const auto& [name, qty] : r) {
+    if (name.empty() || !(qty >= 0)) {
+      return Status(StatusCode::kInvalidArgument, fmt::format("{}: resource '{}' = {} is not a non-negative quantity", what, name, qty));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status ControllerCore::place(ActorRecord& actor) {
+  if (!actor.placementGroup.empty()) {
+    auto group = store_.getPlacementGroup(actor.placementGroup);
+    if (!group.isOk()) return group.status();
+    if (!group->has_value() || (*group)->state == PlacementGroupState::kRemoved) {
+      return Status(StatusCode::kNotFound, fmt::format("placement group {} does not exist (or was removed)", actor.placementGroup.hex()));
+    }
+    const auto& pg = **group;
+    if (actor.bundleIndex < 0 || static_cast<size_t>(actor.bundleIndex) >= pg.bundles.size() ||
+        isRemoved(pg.bundles[actor.bundleIndex])) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("placement group {} has no bundle {}", pg.id.hex(), actor.bundleIndex));
+    }
+    const Bundle& bundle = pg.bundles[actor.bundleIndex];
+    if (!scheduler::fits(bundle.resources, actor.resources)) {
+      return Status(StatusCode::kResourceExhausted,
+                    fmt::format("infeasible: the actor needs {} but bundle {} of group {} holds only {}",
+                                formatResources(actor.resources), actor.bundleIndex, pg.id.hex(),
+                                formatResources(bundle.resources)));
+    }
+    if (bundle.nodeId.empty()) {
+      return Status(StatusCode::kUnavailable, fmt::format("pending: bundle {} of group {} is not placed yet", actor.bundleIndex, pg.id.hex()));
+    }
+    // The bundle's claim covers every actor in it; check what the others already use.
+    auto all = store_.listActors();
+    if (!all.isOk()) return all.status();
+    Resources used;
+    for (const auto& other : *all) {
+      if (other.id != actor.id && other.placementGroup == actor.placementGroup && other.bundleIndex == actor.bundleIndex &&
+          other.state != ActorState::kDead && !other.nodeId.empty()) {
+        used = scheduler::add(used, other.resources);
+      }
+    }
+    if (!scheduler::fits(scheduler::subtract(bundle.resources, used), actor.resources)) {
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("pending: bundle {} of group {} is full until one of its actors ends", actor.bundleIndex, pg.id.hex()));
+    }
+    actor.nodeId = bundle.nodeId;
+    return Status::ok();
+  }
+  for (int attempt = 0; attempt < kReserveAttempts; ++attempt) {
+    auto nodes = store_.listNodes();
+    if (!nodes.isOk()) return nodes.status();
+    auto node = scheduler::pickNode(scheduler::viewsOf(*nodes), actor.resources);
+    if (!node.isOk()) return node.status();
+    auto reserved = store_.reserve({Reservation{*node, actorHolder(actor.id), actor.resources}});
+    if (!reserved.isOk()) return reserved.status();
+    if (*reserved) {
+      actor.nodeId = *node;
+      return Status::ok();
+    }
+  }
+  return Status(StatusCode::kUnavailable, "pending: resources changed under every attempt to reserve them");
+}
+
+void ControllerCore::releaseActorResources(const ActorRecord& actor) {
+  if (actor.placementGroup.empty() && !actor.nodeId.empty()) {
+    auto s = store_.release({Reservation{actor.nodeId, actorHolder(actor.id), {}}});
+    if (!s.isOk()) TROUPE_LOG(kWarning, "cannot release actor {}'s resources: {}", actor.id.hex(), s.toString());
+  }
+}
+
+Result<ActorRecord> ControllerCore::createActor(ActorRecord actor, std::vector<WorkerAction>& actions) {
+  if (actor.id.empty() || actor.type.empty()) {
+    return Status(StatusCode::kInvalidArgument, "an actor needs an id and a type");
+  }
+  if (actor.maxRestarts < -1 || actor.maxTaskRetries < -1) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("max_restarts ({}) and max_task_retries ({}) must be >= -1 (-1: unlimited)", actor.maxRestarts,
+                              actor.maxTaskRetries));
+  }
+  TROUPE_RETURN_IF_ERROR(validResources(actor.resources, "actor " + actor.type));
+  auto existing = store_.getActor(actor.id);
+  if (!existing.isOk()) return existing.status();
+  if (existing->has_value()) return **existing;  // a retried request
+
+  if (!actor.name.empty()) {
+    auto claimed = store_.claimActorName(actor.name, actor.id);
+    if (!claimed.isOk()) return claimed.status();
+    if (!*claimed) {
+      return Status(StatusCode::kAlreadyExists,
+                    fmt::format("an actor named '{}' already exists; use get_actor('{}') or another name", actor.name, actor.name));
+    }
+  }
+  actor.state = ActorState::kPending;
+  actor.incarnation = 1;
+  actor.restarts = 0;
+  actor.nodeId = NodeId();
+  actor.address.clear();
+  actor.pid = 0;
+  actor.deathReason.clear();
+  actor.createdMs = actor.updatedMs = wallClockMs();
+  Status placed = place(actor);
+  if (!placed.isOk() && placed.code() != StatusCode::kUnavailable) {
+    if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
+    return placed;
+  }
+  if (!placed.isOk()) actor.deathReason = placed.message();  // the pending reason, shown in status
+  TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
+  if (placed.isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actor});
+  return actor;
+}
+
+Result<ActorRecord> ControllerCore::actorReady(const ActorId& id, uint32_t incarnation, const std::string& address,
+                                               int64_t pid) {
+  auto actor = getActor(id);
+  if (!actor.isOk()) return actor.status();
+  if (actor->incarnation != incarnation || actor->state == ActorState::kDead) return actor;  // stale
+  if (actor->state == ActorState::kAlive && actor->address == address) return actor;        // a retry
+  actor->state = ActorState::kAlive;
+  actor->address = address;
+  actor->pid = pid;
+  actor->updatedMs = wallClockMs();
+  TROUPE_RETURN_IF_ERROR(store_.putActor(*actor));
+  return actor;
+}
+
+Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
+                                      std::vector<WorkerAction>& actions) {
+  releaseActorResources(actor);
+  bool restart = allowRestart && (actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts);
+  actor.address.clear();
+  actor.pid = 0;
+  actor.deathReason = reason;
+  actor.updatedMs = wallClockMs();
+  if (!restart) {
+    actor.state = ActorState::kDead;
+    if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
+    TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
+    return retryPending(actions);  // its resources may unblock others
+  }
+  actor.state = ActorState::kRestarting;
+  actor.restarts += 1;
+  actor.incarnation += 1;
+  actor.nodeId = NodeId();
+  Status placed = place(actor);
+  if (!placed.isOk()) {
+    actor.nodeId = NodeId();
+    if (placed.code() != StatusCode::kUnavailable) {
+      actor.state = ActorState::kDead;
+      actor.deathReason = fmt::format("{}; cannot restart: {}", reason, placed.message());
+      if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
+    }
+  }
+  TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
+  if (placed.isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actor});
+  return Status::ok();
+}
+
+Status ControllerCore::workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
+                                    std::vector<WorkerAction>& actions) {
+  auto actor = getActor(id);
+  if (!actor.isOk()) return actor.status();
+  if (actor->incarnation != incarnation || actor->state == ActorState::kDead) return Status::ok();  // stale or repeated
+  return endIncarnation(*actor, reason, true, actions);
+}
+
+Status ControllerCore::killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions) {
+  auto actor = getActor(id);
+  if (!actor.isOk()) return actor.status();
+  if (actor->state == ActorState::kDead) return Status::ok();
+  if (!actor->nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, *actor});
+  if (!noRestart) return Status::ok();  // its exit report applies the restart policy
+  return endIncarnation(*actor, "killed on request (kill with no_restart)", false, actions);
+}
+
+Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions) {
+  std::set<NodeId> dead(nodes.begin(), nodes.end());
+  // Bundles on a dead node lose their claim and wait to be placed again.
+  auto groups = store_.listPlacementGroups();
+  if (!groups.isOk()) return groups.status();
+  for (auto& group : *groups) {
+    if (group.state == PlacementGroupState::kRemoved) continue;
+    bool changed = false;
+    for (size_t i = 0; i < group.bundles.size(); ++i) {
+      Bundle& b = group.bundles[i];
+      if (!b.nodeId.empty() && dead.count(b.nodeId)) {
+        (void)store_.release({Reservation{b.nodeId, bundleHolder(group.id, i), {}}});
+        b.nodeId = NodeId();
+        changed = true;
+      }
+    }
+    if (changed) {
+      group.state = PlacementGroupState::kPending;
+      group.pendingReason = "pending: a node holding some of its bundles died";
+      TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
+    }
+  }
+  auto actors = store_.listActors();
+  if (!actors.isOk()) return actors.status();
+  for (const auto& actor : *actors) {
+    if (actor.state == ActorState::kDead || actor.nodeId.empty() || !dead.count(actor.nodeId)) continue;
+    TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its node {} died", actor.nodeId.hex()), true, actions));
+  }
+  return retryPending(actions);
+}
+
+Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
+  auto nodes = store_.listNodes();
+  if (!nodes.isOk()) return nodes.status();
+  std::set<NodeId> dead;
+  for (const auto& n : *nodes) {
+    if (n.state == NodeState::kDead) dead.insert(n.id);
+  }
+  if (dead.empty()) return Status::ok();
+  std::set<NodeId> affected;
+  auto actors = store_.listActors();
+  if (!actors.isOk()) return actors.status();
+  for (const auto& a : *actors) {
+    if (a.state != ActorState::kDead && dead.count(a.nodeId)) affected.insert(a.nodeId);
+  }
+  auto groups = store_.listPlacementGroups();
+  if (!groups.isOk()) return groups.status();
+  for (const auto& g : *groups) {
+    for (const auto& b : g.bundles) {
+      if (g.state != PlacementGroupState::kRemoved && dead.count(b.nodeId)) affected.insert(b.nodeId);
+    }
+  }
+  if (affected.empty()) return Status::ok();
+  return nodesDied(std::vector<NodeId>(affected.begin(), affected.end()), actions);
+}
+
+Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from) {
+  std::vector<size_t> todo;
+  std::vector<Resources> demands;
+  std::vector<NodeId> existing;
+  for (size_t i = 0; i < group.bundles.size(); ++i) {
+    const Bundle& b = group.bundles[i];
+    if (isRemoved(b)) continue;
+    if (i >= from && b.nodeId.empty()) {
+      todo.push_back(i);
+      demands.push_back(b.resources);
+    } else if (!b.nodeId.empty()) {
+      existing.push_back(b.nodeId);
+    }
+  }
+  if (todo.empty()) return Status::ok();
+  for (int attempt = 0; attempt < kReserveAttempts; ++attempt) {
+    auto nodes = store_.listNodes();
+    if (!nodes.isOk()) return nodes.status();
+    auto placement = scheduler::placeBundles(scheduler::viewsOf(*nodes), demands, group.strategy, existing);
+    if (!placement.isOk()) return placement.status();
+    std::vector<Reservation> claims;
+    for (size_t k = 0; k < todo.size(); ++k) {
+      claims.push_back({(*placement)[k], bundleHolder(group.id, todo[k]), demands[k]});
+    }
+    auto reserved = store_.reserve(claims);
+    if (!reserved.isOk()) return reserved.status();
+    if (*reserved) {
+      for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = (*placement)[k];
+      return Status::ok();
+    }
+  }
+  return Status(StatusCode::kUnavailable, "pending: resources changed under every attempt to reserve them");
+}
+
+Result<PlacementGroupRecord> ControllerCore::createPlacementGroup(PlacementGroupRecord group) {
+  if (group.id.empty()) return Status(StatusCode::kInvalidArgument, "a placement group needs an id");
+  if (group.bundles.empty()) return Status(StatusCode::kInvalidArgument, "a placement group needs at least one bundle");
+  for (size_t i = 0; i < group.bundles.size(); ++i) {
+    auto& b = group.bundles[i];
+    b.nodeId = NodeId();
+    TROUPE_RETURN_IF_ERROR(validResources(b.resources, fmt::format("bundle {}", i)));
+    if (b.resources.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("bundle {} asks for no resources", i));
+  }
+  auto existing = store_.getPlacementGroup(group.id);
+  if (!existing.isOk()) return existing.status();
+  if (existing->has_value()) return **existing;  // a retried request
+  group.createdMs = wallClockMs();
+  Status placed = placeBundles(group, 0);
+  if (!placed.isOk() && placed.code() != StatusCode::kUnavailable) return placed;
+  group.state = placed.isOk() ? PlacementGroupState::kCreated : PlacementGroupState::kPending;
+  group.pendingReason = placed.isOk() ? "" : placed.message();
+  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
+  return group;
+}
+
+Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vector<WorkerAction>& actions) {
+  auto group = getPlacementGroup(id);
+  if (!group.isOk()) return group.status();
+  if (group->state == PlacementGroupState::kRemoved) return Status::ok();
+  std::vector<uint32_t> all;
+  for (uint32_t i = 0; i < group->bundles.size(); ++i) all.push_back(i);
+  auto emptied = removeBundles(id, all, actions);
+  if (!emptied.isOk()) return emptied.status();
+  emptied->state = PlacementGroupState::kRemoved;
+  emptied->pendingReason.clear();
+  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*emptied));
+  return retryPending(actions);
+}
+
+Result<PlacementGroupRecord> ControllerCore::addBundles(const PlacementGroupId& id, const std::vector<Resources>& bundles,
+                                                        uint32_t fromIndex) {
+  auto group = getPlacementGroup(id);
+  if (!group.isOk()) return group.status();
+  if (group->state == PlacementGroupState::kRemoved) {
+    return Status(StatusCode::kFailedPrecondition, fmt::format("placement group {} was removed", id.hex()));
+  }
+  if (bundles.empty()) return Status(StatusCode::kInvalidArgument, "addBundles needs at least one bundle");
+  for (size_t i = 0; i < bundles.size(); ++i) {
+    TROUPE_RETURN_IF_ERROR(validResources(bundles[i], fmt::format("new bundle {}", i)));
+    if (bundles[i].empty()) return Status(StatusCode::kInvalidArgument, fmt::format("new bundle {} asks for no resources", i));
+  }
+  size_t size = group->bundles.size();
+  if (size != fromIndex) {
+    // A retry of an append that already happened finds its bundles in place.
+    bool applied = size >= fromIndex + bundles.size();
+    for (size_t i = 0; applied && i < bundles.size(); ++i) applied = group->bundles[fromIndex + i].resources == bundles[i];
+    if (applied) return group;
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("placement group {} has {} bundles, not {}: it changed since you read it", id.hex(), size, fromIndex));
+  }
+  PlacementGroupRecord grown = *group;
+  for (const auto& r : bundles) grown.bundles.push_back(Bundle{r, NodeId()});
+  TROUPE_RETURN_IF_ERROR(placeBundles(grown, size));
+  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(grown));
+  return grown;
+}
+
+Result<PlacementGroupRecord> ControllerCore::removeBundles(const PlacementGroupId& id, const std::vector<uint32_t>& indices,
+                                                           std::vector<WorkerAction>& actions) {
+  auto group = getPlacementGroup(id);
+  if (!group.isOk()) return group.status();
+  std::set<int32_t> removing;
+  for (uint32_t i : indices) {
+    if (i >= group->bundles.size()) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("placement group {} has no bundle {} (it has {})", id.hex(), i, group->bundles.size()));
+    }
+    if (isRemoved(group->bundles[i])) continue;  // already removed: idempotent
+    removing.insert(static_cast<int32_t>(i));
+  }
+  if (removing.empty()) return group;
+  // Actors in removed bundles end first (no restart: their bundle is gone).
+  auto actors = store_.listActors();
+  if (!actors.isOk()) return actors.status();
+  for (const auto& actor : *actors) {
+    if (actor.placementGroup == id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
+      if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
+      TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its bundle {} of placement group {} was removed",
+                                                               actor.bundleIndex, id.hex()),
+                                            false, actions));
+    }
+  }
+  std::vector<Reservation> claims;
+  for (int32_t i : removing) {
+    Bundle& b = group->bundles[i];
+    if (!b.nodeId.empty()) claims.push_back({b.nodeId, bundleHolder(id, i), {}});
+    b = Bundle{};
+  }
+  TROUPE_RETURN_IF_ERROR(store_.release(claims));
+  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
+  TROUPE_RETURN_IF_ERROR(retryPending(actions));
+  return getPlacementGroup(id);
+}
+
+Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
+  auto groups = store_.listPlacementGroups();
+  if (!groups.isOk()) return groups.status();
+  for (auto& group : *groups) {
+    if (group.state != PlacementGroupState::kPending) continue;
+    Status placed = placeBundles(group, 0);
+    if (placed.isOk()) {
+      group.state = PlacementGroupState::kCreated;
+      group.pendingReason.clear();
+    } else {
+      group.pendingReason = placed.message();
+    }
+    TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
+  }
+  auto actors = store_.listActors();
+  if (!actors.isOk()) return actors.status();
+  for (auto actor : *actors) {
+    bool waiting = (actor.state == ActorState::kPending || actor.state == ActorState::kRestarting) && actor.nodeId.empty();
+    if (!waiting) continue;
+    Status placed = place(actor);
+    if (!placed.isOk()) continue;  // still waiting; its reason stays
+    if (actor.state == ActorState::kPending) actor.deathReason.clear();
+    actor.updatedMs = wallClockMs();
+    TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
+    actions.push_back({WorkerAction::Kind::kSpawn, actor});
+  }
+  return Status::ok();
+}
+
+Result<ActorRecord> ControllerCore::getActor(const ActorId& id) {
+  auto actor = store_.getActor(id);
+  if (!actor.isOk()) return actor.status();
+  if (!actor->has_value()) return Status(StatusCode::kNotFound, fmt::format("no actor with id {}", id.hex()));
+  return **actor;
+}
+
+Result<ActorRecord> ControllerCore::getActorByName(const std::string& name) {
+  auto id = store_.lookupActorName(name);
+  if (!id.isOk()) return id.status();
+  if (!id->has_value()) return Status(StatusCode::kNotFound, fmt::format("no live actor named '{}'", name));
+  return getActor(**id);
+}
+
+Result<PlacementGroupRecord> ControllerCore::getPlacementGroup(const PlacementGroupId& id) {
+  auto group = store_.getPlacementGroup(id);
+  if (!group.isOk()) return group.status();
+  if (!group->has_value()) return Status(StatusCode::kNotFound, fmt::format("no placement group with id {}", id.hex()));
+  return **group;
+}
+
+}  // namespace troupe

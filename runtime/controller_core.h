@@ -1,0 +1,73 @@
+// ControllerCore: the controller's decisions as synchronous functions over the ClusterStore:
+// scheduling actors and placement groups, lifecycle transitions (PENDING -> ALIVE ->
+// RESTARTING -> DEAD), restarts, node deaths, resizes. It holds no state of its own, so the
+// same calls after a controller restart continue where the last one stopped.
+// Side effects on processes are returned as WorkerActions for the caller to carry out.
+// Thread-safety: runs on the controller's I/O thread (the store's thread); every call is a
+// unit, so calls never interleave.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "troupe/runtime/cluster_store.h"
+
+namespace troupe {
+
+// A worker process to start (the actor's current incarnation on actor.nodeId) or to kill.
+struct WorkerAction {
+  enum class Kind { kSpawn, kKill } kind = Kind::kSpawn;
+  ActorRecord actor;
+};
+
+class ControllerCore {
+ public:
+  explicit ControllerCore(ClusterStore& store) : store_(store) {}
+
+  // Creates `actor` (id, type, name, resources, restart policy, group and bundle set by the
+  // caller); idempotent by id. Errors: kInvalidArgument (bad spec), kAlreadyExists (name taken),
+  // kResourceExhausted (infeasible anywhere). A busy cluster leaves it PENDING with a reason.
+  Result<ActorRecord> createActor(ActorRecord actor, std::vector<WorkerAction>& actions);
+  // A worker reports it serves `address`. Stale incarnations are ignored (returns the record).
+  Result<ActorRecord> actorReady(const ActorId& id, uint32_t incarnation, const std::string& address, int64_t pid);
+  // A worker ended (`reason` says how). Restarts it within max_restarts, else marks it DEAD.
+  Status workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
+                      std::vector<WorkerAction>& actions);
+  // noRestart: DEAD now, then kill. Otherwise only kill: its exit follows the restart policy.
+  Status killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions);
+  // Actors on dead nodes restart elsewhere (or die); bundles there are placed again.
+  Status nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions);
+  // Applies nodesDied to every DEAD node still holding live actors or bundles: nodes that died
+  // while no controller ran, or that stopped cleanly. Cheap when there is nothing to do.
+  Status reconcileDeadNodes(std::vector<WorkerAction>& actions);
+
+  // Idempotent by id. Infeasible: kResourceExhausted. Not now: CREATED later, PENDING meanwhile.
+  Result<PlacementGroupRecord> createPlacementGroup(PlacementGroupRecord group);
+  Status removePlacementGroup(const PlacementGroupId& id, std::vector<WorkerAction>& actions);
+  // Appends bundles all or nothing (see the schema for `fromIndex`). kUnavailable "pending: ..."
+  // when they do not fit now (the group is unchanged), kResourceExhausted when they never could.
+  Result<PlacementGroupRecord> addBundles(const PlacementGroupId& id, const std::vector<Resources>& bundles,
+                                          uint32_t fromIndex);
+  Result<PlacementGroupRecord> removeBundles(const PlacementGroupId& id, const std::vector<uint32_t>& indices,
+                                             std::vector<WorkerAction>& actions);
+
+  // Places what waits for resources: PENDING groups' bundles, then actors without a node.
+  Status retryPending(std::vector<WorkerAction>& actions);
+
+  Result<ActorRecord> getActor(const ActorId& id);
+  Result<ActorRecord> getActorByName(const std::string& name);
+  Result<PlacementGroupRecord> getPlacementGroup(const PlacementGroupId& id);
+
+ private:
+  // Finds a node for the actor's current incarnation and claims its resources there (or checks
+  // its bundle has room). Sets actor.nodeId; errors as pickNode's.
+  Status place(ActorRecord& actor);
+  Status placeBundles(PlacementGroupRecord& group, size_t from);
+  void releaseActorResources(const ActorRecord& actor);
+  Status endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
+                        std::vector<WorkerAction>& actions);
+
+  ClusterStore& store_;
+};
+
+}  // namespace troupe

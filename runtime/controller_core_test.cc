@@ -1,0 +1,234 @@
+// ControllerCore's decisions against the in-memory store: scheduling, lifecycle, restarts,
+// node death, placement groups and their resizing; every operation applied twice changes
+// nothing the second time (the RPC handlers are idempotent because these are).
+#include <doctest/doctest.h>
+
+#include "controller_core.h"
+
+namespace troupe {
+namespace {
+
+struct Core {
+  std::unique_ptr<ClusterStore> store = makeFakeClusterStore(makeFakeClusterState());
+  ControllerCore core{*store};
+  std::vector<WorkerAction> actions;
+
+  NodeId addNode(double cpus, Resources extra = {}) {
+    NodeRecord n;
+    n.id = NodeId::generate();
+    n.address = "127.0.0.1:1";
+    n.total = {{"CPU", cpus}};
+    for (auto& [k, v] : extra) n.total[k] = v;
+    REQUIRE(store->registerNode(n, std::chrono::minutes(5)).isOk());
+    return n.id;
+  }
+  ActorRecord spec(double cpus = 1, int maxRestarts = 0) {
+    ActorRecord a;
+    a.id = ActorId::generate();
+    a.type = "Counter";
+    a.resources = {{"CPU", cpus}};
+    a.maxRestarts = maxRestarts;
+    return a;
+  }
+  double used(const NodeId& id) { return (*store->getNode(id))->used.at("CPU"); }
+  size_t spawns() {
+    size_t n = 0;
+    for (auto& a : actions) n += a.kind == WorkerAction::Kind::kSpawn;
+    return n;
+  }
+};
+
+TEST_CASE("core: an actor is placed, reserved, spawned once, and creation is idempotent") {
+  Core c;
+  NodeId node = c.addNode(2);
+  auto spec = c.spec(1);
+  auto a = c.core.createActor(spec, c.actions);
+  REQUIRE(a.isOk());
+  CHECK(a->state == ActorState::kPending);
+  CHECK(a->nodeId == node);
+  CHECK(c.used(node) == 1);
+  CHECK(c.spawns() == 1);
+  auto again = c.core.createActor(spec, c.actions);
+  REQUIRE(again.isOk());
+  CHECK(again->id == a->id);
+  CHECK(c.used(node) == 1);   // not reserved twice
+  CHECK(c.spawns() == 1);     // not spawned twice
+
+  auto ready = c.core.actorReady(a->id, 1, "127.0.0.1:9", 42);
+  REQUIRE(ready.isOk());
+  CHECK(ready->state == ActorState::kAlive);
+  CHECK(c.core.actorReady(a->id, 1, "127.0.0.1:9", 42)->state == ActorState::kAlive);
+}
+
+TEST_CASE("core: infeasible is an error, busy is PENDING until resources are freed") {
+  Core c;
+  NodeId node = c.addNode(2);
+  auto big = c.core.createActor(c.spec(8), c.actions);
+  REQUIRE_FALSE(big.isOk());
+  CHECK(big.status().code() == StatusCode::kResourceExhausted);
+  CHECK(big.status().message().find("infeasible") != std::string::npos);
+
+  auto first = c.core.createActor(c.spec(2), c.actions);
+  REQUIRE(first.isOk());
+  auto second = c.core.createActor(c.spec(2), c.actions);
+  REQUIRE(second.isOk());
+  CHECK(second->state == ActorState::kPending);
+  CHECK(second->nodeId.empty());
+  CHECK(second->deathReason.find("pending") != std::string::npos);
+  CHECK(c.spawns() == 1);
+
+  // The first one dies without restarts: its CPUs go to the waiting one.
+  REQUIRE(c.core.workerExited(first->id, 1, "worker exited with code 1", c.actions).isOk());
+  CHECK(c.core.getActor(first->id)->state == ActorState::kDead);
+  auto placed = c.core.getActor(second->id);
+  CHECK(placed->nodeId == node);
+  CHECK(c.spawns() == 2);
+  CHECK(c.used(node) == 2);
+}
+
+TEST_CASE("core: names are unique among live actors and freed at death") {
+  Core c;
+  c.addNode(4);
+  auto a = c.spec();
+  a.name = "counter";
+  REQUIRE(c.core.createActor(a, c.actions).isOk());
+  auto b = c.spec();
+  b.name = "counter";
+  auto dup = c.core.createActor(b, c.actions);
+  CHECK(dup.status().code() == StatusCode::kAlreadyExists);
+  CHECK(c.core.getActorByName("counter")->id == a.id);
+  REQUIRE(c.core.killActor(a.id, true, c.actions).isOk());
+  REQUIRE(c.core.killActor(a.id, true, c.actions).isOk());  // twice: no change
+  CHECK(c.core.getActorByName("counter").status().code() == StatusCode::kNotFound);
+  CHECK(c.core.createActor(b, c.actions).isOk());
+}
+
+TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports are ignored") {
+  Core c;
+  NodeId node = c.addNode(2);
+  auto a = *c.core.createActor(c.spec(1, 1), c.actions);
+  REQUIRE(c.core.actorReady(a.id, 1, "x:1", 1).isOk());
+  REQUIRE(c.core.workerExited(a.id, 1, "worker killed by signal 11 (SIGSEGV)", c.actions).isOk());
+  auto r = *c.core.getActor(a.id);
+  CHECK(r.state == ActorState::kRestarting);
+  CHECK(r.incarnation == 2);
+  CHECK(r.restarts == 1);
+  CHECK(r.deathReason.find("SIGSEGV") != std::string::npos);
+  CHECK(c.spawns() == 2);
+  CHECK(c.used(node) == 1);
+  REQUIRE(c.core.workerExited(a.id, 1, "again", c.actions).isOk());  // stale incarnation
+  CHECK(c.core.getActor(a.id)->incarnation == 2);
+  CHECK(c.spawns() == 2);
+  REQUIRE(c.core.actorReady(a.id, 2, "x:2", 2).isOk());
+  REQUIRE(c.core.workerExited(a.id, 2, "worker exited with code 3", c.actions).isOk());
+  r = *c.core.getActor(a.id);
+  CHECK(r.state == ActorState::kDead);
+  CHECK(r.deathReason == "worker exited with code 3");
+  CHECK(c.used(node) == 0);
+}
+
+TEST_CASE("core: actors on a dead node restart on another node") {
+  Core c;
+  NodeId a = c.addNode(1);
+  auto restartable = *c.core.createActor(c.spec(1, -1), c.actions);
+  CHECK(restartable.nodeId == a);
+  NodeId b = c.addNode(1);
+  auto mortal = c.spec(1, 0);
+  // Fill b so the mortal one is placed there; then kill node b.
+  auto m = *c.core.createActor(mortal, c.actions);
+  CHECK(m.nodeId == b);
+  REQUIRE(c.store->markNodeDead(a, "test").isOk());
+  REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
+  REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());  // twice: nothing more
+  auto moved = *c.core.getActor(restartable.id);
+  CHECK(moved.state == ActorState::kRestarting);
+  CHECK(moved.deathReason.find("node") != std::string::npos);
+  CHECK(moved.nodeId.empty());  // b is full: it waits for resources
+  REQUIRE(c.store->markNodeDead(b, "test").isOk());
+  NodeId fresh = c.addNode(2);
+  REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
+  CHECK(c.core.getActor(m.id)->state == ActorState::kDead);
+  CHECK(c.core.getActor(restartable.id)->nodeId == fresh);
+}
+
+TEST_CASE("core: placement groups are atomic, resizable, and removal frees everything") {
+  Core c;
+  NodeId a = c.addNode(2);
+  NodeId b = c.addNode(2);
+  PlacementGroupRecord pg;
+  pg.id = PlacementGroupId::generate();
+  pg.strategy = PlacementStrategy::kStrictSpread;
+  pg.bundles = {Bundle{{{"CPU", 1}}, {}}, Bundle{{{"CPU", 1}}, {}}};
+  auto created = c.core.createPlacementGroup(pg);
+  REQUIRE(created.isOk());
+  CHECK(created->state == PlacementGroupState::kCreated);
+  CHECK(created->bundles[0].nodeId != created->bundles[1].nodeId);
+  CHECK(c.used(a) == 1);
+  CHECK(c.used(b) == 1);
+  CHECK(c.core.createPlacementGroup(pg)->bundles.size() == 2);  // twice: same group
+  CHECK(c.used(a) == 1);
+
+  // A third STRICT_SPREAD bundle needs a third node: infeasible now, group unchanged.
+  auto grown = c.core.addBundles(pg.id, {{{"CPU", 1}}}, 2);
+  CHECK(grown.status().code() == StatusCode::kResourceExhausted);
+  CHECK(c.core.getPlacementGroup(pg.id)->bundles.size() == 2);
+
+  // An actor inside bundle 1 uses the bundle's reservation, not more of the node.
+  auto inBundle = c.spec(1);
+  inBundle.placementGroup = pg.id;
+  inBundle.bundleIndex = 1;
+  auto actor = c.core.createActor(inBundle, c.actions);
+  REQUIRE(actor.isOk());
+  CHECK(actor->nodeId == created->bundles[1].nodeId);
+  CHECK(c.used(a) + c.used(b) == 2);
+
+  // Remove bundle 0: bundle 1 and its actor are untouched; twice is a no-op.
+  auto shrunk = c.core.removeBundles(pg.id, {0}, c.actions);
+  REQUIRE(shrunk.isOk());
+  CHECK(shrunk->bundles[0].resources.empty());
+  CHECK(shrunk->bundles[1].nodeId == created->bundles[1].nodeId);
+  CHECK(c.core.removeBundles(pg.id, {0}, c.actions).isOk());
+  CHECK(c.core.getActor(actor->id)->state == ActorState::kPending);
+  CHECK(c.used(a) + c.used(b) == 1);
+
+  // Grow again (from index 2): placed on a node without bundle 1 (strict spread).
+  auto regrown = c.core.addBundles(pg.id, {{{"CPU", 1}}}, 2);
+  REQUIRE(regrown.isOk());
+  CHECK(regrown->bundles[2].nodeId != regrown->bundles[1].nodeId);
+  CHECK(c.core.addBundles(pg.id, {{{"CPU", 1}}}, 2)->bundles.size() == 3);  // a retried append
+  CHECK(c.used(a) + c.used(b) == 2);
+
+  REQUIRE(c.core.removePlacementGroup(pg.id, c.actions).isOk());
+  REQUIRE(c.core.removePlacementGroup(pg.id, c.actions).isOk());
+  CHECK(c.used(a) == 0);
+  CHECK(c.used(b) == 0);
+  CHECK(c.core.getActor(actor->id)->state == ActorState::kDead);
+  CHECK(c.core.getPlacementGroup(pg.id)->state == PlacementGroupState::kRemoved);
+}
+
+TEST_CASE("core: a group that does not fit now stays PENDING with a reason, then is created") {
+  Core c;
+  c.addNode(2);
+  auto blocker = *c.core.createActor(c.spec(2), c.actions);
+  PlacementGroupRecord pg;
+  pg.id = PlacementGroupId::generate();
+  pg.strategy = PlacementStrategy::kStrictPack;
+  pg.bundles = {Bundle{{{"CPU", 1}}, {}}, Bundle{{{"CPU", 1}}, {}}};
+  auto waiting = c.core.createPlacementGroup(pg);
+  REQUIRE(waiting.isOk());
+  CHECK(waiting->state == PlacementGroupState::kPending);
+  CHECK_FALSE(waiting->pendingReason.empty());
+  CHECK(waiting->bundles[0].nodeId.empty());
+  REQUIRE(c.core.killActor(blocker.id, true, c.actions).isOk());
+  auto created = *c.core.getPlacementGroup(pg.id);
+  CHECK(created.state == PlacementGroupState::kCreated);
+  CHECK(created.bundles[0].nodeId == created.bundles[1].nodeId);
+
+  PlacementGroupRecord huge = pg;
+  huge.id = PlacementGroupId::generate();
+  huge.bundles = {Bundle{{{"CPU", 3}}, {}}};
+  CHECK(c.core.createPlacementGroup(huge).status().code() == StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace troupe

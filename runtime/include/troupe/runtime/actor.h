@@ -1,0 +1,57 @@
+// Actors as the worker process hosts them, and the explicit registry of C++ actor types.
+// A worker (troupe-worker) hosts exactly one actor and calls it on its RPC thread, one call at
+// a time, in the order calls arrive (per caller, the order they were submitted).
+// Thread-safety: an Actor is only touched by its worker's RPC thread; a registry is filled in
+// main() before any actor is created and read-only afterwards.
+#pragma once
+
+#include <capnp/capability.h>
+#include <kj/common.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "troupe/runtime/ids.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe {
+
+// What an actor learns about itself at construction.
+struct ActorContext {
+  ActorId id;
+  std::string type;
+  uint32_t incarnation = 1;  // 1 for the first start, +1 for each restart
+};
+
+class Actor {
+ public:
+  virtual ~Actor() = default;
+  // A generic call: the actor defines its methods and payload encodings. An error Status
+  // reaches the caller as an error with this message (the actor keeps running).
+  virtual Result<std::string> call(const std::string& method, std::string_view payload) = 0;
+  // The actor's typed Cap'n Proto interface, for actors that have one.
+  virtual kj::Maybe<capnp::Capability::Client> typed() { return nullptr; }
+};
+
+// Builds an actor from its context and the opaque bytes its creator passed. An error Status
+// makes the worker exit with that message on stderr (reported as the death reason).
+using ActorFactory =
+    std::function<Result<std::unique_ptr<Actor>>(const ActorContext& context, std::string_view initArgs)>;
+
+class ActorRegistry {
+ public:
+  // Registers `type`; a second registration of the same name replaces the first.
+  void add(std::string type, ActorFactory factory);
+  // kNotFound naming the known types when `type` is not registered.
+  Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view initArgs) const;
+  std::vector<std::string> types() const;
+
+ private:
+  std::map<std::string, ActorFactory> factories_;
+};
+
+}  // namespace troupe

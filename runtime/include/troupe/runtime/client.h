@@ -1,0 +1,99 @@
+// The C++ client API: connect to a cluster, create and find actors, call them, kill them, and
+// manage placement groups. Method calls go straight to the actor's worker, never through the
+// controller.
+// Thread-safety: a ClusterClient and its handles belong to the KJ event-loop thread that
+// connected it. Errors are KJ exceptions whose description says what happened:
+//   "actor <id> (<type>) died: <reason>"   the actor is DEAD, or died during the call
+//   "actor <id> (<type>).<method>: <msg>"  the actor's method returned an error
+//   anything else                          the controller's error (infeasible, no such name...)
+#pragma once
+
+#include <capnp/capability.h>
+#include <kj/async-io.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/config.h"
+
+namespace troupe {
+
+struct ActorOptions {
+  std::string type;                 // registered actor type, e.g. "Counter"
+  std::string name;                 // optional; unique among live actors
+  Resources resources{{"CPU", 1}};  // demand of each incarnation
+  int32_t maxRestarts = 0;          // -1: unlimited
+  int32_t maxTaskRetries = 0;       // calls retried on a restarted incarnation; -1: unlimited
+  bool detached = false;            // lifetime="detached" (recorded; see docs/design.md)
+  std::string initArgs;             // bytes for the actor's constructor
+  PlacementGroupId placementGroup;  // run inside this group's bundle
+  int32_t bundleIndex = -1;
+};
+
+class ClusterClient;
+struct ActorConnection;
+
+// A handle to an actor. Copyable; copies share one connection. Survives restarts: after the
+// worker dies, the next call waits for the new incarnation and goes there. Calls from one
+// handle run in submission order; many may be in flight.
+class ActorHandle {
+ public:
+  const ActorId& id() const;
+  // Calls `method` with `payload`; resolves with the actor's reply.
+  kj::Promise<std::string> call(std::string method, std::string payload = {});
+  // The actor's typed interface (e.g. rpc::Counter) on its current incarnation.
+  template <typename T>
+  kj::Promise<typename T::Client> typed() {
+    return typedCapability().then([](capnp::Capability::Client cap) { return cap.castAs<T>(); });
+  }
+  // Resolves once the actor is ALIVE (at least the incarnation this handle last saw).
+  kj::Promise<ActorRecord> ready();
+
+ private:
+  friend class ClusterClient;
+  explicit ActorHandle(std::shared_ptr<ActorConnection> connection) : connection_(std::move(connection)) {}
+  kj::Promise<capnp::Capability::Client> typedCapability();
+  std::shared_ptr<ActorConnection> connection_;
+};
+
+class ClusterClient {
+ public:
+  // Connects to the controller with the cluster token; rejects naming the address and why.
+  static kj::Promise<kj::Own<ClusterClient>> connect(kj::AsyncIoContext& io, const HostPort& controller,
+                                                     std::string token);
+  ~ClusterClient();
+
+  // Creates the actor and resolves with its handle once it is ALIVE. Rejects if it cannot be
+  // placed anywhere (infeasible), its name is taken, or it dies while starting (with why).
+  kj::Promise<ActorHandle> createActor(ActorOptions options);
+  // Creates without waiting: the handle's calls wait for the actor to come up.
+  kj::Promise<ActorHandle> submitActor(ActorOptions options);
+  kj::Promise<ActorHandle> getActor(const std::string& name);
+  // A handle from an id (e.g. one passed from another process).
+  ActorHandle actor(const ActorId& id);
+  // noRestart: the actor is DEAD afterwards; otherwise its restart policy applies.
+  kj::Promise<void> kill(const ActorHandle& actor, bool noRestart = true);
+  kj::Promise<ActorRecord> actorInfo(const ActorId& id);
+  kj::Promise<std::vector<ActorRecord>> listActors();
+
+  // Placement groups: created all or nothing; PENDING (with a reason) while they cannot be
+  // placed; infeasible rejects.
+  kj::Promise<PlacementGroupRecord> createPlacementGroup(PlacementStrategy strategy, std::vector<Resources> bundles,
+                                                         std::string name = {});
+  kj::Promise<PlacementGroupRecord> placementGroup(const PlacementGroupId& id);
+  kj::Promise<void> removePlacementGroup(const PlacementGroupId& id);
+  // Resize a live group (see troupe.capnp: addBundles / removeBundles).
+  kj::Promise<PlacementGroupRecord> addBundles(const PlacementGroupRecord& group, std::vector<Resources> bundles);
+  kj::Promise<PlacementGroupRecord> removeBundles(const PlacementGroupId& id, std::vector<uint32_t> indices);
+
+  // Used by handles: the controller capability and what a connection needs.
+  struct Shared;
+
+ private:
+  explicit ClusterClient(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  std::shared_ptr<Shared> shared_;
+};
+
+}  // namespace troupe
