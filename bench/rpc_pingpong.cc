@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "pingpong.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
@@ -41,43 +42,6 @@ int serveRpc(int port) {
   kj::NEVER_DONE.wait(io.waitScope);
 }
 
-int serveTcp(int port) {
-  int listener = socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(listener, 4) != 0) return 1;
-  int fd = accept(listener, nullptr, nullptr);
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  char buf[64];
-  for (;;) {
-    if (recv(fd, buf, sizeof(buf), MSG_WAITALL) != sizeof(buf)) return 0;
-    if (send(fd, buf, sizeof(buf), 0) != sizeof(buf)) return 0;
-  }
-}
-
-int connectTcp(int port) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (Clock::now() < deadline) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      return fd;
-    }
-    close(fd);
-    usleep(10000);  // the child is still binding: retry with a deadline
-  }
-  return -1;
-}
-
 troupe::ChildProcess spawnSelf(const char* argv0, const char* mode, int port) {
   troupe::SpawnOptions o;
   o.argv = {argv0, mode, std::to_string(port)};
@@ -90,31 +54,14 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "--serve-rpc") return serveRpc(std::stoi(argv[2]));
-  if (argc == 3 && std::string(argv[1]) == "--serve-tcp") return serveTcp(std::stoi(argv[2]));
+  int rc = 0;
+  if (troupe::bench::maybeServeTcp(argc, argv, &rc)) return rc;
   bool json = argc > 1 && std::string(argv[1]) == "--json";
   signal(SIGPIPE, SIG_IGN);
   const int kSync = 3000, kPipelined = 20000, kWindow = 256;
 
   // Peer: raw 64-byte ping-pong between two processes.
-  int tcpPort = *troupe::pickFreePort("127.0.0.1");
-  auto tcpServer = spawnSelf(argv[0], "--serve-tcp", tcpPort);
-  int fd = connectTcp(tcpPort);
-  if (fd < 0) {
-    fprintf(stderr, "bench: cannot reach the TCP peer\n");
-    return 1;
-  }
-  char buf[64] = {};
-  for (int i = 0; i < 200; ++i) {  // warm-up
-    send(fd, buf, 64, 0);
-    recv(fd, buf, 64, MSG_WAITALL);
-  }
-  auto t0 = Clock::now();
-  for (int i = 0; i < kSync; ++i) {
-    send(fd, buf, 64, 0);
-    recv(fd, buf, 64, MSG_WAITALL);
-  }
-  double tcpRttUs = seconds(Clock::now() - t0) / kSync * 1e6;
-  close(fd);
+  double tcpRttUs = troupe::bench::tcpRoundTripUs(argv[0], kSync);
 
   // Troupe RPC to another process.
   int rpcPort = *troupe::pickFreePort("127.0.0.1");
@@ -136,7 +83,7 @@ int main(int argc, char** argv) {
   }
   auto cap = client->bootstrap<troupe::rpc::NodeAgent>();
   for (int i = 0; i < 200; ++i) cap.pingRequest().send().wait(io.waitScope);
-  t0 = Clock::now();
+  auto t0 = Clock::now();
   for (int i = 0; i < kSync; ++i) cap.pingRequest().send().wait(io.waitScope);
   double rpcRttUs = seconds(Clock::now() - t0) / kSync * 1e6;
 

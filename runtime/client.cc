@@ -23,9 +23,8 @@ constexpr uint32_t kWaitChunkMs = 30000;  // a pending actor is waited for in ch
 // KJ prefixes errors that crossed an RPC; the user wants the message.
 std::string plainDescription(const kj::Exception& e) {
   std::string d = e.getDescription().cStr();
-  for (const char* prefix : {"remote exception: ", "remote exception: "}) {
-    if (d.rfind(prefix, 0) == 0) d = d.substr(strlen(prefix));
-  }
+  const std::string prefix = "remote exception: ";
+  if (d.rfind(prefix, 0) == 0) d = d.substr(prefix.size());
   return d;
 }
 
@@ -103,6 +102,11 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
             .then(
                 [c, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
                   c->cap = client->bootstrap<rpc::Actor>();
+                  // Once the worker's connection drops, later calls go to the next incarnation.
+                  std::weak_ptr<ActorConnection> weak = c;
+                  c->shared->tasks.add(client->onDisconnect().then([weak, inc]() {
+                    if (auto alive = weak.lock()) alive->forget(inc);
+                  }));
                   c->rpc = kj::mv(client);
                   c->incarnation = inc;
                   return kj::READY_NOW;

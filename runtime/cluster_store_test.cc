@@ -5,6 +5,8 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -371,6 +373,575 @@ TEST_CASE_TEMPLATE("two stores on the same state see each other's writes", Backe
   auto beat = agent->heartbeat(node.id, kLongTtl);
   REQUIRE(beat.isOk());
   CHECK_FALSE(*beat);  // the agent learns it was declared dead
+}
+
+// ---- Resources ----
+
+// An ALIVE node with exactly `total` and nothing claimed.
+NodeRecord registerResourceNode(ClusterStore& store, Resources total) {
+  NodeRecord node = sampleNode();
+  node.total = std::move(total);
+  node.used.clear();
+  REQUIRE(store.registerNode(node, kLongTtl).isOk());
+  return node;
+}
+
+bool mustReserve(ClusterStore& store, const std::vector<Reservation>& reservations) {
+  auto reserved = store.reserve(reservations);
+  REQUIRE_MESSAGE(reserved.isOk(), reserved.status().toString());
+  return *reserved;
+}
+
+std::map<std::string, Resources> mustReservations(ClusterStore& store, const NodeId& node) {
+  auto claims = store.reservations(node);
+  REQUIRE_MESSAGE(claims.isOk(), claims.status().toString());
+  return *claims;
+}
+
+// `used` as listNodes() reports it (the scheduler's view).
+Resources listedUsed(ClusterStore& store, const NodeId& id) {
+  auto nodes = store.listNodes();
+  REQUIRE_MESSAGE(nodes.isOk(), nodes.status().toString());
+  for (const NodeRecord& node : *nodes) {
+    if (node.id == id) return node.used;
+  }
+  FAIL("node " << id.hex() << " is not listed");
+  return {};
+}
+
+TEST_CASE_TEMPLATE("reserve: a claim that fits is recorded and shows in used", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 8}, {"GPU", 2}, {"memory", 1 << 30}});
+  // Before any claim, `used` is what the node registered with.
+  CHECK(listedUsed(*store, node.id).empty());
+  CHECK(mustReservations(*store, node.id).empty());
+
+  CHECK(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 2}, {"GPU", 1}}}}));
+  // Every resource in total appears in used, 0 when unclaimed.
+  const Resources afterOne = {{"CPU", 2}, {"GPU", 1}, {"memory", 0}};
+  CHECK(listedUsed(*store, node.id) == afterOne);
+  CHECK(mustGet(*store, node.id).used == afterOne);
+
+  CHECK(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 6}, {"memory", 1 << 29}}}}));
+  CHECK(listedUsed(*store, node.id) ==
+        Resources{{"CPU", 8}, {"GPU", 1}, {"memory", 1 << 29}});
+  auto claims = mustReservations(*store, node.id);
+  REQUIRE(claims.size() == 2);
+  CHECK(claims["actor:a"] == Resources{{"CPU", 2}, {"GPU", 1}});
+  CHECK(claims["actor:b"] == Resources{{"CPU", 6}, {"memory", 1 << 29}});
+
+  // An empty list reserves nothing and succeeds.
+  CHECK(mustReserve(*store, {}));
+  CHECK(mustReservations(*store, node.id).size() == 2);
+}
+
+TEST_CASE_TEMPLATE("reserve: over capacity is refused and writes nothing", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
+  REQUIRE(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 3}}}}));
+  const Resources before = listedUsed(*store, node.id);
+
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 2}}}}));
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:c", {{"GPU", 2}}}}));
+  // Two claims in one call that fit alone but not together.
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:d", {{"CPU", 1}}},
+                                   {node.id, "actor:e", {{"CPU", 1}}}}));
+  CHECK(listedUsed(*store, node.id) == before);
+  auto claims = mustReservations(*store, node.id);
+  REQUIRE(claims.size() == 1);
+  CHECK(claims.contains("actor:a"));
+
+  // Exactly the rest fits.
+  CHECK(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 1}, {"GPU", 1}}}}));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 4}, {"GPU", 1}});
+}
+
+TEST_CASE_TEMPLATE("reserve over several nodes is all or nothing", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord roomy = registerResourceNode(*store, {{"CPU", 8}});
+  NodeRecord tight = registerResourceNode(*store, {{"CPU", 1}});
+
+  CHECK_FALSE(mustReserve(*store, {{roomy.id, "pg:g:0", {{"CPU", 4}}},
+                                   {tight.id, "pg:g:1", {{"CPU", 2}}}}));
+  CHECK(mustReservations(*store, roomy.id).empty());
+  CHECK(mustReservations(*store, tight.id).empty());
+  CHECK(listedUsed(*store, roomy.id).empty());  // untouched: never recomputed
+
+  CHECK(mustReserve(*store, {{roomy.id, "pg:g:0", {{"CPU", 4}}},
+                             {tight.id, "pg:g:1", {{"CPU", 1}}}}));
+  CHECK(listedUsed(*store, roomy.id) == Resources{{"CPU", 4}});
+  CHECK(listedUsed(*store, tight.id) == Resources{{"CPU", 1}});
+}
+
+TEST_CASE_TEMPLATE("reserve: the same holder twice is idempotent; a new amount replaces it",
+                   Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
+  const std::vector<Reservation> claim = {{node.id, "actor:a", {{"CPU", 6}}}};
+  REQUIRE(mustReserve(*store, claim));
+  // 6 + 6 would not fit on 8: a second call must not count the holder's own claim.
+  CHECK(mustReserve(*store, claim));
+  CHECK(mustReserve(*store, claim));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 6}});
+  CHECK(mustReservations(*store, node.id).size() == 1);
+
+  REQUIRE(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 2}}}}));
+  // Replacing a's claim is checked against what the others hold: 7 + 2 > 8.
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 7}}}}));
+  CHECK(mustReservations(*store, node.id)["actor:a"] == Resources{{"CPU", 6}});
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 8}});
+  // Shrinking is always allowed, and growing back up to the free capacity too.
+  CHECK(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 1}}}}));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 3}});
+  CHECK(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 6}}}}));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 8}});
+}
+
+TEST_CASE_TEMPLATE("reserve refuses DEAD and unknown nodes", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord alive = registerResourceNode(*store, {{"CPU", 8}});
+  NodeRecord dead = registerResourceNode(*store, {{"CPU", 8}});
+  REQUIRE(store->markNodeDead(dead.id, "drained").isOk());
+  const NodeId unknown = NodeId::generate();
+
+  CHECK_FALSE(mustReserve(*store, {{dead.id, "actor:a", {{"CPU", 1}}}}));
+  CHECK_FALSE(mustReserve(*store, {{unknown, "actor:a", {{"CPU", 1}}}}));
+  // And a dead node in a batch sinks the whole batch.
+  CHECK_FALSE(mustReserve(*store, {{alive.id, "actor:a", {{"CPU", 1}}},
+                                   {dead.id, "actor:b", {{"CPU", 1}}}}));
+  CHECK(mustReservations(*store, alive.id).empty());
+  CHECK(mustReservations(*store, dead.id).empty());
+  CHECK(mustReservations(*store, unknown).empty());
+  // No record appears for the unknown node.
+  auto missing = store->getNode(unknown);
+  REQUIRE(missing.isOk());
+  CHECK_FALSE(missing->has_value());
+
+  // A node that dies keeps its claims until they are released, but takes no new ones, not
+  // even a repeat of a claim it holds.
+  REQUIRE(mustReserve(*store, {{alive.id, "actor:c", {{"CPU", 1}}}}));
+  REQUIRE(store->markNodeDead(alive.id, "lost").isOk());
+  CHECK_FALSE(mustReserve(*store, {{alive.id, "actor:c", {{"CPU", 1}}}}));
+  CHECK(mustReservations(*store, alive.id).size() == 1);
+}
+
+TEST_CASE_TEMPLATE("release frees claims and is idempotent", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord first = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
+  NodeRecord second = registerResourceNode(*store, {{"CPU", 4}});
+  REQUIRE(mustReserve(*store, {{first.id, "pg:g:0", {{"CPU", 4}, {"GPU", 1}}},
+                               {second.id, "pg:g:1", {{"CPU", 3}}},
+                               {first.id, "actor:x", {}}}));
+  CHECK_FALSE(mustReserve(*store, {{first.id, "actor:y", {{"CPU", 1}}}}));
+
+  // The resources in the argument are ignored: the whole claim goes.
+  REQUIRE(store->release({{first.id, "pg:g:0", {}}, {second.id, "pg:g:1", {{"CPU", 1}}}}).isOk());
+  CHECK(listedUsed(*store, first.id) == Resources{{"CPU", 0}, {"GPU", 0}});
+  CHECK(listedUsed(*store, second.id) == Resources{{"CPU", 0}});
+  auto remaining = mustReservations(*store, first.id);
+  REQUIRE(remaining.size() == 1);
+  CHECK(remaining.contains("actor:x"));
+  CHECK(mustReservations(*store, second.id).empty());
+
+  // Again, and claims that never existed, on known and unknown nodes: no error, no change.
+  REQUIRE(store->release({{first.id, "pg:g:0", {}}, {second.id, "pg:g:1", {}}}).isOk());
+  REQUIRE(store->release({{first.id, "actor:never", {}}, {NodeId::generate(), "x", {}}}).isOk());
+  CHECK(listedUsed(*store, first.id) == Resources{{"CPU", 0}, {"GPU", 0}});
+  CHECK(mustReservations(*store, first.id).size() == 1);
+
+  // The freed capacity is usable again.
+  CHECK(mustReserve(*store, {{first.id, "actor:y", {{"CPU", 4}, {"GPU", 1}}}}));
+  CHECK(listedUsed(*store, first.id) == Resources{{"CPU", 4}, {"GPU", 1}});
+
+  // A dead node's claims can still be released.
+  REQUIRE(mustReserve(*store, {{second.id, "actor:z", {{"CPU", 2}}}}));
+  REQUIRE(store->markNodeDead(second.id, "gone").isOk());
+  REQUIRE(store->release({{second.id, "actor:z", {}}}).isOk());
+  CHECK(mustReservations(*store, second.id).empty());
+  CHECK(mustGet(*store, second.id).used == Resources{{"CPU", 0}});
+}
+
+TEST_CASE_TEMPLATE("reserve: fractional amounts add up exactly", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 1}});
+  CHECK(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 0.5}}}}));
+  CHECK(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 0.5}}}}));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 1}});
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:c", {{"CPU", 0.001}}}}));
+
+  // 0.1 + 0.1 + 0.1 is 0.30000000000000004 in binary: the tolerance lets it fit on 0.3.
+  NodeRecord small = registerResourceNode(*store, {{"CPU", 0.3}});
+  CHECK(mustReserve(*store, {{small.id, "actor:d", {{"CPU", 0.1}}}}));
+  CHECK(mustReserve(*store, {{small.id, "actor:e", {{"CPU", 0.1}}}}));
+  CHECK(mustReserve(*store, {{small.id, "actor:f", {{"CPU", 0.1}}}}));
+  // `used` keeps every bit of the sum (cjson's 14 digits would have rounded it to 0.3).
+  CHECK(listedUsed(*store, small.id).at("CPU") == 0.1 + 0.1 + 0.1);
+  // ...but not one bit more.
+  CHECK_FALSE(mustReserve(*store, {{small.id, "actor:g", {{"CPU", 1e-6}}}}));
+}
+
+TEST_CASE_TEMPLATE("reserve: custom resources", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 4}, {"accel_slot", 2}});
+  CHECK(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 1}, {"accel_slot", 2}}}}));
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:b", {{"accel_slot", 1}}}}));
+  // A resource the node does not have at all.
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:b", {{"GPU", 1}}}}));
+  // Asking for none of it is fine, and the name then shows in used.
+  CHECK(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 1}, {"GPU", 0}}}}));
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 2}, {"accel_slot", 2}, {"GPU", 0}});
+  CHECK(mustReservations(*store, node.id)["actor:a"] == Resources{{"CPU", 1}, {"accel_slot", 2}});
+}
+
+TEST_CASE_TEMPLATE("re-registering a node with claims keeps used equal to the claims", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
+  REQUIRE(mustReserve(*store, {{node.id, "actor:a", {{"CPU", 3}}}}));
+  node.used = {{"CPU", 0}};  // what a restarted agent would report
+  node.total = {{"CPU", 8}, {"GPU", 1}};
+  REQUIRE(store->registerNode(node, kLongTtl).isOk());
+  CHECK(mustGet(*store, node.id).used == Resources{{"CPU", 3}, {"GPU", 0}});
+  CHECK(mustReserve(*store, {{node.id, "actor:b", {{"CPU", 5}, {"GPU", 1}}}}));
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:c", {{"CPU", 0.5}}}}));
+
+  // Re-registered with less than is claimed: the node is overcommitted on CPU, so no more CPU
+  // fits, but a claim asking for none of it and for a free resource still does.
+  node.total = {{"CPU", 4}, {"GPU", 2}};
+  REQUIRE(store->registerNode(node, kLongTtl).isOk());
+  CHECK(mustGet(*store, node.id).used == Resources{{"CPU", 8}, {"GPU", 1}});
+  CHECK_FALSE(mustReserve(*store, {{node.id, "actor:c", {{"CPU", 0.5}}}}));
+  CHECK(mustReserve(*store, {{node.id, "actor:c", {{"CPU", 0}, {"GPU", 1}}}}));
+  CHECK(mustGet(*store, node.id).used == Resources{{"CPU", 8}, {"GPU", 2}});
+
+  // Once every claim is released, a registration's own `used` stands again.
+  REQUIRE(store->release({{node.id, "actor:a", {}}, {node.id, "actor:b", {}},
+                          {node.id, "actor:c", {}}}).isOk());
+  CHECK(mustGet(*store, node.id).used == Resources{{"CPU", 0}, {"GPU", 0}});
+  node.used = {{"CPU", 1.25}};
+  REQUIRE(store->registerNode(node, kLongTtl).isOk());
+  CHECK(mustGet(*store, node.id).used == node.used);
+}
+
+TEST_CASE_TEMPLATE("reserve and release reject malformed claims", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
+  auto code = [&](const std::vector<Reservation>& reservations) {
+    return store->reserve(reservations).status().code();
+  };
+  CHECK(code({{NodeId(), "actor:a", {{"CPU", 1}}}}) == StatusCode::kInvalidArgument);
+  CHECK(code({{node.id, "", {{"CPU", 1}}}}) == StatusCode::kInvalidArgument);
+  CHECK(code({{node.id, "actor:a", {{"CPU", -1}}}}) == StatusCode::kInvalidArgument);
+  CHECK(code({{node.id, "actor:a", {{"CPU", std::nan("")}}}}) == StatusCode::kInvalidArgument);
+  CHECK(code({{node.id, "actor:a", {{"CPU", 1}}}, {node.id, "actor:a", {{"CPU", 2}}}}) ==
+        StatusCode::kInvalidArgument);
+  CHECK(store->release({{node.id, "", {}}}).code() == StatusCode::kInvalidArgument);
+  CHECK(store->reservations(NodeId()).status().code() == StatusCode::kInvalidArgument);
+  CHECK(mustReservations(*store, node.id).empty());
+}
+
+// ---- Actors ----
+
+ActorRecord sampleActor() {
+  ActorRecord actor;
+  actor.id = ActorId::generate();
+  actor.type = "Trainer";
+  actor.name = "trainer-0";
+  actor.nodeId = NodeId::generate();
+  actor.pid = 424242;
+  actor.address = "127.0.0.1:5151";
+  actor.state = ActorState::kRestarting;
+  actor.incarnation = 4000000000u;  // above INT32_MAX
+  actor.restarts = 3;
+  actor.maxRestarts = -1;
+  actor.maxTaskRetries = 5;
+  actor.detached = true;
+  actor.resources = {{"CPU", 0.5}, {"GPU", 1}, {"memory", 2147483648.0}, {"accel_slot", 0.25}};
+  const char raw[] = "\0pickled\0\x01\x7f\x80\xff\r\n tail\0";
+  actor.initArgs.assign(raw, sizeof raw);  // includes the terminating NUL too
+  actor.placementGroup = PlacementGroupId::generate();
+  actor.bundleIndex = 7;
+  actor.deathReason = "worker exited with code 137 (SIGKILL)";
+  actor.createdMs = 1700000000123;
+  actor.updatedMs = 1700000004567;
+  return actor;
+}
+
+void checkSameActor(const ActorRecord& got, const ActorRecord& want) {
+  CHECK(got.id == want.id);
+  CHECK(got.type == want.type);
+  CHECK(got.name == want.name);
+  CHECK(got.nodeId == want.nodeId);
+  CHECK(got.pid == want.pid);
+  CHECK(got.address == want.address);
+  CHECK(got.state == want.state);
+  CHECK(got.incarnation == want.incarnation);
+  CHECK(got.restarts == want.restarts);
+  CHECK(got.maxRestarts == want.maxRestarts);
+  CHECK(got.maxTaskRetries == want.maxTaskRetries);
+  CHECK(got.detached == want.detached);
+  CHECK(got.resources == want.resources);
+  CHECK(got.initArgs.size() == want.initArgs.size());
+  CHECK(got.initArgs == want.initArgs);
+  CHECK(got.placementGroup == want.placementGroup);
+  CHECK(got.bundleIndex == want.bundleIndex);
+  CHECK(got.deathReason == want.deathReason);
+  CHECK(got.createdMs == want.createdMs);
+  CHECK(got.updatedMs == want.updatedMs);
+}
+
+ActorRecord mustGetActor(ClusterStore& store, const ActorId& id) {
+  auto actor = store.getActor(id);
+  REQUIRE_MESSAGE(actor.isOk(), actor.status().toString());
+  REQUIRE(actor->has_value());
+  return **actor;
+}
+
+TEST_CASE_TEMPLATE("actors: put, get and list keep every field", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  ActorRecord actor = sampleActor();
+  REQUIRE(actor.initArgs.size() == 22);
+  REQUIRE(actor.initArgs[0] == '\0');
+  REQUIRE(store->putActor(actor).isOk());
+  checkSameActor(mustGetActor(*store, actor.id), actor);
+
+  // A plain actor: defaults, no placement group, empty resources and arguments.
+  ActorRecord plain;
+  plain.id = ActorId::generate();
+  plain.type = "Counter";
+  plain.createdMs = actor.createdMs + 1;
+  REQUIRE(store->putActor(plain).isOk());
+  ActorRecord gotPlain = mustGetActor(*store, plain.id);
+  checkSameActor(gotPlain, plain);
+  CHECK(gotPlain.bundleIndex == -1);
+  CHECK(gotPlain.placementGroup.empty());
+  CHECK(gotPlain.state == ActorState::kPending);
+
+  // A put replaces the whole record.
+  actor.state = ActorState::kAlive;
+  actor.incarnation += 1;
+  actor.initArgs = std::string("\0", 1);
+  actor.deathReason.clear();
+  actor.placementGroup = PlacementGroupId();
+  actor.bundleIndex = -1;
+  actor.resources.clear();
+  REQUIRE(store->putActor(actor).isOk());
+  REQUIRE(store->putActor(actor).isOk());
+  checkSameActor(mustGetActor(*store, actor.id), actor);
+
+  auto list = store->listActors();
+  REQUIRE_MESSAGE(list.isOk(), list.status().toString());
+  REQUIRE(list->size() == 2);
+  checkSameActor((*list)[0], actor);
+  checkSameActor((*list)[1], plain);
+
+  auto missing = store->getActor(ActorId::generate());
+  REQUIRE(missing.isOk());
+  CHECK_FALSE(missing->has_value());
+  CHECK(store->putActor(ActorRecord{}).code() == StatusCode::kInvalidArgument);
+  CHECK(store->getActor(ActorId()).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE_TEMPLATE("listActors sorts by creation time, then id", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto empty = store->listActors();
+  REQUIRE(empty.isOk());
+  CHECK(empty->empty());
+
+  // Ids in the opposite order to creation times, so sorting by id alone would be caught.
+  ActorRecord late = sampleActor();
+  late.id = ActorId("00000000" + randomHex(4));
+  late.createdMs = 3000;
+  ActorRecord early = sampleActor();
+  early.id = ActorId("ffffffff" + randomHex(4));
+  early.createdMs = 1000;
+  ActorRecord tieLow = sampleActor();
+  tieLow.id = ActorId("11111111" + randomHex(4));
+  tieLow.createdMs = 2000;
+  ActorRecord tieHigh = sampleActor();
+  tieHigh.id = ActorId("22222222" + randomHex(4));
+  tieHigh.createdMs = 2000;
+  for (const ActorRecord* actor : {&late, &tieHigh, &early, &tieLow}) {
+    REQUIRE(store->putActor(*actor).isOk());
+  }
+  auto list = store->listActors();
+  REQUIRE(list.isOk());
+  REQUIRE(list->size() == 4);
+  CHECK((*list)[0].id == early.id);
+  CHECK((*list)[1].id == tieLow.id);
+  CHECK((*list)[2].id == tieHigh.id);
+  CHECK((*list)[3].id == late.id);
+  checkSameActor((*list)[0], early);
+}
+
+TEST_CASE_TEMPLATE("actor names: claim, lookup and release", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  const ActorId owner = ActorId::generate();
+  const ActorId rival = ActorId::generate();
+  auto claim = [&](const std::string& name, const ActorId& id) {
+    auto claimed = store->claimActorName(name, id);
+    REQUIRE_MESSAGE(claimed.isOk(), claimed.status().toString());
+    return *claimed;
+  };
+  auto lookup = [&](const std::string& name) {
+    auto found = store->lookupActorName(name);
+    REQUIRE_MESSAGE(found.isOk(), found.status().toString());
+    return *found;
+  };
+
+  CHECK_FALSE(lookup("trainer").has_value());
+  CHECK(claim("trainer", owner));
+  CHECK(claim("trainer", owner));  // a retried claim succeeds
+  CHECK_FALSE(claim("trainer", rival));
+  CHECK(lookup("trainer") == std::optional<ActorId>(owner));
+
+  // Names are independent of each other.
+  CHECK(claim("trainer:eval/1", rival));
+  CHECK(lookup("trainer:eval/1") == std::optional<ActorId>(rival));
+
+  // Releasing by the wrong id changes nothing.
+  REQUIRE(store->releaseActorName("trainer", rival).isOk());
+  CHECK(lookup("trainer") == std::optional<ActorId>(owner));
+  CHECK_FALSE(claim("trainer", rival));
+
+  REQUIRE(store->releaseActorName("trainer", owner).isOk());
+  REQUIRE(store->releaseActorName("trainer", owner).isOk());  // idempotent
+  CHECK_FALSE(lookup("trainer").has_value());
+  CHECK(claim("trainer", rival));
+  CHECK(lookup("trainer") == std::optional<ActorId>(rival));
+  CHECK(lookup("trainer:eval/1") == std::optional<ActorId>(rival));
+
+  CHECK(store->claimActorName("", owner).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->claimActorName("x", ActorId()).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->releaseActorName("", owner).code() == StatusCode::kInvalidArgument);
+  CHECK(store->lookupActorName("").status().code() == StatusCode::kInvalidArgument);
+}
+
+// ---- Placement groups ----
+
+void checkSameGroup(const PlacementGroupRecord& got, const PlacementGroupRecord& want) {
+  CHECK(got.id == want.id);
+  CHECK(got.name == want.name);
+  CHECK(got.strategy == want.strategy);
+  CHECK(got.state == want.state);
+  CHECK(got.pendingReason == want.pendingReason);
+  CHECK(got.createdMs == want.createdMs);
+  REQUIRE(got.bundles.size() == want.bundles.size());
+  for (size_t i = 0; i < want.bundles.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got.bundles[i].resources == want.bundles[i].resources);
+    CHECK(got.bundles[i].nodeId == want.bundles[i].nodeId);
+  }
+}
+
+TEST_CASE_TEMPLATE("placement groups: put, get and list keep every field", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  const PlacementStrategy strategies[] = {PlacementStrategy::kPack, PlacementStrategy::kSpread,
+                                          PlacementStrategy::kStrictPack,
+                                          PlacementStrategy::kStrictSpread};
+  const PlacementGroupState states[] = {PlacementGroupState::kPending,
+                                        PlacementGroupState::kCreated,
+                                        PlacementGroupState::kRemoved};
+  const NodeId placedOn = NodeId::generate();
+  std::vector<PlacementGroupRecord> groups;
+  for (int i = 0; i < 4; ++i) {
+    PlacementGroupRecord group;
+    // Ids descending while creation times ascend.
+    group.id = PlacementGroupId(fmt::format("{:x}{}", 15 - i, randomHex(8)).substr(0, 16));
+    group.name = i == 0 ? "" : fmt::format("group-{}", i);
+    group.strategy = strategies[i];
+    group.state = states[i % 3];
+    group.pendingReason = i % 2 == 0 ? "" : "no node has 2 GPU free";
+    group.createdMs = 1700000000000 + i;
+    if (i > 0) {
+      group.bundles.push_back(Bundle{{{"CPU", 1}, {"GPU", 0.5}}, placedOn});
+      group.bundles.push_back(Bundle{{{"CPU", 2}, {"accel_slot", 1}}, NodeId()});
+      group.bundles.push_back(Bundle{{}, NodeId::generate()});
+    }
+    groups.push_back(group);
+  }
+  for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+    REQUIRE(store->putPlacementGroup(*it).isOk());
+  }
+  for (const PlacementGroupRecord& group : groups) {
+    auto got = store->getPlacementGroup(group.id);
+    REQUIRE_MESSAGE(got.isOk(), got.status().toString());
+    REQUIRE(got->has_value());
+    checkSameGroup(**got, group);
+  }
+  auto list = store->listPlacementGroups();
+  REQUIRE_MESSAGE(list.isOk(), list.status().toString());
+  REQUIRE(list->size() == groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) checkSameGroup((*list)[i], groups[i]);
+
+  // Resized: a bundle is removed and the group placed; the put replaces the record.
+  PlacementGroupRecord& resized = groups[1];
+  resized.bundles.erase(resized.bundles.begin());
+  resized.bundles[0].nodeId = placedOn;
+  resized.state = PlacementGroupState::kCreated;
+  resized.pendingReason.clear();
+  REQUIRE(store->putPlacementGroup(resized).isOk());
+  auto got = store->getPlacementGroup(resized.id);
+  REQUIRE(got.isOk());
+  REQUIRE(got->has_value());
+  checkSameGroup(**got, resized);
+
+  auto missing = store->getPlacementGroup(PlacementGroupId::generate());
+  REQUIRE(missing.isOk());
+  CHECK_FALSE(missing->has_value());
+  CHECK(store->putPlacementGroup(PlacementGroupRecord{}).code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("state and strategy names round trip") {
+  CHECK(std::string(actorStateName(ActorState::kPending)) == "PENDING");
+  CHECK(std::string(actorStateName(ActorState::kAlive)) == "ALIVE");
+  CHECK(std::string(actorStateName(ActorState::kRestarting)) == "RESTARTING");
+  CHECK(std::string(actorStateName(ActorState::kDead)) == "DEAD");
+  CHECK(std::string(placementGroupStateName(PlacementGroupState::kPending)) == "PENDING");
+  CHECK(std::string(placementGroupStateName(PlacementGroupState::kCreated)) == "CREATED");
+  CHECK(std::string(placementGroupStateName(PlacementGroupState::kRemoved)) == "REMOVED");
+
+  const std::pair<PlacementStrategy, const char*> strategies[] = {
+      {PlacementStrategy::kPack, "PACK"},
+      {PlacementStrategy::kSpread, "SPREAD"},
+      {PlacementStrategy::kStrictPack, "STRICT_PACK"},
+      {PlacementStrategy::kStrictSpread, "STRICT_SPREAD"},
+  };
+  for (const auto& [strategy, name] : strategies) {
+    CAPTURE(name);
+    CHECK(std::string(placementStrategyName(strategy)) == name);
+    auto parsed = parsePlacementStrategy(name);
+    REQUIRE(parsed.isOk());
+    CHECK(*parsed == strategy);
+  }
+  for (const char* bad : {"BOGUS", "pack", "", "STRICT_PACK "}) {
+    CAPTURE(bad);
+    auto parsed = parsePlacementStrategy(bad);
+    REQUIRE_FALSE(parsed.isOk());
+    CHECK(parsed.status().code() == StatusCode::kInvalidArgument);
+  }
+  CHECK(parsePlacementStrategy("BOGUS").status().message().find("BOGUS") != std::string::npos);
 }
 
 // ---- Real Redis only ----

@@ -159,8 +159,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
              return actions;
            })
         .then([this](Actions actions) {
-          execute(kj::mv(actions));
           notifyWaiters();
+          return carryOut(kj::mv(actions));  // reply once the worker is gone
         });
   }
 
@@ -218,8 +218,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
              return actions;
            })
         .then([this](Actions actions) {
-          execute(kj::mv(actions));
           notifyWaiters();
+          return carryOut(kj::mv(actions));
         });
   }
 
@@ -247,9 +247,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
              return std::make_pair(std::move(*group), std::move(actions));
            })
         .then([this, context](std::pair<PlacementGroupRecord, Actions> done) mutable {
-          execute(kj::mv(done.second));
           notifyWaiters();
           toPlacementGroupInfo(done.first, context.getResults().initGroup());
+          return carryOut(kj::mv(done.second));
         });
   }
 
@@ -304,13 +304,18 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
         });
   }
 
-  // Starts and stops workers as the core decided. A spawn that fails is reported back as the
-  // incarnation's end, so the restart policy applies to it too.
-  void execute(Actions actions) {
+  // Carries out what the core decided in the background.
+  void execute(Actions actions) { tasks_.add(carryOut(kj::mv(actions))); }
+
+  // Starts and stops workers as the core decided; resolves when every node agent has answered.
+  // A spawn that fails is reported back as the incarnation's end, so the restart policy
+  // applies to it too.
+  kj::Promise<void> carryOut(Actions actions) {
+    auto done = kj::heapArrayBuilder<kj::Promise<void>>(actions.size());
     for (auto& action : actions) {
       ActorRecord actor = kj::mv(action.actor);
       bool spawn = action.kind == WorkerAction::Kind::kSpawn;
-      tasks_.add(nodeAgent(actor.nodeId)
+      done.add(nodeAgent(actor.nodeId)
                      .then([actor, spawn](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
                        if (!spawn) {
                          auto kill = agent.killWorkerRequest();
@@ -342,6 +347,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                            });
                      }));
     }
+    return kj::joinPromises(done.finish());
   }
 
   // A connection to a node's agent, made on first use and kept.

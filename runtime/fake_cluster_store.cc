@@ -1,9 +1,11 @@
 // In-memory ClusterStore for fast unit tests. Mirrors redis_cluster_store.cc call for call:
 // the same suite (cluster_store_test.cc) runs against both, so a difference is a bug here.
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -32,8 +34,27 @@ struct FakeClusterState {
   std::mutex mutex;
   std::optional<ClusterMeta> meta;
   std::map<NodeId, Node> nodes;
+  // Node -> holder -> claimed resources. A node without claims has no entry, as a Redis hash
+  // with no fields does not exist.
+  std::map<NodeId, std::map<std::string, Resources>> claims;
+  std::map<ActorId, ActorRecord> actors;
+  std::map<std::string, ActorId> actorNames;
+  std::map<PlacementGroupId, PlacementGroupRecord> placementGroups;
   // Weak: a subscription that is destroyed simply stops receiving, like a closed connection.
   std::vector<std::weak_ptr<EventQueue>> subscribers;
+
+  // Caller holds `mutex`. Sets the node's `used` to the sum of its claims, listing every
+  // resource in `total` (0 when unclaimed).
+  void recomputeUsed(NodeRecord& node) {
+    Resources used;
+    for (const auto& [name, amount] : node.total) used[name] = 0;
+    if (auto it = claims.find(node.id); it != claims.end()) {
+      for (const auto& [holder, resources] : it->second) {
+        for (const auto& [name, amount] : resources) used[name] += amount;
+      }
+    }
+    node.used = std::move(used);
+  }
 
   // Caller holds `mutex`. Lock order: state mutex, then a queue's mutex.
   void publish(const ClusterEvent& event) {
@@ -99,6 +120,7 @@ class FakeClusterStore final : public ClusterStore {
     stored.record.registeredMs = node.registeredMs != 0 ? node.registeredMs : now;
     stored.record.lastHeartbeatMs = now;
     stored.heartbeatExpiry = Clock::now() + ttl;
+    if (state_->claims.contains(node.id)) state_->recomputeUsed(stored.record);
     state_->publish(ClusterEvent{ClusterEventType::kNodeAdded, node.id, "", now});
     return Status::ok();
   }
@@ -168,6 +190,151 @@ class FakeClusterStore final : public ClusterStore {
     return Status::ok();
   }
 
+  Result<bool> reserve(const std::vector<Reservation>& reservations) override {
+    TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
+    // Node -> holder -> its new claim.
+    std::map<NodeId, std::map<std::string, const Resources*>> wanted;
+    for (const Reservation& r : reservations) wanted[r.nodeId][r.holder] = &r.resources;
+
+    std::lock_guard lock(state_->mutex);
+    for (const auto& [nodeId, holders] : wanted) {
+      auto node = state_->nodes.find(nodeId);
+      if (node == state_->nodes.end() || node->second.record.state != NodeState::kAlive) {
+        return false;
+      }
+      // A holder's new claim replaces its old one, so only the other holders count.
+      Resources others;
+      if (auto it = state_->claims.find(nodeId); it != state_->claims.end()) {
+        for (const auto& [holder, resources] : it->second) {
+          if (holders.contains(holder)) continue;
+          for (const auto& [name, amount] : resources) others[name] += amount;
+        }
+      }
+      Resources demand;
+      for (const auto& [holder, resources] : holders) {
+        for (const auto& [name, amount] : *resources) demand[name] += amount;
+      }
+      const Resources& total = node->second.record.total;
+      for (const auto& [name, amount] : demand) {
+        if (amount > 0 && valueOr(others, name) + amount > valueOr(total, name) + kEpsilon) {
+          return false;
+        }
+      }
+    }
+    for (const auto& [nodeId, holders] : wanted) {
+      auto& nodeClaims = state_->claims[nodeId];
+      for (const auto& [holder, resources] : holders) nodeClaims[holder] = *resources;
+      state_->recomputeUsed(state_->nodes.at(nodeId).record);
+    }
+    return true;
+  }
+
+  Status release(const std::vector<Reservation>& reservations) override {
+    TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/false));
+    std::lock_guard lock(state_->mutex);
+    std::set<NodeId> changed;
+    for (const Reservation& r : reservations) {
+      auto it = state_->claims.find(r.nodeId);
+      if (it == state_->claims.end() || it->second.erase(r.holder) == 0) continue;
+      if (it->second.empty()) state_->claims.erase(it);
+      changed.insert(r.nodeId);
+    }
+    for (const NodeId& id : changed) {
+      if (auto node = state_->nodes.find(id); node != state_->nodes.end()) {
+        state_->recomputeUsed(node->second.record);
+      }
+    }
+    return Status::ok();
+  }
+
+  Result<std::map<std::string, Resources>> reservations(const NodeId& node) override {
+    if (node.empty()) return emptyId();
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->claims.find(node);
+    if (it == state_->claims.end()) return std::map<std::string, Resources>();
+    return it->second;
+  }
+
+  Status putActor(const ActorRecord& actor) override {
+    if (actor.id.empty()) return emptyArgument("actor id");
+    std::lock_guard lock(state_->mutex);
+    state_->actors[actor.id] = actor;
+    return Status::ok();
+  }
+
+  Result<std::optional<ActorRecord>> getActor(const ActorId& id) override {
+    if (id.empty()) return emptyArgument("actor id");
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->actors.find(id);
+    if (it == state_->actors.end()) return std::optional<ActorRecord>();
+    return std::optional<ActorRecord>(it->second);
+  }
+
+  Result<std::vector<ActorRecord>> listActors() override {
+    std::vector<ActorRecord> actors;
+    {
+      std::lock_guard lock(state_->mutex);
+      for (const auto& [id, actor] : state_->actors) actors.push_back(actor);
+    }
+    // Redis' zset order: by score (created_ms), then by member (the id).
+    std::sort(actors.begin(), actors.end(), [](const ActorRecord& a, const ActorRecord& b) {
+      return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
+    });
+    return actors;
+  }
+
+  Result<bool> claimActorName(const std::string& name, const ActorId& id) override {
+    TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
+    std::lock_guard lock(state_->mutex);
+    auto [it, inserted] = state_->actorNames.try_emplace(name, id);
+    return inserted || it->second == id;
+  }
+
+  Status releaseActorName(const std::string& name, const ActorId& id) override {
+    TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->actorNames.find(name);
+    if (it != state_->actorNames.end() && it->second == id) state_->actorNames.erase(it);
+    return Status::ok();
+  }
+
+  Result<std::optional<ActorId>> lookupActorName(const std::string& name) override {
+    if (name.empty()) return emptyArgument("actor name");
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->actorNames.find(name);
+    if (it == state_->actorNames.end()) return std::optional<ActorId>();
+    return std::optional<ActorId>(it->second);
+  }
+
+  Status putPlacementGroup(const PlacementGroupRecord& group) override {
+    if (group.id.empty()) return emptyArgument("placement group id");
+    std::lock_guard lock(state_->mutex);
+    state_->placementGroups[group.id] = group;
+    return Status::ok();
+  }
+
+  Result<std::optional<PlacementGroupRecord>> getPlacementGroup(
+      const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->placementGroups.find(id);
+    if (it == state_->placementGroups.end()) return std::optional<PlacementGroupRecord>();
+    return std::optional<PlacementGroupRecord>(it->second);
+  }
+
+  Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override {
+    std::vector<PlacementGroupRecord> groups;
+    {
+      std::lock_guard lock(state_->mutex);
+      for (const auto& [id, group] : state_->placementGroups) groups.push_back(group);
+    }
+    std::sort(groups.begin(), groups.end(),
+              [](const PlacementGroupRecord& a, const PlacementGroupRecord& b) {
+                return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
+              });
+    return groups;
+  }
+
   Result<std::unique_ptr<EventSubscription>> subscribe() override {
     auto queue = std::make_shared<FakeClusterState::EventQueue>();
     {
@@ -179,7 +346,56 @@ class FakeClusterStore final : public ClusterStore {
   }
 
  private:
-  static Status emptyId() { return Status(StatusCode::kInvalidArgument, "empty node id"); }
+  // Redis compares claims with the same tolerance (redis_cluster_store.cc, kReserveBody).
+  static constexpr double kEpsilon = 1e-9;
+
+  static double valueOr(const Resources& resources, const std::string& name) {
+    auto it = resources.find(name);
+    return it == resources.end() ? 0.0 : it->second;
+  }
+
+  static Status emptyArgument(std::string_view what) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("empty {}", what));
+  }
+  static Status emptyId() { return emptyArgument("node id"); }
+
+  static Status checkNameArgs(const std::string& name, const ActorId& id) {
+    if (name.empty()) return emptyArgument("actor name");
+    if (id.empty()) return emptyArgument("actor id");
+    return Status::ok();
+  }
+
+  // Same checks, same messages as redis_cluster_store.cc's.
+  static Status checkReservations(const std::vector<Reservation>& reservations,
+                                  bool forReserve) {
+    std::set<std::pair<NodeId, std::string>> seen;
+    for (const Reservation& r : reservations) {
+      if (r.nodeId.empty()) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("reservation of holder '{}' has an empty node id", r.holder));
+      }
+      if (r.holder.empty()) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("reservation on node {} has an empty holder", r.nodeId.hex()));
+      }
+      if (!forReserve) continue;
+      for (const auto& [name, amount] : r.resources) {
+        if (!std::isfinite(amount) || amount < 0) {
+          return Status(StatusCode::kInvalidArgument,
+                        fmt::format("holder '{}' asks node {} for {} {}; amounts must be finite "
+                                    "and non-negative",
+                                    r.holder, r.nodeId.hex(), amount, name));
+        }
+      }
+      if (!seen.emplace(r.nodeId, r.holder).second) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("holder '{}' appears twice for node {} in one reserve(); merge "
+                                  "its resources into one reservation",
+                                  r.holder, r.nodeId.hex()));
+      }
+    }
+    return Status::ok();
+  }
 
   static Status checkNodeArgs(const NodeId& id, std::chrono::milliseconds ttl) {
     if (id.empty()) return emptyId();

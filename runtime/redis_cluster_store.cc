@@ -1,15 +1,29 @@
 // ClusterStore over Redis (hiredis, synchronous). This is the only file that spells a Redis key.
 //
 // Key layout, prefix P = "troupe:<cluster>:":
-//   P meta            hash  {token, controller_address, controller_pid, created_ms}
-//   P nodes           zset  node ids scored by registered_ms
-//   P node:<id>       hash  {id, address, hostname, pid, is_head, state, total, used, labels,
-//                            registered_ms, last_heartbeat_ms, death_reason}
-//   P node_hb:<id>    string with a PX ttl: the heartbeat; its absence means the node missed it
-//   P events          pub/sub channel of JSON {"type","node_id","reason","time_ms"}
+//   P meta             hash  {token, controller_address, controller_pid, created_ms}
+//   P nodes            zset  node ids scored by registered_ms
+//   P node:<id>        hash  {id, address, hostname, pid, is_head, state, total, used, labels,
+//                             registered_ms, last_heartbeat_ms, death_reason}; total, used and
+//                             labels are JSON objects. While the node has claims, `used` is their
+//                             sum (every name in total, 0 if unclaimed), rewritten by each script
+//                             that changes the claims or re-registers the node.
+//   P node_hb:<id>     string with a PX ttl: the heartbeat; its absence means the node missed it
+//   P node_res:<id>    hash  holder -> JSON resources: the claims on the node (reserve/release)
+//   P actors           zset  actor ids scored by created_ms
+//   P actor:<id>       hash  {id, type, name, node_id, pid, address, state, incarnation,
+//                             restarts, max_restarts, max_task_retries, detached, resources (JSON),
+//                             init_args (raw bytes), placement_group, bundle_index, death_reason,
+//                             created_ms, updated_ms}
+//   P actor_name:<name> string: the id of the actor holding the name
+//   P pgs              zset  placement group ids scored by created_ms
+//   P pg:<id>          hash  {id, name, strategy, state, pending_reason, created_ms,
+//                             bundles (JSON array of {"resources": {...}, "node_id": "..."})}
+//   P events           pub/sub channel of JSON {"type","node_id","reason","time_ms"}
 //
-// Every membership change runs as one Lua script, so the hash, the zset, the heartbeat key and
-// the published event never disagree, even with several controllers reaping at once.
+// Every membership or claim change runs as one Lua script, so the hashes, the zsets, the
+// heartbeat key and the published event never disagree, even with several controllers at once.
+// Every argument travels with an explicit length (redisCommandArgv), so init_args may hold NULs.
 #include <hiredis/hiredis.h>
 #include <poll.h>
 #include <pthread.h>
@@ -17,7 +31,9 @@
 #include <sys/time.h>
 
 #include <charconv>
+#include <cmath>
 #include <cstring>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include <fmt/format.h>
@@ -40,6 +56,47 @@ const char* clusterEventTypeName(ClusterEventType type) {
   switch (type) {
     case ClusterEventType::kNodeAdded: return "NODE_ADDED";
     case ClusterEventType::kNodeDead: return "NODE_DEAD";
+  }
+  return "UNKNOWN";
+}
+
+const char* actorStateName(ActorState state) {
+  switch (state) {
+    case ActorState::kPending: return "PENDING";
+    case ActorState::kAlive: return "ALIVE";
+    case ActorState::kRestarting: return "RESTARTING";
+    case ActorState::kDead: return "DEAD";
+  }
+  return "UNKNOWN";
+}
+
+const char* placementStrategyName(PlacementStrategy strategy) {
+  switch (strategy) {
+    case PlacementStrategy::kPack: return "PACK";
+    case PlacementStrategy::kSpread: return "SPREAD";
+    case PlacementStrategy::kStrictPack: return "STRICT_PACK";
+    case PlacementStrategy::kStrictSpread: return "STRICT_SPREAD";
+  }
+  return "UNKNOWN";
+}
+
+Result<PlacementStrategy> parsePlacementStrategy(const std::string& name) {
+  for (PlacementStrategy strategy :
+       {PlacementStrategy::kPack, PlacementStrategy::kSpread, PlacementStrategy::kStrictPack,
+        PlacementStrategy::kStrictSpread}) {
+    if (name == placementStrategyName(strategy)) return strategy;
+  }
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("unknown placement strategy '{}'; use PACK, SPREAD, STRICT_PACK or "
+                            "STRICT_SPREAD",
+                            name));
+}
+
+const char* placementGroupStateName(PlacementGroupState state) {
+  switch (state) {
+    case PlacementGroupState::kPending: return "PENDING";
+    case PlacementGroupState::kCreated: return "CREATED";
+    case PlacementGroupState::kRemoved: return "REMOVED";
   }
   return "UNKNOWN";
 }
@@ -256,11 +313,39 @@ class RedisConnection {
 
 // ---- Lua scripts. Each may run twice after a lost reply (RedisConnection::run retries). ----
 
-// KEYS: node hash, nodes zset, heartbeat key.
+// Defines recomputeUsed(nodeKey, claimsKey): rewrites the node's `used` as the sum of its
+// claims, listing every resource in `total` (0 when unclaimed). Prepended to the scripts that
+// change claims. The JSON is built by hand because cjson writes numbers with 14 significant
+// digits, which would turn a sum of exact claims into a `used` that no longer adds up.
+// TODO(correctness): sums follow the hash's field order while the fake sums in holder order;
+// for quantities that are not exact binary fractions `used` may then differ in the last bit.
+constexpr const char* kRecomputeUsedLua = R"lua(
+local function recomputeUsed(nodeKey, claimsKey)
+  local used = {}
+  for name, _ in pairs(cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')) do
+    used[name] = 0
+  end
+  local claims = redis.call('HGETALL', claimsKey)
+  for j = 2, #claims, 2 do
+    for name, amount in pairs(cjson.decode(claims[j])) do
+      used[name] = (used[name] or 0) + amount
+    end
+  end
+  local parts = {}
+  for name, amount in pairs(used) do
+    table.insert(parts, cjson.encode(name) .. ':' .. string.format('%.17g', amount))
+  end
+  redis.call('HSET', nodeKey, 'used', '{' .. table.concat(parts, ',') .. '}')
+end
+)lua";
+
+// KEYS: node hash, nodes zset, heartbeat key, claims hash.
 // ARGV: ttl ms, registered ms, node id, events channel, NODE_ADDED message, then the hash's
-// field/value pairs. Re-registering overwrites every field, so it is idempotent.
-constexpr const char* kRegisterScript = R"lua(
+// field/value pairs. Re-registering overwrites every field, so it is idempotent. A node that
+// still holds claims (re-registered without restarting) keeps `used` equal to their sum.
+constexpr const char* kRegisterBody = R"lua(
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+if redis.call('EXISTS', KEYS[4]) == 1 then recomputeUsed(KEYS[1], KEYS[4]) end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[1])
 redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -313,7 +398,8 @@ redis.call('PUBLISH', ARGV[1], cjson.encode({type = 'NODE_DEAD', node_id = ARGV[
 return 1
 )lua";
 
-// KEYS: nodes zset. ARGV: node hash prefix. One consistent snapshot in one round trip.
+// KEYS: an index zset (nodes, actors, pgs). ARGV: the prefix of its record hashes.
+// One consistent snapshot in one round trip, in zset order (score, then id).
 constexpr const char* kListScript = R"lua(
 local out = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
@@ -322,6 +408,111 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
 end
 return out
 )lua";
+
+// KEYS: per reservation, its node hash and that node's claims hash.
+// ARGV: per reservation, the holder and its resources as a JSON object.
+// All or nothing: checks every node first and returns 0 without writing when one refuses.
+// A holder's new claim replaces its old one, so its old amount does not count against it.
+// The caller guarantees each (node, holder) pair appears once.
+constexpr const char* kReserveBody = R"lua(
+local eps = 1e-9
+local nodes, order = {}, {}
+for i = 1, #KEYS / 2 do
+  local nodeKey = KEYS[2 * i - 1]
+  local node = nodes[nodeKey]
+  if not node then
+    node = {claimsKey = KEYS[2 * i], holders = {}, demand = {}}
+    nodes[nodeKey] = node
+    table.insert(order, nodeKey)
+  end
+  node.holders[ARGV[2 * i - 1]] = ARGV[2 * i]
+  for name, amount in pairs(cjson.decode(ARGV[2 * i])) do
+    node.demand[name] = (node.demand[name] or 0) + amount
+  end
+end
+for _, nodeKey in ipairs(order) do
+  local node = nodes[nodeKey]
+  if redis.call('HGET', nodeKey, 'state') ~= 'ALIVE' then return 0 end
+  local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
+  local others = {}
+  local claims = redis.call('HGETALL', node.claimsKey)
+  for j = 1, #claims, 2 do
+    if node.holders[claims[j]] == nil then
+      for name, amount in pairs(cjson.decode(claims[j + 1])) do
+        others[name] = (others[name] or 0) + amount
+      end
+    end
+  end
+  for name, amount in pairs(node.demand) do
+    if amount > 0 and (others[name] or 0) + amount > (total[name] or 0) + eps then return 0 end
+  end
+end
+for _, nodeKey in ipairs(order) do
+  local node = nodes[nodeKey]
+  for holder, resources in pairs(node.holders) do
+    redis.call('HSET', node.claimsKey, holder, resources)
+  end
+  recomputeUsed(nodeKey, node.claimsKey)
+end
+return 1
+)lua";
+
+// KEYS: per claim, its node hash and that node's claims hash. ARGV: per claim, the holder.
+// `used` is rewritten only on nodes that lost a claim, and only while the node exists.
+constexpr const char* kReleaseBody = R"lua(
+local changed, order = {}, {}
+for i = 1, #ARGV do
+  local nodeKey = KEYS[2 * i - 1]
+  if redis.call('HDEL', KEYS[2 * i], ARGV[i]) == 1 and not changed[nodeKey] then
+    changed[nodeKey] = KEYS[2 * i]
+    table.insert(order, nodeKey)
+  end
+end
+for _, nodeKey in ipairs(order) do
+  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, changed[nodeKey]) end
+end
+return 1
+)lua";
+
+// KEYS: record hash, index zset. ARGV: score, member, then the hash's field/value pairs.
+// Replaces the whole record.
+constexpr const char* kPutRecordScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+return 1
+)lua";
+
+// KEYS: name key. ARGV: actor id. 1 when the name was free or already this actor's, so a
+// retried claim whose first reply was lost still reports success.
+constexpr const char* kClaimNameScript = R"lua(
+local holder = redis.call('GET', KEYS[1])
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+if holder == ARGV[1] then return 1 end
+return 0
+)lua";
+
+// KEYS: name key. ARGV: actor id. Deletes the name only if this actor holds it.
+constexpr const char* kReleaseNameScript = R"lua(
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+)lua";
+
+const std::string& registerScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kRegisterBody;
+  return script;
+}
+const std::string& reserveScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveBody;
+  return script;
+}
+const std::string& releaseScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReleaseBody;
+  return script;
+}
 
 // ---- Encoding ----
 
@@ -332,10 +523,45 @@ Status malformed(const std::string& key, const std::string& detail) {
                             key, detail));
 }
 
-bool parseInt64(const std::string& text, int64_t& out) {
+template <typename Integer>
+bool parseInteger(const std::string& text, Integer& out) {
   const char* end = text.data() + text.size();
   auto [ptr, ec] = std::from_chars(text.data(), end, out);
   return ec == std::errc() && ptr == end;
+}
+
+std::optional<ActorState> parseActorState(const std::string& name) {
+  for (ActorState state :
+       {ActorState::kPending, ActorState::kAlive, ActorState::kRestarting, ActorState::kDead}) {
+    if (name == actorStateName(state)) return state;
+  }
+  return std::nullopt;
+}
+
+std::optional<PlacementGroupState> parsePlacementGroupState(const std::string& name) {
+  for (PlacementGroupState state : {PlacementGroupState::kPending, PlacementGroupState::kCreated,
+                                    PlacementGroupState::kRemoved}) {
+    if (name == placementGroupStateName(state)) return state;
+  }
+  return std::nullopt;
+}
+
+std::string bundlesJson(const std::vector<Bundle>& bundles) {
+  json array = json::array();
+  for (const Bundle& bundle : bundles) {
+    array.push_back(json{{"resources", json(bundle.resources)}, {"node_id", bundle.nodeId.hex()}});
+  }
+  return array.dump();
+}
+
+// Throws json::exception when `text` is not an array of {"resources": {...}, "node_id": "..."}.
+std::vector<Bundle> parseBundlesJson(const std::string& text) {
+  std::vector<Bundle> bundles;
+  for (const json& item : json::parse(text).get<std::vector<json>>()) {
+    bundles.push_back(Bundle{item.at("resources").get<Resources>(),
+                             NodeId(item.at("node_id").get<std::string>())});
+  }
+  return bundles;
 }
 
 using FieldMap = std::map<std::string, std::string>;
@@ -473,8 +699,8 @@ class RedisClusterStore final : public ClusterStore {
     ClusterMeta meta;
     meta.token = (*fields)["token"];
     meta.controllerAddress = (*fields)["controller_address"];
-    if (!parseInt64((*fields)["controller_pid"], meta.controllerPid) ||
-        !parseInt64((*fields)["created_ms"], meta.createdMs)) {
+    if (!parseInteger((*fields)["controller_pid"], meta.controllerPid) ||
+        !parseInteger((*fields)["created_ms"], meta.createdMs)) {
       return malformed(metaKey(), "controller_pid or created_ms is not an integer");
     }
     return std::optional<ClusterMeta>(std::move(meta));
@@ -486,11 +712,12 @@ class RedisClusterStore final : public ClusterStore {
     const int64_t registeredMs = node.registeredMs != 0 ? node.registeredMs : now;
     std::vector<std::string> args = {
         "EVAL",
-        kRegisterScript,
-        "3",
+        registerScript(),
+        "4",
         nodeKey(node.id),
         nodesKey(),
         heartbeatKey(node.id),
+        claimsKey(node.id),
         std::to_string(ttl.count()),
         std::to_string(registeredMs),
         node.id.hex(),
@@ -583,6 +810,200 @@ class RedisClusterStore final : public ClusterStore {
     return Status::ok();
   }
 
+  Result<bool> reserve(const std::vector<Reservation>& reservations) override {
+    TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
+    if (reservations.empty()) return true;
+    std::vector<std::string> args = {"EVAL", reserveScript(),
+                                     std::to_string(2 * reservations.size())};
+    for (const Reservation& r : reservations) {
+      args.push_back(nodeKey(r.nodeId));
+      args.push_back(claimsKey(r.nodeId));
+    }
+    for (const Reservation& r : reservations) {
+      args.push_back(r.holder);
+      args.push_back(json(r.resources).dump());
+    }
+    auto reply = connection_.run(args, "reserve");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("reserve", **reply);
+    return (*reply)->integer == 1;
+  }
+
+  Status release(const std::vector<Reservation>& reservations) override {
+    TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/false));
+    if (reservations.empty()) return Status::ok();
+    std::vector<std::string> args = {"EVAL", releaseScript(),
+                                     std::to_string(2 * reservations.size())};
+    for (const Reservation& r : reservations) {
+      args.push_back(nodeKey(r.nodeId));
+      args.push_back(claimsKey(r.nodeId));
+    }
+    for (const Reservation& r : reservations) args.push_back(r.holder);
+    auto reply = connection_.run(args, "release");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::map<std::string, Resources>> reservations(const NodeId& node) override {
+    if (node.empty()) return emptyId();
+    const std::string key = claimsKey(node);
+    auto reply = connection_.run({"HGETALL", key}, "reservations");
+    if (!reply) return reply.status();
+    auto fields = fieldMap(**reply, key);
+    if (!fields) return fields.status();
+    std::map<std::string, Resources> claims;
+    for (const auto& [holder, resources] : *fields) {
+      try {
+        claims[holder] = json::parse(resources).get<Resources>();
+      } catch (const json::exception& e) {
+        return malformed(key, fmt::format("the claim of '{}' is not a JSON object of numbers: {}",
+                                          holder, e.what()));
+      }
+    }
+    return claims;
+  }
+
+  Status putActor(const ActorRecord& actor) override {
+    if (actor.id.empty()) return emptyArgument("actor id");
+    std::vector<std::string> args = {
+        "EVAL",
+        kPutRecordScript,
+        "2",
+        actorKey(actor.id),
+        actorsKey(),
+        std::to_string(actor.createdMs),
+        actor.id.hex(),
+        "id", actor.id.hex(),
+        "type", actor.type,
+        "name", actor.name,
+        "node_id", actor.nodeId.hex(),
+        "pid", std::to_string(actor.pid),
+        "address", actor.address,
+        "state", actorStateName(actor.state),
+        "incarnation", std::to_string(actor.incarnation),
+        "restarts", std::to_string(actor.restarts),
+        "max_restarts", std::to_string(actor.maxRestarts),
+        "max_task_retries", std::to_string(actor.maxTaskRetries),
+        "detached", actor.detached ? "1" : "0",
+        "resources", json(actor.resources).dump(),
+        "init_args", actor.initArgs,
+        "placement_group", actor.placementGroup.hex(),
+        "bundle_index", std::to_string(actor.bundleIndex),
+        "death_reason", actor.deathReason,
+        "created_ms", std::to_string(actor.createdMs),
+        "updated_ms", std::to_string(actor.updatedMs),
+    };
+    auto reply = connection_.run(args, "putActor");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::optional<ActorRecord>> getActor(const ActorId& id) override {
+    if (id.empty()) return emptyArgument("actor id");
+    auto reply = connection_.run({"HGETALL", actorKey(id)}, "getActor");
+    if (!reply) return reply.status();
+    auto fields = fieldMap(**reply, actorKey(id));
+    if (!fields) return fields.status();
+    if (fields->empty()) return std::optional<ActorRecord>();
+    auto actor = decodeActor(*fields, actorKey(id));
+    if (!actor) return actor.status();
+    return std::optional<ActorRecord>(std::move(actor).value());
+  }
+
+  Result<std::vector<ActorRecord>> listActors() override {
+    auto reply = connection_.run({"EVAL", kListScript, "1", actorsKey(), actorKeyPrefix()},
+                                 "listActors");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listActors", **reply);
+    std::vector<ActorRecord> actors;
+    actors.reserve((*reply)->elements);
+    for (size_t i = 0; i < (*reply)->elements; ++i) {
+      auto fields = fieldMap(*(*reply)->element[i], actorKeyPrefix() + "*");
+      if (!fields) return fields.status();
+      auto actor = decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]);
+      if (!actor) return actor.status();
+      actors.push_back(std::move(actor).value());
+    }
+    return actors;
+  }
+
+  Result<bool> claimActorName(const std::string& name, const ActorId& id) override {
+    TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
+    auto reply = connection_.run({"EVAL", kClaimNameScript, "1", actorNameKey(name), id.hex()},
+                                 "claimActorName");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("claimActorName", **reply);
+    return (*reply)->integer == 1;
+  }
+
+  Status releaseActorName(const std::string& name, const ActorId& id) override {
+    TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
+    auto reply = connection_.run({"EVAL", kReleaseNameScript, "1", actorNameKey(name), id.hex()},
+                                 "releaseActorName");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::optional<ActorId>> lookupActorName(const std::string& name) override {
+    if (name.empty()) return emptyArgument("actor name");
+    auto reply = connection_.run({"GET", actorNameKey(name)}, "lookupActorName");
+    if (!reply) return reply.status();
+    if ((*reply)->type == REDIS_REPLY_NIL) return std::optional<ActorId>();
+    if ((*reply)->type != REDIS_REPLY_STRING) return unexpected("lookupActorName", **reply);
+    return std::optional<ActorId>(ActorId(replyText(**reply)));
+  }
+
+  Status putPlacementGroup(const PlacementGroupRecord& group) override {
+    if (group.id.empty()) return emptyArgument("placement group id");
+    std::vector<std::string> args = {
+        "EVAL",
+        kPutRecordScript,
+        "2",
+        placementGroupKey(group.id),
+        placementGroupsKey(),
+        std::to_string(group.createdMs),
+        group.id.hex(),
+        "id", group.id.hex(),
+        "name", group.name,
+        "strategy", placementStrategyName(group.strategy),
+        "state", placementGroupStateName(group.state),
+        "bundles", bundlesJson(group.bundles),
+        "pending_reason", group.pendingReason,
+        "created_ms", std::to_string(group.createdMs),
+    };
+    auto reply = connection_.run(args, "putPlacementGroup");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::optional<PlacementGroupRecord>> getPlacementGroup(
+      const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    const std::string key = placementGroupKey(id);
+    auto reply = connection_.run({"HGETALL", key}, "getPlacementGroup");
+    if (!reply) return reply.status();
+    auto fields = fieldMap(**reply, key);
+    if (!fields) return fields.status();
+    if (fields->empty()) return std::optional<PlacementGroupRecord>();
+    auto group = decodePlacementGroup(*fields, key);
+    if (!group) return group.status();
+    return std::optional<PlacementGroupRecord>(std::move(group).value());
+  }
+
+  Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override {
+    auto reply = connection_.run(
+        {"EVAL", kListScript, "1", placementGroupsKey(), placementGroupKeyPrefix()},
+        "listPlacementGroups");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listPlacementGroups", **reply);
+    std::vector<PlacementGroupRecord> groups;
+    groups.reserve((*reply)->elements);
+    for (size_t i = 0; i < (*reply)->elements; ++i) {
+      auto fields = fieldMap(*(*reply)->element[i], placementGroupKeyPrefix() + "*");
+      if (!fields) return fields.status();
+      auto group = decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"]);
+      if (!group) return group.status();
+      groups.push_back(std::move(group).value());
+    }
+    return groups;
+  }
+
   Result<std::unique_ptr<EventSubscription>> subscribe() override {
     auto context = connectAndAuthenticate(options_);
     if (!context) return context.status();
@@ -609,9 +1030,58 @@ class RedisClusterStore final : public ClusterStore {
   std::string heartbeatKeyPrefix() const { return prefix_ + "node_hb:"; }
   std::string heartbeatKey(const NodeId& id) const { return heartbeatKeyPrefix() + id.hex(); }
   std::string eventsChannel() const { return prefix_ + "events"; }
+  std::string claimsKey(const NodeId& id) const { return prefix_ + "node_res:" + id.hex(); }
+  std::string actorsKey() const { return prefix_ + "actors"; }
+  std::string actorKeyPrefix() const { return prefix_ + "actor:"; }
+  std::string actorKey(const ActorId& id) const { return actorKeyPrefix() + id.hex(); }
+  std::string actorNameKey(const std::string& name) const { return prefix_ + "actor_name:" + name; }
+  std::string placementGroupsKey() const { return prefix_ + "pgs"; }
+  std::string placementGroupKeyPrefix() const { return prefix_ + "pg:"; }
+  std::string placementGroupKey(const PlacementGroupId& id) const {
+    return placementGroupKeyPrefix() + id.hex();
+  }
 
-  static Status emptyId() {
-    return Status(StatusCode::kInvalidArgument, "empty node id");
+  static Status emptyArgument(std::string_view what) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("empty {}", what));
+  }
+  static Status emptyId() { return emptyArgument("node id"); }
+
+  static Status checkNameArgs(const std::string& name, const ActorId& id) {
+    if (name.empty()) return emptyArgument("actor name");
+    if (id.empty()) return emptyArgument("actor id");
+    return Status::ok();
+  }
+
+  // Same checks, same messages as the fake's.
+  static Status checkReservations(const std::vector<Reservation>& reservations,
+                                  bool forReserve) {
+    std::set<std::pair<NodeId, std::string>> seen;
+    for (const Reservation& r : reservations) {
+      if (r.nodeId.empty()) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("reservation of holder '{}' has an empty node id", r.holder));
+      }
+      if (r.holder.empty()) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("reservation on node {} has an empty holder", r.nodeId.hex()));
+      }
+      if (!forReserve) continue;
+      for (const auto& [name, amount] : r.resources) {
+        if (!std::isfinite(amount) || amount < 0) {
+          return Status(StatusCode::kInvalidArgument,
+                        fmt::format("holder '{}' asks node {} for {} {}; amounts must be finite "
+                                    "and non-negative",
+                                    r.holder, r.nodeId.hex(), amount, name));
+        }
+      }
+      if (!seen.emplace(r.nodeId, r.holder).second) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("holder '{}' appears twice for node {} in one reserve(); merge "
+                                  "its resources into one reservation",
+                                  r.holder, r.nodeId.hex()));
+      }
+    }
+    return Status::ok();
   }
 
   static Status checkNodeArgs(const NodeId& id, std::chrono::milliseconds ttl) {
@@ -644,9 +1114,9 @@ class RedisClusterStore final : public ClusterStore {
     } else {
       return malformed(key, fmt::format("state '{}' is neither ALIVE nor DEAD", state));
     }
-    if (!parseInt64(fields["pid"], node.pid) ||
-        !parseInt64(fields["registered_ms"], node.registeredMs) ||
-        !parseInt64(fields["last_heartbeat_ms"], node.lastHeartbeatMs)) {
+    if (!parseInteger(fields["pid"], node.pid) ||
+        !parseInteger(fields["registered_ms"], node.registeredMs) ||
+        !parseInteger(fields["last_heartbeat_ms"], node.lastHeartbeatMs)) {
       return malformed(key, "pid, registered_ms or last_heartbeat_ms is not an integer");
     }
     try {
@@ -658,6 +1128,67 @@ class RedisClusterStore final : public ClusterStore {
                                         e.what()));
     }
     return node;
+  }
+
+  static Result<ActorRecord> decodeActor(FieldMap& fields, const std::string& key) {
+    ActorRecord actor;
+    actor.id = ActorId(fields["id"]);
+    actor.type = fields["type"];
+    actor.name = fields["name"];
+    actor.nodeId = NodeId(fields["node_id"]);
+    actor.address = fields["address"];
+    actor.detached = fields["detached"] == "1";
+    actor.initArgs = fields["init_args"];
+    actor.placementGroup = PlacementGroupId(fields["placement_group"]);
+    actor.deathReason = fields["death_reason"];
+    auto state = parseActorState(fields["state"]);
+    if (!state) return malformed(key, fmt::format("unknown actor state '{}'", fields["state"]));
+    actor.state = *state;
+    if (!parseInteger(fields["pid"], actor.pid) ||
+        !parseInteger(fields["incarnation"], actor.incarnation) ||
+        !parseInteger(fields["restarts"], actor.restarts) ||
+        !parseInteger(fields["max_restarts"], actor.maxRestarts) ||
+        !parseInteger(fields["max_task_retries"], actor.maxTaskRetries) ||
+        !parseInteger(fields["bundle_index"], actor.bundleIndex) ||
+        !parseInteger(fields["created_ms"], actor.createdMs) ||
+        !parseInteger(fields["updated_ms"], actor.updatedMs)) {
+      return malformed(key, "pid, incarnation, restarts, max_restarts, max_task_retries, "
+                            "bundle_index, created_ms or updated_ms is not an integer in range");
+    }
+    try {
+      actor.resources = json::parse(fields["resources"]).get<Resources>();
+    } catch (const json::exception& e) {
+      return malformed(key, fmt::format("resources is not a JSON object of numbers: {}",
+                                        e.what()));
+    }
+    return actor;
+  }
+
+  static Result<PlacementGroupRecord> decodePlacementGroup(FieldMap& fields,
+                                                           const std::string& key) {
+    PlacementGroupRecord group;
+    group.id = PlacementGroupId(fields["id"]);
+    group.name = fields["name"];
+    group.pendingReason = fields["pending_reason"];
+    auto strategy = parsePlacementStrategy(fields["strategy"]);
+    if (!strategy) return malformed(key, strategy.status().message());
+    group.strategy = *strategy;
+    auto state = parsePlacementGroupState(fields["state"]);
+    if (!state) {
+      return malformed(key, fmt::format("unknown placement group state '{}'", fields["state"]));
+    }
+    group.state = *state;
+    if (!parseInteger(fields["created_ms"], group.createdMs)) {
+      return malformed(key, "created_ms is not an integer");
+    }
+    try {
+      group.bundles = parseBundlesJson(fields["bundles"]);
+    } catch (const json::exception& e) {
+      return malformed(key, fmt::format("bundles is not a JSON array of {{\"resources\": {{...}}, "
+                                        "\"node_id\": \"...\"}}: {}",
+                                        e.what()));
+    }
+    return group;
   }
 
   RedisOptions options_;

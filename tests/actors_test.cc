@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include "testing/cluster_fixture.h"
+#include <fstream>
+
 #include "troupe/runtime/client.h"
 
 namespace troupe {
@@ -33,6 +35,20 @@ struct ActorCluster {
     std::string out = "(no error)";
     KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { p.wait(io().waitScope); })) { out = e->getDescription().cStr(); }
     return out;
+  }
+  // Runs the real CLI against this cluster; returns its stdout+stderr.
+  std::string troupe(std::vector<std::string> args) {
+    std::string out = (cluster.runDir() / ("cli-" + randomHex(4) + ".out")).string();
+    SpawnOptions o;
+    o.argv = {testing::binDir() + "/troupe"};
+    o.argv.insert(o.argv.end(), args.begin(), args.end());
+    o.argv.insert(o.argv.end(), {"--address", cluster.controllerAddress().toString(), "--token", cluster.token()});
+    o.outputPath = out;
+    ChildProcess cli(*spawnProcess(o));
+    auto exit = cli.wait(std::chrono::seconds(20));
+    REQUIRE(exit.has_value());
+    std::ifstream in(out);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   ActorOptions options(const std::string& type, double cpus = 1) {
     ActorOptions o;
@@ -106,6 +122,13 @@ TEST_CASE("actors: a segfault is reported with SIGSEGV and the last stderr line;
   CHECK(c.error(mortal.call("ping")).find("SIGSEGV") != std::string::npos);
   auto dead = c.wait(c.client->actorInfo(mortal.id()));
   CHECK(dead.state == ActorState::kDead);
+  // The CLI shows why, and its captured stderr.
+  CHECK(c.troupe({"logs", mortal.id().hex()}).find("about to dereference a null pointer") != std::string::npos);
+  std::string status = c.troupe({"status", "--json"});
+  for (const char* key : {"\"id\"", "\"type\":\"Crasher\"", "\"node_id\"", "\"pid\"", "\"state\":\"DEAD\"",
+                          "\"restarts\"", "\"death_reason\"", "SIGSEGV", "\"name\""}) {
+    CHECK_MESSAGE(status.find(key) != std::string::npos, key);
+  }
 
   auto o = c.options("Crasher");
   o.maxRestarts = 2;
@@ -141,6 +164,7 @@ TEST_CASE("actors: killing a node agent moves restartable actors to another node
   ActorCluster c(2, 2);
   auto o = c.options("Counter", 2);  // fills one node
   o.maxRestarts = -1;
+  o.maxTaskRetries = 1;  // a call racing with the node's death goes to the next incarnation
   auto restartable = c.wait(c.client->createActor(o));
   auto before = c.wait(c.client->actorInfo(restartable.id()));
   size_t victim = before.nodeId == c.nodes[0] ? 0 : 1;
@@ -254,7 +278,7 @@ TEST_CASE("controller RPC handlers are idempotent") {
     auto r = controller.createPlacementGroupRequest();
     r.setId("00000000000000aa");
     r.setStrategy("PACK");
-    auto b = r.initBundles(1).get(0).initResources(1);
+    auto b = r.initBundles(1)[0].initResources(1);
     b[0].setName("CPU");
     b[0].setQuantity(1);
     return r;
@@ -264,7 +288,7 @@ TEST_CASE("controller RPC handlers are idempotent") {
     auto r = controller.addBundlesRequest();
     r.setId("00000000000000aa");
     r.setFromIndex(1);
-    auto b = r.initBundles(1).get(0).initResources(1);
+    auto b = r.initBundles(1)[0].initResources(1);
     b[0].setName("ssd");
     b[0].setQuantity(1);
     return r;
@@ -302,7 +326,8 @@ TEST_CASE("controller RPC handlers are idempotent") {
   dead.setId(id);
   CHECK(std::string(dead.send().wait(ws).getActor().getState().cStr()) == "DEAD");
   // registerNode twice for the same node keeps one record.
-  auto nodes = controller.statusRequest().send().wait(ws).getNodes();
+  auto statusReply = controller.statusRequest().send().wait(ws);
+  auto nodes = statusReply.getNodes();
   REQUIRE(nodes.size() == 1);
   twice([&]() {
     auto r = controller.registerNodeRequest();

@@ -154,7 +154,8 @@ class ClusterStore {
   // ---- Resources ----
   // Atomically makes every reservation or none: true when each node is ALIVE and has the
   // resources free (total minus the sum of its other holders' claims); false (nothing written)
-  // otherwise. A holder already holding a claim on that node keeps it (idempotent). The node's
+  // otherwise. A holder's new claim on a node replaces its old one (so a retry changes nothing) and
+  // is checked against capacity; kInvalidArgument for empty ids or holders and bad amounts. The node's
   // `used` is the sum of its claims.
   virtual Result<bool> reserve(const std::vector<Reservation>& reservations) = 0;
   // Drops the claims of these holders on these nodes (resources in the argument are ignored).

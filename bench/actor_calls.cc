@@ -1,0 +1,112 @@
+// bench/run actor_calls: actor method calls through Troupe (caller -> worker over Cap'n Proto,
+// token-authenticated, another process) against the floor: a raw 64-byte TCP ping-pong.
+//   1:1 sync       one caller, one call at a time
+//   1:1 pipelined  one caller, 256 calls in flight
+//   n:n pipelined  n caller processes, each with its own actor (n = 2: this machine's cores)
+//   payload sweep  sync calls of 64 B .. 1 MB through the Echo actor
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "bench_cluster.h"
+#include "pingpong.h"
+#include "troupe/runtime/process.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using troupe::ActorHandle;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double syncRate(kj::AsyncIoContext& io, ActorHandle& actor, const std::string& payload, int calls) {
+  for (int i = 0; i < 50; ++i) actor.call("echo", payload).wait(io.waitScope);
+  auto t0 = Clock::now();
+  for (int i = 0; i < calls; ++i) actor.call("echo", payload).wait(io.waitScope);
+  return calls / seconds(Clock::now() - t0);
+}
+
+double pipelinedRate(kj::AsyncIoContext& io, ActorHandle& actor, int calls, int window) {
+  std::string payload(64, 'x');
+  auto t0 = Clock::now();
+  for (int sent = 0; sent < calls; sent += window) {
+    auto batch = kj::heapArrayBuilder<kj::Promise<std::string>>(window);
+    for (int i = 0; i < window; ++i) batch.add(actor.call("echo", payload));
+    kj::joinPromises(batch.finish()).wait(io.waitScope);
+  }
+  return calls / seconds(Clock::now() - t0);
+}
+
+// --nn-client HOST:PORT TOKEN ACTOR_ID CALLS: one of the n callers; prints its rate.
+int nnClient(char** argv) {
+  auto io = kj::setupAsyncIo();
+  auto client = troupe::ClusterClient::connect(io, *troupe::parseHostPort(argv[2]), argv[3]).wait(io.waitScope);
+  auto actor = client->actor(troupe::ActorId(argv[4]));
+  actor.ready().wait(io.waitScope);
+  printf("%f\n", pipelinedRate(io, actor, std::stoi(argv[5]), 256));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rc = 0;
+  if (troupe::bench::maybeServeTcp(argc, argv, &rc)) return rc;
+  if (argc == 6 && std::string(argv[1]) == "--nn-client") return nnClient(argv);
+  bool json = argc > 1 && std::string(argv[1]) == "--json";
+  const int kSync = 3000, kPipelined = 30000, kWindow = 256, kCallers = 2;
+
+  double floorUs = troupe::bench::tcpRoundTripUs(argv[0], kSync);
+  double floorPerS = 1e6 / floorUs;
+
+  troupe::bench::BenchCluster cluster(8);
+  auto io = kj::setupAsyncIo();
+  auto client = cluster.connect(io);
+  troupe::ActorOptions echo;
+  echo.type = "Echo";
+  auto actor = client->createActor(echo).wait(io.waitScope);
+
+  double sync = syncRate(io, actor, std::string(64, 'x'), kSync);
+  double pipelined = pipelinedRate(io, actor, kPipelined, kWindow);
+
+  std::vector<troupe::ActorHandle> nnActors;
+  std::vector<troupe::ChildProcess> callers;
+  std::vector<std::string> outputs;
+  for (int i = 0; i < kCallers; ++i) nnActors.push_back(client->createActor(echo).wait(io.waitScope));
+  auto t0 = Clock::now();
+  for (int i = 0; i < kCallers; ++i) {
+    troupe::SpawnOptions o;
+    outputs.push_back(fmt::format("/tmp/troupe-bench-nn-{}-{}", getpid(), i));
+    o.argv = {argv[0], "--nn-client", cluster.controller().toString(), cluster.token(), nnActors[i].id().hex(),
+              std::to_string(kPipelined / kCallers)};
+    o.outputPath = outputs.back();
+    callers.emplace_back(*troupe::spawnProcess(o));
+  }
+  for (auto& c : callers) c.wait(std::chrono::minutes(5));
+  double nn = kPipelined / seconds(Clock::now() - t0);  // total across callers, wall clock
+  for (auto& path : outputs) std::remove(path.c_str());
+
+  printf("%-44s %14s %10s\n", "measure", "calls/s", "vs floor");
+  printf("%-44s %14.0f %10s\n", "floor: raw TCP 64 B ping-pong (2 processes)", floorPerS, "1.00");
+  printf("%-44s %14.0f %10.2f\n", "1:1 sync calls (64 B)", sync, sync / floorPerS);
+  printf("%-44s %14.0f %10.2f\n", fmt::format("1:1 pipelined calls ({} in flight)", kWindow).c_str(), pipelined,
+         pipelined / floorPerS);
+  printf("%-44s %14.0f %10.2f\n", fmt::format("{}:{} pipelined calls", kCallers, kCallers).c_str(), nn, nn / floorPerS);
+  printf("\n%-12s %14s %12s\n", "payload", "sync calls/s", "MB/s");
+  std::string sweep;
+  for (size_t size : {size_t(64), size_t(4096), size_t(65536), size_t(1) << 20}) {
+    int calls = size >= (size_t(1) << 20) ? 100 : 1000;
+    double rate = syncRate(io, actor, std::string(size, 'p'), calls);
+    printf("%-12zu %14.0f %12.1f\n", size, rate, rate * 2 * size / 1e6);
+    sweep += fmt::format("{}{{\"bytes\": {}, \"calls_per_s\": {:.0f}}}", sweep.empty() ? "" : ", ", size, rate);
+  }
+  printf("\npipelined / sync: %.1fx\n", pipelined / sync);
+  if (json) {
+    printf("{\"sync_calls_per_s\": %.0f, \"pipelined_calls_per_s\": %.0f, \"nn_calls_per_s\": %.0f, "
+           "\"pingpong_per_s\": %.0f, \"sync_vs_floor\": %.3f, \"pipelined_vs_sync\": %.2f, \"payload_sweep\": [%s]}\n",
+           sync, pipelined, nn, floorPerS, sync / floorPerS, pipelined / sync, sweep.c_str());
+  }
+  return 0;
+}

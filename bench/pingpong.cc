@@ -1,0 +1,82 @@
+#include "pingpong.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "troupe/runtime/process.h"
+
+namespace troupe::bench {
+namespace {
+
+sockaddr_in loopback(int port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  return addr;
+}
+
+int serve(int port) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  auto addr = loopback(port);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(listener, 4) != 0) return 1;
+  int fd = accept(listener, nullptr, nullptr);
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  char buf[64];
+  while (recv(fd, buf, sizeof(buf), MSG_WAITALL) == sizeof(buf) && send(fd, buf, sizeof(buf), 0) == sizeof(buf)) {
+  }
+  return 0;
+}
+
+}  // namespace
+
+bool maybeServeTcp(int argc, char** argv, int* exitCode) {
+  if (argc == 3 && std::string(argv[1]) == "--serve-tcp") {
+    *exitCode = serve(std::stoi(argv[2]));
+    return true;
+  }
+  return false;
+}
+
+double tcpRoundTripUs(const char* argv0, int rounds) {
+  int port = *pickFreePort("127.0.0.1");
+  SpawnOptions o;
+  o.argv = {argv0, "--serve-tcp", std::to_string(port)};
+  ChildProcess server(*spawnProcess(o));
+  auto addr = loopback(port);
+  int fd = -1;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fd < 0 && std::chrono::steady_clock::now() < deadline) {
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      fd = -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the child is still binding
+    }
+  }
+  if (fd < 0) return -1;
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  char buf[64] = {};
+  auto once = [&]() {
+    send(fd, buf, sizeof(buf), 0);
+    recv(fd, buf, sizeof(buf), MSG_WAITALL);
+  };
+  for (int i = 0; i < 200; ++i) once();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < rounds; ++i) once();
+  double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / rounds;
+  close(fd);
+  return us;
+}
+
+}  // namespace troupe::bench
