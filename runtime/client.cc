@@ -67,6 +67,15 @@ struct ActorConnection {
   kj::Maybe<rpc::Actor::Client> cap;
   kj::Maybe<kj::ForkedPromise<void>> resolving;
 
+  // Calls made in this event-loop turn, sent together as one batch at its end.
+  struct Queued {
+    std::string method;
+    std::string payload;
+    int attempt = 0;
+    kj::Own<kj::PromiseFulfiller<std::string>> reply;
+  };
+  std::vector<Queued> queue;
+
   std::string died(const ActorRecord& r) const { return fmt::format("actor {} ({}) died: {}", id.hex(), type, r.deathReason); }
 
   void learn(const ActorRecord& r) {
@@ -134,44 +143,119 @@ kj::Promise<std::pair<rpc::Actor::Client, uint32_t>> resolve(std::shared_ptr<Act
 }
 
 kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
-                                   int attempt) {
-  return resolve(c).then([c, method, payload, attempt](std::pair<rpc::Actor::Client, uint32_t> target) mutable {
-    uint32_t inc = target.second;
-    auto request = target.first.callRequest();
-    request.setMethod(method);
-    request.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(payload.data()), payload.size()));
-    return request.send().then(
-        [](capnp::Response<rpc::Actor::CallResults> response) -> kj::Promise<std::string> {
-          auto r = response.getResult();
-          return std::string(reinterpret_cast<const char*>(r.begin()), r.size());
-        },
-        [c, method, payload, attempt, inc](kj::Exception&& e) mutable -> kj::Promise<std::string> {
+                                   int attempt);
+
+// The worker of incarnation `inc` is gone with these calls in flight: learn why from the
+// controller once it has handled the exit, then retry each call or fail it with the reason.
+void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<ActorConnection::Queued> calls) {
+  c->forget(inc);
+  auto shared = c->shared;
+  auto lost = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(calls));
+  shared->tasks.add(c->shared->waitActor(c->id, inc + 1, false, 10000)
+                        .then(
+                            [c, inc, lost](ActorRecord record) {
+                              c->learn(record);
+                              for (auto& call : *lost) {
+                                std::string error;
+                                if (record.state == ActorState::kDead) {
+                                  error = c->died(record);
+                                } else if (record.incarnation <= inc) {
+                                  error = fmt::format(
+                                      "actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
+                                      c->id.hex(), c->type);
+                                } else if (c->maxTaskRetries == -1 || call.attempt < c->maxTaskRetries) {
+                                  auto reply = std::make_shared<kj::Own<kj::PromiseFulfiller<std::string>>>(kj::mv(call.reply));
+                                  c->shared->tasks.add(
+                                      callActor(c, kj::mv(call.method), kj::mv(call.payload), call.attempt + 1)
+                                          .then([reply](std::string r) { (*reply)->fulfill(kj::mv(r)); },
+                                                [reply](kj::Exception&& e) { (*reply)->reject(kj::mv(e)); }));
+                                  continue;
+                                } else {
+                                  error = fmt::format(
+                                      "actor {} ({}) died: {} (during '{}'; it is restarting as incarnation {}; the call "
+                                      "was not retried: max_task_retries={})",
+                                      c->id.hex(), c->type, record.deathReason, call.method, record.incarnation,
+                                      c->maxTaskRetries);
+                                }
+                                call.reply->reject(kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
+                                                                 kj::str(error.c_str())));
+                              }
+                            },
+                            [lost](kj::Exception&& e) {
+                              for (auto& call : *lost) call.reply->reject(kj::cp(e));
+                            }));
+}
+
+// Sends what was queued this turn: one plain call, or one batch for several.
+void flush(std::shared_ptr<ActorConnection> c) {
+  auto calls = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(c->queue));
+  c->queue.clear();
+  c->shared->tasks.add(resolve(c).then(
+      [c, calls](std::pair<rpc::Actor::Client, uint32_t> target) -> kj::Promise<void> {
+        uint32_t inc = target.second;
+        auto onLost = [c, calls, inc](kj::Exception&& e) {
           if (e.getType() != kj::Exception::Type::DISCONNECTED) {
-            fail(kj::Exception::Type::FAILED, fmt::format("actor {} ({}).{}: {}", c->id.hex(), c->type, method,
-                                                          plainDescription(e)));
+            for (auto& call : *calls) call.reply->reject(kj::cp(e));
+            return;
           }
-          // The worker is gone. Learn why from the controller once it has handled the exit.
-          c->forget(inc);
-          return c->shared->waitActor(c->id, inc + 1, false, 10000)
-              .then([c, method, payload, attempt, inc](ActorRecord record) mutable -> kj::Promise<std::string> {
-                c->learn(record);
-                if (record.state == ActorState::kDead) fail(kj::Exception::Type::FAILED, c->died(record));
-                if (record.incarnation <= inc) {
-                  fail(kj::Exception::Type::DISCONNECTED,
-                       fmt::format("actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
-                                   c->id.hex(), c->type));
-                }
-                if (c->maxTaskRetries == -1 || attempt < c->maxTaskRetries) {
-                  return callActor(c, kj::mv(method), kj::mv(payload), attempt + 1);
-                }
-                fail(kj::Exception::Type::FAILED,
-                     fmt::format("actor {} ({}) died: {} (during '{}'; it is restarting as incarnation {}; the call "
-                                 "was not retried: max_task_retries={})",
-                                 c->id.hex(), c->type, record.deathReason, method, record.incarnation,
-                                 c->maxTaskRetries));
+          callsLost(c, inc, std::move(*calls));
+        };
+        if (calls->size() == 1) {
+          auto& call = calls->front();
+          auto request = target.first.callRequest();
+          request.setMethod(call.method);
+          request.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(call.payload.data()), call.payload.size()));
+          return request.send().then(
+              [c, calls](capnp::Response<rpc::Actor::CallResults> response) {
+                auto r = response.getResult();
+                calls->front().reply->fulfill(std::string(reinterpret_cast<const char*>(r.begin()), r.size()));
+              },
+              [c, calls, onLost](kj::Exception&& e) mutable {
+                if (e.getType() == kj::Exception::Type::DISCONNECTED) return onLost(kj::mv(e));
+                calls->front().reply->reject(kj::Exception(
+                    kj::Exception::Type::FAILED, __FILE__, __LINE__,
+                    kj::str(fmt::format("actor {} ({}).{}: {}", c->id.hex(), c->type, calls->front().method,
+                                        plainDescription(e)).c_str())));
               });
-        });
-  });
+        }
+        auto request = target.first.callBatchRequest();
+        auto list = request.initCalls(static_cast<unsigned>(calls->size()));
+        for (unsigned i = 0; i < calls->size(); ++i) {
+          list[i].setMethod((*calls)[i].method);
+          list[i].setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>((*calls)[i].payload.data()),
+                                                 (*calls)[i].payload.size()));
+        }
+        return request.send().then(
+            [c, calls](capnp::Response<rpc::Actor::CallBatchResults> response) {
+              auto replies = response.getReplies();
+              for (unsigned i = 0; i < calls->size(); ++i) {
+                auto& call = (*calls)[i];
+                if (i < replies.size() && replies[i].isResult()) {
+                  auto r = replies[i].getResult();
+                  call.reply->fulfill(std::string(reinterpret_cast<const char*>(r.begin()), r.size()));
+                } else {
+                  std::string why = i < replies.size() ? replies[i].getError().cStr() : "no reply in the batch";
+                  call.reply->reject(kj::Exception(
+                      kj::Exception::Type::FAILED, __FILE__, __LINE__,
+                      kj::str(fmt::format("actor {} ({}).{}: {}", c->id.hex(), c->type, call.method, why).c_str())));
+                }
+              }
+            },
+            kj::mv(onLost));
+      },
+      [calls](kj::Exception&& e) {
+        for (auto& call : *calls) call.reply->reject(kj::cp(e));
+      }));
+}
+
+// Queues the call; the first call of a turn schedules the flush at the end of the turn.
+kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
+                                   int attempt) {
+  auto paf = kj::newPromiseAndFulfiller<std::string>();
+  bool first = c->queue.empty();
+  c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller)});
+  if (first) c->shared->tasks.add(kj::evalLast([c]() { flush(c); }));
+  return kj::mv(paf.promise);
 }
 
 std::shared_ptr<ActorConnection> connectionFor(std::shared_ptr<ClusterClient::Shared> shared, const ActorRecord& r) {

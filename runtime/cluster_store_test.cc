@@ -853,6 +853,27 @@ void checkSameGroup(const PlacementGroupRecord& got, const PlacementGroupRecord&
   }
 }
 
+TEST_CASE_TEMPLATE("placement groups: delete forgets a group and is idempotent", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  PlacementGroupRecord keep, drop;
+  keep.id = PlacementGroupId::generate();
+  drop.id = PlacementGroupId::generate();
+  keep.createdMs = 1;
+  drop.createdMs = 2;
+  REQUIRE(store->putPlacementGroup(keep).isOk());
+  REQUIRE(store->putPlacementGroup(drop).isOk());
+  REQUIRE(store->deletePlacementGroup(drop.id).isOk());
+  REQUIRE(store->deletePlacementGroup(drop.id).isOk());
+  REQUIRE(store->deletePlacementGroup(PlacementGroupId::generate()).isOk());
+  CHECK_FALSE(store->getPlacementGroup(drop.id)->has_value());
+  auto list = store->listPlacementGroups();
+  REQUIRE(list.isOk());
+  REQUIRE(list->size() == 1);
+  CHECK(list->front().id == keep.id);
+}
+
 TEST_CASE_TEMPLATE("placement groups: put, get and list keep every field", Backend,
                    TROUPE_STORE_BACKENDS) {
   Backend backend;

@@ -311,16 +311,16 @@ Result<PlacementGroupRecord> ControllerCore::createPlacementGroup(PlacementGroup
 
 Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vector<WorkerAction>& actions) {
   auto group = getPlacementGroup(id);
+  if (group.status().code() == StatusCode::kNotFound) return Status::ok();  // already removed
   if (!group.isOk()) return group.status();
-  if (group->state == PlacementGroupState::kRemoved) return Status::ok();
+  // Mark it first so no retry places its bundles again while they are being released.
+  group->state = PlacementGroupState::kRemoved;
+  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
   std::vector<uint32_t> all;
   for (uint32_t i = 0; i < group->bundles.size(); ++i) all.push_back(i);
-  auto emptied = removeBundles(id, all, actions);
+  auto emptied = removeBundles(id, all, actions);  // ends its actors, frees, retries pending work
   if (!emptied.isOk()) return emptied.status();
-  emptied->state = PlacementGroupState::kRemoved;
-  emptied->pendingReason.clear();
-  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*emptied));
-  return retryPending(actions);
+  return store_.deletePlacementGroup(id);
 }
 
 Result<PlacementGroupRecord> ControllerCore::addBundles(const PlacementGroupId& id, const std::vector<Resources>& bundles,

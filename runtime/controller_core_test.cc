@@ -203,7 +203,7 @@ TEST_CASE("core: placement groups are atomic, resizable, and removal frees every
   CHECK(c.used(a) == 0);
   CHECK(c.used(b) == 0);
   CHECK(c.core.getActor(actor->id)->state == ActorState::kDead);
-  CHECK(c.core.getPlacementGroup(pg.id)->state == PlacementGroupState::kRemoved);
+  CHECK(c.core.getPlacementGroup(pg.id).status().code() == StatusCode::kNotFound);  // forgotten
 }
 
 TEST_CASE("core: a group that does not fit now stays PENDING with a reason, then is created") {

@@ -322,6 +322,13 @@ class FakeClusterStore final : public ClusterStore {
     return std::optional<PlacementGroupRecord>(it->second);
   }
 
+  Status deletePlacementGroup(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    std::lock_guard lock(state_->mutex);
+    state_->placementGroups.erase(id);
+    return Status::ok();
+  }
+
   Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override {
     std::vector<PlacementGroupRecord> groups;
     {

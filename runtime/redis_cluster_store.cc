@@ -474,6 +474,13 @@ end
 return 1
 )lua";
 
+// KEYS: record hash, its index zset. ARGV: the record's id. Both go together.
+constexpr const char* kDeleteRecordScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+)lua";
+
 // KEYS: record hash, index zset. ARGV: score, member, then the hash's field/value pairs.
 // Replaces the whole record.
 constexpr const char* kPutRecordScript = R"lua(
@@ -984,6 +991,13 @@ class RedisClusterStore final : public ClusterStore {
     auto group = decodePlacementGroup(*fields, key);
     if (!group) return group.status();
     return std::optional<PlacementGroupRecord>(std::move(group).value());
+  }
+
+  Status deletePlacementGroup(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    auto reply = connection_.run({"EVAL", kDeleteRecordScript, "2", placementGroupKey(id), placementGroupsKey(), id.hex()},
+                                 "deletePlacementGroup");
+    return reply ? Status::ok() : reply.status();
   }
 
   Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override {

@@ -37,6 +37,22 @@ class ActorService final : public rpc::Actor::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> callBatch(CallBatchContext context) override {
+    auto calls = context.getParams().getCalls();
+    auto replies = context.getResults().initReplies(calls.size());
+    for (unsigned i = 0; i < calls.size(); ++i) {
+      auto payload = calls[i].getPayload();
+      auto result = actor_->call(calls[i].getMethod().cStr(),
+                                 std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()));
+      if (result.isOk()) {
+        replies[i].setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
+      } else {
+        replies[i].setError(result.status().message());
+      }
+    }
+    return kj::READY_NOW;
+  }
+
   kj::Promise<void> typed(TypedContext context) override {
     KJ_IF_MAYBE(cap, actor_->typed()) {
       context.getResults().setCap(*cap);

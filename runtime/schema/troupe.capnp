@@ -136,12 +136,27 @@ interface NodeAgent {
   readLogs @3 (id :Text, maxBytes :UInt32) -> (stdout :Data, stderr :Data);
 }
 
+struct ActorCall {
+  method @0 :Text;
+  payload @1 :Data;
+}
+
+struct ActorReply {
+  union {
+    result @0 :Data;
+    error @1 :Text;   # the method's error; the calls after it still run
+  }
+}
+
 # What a worker serves: one actor.
 interface Actor {
   # Generic call: a method name and an opaque payload; the actor defines both.
   call @0 (method :Text, payload :Data) -> (result :Data);
   # The actor's typed interface, for built-in actors that have one (e.g. Counter).
   typed @1 () -> (cap :Capability);
+  # Several calls in one message, run in order: clients coalesce the calls they make in one
+  # event-loop turn, so pipelined calls cost one round trip per batch, not per call.
+  callBatch @2 (calls :List(ActorCall)) -> (replies :List(ActorReply));
 }
 
 # Typed interface of the built-in Counter test actor.

@@ -180,6 +180,9 @@ class ClusterStore {
   virtual Status putPlacementGroup(const PlacementGroupRecord& group) = 0;
   virtual Result<std::optional<PlacementGroupRecord>> getPlacementGroup(const PlacementGroupId& id) = 0;
   virtual Result<std::vector<PlacementGroupRecord>> listPlacementGroups() = 0;
+  // Forgets a removed group (its record and its place in the list); unknown ids are ignored.
+  // Removed groups are deleted rather than kept, so lists stay as short as the live groups.
+  virtual Status deletePlacementGroup(const PlacementGroupId& id) = 0;
 
   // Opens a subscription to membership events (its own connection for Redis).
   virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
