@@ -313,14 +313,16 @@ Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vec
   auto group = getPlacementGroup(id);
   if (group.status().code() == StatusCode::kNotFound) return Status::ok();  // already removed
   if (!group.isOk()) return group.status();
-  // Mark it first so no retry places its bundles again while they are being released.
-  group->state = PlacementGroupState::kRemoved;
-  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
+  if (group->state == PlacementGroupState::kPending) {
+    // Marked first, so no retry places its bundles while they are being released.
+    group->state = PlacementGroupState::kRemoved;
+    TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
+  }
   std::vector<uint32_t> all;
   for (uint32_t i = 0; i < group->bundles.size(); ++i) all.push_back(i);
-  auto emptied = removeBundles(id, all, actions);  // ends its actors, frees, retries pending work
-  if (!emptied.isOk()) return emptied.status();
-  return store_.deletePlacementGroup(id);
+  TROUPE_RETURN_IF_ERROR(releaseBundles(*group, all, actions));
+  TROUPE_RETURN_IF_ERROR(store_.deletePlacementGroup(id));
+  return retryPending(actions);
 }
 
 Result<PlacementGroupRecord> ControllerCore::addBundles(const PlacementGroupId& id, const std::vector<Resources>& bundles,
@@ -351,41 +353,45 @@ Result<PlacementGroupRecord> ControllerCore::addBundles(const PlacementGroupId& 
   return grown;
 }
 
-Result<PlacementGroupRecord> ControllerCore::removeBundles(const PlacementGroupId& id, const std::vector<uint32_t>& indices,
-                                                           std::vector<WorkerAction>& actions) {
-  auto group = getPlacementGroup(id);
-  if (!group.isOk()) return group.status();
+Status ControllerCore::releaseBundles(PlacementGroupRecord& group, const std::vector<uint32_t>& indices,
+                                      std::vector<WorkerAction>& actions) {
   std::set<int32_t> removing;
   for (uint32_t i : indices) {
-    if (i >= group->bundles.size()) {
+    if (i >= group.bundles.size()) {
       return Status(StatusCode::kInvalidArgument,
-                    fmt::format("placement group {} has no bundle {} (it has {})", id.hex(), i, group->bundles.size()));
+                    fmt::format("placement group {} has no bundle {} (it has {})", group.id.hex(), i, group.bundles.size()));
     }
-    if (isRemoved(group->bundles[i])) continue;  // already removed: idempotent
-    removing.insert(static_cast<int32_t>(i));
+    if (!isRemoved(group.bundles[i])) removing.insert(static_cast<int32_t>(i));  // removed twice: no-op
   }
-  if (removing.empty()) return group;
+  if (removing.empty()) return Status::ok();
   // Actors in removed bundles end first (no restart: their bundle is gone).
   auto actors = store_.listActors();
   if (!actors.isOk()) return actors.status();
   for (const auto& actor : *actors) {
-    if (actor.placementGroup == id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
+    if (actor.placementGroup == group.id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
       if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
       TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its bundle {} of placement group {} was removed",
-                                                               actor.bundleIndex, id.hex()),
+                                                               actor.bundleIndex, group.id.hex()),
                                             false, actions));
     }
   }
   std::vector<Reservation> claims;
   for (int32_t i : removing) {
-    Bundle& b = group->bundles[i];
-    if (!b.nodeId.empty()) claims.push_back({b.nodeId, bundleHolder(id, i), {}});
+    Bundle& b = group.bundles[i];
+    if (!b.nodeId.empty()) claims.push_back({b.nodeId, bundleHolder(group.id, i), {}});
     b = Bundle{};
   }
-  TROUPE_RETURN_IF_ERROR(store_.release(claims));
+  return store_.release(claims);
+}
+
+Result<PlacementGroupRecord> ControllerCore::removeBundles(const PlacementGroupId& id, const std::vector<uint32_t>& indices,
+                                                           std::vector<WorkerAction>& actions) {
+  auto group = getPlacementGroup(id);
+  if (!group.isOk()) return group.status();
+  TROUPE_RETURN_IF_ERROR(releaseBundles(*group, indices, actions));
   TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
   TROUPE_RETURN_IF_ERROR(retryPending(actions));
-  return getPlacementGroup(id);
+  return group;
 }
 
 Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {

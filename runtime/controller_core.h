@@ -63,6 +63,9 @@ class ControllerCore {
   // its bundle has room). Sets actor.nodeId; errors as pickNode's.
   Status place(ActorRecord& actor);
   Status placeBundles(PlacementGroupRecord& group, size_t from);
+  // Ends the actors in these bundles and frees their claims; marks them removed in `group`.
+  Status releaseBundles(PlacementGroupRecord& group, const std::vector<uint32_t>& indices,
+                        std::vector<WorkerAction>& actions);
   void releaseActorResources(const ActorRecord& actor);
   Status endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
                         std::vector<WorkerAction>& actions);

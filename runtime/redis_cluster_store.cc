@@ -31,6 +31,7 @@
 #include <sys/time.h>
 
 #include <charconv>
+#include <unordered_map>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -289,7 +290,34 @@ class RedisConnection {
   RedisConnection(const RedisOptions& options, ContextPtr context)
       : options_(options), context_(std::move(context)) {}
 
+  std::unordered_map<std::string, std::string> shas_;  // script text -> SHA1 in Redis's cache
+
+  // Scripts travel once (SCRIPT LOAD) and then by their SHA1 (EVALSHA): each EVAL would send
+  // and hash the whole script on every call. A Redis that lost its script cache (restarted)
+  // answers NOSCRIPT, and the script is loaded again.
   ReplyPtr send(const std::vector<std::string>& args) {
+    if (args.size() < 2 || args[0] != "EVAL") return sendRaw(args);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto sha = shas_.find(args[1]);
+      if (sha == shas_.end()) {
+        ReplyPtr loaded = sendRaw({"SCRIPT", "LOAD", args[1]});
+        if (!loaded || loaded->type != REDIS_REPLY_STRING) return loaded;
+        sha = shas_.emplace(args[1], std::string(loaded->str, loaded->len)).first;
+      }
+      std::vector<std::string> bySha = args;
+      bySha[0] = "EVALSHA";
+      bySha[1] = sha->second;
+      ReplyPtr reply = sendRaw(bySha);
+      if (reply && reply->type == REDIS_REPLY_ERROR && std::string_view(reply->str, reply->len).rfind("NOSCRIPT", 0) == 0) {
+        shas_.erase(sha);
+        continue;
+      }
+      return reply;
+    }
+    return sendRaw(args);
+  }
+
+  ReplyPtr sendRaw(const std::vector<std::string>& args) {
     std::vector<const char*> argv;
     std::vector<size_t> lengths;
     argv.reserve(args.size());
