@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "troupe.capnp.h"
+#include "troupe/runtime/client.h"
 
 namespace troupe::actors {
 namespace {
@@ -141,9 +142,35 @@ class Crasher final : public TestActor {
   }
 };
 
+// Calls another actor whose id it is given: handles travel between actors as ids.
+class Relay final : public TestActor {
+ public:
+  using TestActor::TestActor;
+
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+    if (method != "relay") return call(method, payload);
+    // payload: "<actor id> <method> <payload...>"
+    auto first = payload.find(' ');
+    auto second = first == std::string::npos ? first : payload.find(' ', first + 1);
+    if (second == std::string::npos || context_.cluster == nullptr) {
+      return Result<std::string>(Status(StatusCode::kInvalidArgument, "relay needs '<actor id> <method> <payload>'"));
+    }
+    auto target = context_.cluster->actor(ActorId(payload.substr(0, first)));
+    return target.call(payload.substr(first + 1, second - first - 1), payload.substr(second + 1))
+        .then([](std::string reply) { return Result<std::string>(std::move(reply)); },
+              [](kj::Exception&& e) { return Result<std::string>(Status(StatusCode::kUnavailable, e.getDescription().cStr())); });
+  }
+
+ protected:
+  Result<std::string> handle(const std::string& method, std::string_view) override { return unknown(method); }
+};
+
 }  // namespace
 
 void registerTestActors(ActorRegistry& registry) {
+  registry.add("Relay", [](const ActorContext& context, std::string_view) -> Result<std::unique_ptr<Actor>> {
+    return std::unique_ptr<Actor>(std::make_unique<Relay>(context));
+  });
   registry.add("Counter", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
     int64_t start = 0;
     if (!args.empty()) {

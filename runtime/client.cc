@@ -1,7 +1,3 @@
-// GCC 12 reports kj::Maybe<std::string> inside promise nodes as maybe-uninitialized: a known
-// false positive of its optimizer with unions; the value is always set before it is read.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 #include "troupe/runtime/client.h"
 
 #include <fmt/format.h>

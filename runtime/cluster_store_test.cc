@@ -1126,6 +1126,25 @@ TEST_CASE("redis store: a dropped connection is re-established once, transparent
   CHECK(got->has_value());
 }
 
+TEST_CASE("redis store: scripts run by SHA1 survive a flushed script cache") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  NodeRecord node = sampleNode();
+  REQUIRE((*store)->registerNode(node, kLongTtl).isOk());  // loads the register script
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  // As after a Redis restart: the store's cached SHA1s now answer NOSCRIPT.
+  REQUIRE(rawCommand(admin.get(), {"SCRIPT", "FLUSH"})->type != REDIS_REPLY_ERROR);
+  REQUIRE((*store)->registerNode(node, kLongTtl).isOk());
+  auto alive = (*store)->heartbeat(node.id, kLongTtl);
+  REQUIRE(alive.isOk());
+  CHECK(*alive);
+  auto list = (*store)->listNodes();
+  REQUIRE(list.isOk());
+  CHECK(list->size() == 1);
+}
+
 TEST_CASE("redis store: clusters under different names do not see each other") {
   testing::RedisServerProcess server;
   auto first = connectRedisStore(server.options("first"));

@@ -12,6 +12,7 @@
 #include "troupe.capnp.h"
 #include "troupe/actors/test_actors.h"
 #include "troupe/runtime/actor.h"
+#include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/rpc.h"
 
@@ -28,29 +29,62 @@ class ActorService final : public rpc::Actor::Server {
   kj::Promise<void> call(CallContext context) override {
     auto params = context.getParams();
     auto payload = params.getPayload();
-    auto result = actor_->call(params.getMethod().cStr(),
-                               std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()));
+    std::string method = params.getMethod().cStr();
+    std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
     context.releaseParams();
-    if (!result.isOk()) throwStatus(result.status());
-    context.getResults().setResult(
-        capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
-    return kj::READY_NOW;
+    return inTurn([this, method, bytes = kj::mv(bytes)]() mutable { return actor_->callAsync(method, kj::mv(bytes)); })
+        .then([context](Result<std::string> result) mutable {
+          // Always FAILED: a DISCONNECTED error would read as the worker's death to callers.
+          if (!result.isOk()) {
+            kj::throwFatalException(kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
+                                                  kj::str(result.status().message().c_str())));
+          }
+          context.getResults().setResult(
+              capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
+        });
   }
 
   kj::Promise<void> callBatch(CallBatchContext context) override {
+    context.getResults().initReplies(context.getParams().getCalls().size());
+    return runBatch(context, 0);
+  }
+
+  // Runs call i of the batch, then the rest, each after the previous one resolved.
+  kj::Promise<void> runBatch(CallBatchContext context, unsigned i) {
     auto calls = context.getParams().getCalls();
-    auto replies = context.getResults().initReplies(calls.size());
-    for (unsigned i = 0; i < calls.size(); ++i) {
-      auto payload = calls[i].getPayload();
-      auto result = actor_->call(calls[i].getMethod().cStr(),
-                                 std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()));
-      if (result.isOk()) {
-        replies[i].setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
-      } else {
-        replies[i].setError(result.status().message());
-      }
-    }
-    return kj::READY_NOW;
+    if (i == calls.size()) return kj::READY_NOW;
+    std::string method = calls[i].getMethod().cStr();
+    auto payload = calls[i].getPayload();
+    std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
+    return inTurn([this, method, bytes = kj::mv(bytes)]() mutable { return actor_->callAsync(method, kj::mv(bytes)); })
+        .then([this, context, i](Result<std::string> result) mutable {
+          auto reply = context.getResults().getReplies()[i];
+          if (result.isOk()) {
+            reply.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
+          } else {
+            reply.setError(result.status().message());
+          }
+          return runBatch(context, i + 1);
+        });
+  }
+
+  // Runs `start` once every earlier call has finished: one call at a time, in arrival order,
+  // even when an actor's calls wait on something.
+  template <typename Start>
+  kj::Promise<Result<std::string>> inTurn(Start start) {
+    auto paf = kj::newPromiseAndFulfiller<void>();
+    auto previous = kj::mv(last_);
+    last_ = kj::mv(paf.promise);
+    auto done = std::make_shared<kj::Own<kj::PromiseFulfiller<void>>>(kj::mv(paf.fulfiller));
+    return previous.then(kj::mv(start)).then(
+        [done](Result<std::string> r) {
+          (*done)->fulfill();
+          return r;
+        },
+        [done](kj::Exception&& e) -> Result<std::string> {
+          (*done)->fulfill();  // a failed call must not block the ones after it
+          return Status(StatusCode::kInternal, e.getDescription().cStr());
+        });
   }
 
   kj::Promise<void> typed(TypedContext context) override {
@@ -64,6 +98,7 @@ class ActorService final : public rpc::Actor::Server {
  private:
   std::unique_ptr<Actor> actor_;
   std::string type_;
+  kj::Promise<void> last_ = kj::READY_NOW;  // the previous call's end
 };
 
 }  // namespace
@@ -103,17 +138,25 @@ int main(int argc, char** argv) {
     std::remove(argsFile.c_str());
   }
 
+  captureStopSignals();
+  auto io = kj::setupAsyncIo();
+  // Actors may call other actors (handles passed to them by id) through this connection.
+  kj::Own<ClusterClient> cluster;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);
+  })) {
+    fprintf(stderr, "troupe-worker: cannot reach the controller: %s\n", e->getDescription().cStr());
+    return 1;
+  }
   ActorRegistry registry;
   actors::registerTestActors(registry);
-  ActorContext context{ActorId(actorId), type, incarnation};
+  ActorContext context{ActorId(actorId), type, incarnation, cluster.get()};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {
     fprintf(stderr, "troupe-worker: cannot create actor %s: %s\n", type.c_str(), actor.status().message().c_str());
     return 1;
   }
 
-  captureStopSignals();
-  auto io = kj::setupAsyncIo();
   auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
                                   rpc::Actor::Client(kj::heap<ActorService>(std::move(*actor), type)));
   if (!server.isOk()) {

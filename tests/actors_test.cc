@@ -111,6 +111,16 @@ TEST_CASE("actors: named lookup, handles by id, kill, and unknown types") {
   CHECK(c.error(c.client->createActor(c.options("NoSuchType"))).find("unknown actor type") != std::string::npos);
 }
 
+TEST_CASE("actors: a handle passed to another actor (as its id) works there") {
+  ActorCluster c;
+  auto counter = c.wait(c.client->createActor(c.options("Counter", 0.5)));
+  auto relay = c.wait(c.client->createActor(c.options("Relay", 0.5)));
+  CHECK(c.wait(relay.call("relay", counter.id().hex() + " add 7")) == "7");
+  CHECK(c.wait(relay.call("relay", counter.id().hex() + " add 1")) == "8");
+  CHECK(c.wait(counter.call("get")) == "8");
+  CHECK(c.error(relay.call("relay", counter.id().hex() + " add nope")).find("must be an integer") != std::string::npos);
+}
+
 TEST_CASE("actors: a segfault is reported with SIGSEGV and the last stderr line; max_restarts brings it back") {
   ActorCluster c;
   auto mortal = c.wait(c.client->createActor(c.options("Crasher")));

@@ -6,6 +6,8 @@
 //   Crasher  "segfault" writes a line to stderr then dies of SIGSEGV; "abort" dies of SIGABRT;
 //            "exit" (payload: code) exits; "fail" returns an error; "ping" -> "pong".
 //            initArgs "fail_on_start" makes construction fail.
+//   Relay    "relay" (payload: "<actor id> <method> <payload>") calls that actor and returns its
+//            reply: a handle passed to another actor (as its id).
 // Every reply also answers "whoami" with "<type> <actor id> <incarnation> <pid>".
 // Thread-safety: see troupe/runtime/actor.h.
 #pragma once

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <capnp/capability.h>
+#include <kj/async.h>
 #include <kj/common.h>
 
 #include <functional>
@@ -20,11 +21,16 @@
 
 namespace troupe {
 
+class ClusterClient;
+
 // What an actor learns about itself at construction.
 struct ActorContext {
   ActorId id;
   std::string type;
   uint32_t incarnation = 1;  // 1 for the first start, +1 for each restart
+  // The worker's connection to its cluster: lets an actor call actors whose ids it was given.
+  // Null in unit tests that construct actors directly. Owned by the worker; outlives the actor.
+  ClusterClient* cluster = nullptr;
 };
 
 class Actor {
@@ -33,6 +39,11 @@ class Actor {
   // A generic call: the actor defines its methods and payload encodings. An error Status
   // reaches the caller as an error with this message (the actor keeps running).
   virtual Result<std::string> call(const std::string& method, std::string_view payload) = 0;
+  // The same, for actors that wait on other actors or I/O: the worker runs the next call only
+  // once this promise resolves, so calls keep their order. Default: the synchronous call().
+  virtual kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) {
+    return call(method, payload);
+  }
   // The actor's typed Cap'n Proto interface, for actors that have one.
   virtual kj::Maybe<capnp::Capability::Client> typed() { return nullptr; }
 };
