@@ -40,6 +40,9 @@ struct ClusterClient::Shared {
   kj::Own<RpcClient> rpc;
   rpc::Controller::Client controller;
   kj::TaskSet tasks;  // deferred clean-up
+  // This client's session: its non-detached actors end when the client (or its connection) does.
+  kj::Maybe<rpc::Session::Client> session;
+  std::string sessionId;
 
   kj::Promise<ActorRecord> waitActor(const ActorId& id, uint32_t minIncarnation, bool requireAlive, uint32_t timeoutMs) {
     auto request = controller.waitActorRequest();
@@ -304,17 +307,24 @@ kj::Promise<ActorRecord> ActorHandle::ready() {
 kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& io, const HostPort& controller,
                                                           std::string token) {
   return RpcClient::connect(io, controller, token, 10 * kj::SECONDS).then([&io, token](kj::Own<RpcClient> rpc) {
-    return kj::Own<ClusterClient>(new ClusterClient(std::make_shared<Shared>(io, token, kj::mv(rpc))),
-                                  kj::_::HeapDisposer<ClusterClient>::instance);
+    auto shared = std::make_shared<Shared>(io, token, kj::mv(rpc));
+    return shared->controller.openSessionRequest().send().then([shared](auto response) {
+      shared->session = response.getSession();
+      shared->sessionId = response.getId().cStr();
+      return kj::Own<ClusterClient>(new ClusterClient(shared), kj::_::HeapDisposer<ClusterClient>::instance);
+    });
   });
 }
 
-ClusterClient::~ClusterClient() = default;
+// Ends the session now (handles may keep `shared_` alive longer), so this client's
+// non-detached actors are reclaimed when the client goes, as in Ray.
+ClusterClient::~ClusterClient() { shared_->session = nullptr; }
 
 kj::Promise<ActorHandle> ClusterClient::submitActor(ActorOptions options) {
   auto request = shared_->controller.createActorRequest();
   request.setId(ActorId::generate().hex());
   toSpec(options, request.initSpec());
+  request.getSpec().setOwner(shared_->sessionId);
   auto shared = shared_;
   return request.send().then([shared](auto response) {
     return ActorHandle(connectionFor(shared, fromActorInfo(response.getActor())));

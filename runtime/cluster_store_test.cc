@@ -669,6 +669,7 @@ ActorRecord sampleActor() {
   actor.restarts = 3;
   actor.maxRestarts = -1;
   actor.maxTaskRetries = 5;
+  actor.owner = "session-1234";
   actor.detached = true;
   actor.resources = {{"CPU", 0.5}, {"GPU", 1}, {"memory", 2147483648.0}, {"accel_slot", 0.25}};
   const char raw[] = "\0pickled\0\x01\x7f\x80\xff\r\n tail\0";
@@ -693,6 +694,7 @@ void checkSameActor(const ActorRecord& got, const ActorRecord& want) {
   CHECK(got.restarts == want.restarts);
   CHECK(got.maxRestarts == want.maxRestarts);
   CHECK(got.maxTaskRetries == want.maxTaskRetries);
+  CHECK(got.owner == want.owner);
   CHECK(got.detached == want.detached);
   CHECK(got.resources == want.resources);
   CHECK(got.initArgs.size() == want.initArgs.size());

@@ -7,6 +7,7 @@
 #include "controller_core.h"
 #include "schema_convert.h"
 #include "troupe.capnp.h"
+#include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
@@ -17,6 +18,9 @@ struct Controller::IoState {
   explicit IoState(std::unique_ptr<ClusterStore> s) : store(std::move(s)), core(*store) {}
   std::unique_ptr<ClusterStore> store;
   ControllerCore core;
+  // Cleared (on the KJ thread) when the controller shuts down: sessions torn down with its
+  // connections then are not their drivers leaving, and must not end any actor.
+  bool serving = true;
 };
 
 namespace {
@@ -119,6 +123,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     actor.maxRestarts = spec.getMaxRestarts();
     actor.maxTaskRetries = spec.getMaxTaskRetries();
     actor.detached = spec.getDetached();
+    actor.owner = spec.getOwner().cStr();
     auto args = spec.getInitArgs();
     actor.initArgs.assign(reinterpret_cast<const char*>(args.begin()), args.size());
     actor.placementGroup = PlacementGroupId(spec.getPlacementGroup().cStr());
@@ -251,6 +256,26 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
           toPlacementGroupInfo(done.first, context.getResults().initGroup());
           return carryOut(kj::mv(done.second));
         });
+  }
+
+  kj::Promise<void> openSession(OpenSessionContext context) override {
+    std::string id = randomHex(8);
+    context.getResults().setId(id);
+    context.getResults().setSession(kj::heap<SessionImpl>(*this, id));
+    return kj::READY_NOW;
+  }
+
+  // Called when a session's last reference is gone (dropped, or its connection broke).
+  void sessionEnded(const std::string& owner) {
+    if (!state_->serving) return;
+    tasks_.add(onIo([owner](Controller::IoState& s) -> Result<Actions> {
+                 Actions actions;
+                 TROUPE_RETURN_IF_ERROR(s.core.ownerGone(owner, actions));
+                 return actions;
+               }).then([this](Actions actions) {
+      notifyWaiters();
+      return carryOut(kj::mv(actions));
+    }));
   }
 
   kj::Promise<void> getPlacementGroup(GetPlacementGroupContext context) override {
@@ -400,6 +425,20 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     TROUPE_LOG(kWarning, "controller background task failed: {}", e.getDescription().cStr());
   }
 
+  class SessionImpl final : public rpc::Session::Server {
+   public:
+    SessionImpl(ControllerService& service, std::string id)
+        : service_(service), alive_(service.alive_), id_(std::move(id)) {}
+    ~SessionImpl() noexcept(false) {
+      if (*alive_) service_.sessionEnded(id_);
+    }
+
+   private:
+    ControllerService& service_;
+    std::shared_ptr<bool> alive_;  // false once the service is gone
+    std::string id_;
+  };
+
   struct NodeConnection {
     kj::Own<RpcClient> client;
     rpc::NodeAgent::Client cap;
@@ -414,7 +453,11 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   std::string token_;
   std::map<NodeId, NodeConnection> nodes_;
   std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   kj::TaskSet tasks_;
+
+ public:
+  ~ControllerService() noexcept(false) { *alive_ = false; }
 };
 
 }  // namespace
@@ -457,6 +500,6 @@ Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& 
   return controller;
 }
 
-Controller::~Controller() = default;
+Controller::~Controller() { state_->serving = false; }
 
 }  // namespace troupe

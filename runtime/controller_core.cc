@@ -229,6 +229,20 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
   return retryPending(actions);
 }
 
+Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAction>& actions) {
+  if (owner.empty()) return Status::ok();
+  auto actors = store_.listActors();
+  if (!actors.isOk()) return actors.status();
+  for (const auto& actor : *actors) {
+    if (actor.owner != owner || actor.detached || actor.state == ActorState::kDead) continue;
+    if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
+    TROUPE_RETURN_IF_ERROR(
+        endIncarnation(actor, "its owner (the driver that created it) went away; use lifetime=detached to keep an actor",
+                       false, actions));
+  }
+  return Status::ok();
+}
+
 Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
   auto nodes = store_.listNodes();
   if (!nodes.isOk()) return nodes.status();

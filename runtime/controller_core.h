@@ -35,6 +35,8 @@ class ControllerCore {
                       std::vector<WorkerAction>& actions);
   // noRestart: DEAD now, then kill. Otherwise only kill: its exit follows the restart policy.
   Status killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions);
+  // A driver's session ended: its non-detached actors end too (no restart).
+  Status ownerGone(const std::string& owner, std::vector<WorkerAction>& actions);
   // Actors on dead nodes restart elsewhere (or die); bundles there are placed again.
   Status nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions);
   // Applies nodesDied to every DEAD node still holding live actors or bundles: nodes that died

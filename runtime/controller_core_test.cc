@@ -127,6 +127,24 @@ TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports a
   CHECK(c.used(node) == 0);
 }
 
+TEST_CASE("core: an owner going away ends its non-detached actors only") {
+  Core c;
+  c.addNode(4);
+  auto mine = c.spec();
+  mine.owner = "driver-1";
+  auto kept = c.spec();
+  kept.owner = "driver-1";
+  kept.detached = true;
+  auto other = c.spec();
+  other.owner = "driver-2";
+  for (auto* a : {&mine, &kept, &other}) REQUIRE(c.core.createActor(*a, c.actions).isOk());
+  REQUIRE(c.core.ownerGone("driver-1", c.actions).isOk());
+  REQUIRE(c.core.ownerGone("driver-1", c.actions).isOk());  // twice: nothing more
+  CHECK(c.core.getActor(mine.id)->state == ActorState::kDead);
+  CHECK(c.core.getActor(kept.id)->state != ActorState::kDead);
+  CHECK(c.core.getActor(other.id)->state != ActorState::kDead);
+}
+
 TEST_CASE("core: actors on a dead node restart on another node") {
   Core c;
   NodeId a = c.addNode(1);

@@ -12,7 +12,7 @@
 //   P node_res:<id>    hash  holder -> JSON resources: the claims on the node (reserve/release)
 //   P actors           zset  actor ids scored by created_ms
 //   P actor:<id>       hash  {id, type, name, node_id, pid, address, state, incarnation,
-//                             restarts, max_restarts, max_task_retries, detached, resources (JSON),
+//                             restarts, max_restarts, max_task_retries, detached, owner, resources (JSON),
 //                             init_args (raw bytes), placement_group, bundle_index, death_reason,
 //                             created_ms, updated_ms}
 //   P actor_name:<name> string: the id of the actor holding the name
@@ -919,6 +919,7 @@ class RedisClusterStore final : public ClusterStore {
         "max_restarts", std::to_string(actor.maxRestarts),
         "max_task_retries", std::to_string(actor.maxTaskRetries),
         "detached", actor.detached ? "1" : "0",
+        "owner", actor.owner,
         "resources", json(actor.resources).dump(),
         "init_args", actor.initArgs,
         "placement_group", actor.placementGroup.hex(),
@@ -1180,6 +1181,7 @@ class RedisClusterStore final : public ClusterStore {
     actor.nodeId = NodeId(fields["node_id"]);
     actor.address = fields["address"];
     actor.detached = fields["detached"] == "1";
+    actor.owner = fields["owner"];
     actor.initArgs = fields["init_args"];
     actor.placementGroup = PlacementGroupId(fields["placement_group"]);
     actor.deathReason = fields["death_reason"];

@@ -111,6 +111,24 @@ TEST_CASE("actors: named lookup, handles by id, kill, and unknown types") {
   CHECK(c.error(c.client->createActor(c.options("NoSuchType"))).find("unknown actor type") != std::string::npos);
 }
 
+TEST_CASE("actors: lifetime: a client's actors end with it unless detached") {
+  ActorCluster c;
+  ActorId owned, detached;
+  {
+    auto driver = c.wait(ClusterClient::connect(c.io(), c.cluster.controllerAddress(), c.cluster.token()));
+    owned = c.wait(driver->createActor(c.options("Counter", 0.5))).id();
+    auto o = c.options("Counter", 0.5);
+    o.detached = true;
+    detached = c.wait(driver->createActor(o)).id();
+  }  // the driver goes away
+  CHECK(eventually(std::chrono::seconds(5), [&]() {
+    return c.wait(c.client->actorInfo(owned)).state == ActorState::kDead;
+  }));
+  CHECK(c.wait(c.client->actorInfo(owned)).deathReason.find("owner") != std::string::npos);
+  CHECK(c.wait(c.client->actorInfo(detached)).state == ActorState::kAlive);
+  CHECK(c.wait(c.client->actor(detached).call("add", "2")) == "2");
+}
+
 TEST_CASE("actors: a handle passed to another actor (as its id) works there") {
   ActorCluster c;
   auto counter = c.wait(c.client->createActor(c.options("Counter", 0.5)));

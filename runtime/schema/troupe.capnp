@@ -49,6 +49,7 @@ struct ActorSpec {
   initArgs @6 :Data;
   placementGroup @7 :Text;   # empty: not in a group
   bundleIndex @8 :Int32 = -1;
+  owner @9 :Text;            # the creator's session id (see Controller.openSession)
 }
 
 struct ActorInfo {
@@ -123,7 +124,13 @@ interface Controller {
   addBundles @11 (id :Text, bundles :List(BundleInfo), fromIndex :UInt32) -> (group :PlacementGroupInfo);
   removeBundles @12 (id :Text, indices :List(UInt32)) -> (group :PlacementGroupInfo);
   getPlacementGroup @13 (id :Text) -> (group :PlacementGroupInfo);
+
+  # A driver's session: its non-detached actors end when the session does (the client drops
+  # it or its connection breaks). The id goes into ActorSpec.owner.
+  openSession @14 () -> (session :Session, id :Text);
 }
+
+interface Session {}
 
 interface NodeAgent {
   ping @0 () -> (nodeId :Text, pid :Int64);

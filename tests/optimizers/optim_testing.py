@@ -9,7 +9,7 @@ import torch
 BUILD = Path(os.environ.get("TROUPE_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
 
 try:
-    import troupe.optim as optim
+    import troupe.optim as optim  # noqa: F401 (re-exported to the tests)
 except ImportError as e:  # the extension is built by `make build` into build/python/troupe/
     raise ImportError(f"troupe.optim is not built under {BUILD / 'python'} ({e}); run `make build` "
                       "(meson.build must include subdir('python') and LibTorch must be found)") from e

@@ -9,7 +9,6 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -26,7 +26,8 @@ struct ActorOptions {
   Resources resources{{"CPU", 1}};  // demand of each incarnation
   int32_t maxRestarts = 0;          // -1: unlimited
   int32_t maxTaskRetries = 0;       // calls retried on a restarted incarnation; -1: unlimited
-  bool detached = false;            // lifetime="detached" (recorded; see docs/design.md)
+  bool detached = false;            // lifetime="detached": outlives this client; otherwise the
+                                    // actor ends when this ClusterClient (or its connection) does
   std::string initArgs;             // bytes for the actor's constructor
   PlacementGroupId placementGroup;  // run inside this group's bundle
   int32_t bundleIndex = -1;

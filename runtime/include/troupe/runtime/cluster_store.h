@@ -67,6 +67,7 @@ struct ActorRecord {
   int32_t maxRestarts = 0;       // -1: unlimited
   int32_t maxTaskRetries = 0;
   bool detached = false;         // lifetime: detached actors outlive their creator
+  std::string owner;             // the creator's session; a non-detached actor ends with it
   Resources resources;           // demand of one incarnation
   std::string initArgs;          // opaque bytes handed to the actor's constructor
   PlacementGroupId placementGroup;  // empty unless created into a bundle
