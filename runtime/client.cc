@@ -369,6 +369,14 @@ kj::Promise<std::vector<ActorRecord>> ClusterClient::listActors() {
   });
 }
 
+kj::Promise<std::vector<NodeRecord>> ClusterClient::listNodes() {
+  return shared_->controller.statusRequest().send().then([](auto response) {
+    std::vector<NodeRecord> out;
+    for (auto n : response.getNodes()) out.push_back(fromNodeInfo(n));
+    return out;
+  });
+}
+
 kj::Promise<PlacementGroupRecord> ClusterClient::createPlacementGroup(PlacementStrategy strategy,
                                                                       std::vector<Resources> bundles, std::string name) {
   auto request = shared_->controller.createPlacementGroupRequest();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1160,6 +1161,123 @@ TEST_CASE("redis store: clusters under different names do not see each other") {
   auto own = (*first)->listNodes();
   REQUIRE(own.isOk());
   CHECK(own->size() == 1);
+}
+
+// ---- Collective groups: epochs and rendezvous ----
+
+// Next advance within a deadline, failing the test if none comes.
+int64_t mustReceiveEpoch(GroupEpochWatch& watch) {
+  auto epoch = watch.next(5s);
+  REQUIRE_MESSAGE(epoch.isOk(), epoch.status().toString());
+  REQUIRE_MESSAGE(epoch->has_value(), "no epoch advance within 5 s");
+  return **epoch;
+}
+
+TEST_CASE_TEMPLATE("group epochs only rise; an advance is published once", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto other = backend.open();
+  auto fresh = store->groupEpoch("job-a");
+  REQUIRE(fresh.isOk());
+  CHECK(*fresh == 0);
+
+  auto watchOrError = other->watchGroupEpoch("job-a");
+  REQUIRE_MESSAGE(watchOrError.isOk(), watchOrError.status().toString());
+  auto watch = std::move(watchOrError).value();
+  auto raised = store->advanceGroupEpoch("job-a", 3);
+  REQUIRE(raised.isOk());
+  CHECK(*raised == 3);
+  CHECK(mustReceiveEpoch(*watch) == 3);
+  CHECK(*other->groupEpoch("job-a") == 3);
+
+  // A retry and a lower epoch change nothing and publish nothing: the next advance seen is 7.
+  CHECK(*store->advanceGroupEpoch("job-a", 3) == 3);
+  CHECK(*store->advanceGroupEpoch("job-a", 1) == 3);
+  CHECK(*store->advanceGroupEpoch("job-a", 7) == 7);
+  CHECK(mustReceiveEpoch(*watch) == 7);
+  CHECK(*store->groupEpoch("job-a") == 7);
+
+  // Groups are independent, also when one name is a prefix of another.
+  CHECK(*store->groupEpoch("job-a:x") == 0);
+  CHECK(*store->advanceGroupEpoch("job-a:x", 1) == 1);
+  CHECK(*store->groupEpoch("job-a") == 7);
+  CHECK(*store->advanceGroupEpoch("job-a", 8) == 8);
+  CHECK(mustReceiveEpoch(*watch) == 8);  // job-a:x's advance was not delivered to job-a's watch
+
+  CHECK(store->groupEpoch("").status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->advanceGroupEpoch("", 1).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->advanceGroupEpoch("job-a", -1).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->watchGroupEpoch("").status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE_TEMPLATE("group epoch watch: interrupt wakes a blocked next() at once", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto watchOrError = store->watchGroupEpoch("job-b");
+  REQUIRE(watchOrError.isOk());
+  auto watch = std::move(watchOrError).value();
+  std::optional<Result<std::optional<int64_t>>> got;
+  std::thread waiter([&] { got.emplace(watch->next(30s)); });
+  const auto start = Clock::now();
+  watch->interrupt();
+  waiter.join();
+  CHECK(Clock::now() - start < 2s);
+  REQUIRE(got.has_value());
+  REQUIRE(got->isOk());
+  CHECK_FALSE((*got)->has_value());
+  // Later calls return at once too.
+  auto after = watch->next(30s);
+  REQUIRE(after.isOk());
+  CHECK_FALSE(after->has_value());
+}
+
+TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced and expiring",
+                   Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto other = backend.open();
+  auto empty = store->getRendezvous("job-c", 1);
+  REQUIRE(empty.isOk());
+  CHECK(empty->empty());
+
+  REQUIRE(store->putRendezvousEntry("job-c", 1, 0, "127.0.0.1:4000", kLongTtl).isOk());
+  REQUIRE(other->putRendezvousEntry("job-c", 1, 1, "127.0.0.1:4001", kLongTtl).isOk());
+  const std::string binary("\0nccl\xff\x01id", 9);
+  REQUIRE(other->putRendezvousEntry("job-c", 1, 2, binary, kLongTtl).isOk());
+  REQUIRE(store->putRendezvousEntry("job-c", 1, 1, "127.0.0.1:5001", kLongTtl).isOk());  // replaces
+  auto entries = other->getRendezvous("job-c", 1);
+  REQUIRE(entries.isOk());
+  CHECK(*entries == std::map<int32_t, std::string>{
+                        {0, "127.0.0.1:4000"}, {1, "127.0.0.1:5001"}, {2, binary}});
+
+  // Another epoch, and a group whose name ends like an epoch, are separate rendezvous.
+  CHECK(store->getRendezvous("job-c", 2)->empty());
+  REQUIRE(store->putRendezvousEntry("job-c:1", 2, 0, "elsewhere", kLongTtl).isOk());
+  CHECK(store->getRendezvous("job-c", 1)->size() == 3);
+  CHECK(store->getRendezvous("job-c:1", 2)->size() == 1);
+
+  // A rendezvous expires `ttl` after its last write.
+  REQUIRE(store->putRendezvousEntry("job-d", 4, 0, "soon gone", kShortTtl).isOk());
+  CHECK(store->getRendezvous("job-d", 4)->size() == 1);
+  const auto deadline = Clock::now() + 5s;
+  bool gone = false;
+  while (!gone && Clock::now() < deadline) {
+    auto now = store->getRendezvous("job-d", 4);
+    REQUIRE(now.isOk());
+    gone = now->empty();
+    if (!gone) std::this_thread::sleep_for(20ms);  // polling the condition (expiry), 5 s deadline
+  }
+  CHECK(gone);
+
+  CHECK(store->putRendezvousEntry("", 1, 0, "x", kLongTtl).code() == StatusCode::kInvalidArgument);
+  CHECK(store->putRendezvousEntry("g", -1, 0, "x", kLongTtl).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(store->putRendezvousEntry("g", 1, -1, "x", kLongTtl).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(store->putRendezvousEntry("g", 1, 0, "x", 0ms).code() == StatusCode::kInvalidArgument);
+  CHECK(store->getRendezvous("", 1).status().code() == StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -43,6 +43,22 @@ struct FakeClusterState {
   // Weak: a subscription that is destroyed simply stops receiving, like a closed connection.
   std::vector<std::weak_ptr<EventQueue>> subscribers;
 
+  // One group-epoch watch's pending advances (the fake's per-group epoch channel).
+  struct EpochQueue {
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::deque<int64_t> epochs;
+    bool interrupted = false;
+  };
+  // A rendezvous of one (group, epoch): rank -> value, gone at `expiry` like a PEXPIRE'd hash.
+  struct Rendezvous {
+    std::map<int32_t, std::string> entries;
+    std::chrono::steady_clock::time_point expiry;
+  };
+  std::map<std::string, int64_t> groupEpochs;
+  std::map<std::string, std::vector<std::weak_ptr<EpochQueue>>> epochWatchers;
+  std::map<std::pair<std::string, int64_t>, Rendezvous> rendezvous;
+
   // Caller holds `mutex`. Sets the node's `used` to the sum of its claims, listing every
   // resource in `total` (0 when unclaimed).
   void recomputeUsed(NodeRecord& node) {
@@ -92,6 +108,36 @@ class FakeEventSubscription final : public EventSubscription {
 
  private:
   std::shared_ptr<FakeClusterState::EventQueue> queue_;
+};
+
+class FakeGroupEpochWatch final : public GroupEpochWatch {
+ public:
+  explicit FakeGroupEpochWatch(std::shared_ptr<FakeClusterState::EpochQueue> queue)
+      : queue_(std::move(queue)) {}
+
+  Result<std::optional<int64_t>> next(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(queue_->mutex);
+    if (!queue_->ready.wait_for(lock, timeout, [this] {
+          return queue_->interrupted || !queue_->epochs.empty();
+        })) {
+      return std::optional<int64_t>();
+    }
+    if (queue_->interrupted) return std::optional<int64_t>();
+    const int64_t epoch = queue_->epochs.front();
+    queue_->epochs.pop_front();
+    return std::optional<int64_t>(epoch);
+  }
+
+  void interrupt() override {
+    {
+      std::lock_guard lock(queue_->mutex);
+      queue_->interrupted = true;
+    }
+    queue_->ready.notify_all();
+  }
+
+ private:
+  std::shared_ptr<FakeClusterState::EpochQueue> queue_;
 };
 
 class FakeClusterStore final : public ClusterStore {
@@ -352,7 +398,93 @@ class FakeClusterStore final : public ClusterStore {
         std::make_unique<FakeEventSubscription>(std::move(queue)));
   }
 
+  Result<int64_t> groupEpoch(const std::string& group) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, 0));
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->groupEpochs.find(group);
+    return it == state_->groupEpochs.end() ? int64_t{0} : it->second;
+  }
+
+  Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    std::lock_guard lock(state_->mutex);
+    int64_t& current = state_->groupEpochs[group];
+    if (epoch <= current) return current;
+    current = epoch;
+    // Lock order: state mutex, then a queue's mutex (as publish()).
+    auto& watchers = state_->epochWatchers[group];
+    std::erase_if(watchers, [](const auto& weak) { return weak.expired(); });
+    for (const auto& weak : watchers) {
+      if (auto queue = weak.lock()) {
+        {
+          std::lock_guard queueLock(queue->mutex);
+          queue->epochs.push_back(epoch);
+        }
+        queue->ready.notify_all();
+      }
+    }
+    return current;
+  }
+
+  Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, 0));
+    auto queue = std::make_shared<FakeClusterState::EpochQueue>();
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->epochWatchers[group].push_back(queue);
+    }
+    return std::unique_ptr<GroupEpochWatch>(std::make_unique<FakeGroupEpochWatch>(std::move(queue)));
+  }
+
+  Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
+                            const std::string& value, std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkRendezvousArgs(group, epoch, rank, ttl));
+    std::lock_guard lock(state_->mutex);
+    auto& rendezvous = state_->rendezvous[{group, epoch}];
+    if (rendezvous.expiry <= Clock::now()) rendezvous.entries.clear();  // an expired hash is gone
+    rendezvous.entries[rank] = value;
+    rendezvous.expiry = Clock::now() + ttl;
+    return Status::ok();
+  }
+
+  Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
+                                                       int64_t epoch) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->rendezvous.find({group, epoch});
+    if (it == state_->rendezvous.end()) return std::map<int32_t, std::string>();
+    if (it->second.expiry <= Clock::now()) {
+      state_->rendezvous.erase(it);
+      return std::map<int32_t, std::string>();
+    }
+    return it->second.entries;
+  }
+
  private:
+  // Same checks, same messages as redis_cluster_store.cc's.
+  static Status checkGroupArgs(const std::string& group, int64_t epoch) {
+    if (group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");
+    if (epoch < 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("group '{}': epoch must be >= 0, got {}", group, epoch));
+    }
+    return Status::ok();
+  }
+
+  static Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank,
+                                    std::chrono::milliseconds ttl) {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    if (rank < 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("group '{}': rank must be >= 0, got {}", group, rank));
+    }
+    if (ttl.count() <= 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("rendezvous ttl must be positive, got {} ms", ttl.count()));
+    }
+    return Status::ok();
+  }
+
   // Redis compares claims with the same tolerance (redis_cluster_store.cc, kReserveBody).
   static constexpr double kEpsilon = 1e-9;
 

@@ -224,12 +224,22 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
     if (!out) return Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}", argsFile));
   }
   SpawnOptions spawn;
-  spawn.argv = {options_.workerBinary, "--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation",
-                std::to_string(actor.incarnation), "--controller", options_.controller.toString(),
-                "--node-ip-address", options_.ip, "--args-file", argsFile, "--parent-pid", std::to_string(getpid())};
+  // Python actors ("py:<Class>") run in a Python worker hosting the same runtime.
+  bool python = actor.type.rfind("py:", 0) == 0;
+  if (python) {
+    spawn.argv = {options_.pythonBinary, "-m", "troupe._worker"};
+    if (!options_.pythonPath.empty()) spawn.env.push_back("PYTHONPATH=" + options_.pythonPath);
+  } else {
+    spawn.argv = {options_.workerBinary};
+  }
+  spawn.argv.insert(spawn.argv.end(),
+                    {"--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation", std::to_string(actor.incarnation),
+                     "--controller", options_.controller.toString(), "--node-ip-address", options_.ip, "--args-file",
+                     argsFile, "--parent-pid", std::to_string(getpid())});
   spawn.outputPath = base + ".out";
   spawn.errorPath = base + ".err";
-  spawn.env = {"TROUPE_TOKEN=" + options_.token};
+  spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
+  spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
   auto pid = spawnProcess(spawn);
   if (!pid.isOk()) return pid.status();
   workers_[actor.id] = Worker{actor.incarnation, *pid};

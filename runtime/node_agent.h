@@ -29,6 +29,8 @@ struct NodeAgentOptions {
   bool isHead = false;
   std::string runDir;        // actors' logs go to <runDir>/logs/actor-<id>.{out,err}
   std::string workerBinary;  // troupe-worker
+  std::string pythonBinary = "/usr/bin/python3";  // runs Python actors (python -m troupe._worker)
+  std::string pythonPath;    // PYTHONPATH for Python workers: where the troupe package is
 };
 
 class NodeAgent {

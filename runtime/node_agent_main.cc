@@ -54,6 +54,14 @@ int main(int argc, char** argv) {
   options.isHead = head;
   options.runDir = runDir;
   options.workerBinary = executableDir() + "/troupe-worker";
+  // Python workers import the troupe package from TROUPE_PYTHONPATH (set by an embedding
+  // driver), else from the build tree next to this binary.
+  if (const char* py = std::getenv("TROUPE_PYTHON"); py && *py) options.pythonBinary = py;
+  if (const char* path = std::getenv("TROUPE_PYTHONPATH"); path && *path) {
+    options.pythonPath = path;
+  } else {
+    options.pythonPath = executableDir() + "/python";
+  }
   if (const char* dir = std::getenv("TROUPE_BIN_DIR"); dir && *dir) options.workerBinary = std::string(dir) + "/troupe-worker";
   options.resources = detectLocalResources();
   if (numCpus >= 0) options.resources["CPU"] = numCpus;

@@ -20,16 +20,24 @@
 //   P pg:<id>          hash  {id, name, strategy, state, pending_reason, created_ms,
 //                             bundles (JSON array of {"resources": {...}, "node_id": "..."})}
 //   P events           pub/sub channel of JSON {"type","node_id","reason","time_ms"}
+//   P group_epoch:<group>        string: the collective group's epoch (absent: 0)
+//   P group_epoch_events:<group> pub/sub channel: each advance publishes the new epoch (decimal)
+//   P rendezvous:<group>:<epoch> hash rank -> opaque value (a communicator's address, an NCCL
+//                                unique id), PEXPIRE'd by every write; the epoch is the text
+//                                after the last ':', so group names may hold ':'
 //
 // Every membership or claim change runs as one Lua script, so the hashes, the zsets, the
 // heartbeat key and the published event never disagree, even with several controllers at once.
 // Every argument travels with an explicit length (redisCommandArgv), so init_args may hold NULs.
 #include <hiredis/hiredis.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/time.h>
 
+#include <atomic>
 #include <charconv>
 #include <unordered_map>
 #include <cmath>
@@ -536,6 +544,26 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 )lua";
 
+// KEYS: the group's epoch key. ARGV: the wanted epoch, the group's epoch channel.
+// Raises the epoch (never lowers it) and publishes only a real change, so a retry is silent.
+// Returns the epoch after the call as text (Lua numbers are doubles; the text stays exact).
+constexpr const char* kAdvanceGroupEpochScript = R"lua(
+local current = redis.call('GET', KEYS[1]) or '0'
+if tonumber(ARGV[1]) > tonumber(current) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  return ARGV[1]
+end
+return current
+)lua";
+
+// KEYS: the rendezvous hash. ARGV: rank, value, ttl ms. The write and the expiry go together.
+constexpr const char* kPutRendezvousScript = R"lua(
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+)lua";
+
 const std::string& registerScript() {
   static const std::string script = std::string(kRecomputeUsedLua) + kRegisterBody;
   return script;
@@ -707,6 +735,99 @@ class RedisEventSubscription final : public EventSubscription {
 
   RedisOptions options_;
   ContextPtr context_;
+};
+
+// Same argument checks, same messages as the fake's (fake_cluster_store.cc).
+Status checkGroupArgs(const std::string& group, int64_t epoch) {
+  if (group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");
+  if (epoch < 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("group '{}': epoch must be >= 0, got {}", group, epoch));
+  }
+  return Status::ok();
+}
+
+// A subscription to one group's epoch channel on its own connection. interrupt() wakes a
+// next() blocked in poll() through an eventfd, so the waiting thread can be joined at once.
+class RedisGroupEpochWatch final : public GroupEpochWatch {
+ public:
+  RedisGroupEpochWatch(RedisOptions options, ContextPtr context, std::string group)
+      : options_(std::move(options)),
+        context_(std::move(context)),
+        group_(std::move(group)),
+        wakeFd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  ~RedisGroupEpochWatch() override {
+    if (wakeFd_ >= 0) ::close(wakeFd_);
+  }
+  RedisGroupEpochWatch(const RedisGroupEpochWatch&) = delete;
+  RedisGroupEpochWatch& operator=(const RedisGroupEpochWatch&) = delete;
+
+  Result<std::optional<int64_t>> next(std::chrono::milliseconds timeout) override {
+    if (!context_) return lost("the watch failed earlier");
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (interrupted_.load()) return std::optional<int64_t>();
+      void* raw = nullptr;
+      if (redisGetReplyFromReader(context_.get(), &raw) != REDIS_OK) {
+        return lost(contextError(context_.get(), options_));
+      }
+      if (raw != nullptr) {
+        ReplyPtr reply(static_cast<redisReply*>(raw));
+        if (auto epoch = decode(*reply)) return epoch;
+        continue;
+      }
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline -
+                                                               std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::optional<int64_t>();
+      pollfd pfds[2] = {{context_->fd, POLLIN, 0}, {wakeFd_, POLLIN, 0}};
+      int ready = ::poll(pfds, wakeFd_ >= 0 ? 2 : 1, static_cast<int>(left.count()));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready < 0) return lost(fmt::format("poll: {}", std::strerror(errno)));
+      if (ready == 0) return std::optional<int64_t>();
+      if (pfds[1].revents != 0) return std::optional<int64_t>();
+      if (redisBufferRead(context_.get()) != REDIS_OK) {
+        return lost(contextError(context_.get(), options_));
+      }
+    }
+  }
+
+  void interrupt() override {
+    interrupted_.store(true);
+    if (wakeFd_ >= 0) {
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = ::write(wakeFd_, &one, sizeof(one));
+    }
+  }
+
+ private:
+  Status lost(const std::string& reason) {
+    context_.reset();
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("lost the epoch watch of group '{}' on Redis at {} ({}); advances "
+                              "may have been missed: watch again and re-read groupEpoch()",
+                              group_, addressOf(options_), reason));
+  }
+
+  std::optional<int64_t> decode(const redisReply& reply) {
+    if (reply.type != REDIS_REPLY_ARRAY || reply.elements != 3 ||
+        replyText(*reply.element[0]) != "message") {
+      return std::nullopt;  // the subscribe confirmation
+    }
+    int64_t epoch = 0;
+    const std::string payload = replyText(*reply.element[2]);
+    if (!parseInteger(payload, epoch)) {
+      TROUPE_LOG(kWarning, "ignoring a malformed epoch '{}' of group '{}' from Redis at {}",
+                 payload, group_, addressOf(options_));
+      return std::nullopt;
+    }
+    return epoch;
+  }
+
+  RedisOptions options_;
+  ContextPtr context_;
+  std::string group_;
+  int wakeFd_;
+  std::atomic<bool> interrupted_{false};
 };
 
 class RedisClusterStore final : public ClusterStore {
@@ -1065,7 +1186,102 @@ class RedisClusterStore final : public ClusterStore {
         std::make_unique<RedisEventSubscription>(options_, std::move(context).value()));
   }
 
+  Result<int64_t> groupEpoch(const std::string& group) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, 0));
+    auto reply = connection_.run({"GET", groupEpochKey(group)}, "groupEpoch");
+    if (!reply) return reply.status();
+    if ((*reply)->type == REDIS_REPLY_NIL) return int64_t{0};
+    int64_t epoch = 0;
+    if ((*reply)->type != REDIS_REPLY_STRING || !parseInteger(replyText(**reply), epoch)) {
+      return malformed(groupEpochKey(group), "the epoch is not an integer");
+    }
+    return epoch;
+  }
+
+  Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    auto reply = connection_.run({"EVAL", kAdvanceGroupEpochScript, "1", groupEpochKey(group),
+                                  std::to_string(epoch), groupEpochChannel(group)},
+                                 "advanceGroupEpoch");
+    if (!reply) return reply.status();
+    int64_t now = 0;
+    if ((*reply)->type != REDIS_REPLY_STRING || !parseInteger(replyText(**reply), now)) {
+      return malformed(groupEpochKey(group), "the epoch is not an integer");
+    }
+    return now;
+  }
+
+  Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, 0));
+    auto context = connectAndAuthenticate(options_);
+    if (!context) return context.status();
+    SigpipeBlock sigpipe;
+    const std::string channel = groupEpochChannel(group);
+    ReplyPtr reply(static_cast<redisReply*>(
+        redisCommand(context->get(), "SUBSCRIBE %b", channel.data(), channel.size())));
+    if (!reply) return unreachable(options_, contextError(context->get(), options_));
+    if (reply->type == REDIS_REPLY_ERROR) return replyError(options_, *reply, "SUBSCRIBE");
+    // Only after this confirmation is every later PUBLISH guaranteed to reach us.
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements < 1 ||
+        replyText(*reply->element[0]) != "subscribe") {
+      return unexpected("SUBSCRIBE", *reply);
+    }
+    return std::unique_ptr<GroupEpochWatch>(
+        std::make_unique<RedisGroupEpochWatch>(options_, std::move(context).value(), group));
+  }
+
+  Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
+                            const std::string& value, std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkRendezvousArgs(group, epoch, rank, ttl));
+    auto reply = connection_.run({"EVAL", kPutRendezvousScript, "1", rendezvousKey(group, epoch),
+                                  std::to_string(rank), value, std::to_string(ttl.count())},
+                                 "putRendezvousEntry");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
+                                                       int64_t epoch) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    const std::string key = rendezvousKey(group, epoch);
+    auto reply = connection_.run({"HGETALL", key}, "getRendezvous");
+    if (!reply) return reply.status();
+    auto fields = fieldMap(**reply, key);
+    if (!fields) return fields.status();
+    std::map<int32_t, std::string> entries;
+    for (auto& [field, value] : *fields) {
+      int32_t rank = 0;
+      if (!parseInteger(field, rank)) return malformed(key, fmt::format("rank '{}'", field));
+      entries[rank] = std::move(value);
+    }
+    return entries;
+  }
+
  private:
+  std::string groupEpochKey(const std::string& group) const {
+    return prefix_ + "group_epoch:" + group;
+  }
+  std::string groupEpochChannel(const std::string& group) const {
+    return prefix_ + "group_epoch_events:" + group;
+  }
+  std::string rendezvousKey(const std::string& group, int64_t epoch) const {
+    return fmt::format("{}rendezvous:{}:{}", prefix_, group, epoch);
+  }
+
+  // Same checks, same messages as the fake's.
+  static Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank,
+                                    std::chrono::milliseconds ttl) {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+    if (rank < 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("group '{}': rank must be >= 0, got {}", group, rank));
+    }
+    if (ttl.count() <= 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("rendezvous ttl must be positive, got {} ms", ttl.count()));
+    }
+    return Status::ok();
+  }
+
   std::string metaKey() const { return prefix_ + "meta"; }
   std::string nodesKey() const { return prefix_ + "nodes"; }
   std::string nodeKeyPrefix() const { return prefix_ + "node:"; }

@@ -28,6 +28,7 @@ struct StartFlags {
   std::string nodeIp = "127.0.0.1";
   int heartbeatTtlMs = 3000;
   bool block = false;
+  int watchPid = 0;             // --block: stop everything once this process is gone
 };
 
 struct StatusFlags {

@@ -91,7 +91,7 @@ std::vector<std::string> nodeArgs(const StartFlags& f, const std::string& runDir
 }
 
 // --block: stay in the foreground until Ctrl-C / SIGTERM or until a daemon dies, then stop all.
-int blockUntilStopped(Launch& launch, const std::string& runDir) {
+int blockUntilStopped(Launch& launch, const std::string& runDir, pid_t watchPid) {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
@@ -101,6 +101,7 @@ int blockUntilStopped(Launch& launch, const std::string& runDir) {
   for (;;) {
     timespec tick{0, 200 * 1000 * 1000};
     if (sigtimedwait(&set, nullptr, &tick) > 0) break;
+    if (watchPid > 0 && !processAlive(watchPid)) break;  // the embedding driver is gone
     bool died = false;
     for (auto& child : launch.children()) {
       pid_t pid = child.pid();
@@ -201,7 +202,7 @@ int startHead(const StartFlags& f) {
             << "\n"
             << "To see the cluster: troupe status\n"
             << "To stop this machine's processes: troupe stop" << std::endl;
-  if (f.block) return blockUntilStopped(launch, runDir);
+  if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
   launch.commit();
   return 0;
 }
@@ -236,7 +237,7 @@ int joinCluster(const StartFlags& f) {
   if (!ready.isOk()) return fail(ready);
   std::cout << "Node " << nodeId.hex() << " joined the cluster at " << target->controller.toString() << " (log: "
             << nodeLog << ")" << std::endl;
-  if (f.block) return blockUntilStopped(launch, runDir);
+  if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
   launch.commit();
   return 0;
 }

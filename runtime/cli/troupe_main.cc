@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   startCmd->add_option("--heartbeat-ttl-ms", start.heartbeatTtlMs, "A node silent this long is dead (head)")
       ->check(CLI::Range(300, 600000));
   startCmd->add_flag("--block", start.block, "Stay in the foreground; Ctrl-C stops what was started");
+  startCmd->add_option("--watch-pid", start.watchPid, "With --block: stop when this process exits (embedded clusters)")
+      ->group("");
 
   StatusFlags status;
   auto* statusCmd = app.add_subcommand("status", "Show nodes, actors and groups");

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, eventually, free_port, processes_under, start_redis
+from troupe_testing import BUILD, eventually, free_port, processes_under, start_redis
 
 
 def node_states(t):

@@ -78,6 +78,7 @@ class ClusterClient {
   kj::Promise<void> kill(const ActorHandle& actor, bool noRestart = true);
   kj::Promise<ActorRecord> actorInfo(const ActorId& id);
   kj::Promise<std::vector<ActorRecord>> listActors();
+  kj::Promise<std::vector<NodeRecord>> listNodes();
 
   // Placement groups: created all or nothing; PENDING (with a reason) while they cannot be
   // placed; infeasible rejects.

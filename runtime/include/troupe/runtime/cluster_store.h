@@ -128,6 +128,21 @@ class EventSubscription {
   virtual Result<std::optional<ClusterEvent>> next(std::chrono::milliseconds timeout) = 0;
 };
 
+// Receives the advances of one group's collective epoch (see ClusterStore::advanceGroupEpoch)
+// published after watchGroupEpoch() returned.
+// Thread-safety: next() from one thread at a time; interrupt() from any thread.
+class GroupEpochWatch {
+ public:
+  virtual ~GroupEpochWatch() = default;
+  // Waits up to `timeout` for the next advance and returns the group's new epoch; nullopt on
+  // timeout or once interrupt() was called. kUnavailable when the connection is lost (advances
+  // may then have been missed: open a new watch and re-read groupEpoch()).
+  virtual Result<std::optional<int64_t>> next(std::chrono::milliseconds timeout) = 0;
+  // Makes the next() in progress, and every later one, return nullopt at once (for shutting
+  // down the thread that waits in next()).
+  virtual void interrupt() = 0;
+};
+
 class ClusterStore {
  public:
   virtual ~ClusterStore() = default;
@@ -187,6 +202,31 @@ class ClusterStore {
 
   // Opens a subscription to membership events (its own connection for Redis).
   virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
+
+  // ---- Collective groups: epochs and rendezvous, keyed by (group, epoch) ----
+  // A group is any non-empty name (an elastic group's id, a job name). Its epoch starts at 0 and
+  // only grows; a communicator belongs to one epoch, and an advance ends every earlier epoch.
+
+  // The group's current epoch; 0 for a group never advanced. kInvalidArgument for an empty name.
+  virtual Result<int64_t> groupEpoch(const std::string& group) = 0;
+  // Raises the group's epoch to `epoch` when it is lower, and then publishes the new epoch to
+  // every watch; returns the group's epoch after the call (>= `epoch`). A retry, or an advance to
+  // an epoch already reached, changes and publishes nothing. kInvalidArgument for an empty name
+  // or a negative epoch.
+  virtual Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) = 0;
+  // Opens a watch on the group's epoch advances (its own connection for Redis). To miss none,
+  // open the watch first, then read groupEpoch().
+  virtual Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) = 0;
+  // Records `value` (opaque bytes: an address, an NCCL unique id) for `rank` in the rendezvous of
+  // (group, epoch), replacing the rank's earlier value. The whole rendezvous expires `ttl` after
+  // its last write, so finished epochs leave nothing behind. kInvalidArgument for an empty name,
+  // a negative epoch or rank, or a ttl that is not positive.
+  virtual Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
+                                    const std::string& value, std::chrono::milliseconds ttl) = 0;
+  // Every value recorded in the rendezvous of (group, epoch), by rank; empty when none (or
+  // expired). Same argument errors as putRendezvousEntry().
+  virtual Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
+                                                               int64_t epoch) = 0;
 };
 
 struct RedisOptions {

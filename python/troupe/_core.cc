@@ -1,0 +1,394 @@
+// troupe._core: the C++ runtime inside Python.
+//
+// Driver side (`Runtime`): a background thread owns a KJ event loop and a ClusterClient; Python
+// threads hand it work with kj::Executor::executeSync (they have no event loop) and wait for
+// results on a condition variable with the GIL released. Actor calls return integer refs at
+// once, so a driver can have many calls in flight; the client batches calls made together.
+//
+// Worker side (`serve_actor`): a Python worker process runs the KJ loop on its main thread and
+// serves one Python actor, taking the GIL only to run the actor's method.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <kj/async-unix.h>
+
+#include "troupe.capnp.h"
+#include "troupe/runtime/client.h"
+#include "troupe/runtime/logging.h"
+#include "troupe/runtime/rpc.h"
+
+namespace py = pybind11;
+
+namespace troupe {
+namespace {
+
+// How a call ended, as Python sees it.
+enum class Outcome { kPending = 0, kOk = 1, kError = 2, kDied = 3 };
+
+struct Completion {
+  Outcome outcome = Outcome::kPending;
+  std::string data;  // the reply, or the error message
+};
+
+class ErrorLog final : public kj::TaskSet::ErrorHandler {
+ public:
+  void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "runtime task: {}", e.getDescription().cStr()); }
+};
+
+Outcome classify(const std::string& message) {
+  return message.find(") died: ") != std::string::npos ? Outcome::kDied : Outcome::kError;
+}
+
+std::string describe(const kj::Exception& e) {
+  std::string d = e.getDescription().cStr();
+  const std::string prefix = "remote exception: ";
+  if (d.rfind(prefix, 0) == 0) d = d.substr(prefix.size());
+  return d;
+}
+
+// A driver's connection to a cluster. Thread-safety: every public method may be called from
+// any Python thread (they release the GIL while they wait); KJ objects live on loop_ only.
+class Runtime {
+ public:
+  Runtime(const std::string& address, const std::string& token) {
+    auto hp = parseHostPort(address);
+    if (!hp.isOk()) throw py::value_error(hp.status().message());
+    std::mutex m;
+    std::condition_variable cv;
+    bool started = false;
+    std::string error;
+    loop_ = std::thread([&, hp = *hp]() {
+      auto io = kj::setupAsyncIo();
+      ErrorLog errors;
+      kj::TaskSet tasks(errors);
+      {
+        std::lock_guard lock(m);
+        executor_ = kj::getCurrentThreadExecutor().addRef();
+        io_ = &io;
+        tasks_ = &tasks;
+      }
+      KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+        client_ = ClusterClient::connect(io, hp, token).wait(io.waitScope);
+      })) {
+        error = describe(*e);
+      }
+      auto stop = kj::newPromiseAndFulfiller<void>();
+      bool failed = !error.empty();  // `error` belongs to the constructor's frame: read it now
+      {
+        std::lock_guard lock(m);
+        stop_ = kj::mv(stop.fulfiller);
+        started = true;
+      }
+      cv.notify_all();
+      if (!failed) stop.promise.wait(io.waitScope);
+      handles_.clear();
+      client_ = nullptr;
+      tasks_ = nullptr;
+    });
+    std::unique_lock lock(m);
+    {
+      py::gil_scoped_release release;
+      cv.wait(lock, [&]() { return started; });
+    }
+    if (!error.empty()) {
+      lock.unlock();
+      close();
+      throw py::value_error(error);  // mapped to ConnectionError by the Python layer
+    }
+  }
+
+  ~Runtime() { close(); }
+
+  void close() {
+    if (!loop_.joinable()) return;
+    py::gil_scoped_release release;
+    executor_->executeSync([this]() {
+      if (stop_) stop_->fulfill();
+    });
+    loop_.join();
+  }
+
+  std::string createActor(const std::string& type, const std::string& name, const std::map<std::string, double>& resources,
+                          int maxRestarts, int maxTaskRetries, bool detached, const py::bytes& initArgs,
+                          const std::string& placementGroup, int bundleIndex) {
+    ActorOptions o;
+    o.type = type;
+    o.name = name;
+    o.resources = Resources(resources.begin(), resources.end());
+    o.maxRestarts = maxRestarts;
+    o.maxTaskRetries = maxTaskRetries;
+    o.detached = detached;
+    o.initArgs = initArgs;
+    o.placementGroup = PlacementGroupId(placementGroup);
+    o.bundleIndex = bundleIndex;
+    return onLoop([this, o]() {
+      return client_->submitActor(o).then([this](ActorHandle h) {
+        handles_.emplace(h.id().hex(), h);
+        return h.id().hex();
+      });
+    });
+  }
+
+  // (id, type) of the live actor with this name.
+  std::pair<std::string, std::string> getActor(const std::string& name) {
+    return onLoop([this, name]() {
+      return client_->getActor(name).then([this](ActorHandle h) {
+        handles_.emplace(h.id().hex(), h);
+        return client_->actorInfo(h.id());
+      }).then([](ActorRecord r) { return std::make_pair(r.id.hex(), r.type); });
+    });
+  }
+
+  py::dict actorInfo(const std::string& id) {
+    ActorRecord r = onLoop([this, id]() { return client_->actorInfo(ActorId(id)); });
+    py::dict d;
+    d["id"] = r.id.hex();
+    d["type"] = r.type;
+    d["name"] = r.name;
+    d["state"] = actorStateName(r.state);
+    d["node_id"] = r.nodeId.hex();
+    d["pid"] = r.pid;
+    d["incarnation"] = r.incarnation;
+    d["restarts"] = r.restarts;
+    d["death_reason"] = r.deathReason;
+    return d;
+  }
+
+  void waitReady(const std::string& id) {
+    onLoop([this, id]() { return handle(id).ready().ignoreResult(); });
+  }
+
+  void kill(const std::string& id, bool noRestart) {
+    onLoop([this, id, noRestart]() { return client_->kill(handle(id), noRestart); });
+  }
+
+  // Starts a call and returns its ref at once.
+  int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload) {
+    std::string bytes = payload;
+    py::gil_scoped_release release;
+    return executor_->executeSync([this, &id, &method, &bytes]() {
+      int64_t ref = nextRef_++;
+      {
+        std::lock_guard lock(mutex_);
+        completions_[ref];
+      }
+      tasks_->add(handle(id).call(method, kj::mv(bytes)).then(
+          [this, ref](std::string reply) { complete(ref, Outcome::kOk, kj::mv(reply)); },
+          [this, ref](kj::Exception&& e) {
+            std::string message = describe(e);
+            Outcome outcome = classify(message);  // before `message` is moved
+            complete(ref, outcome, kj::mv(message));
+          }));
+      return ref;
+    });
+  }
+
+  // Waits until at least `numReturns` of `refs` are done or `timeout` (seconds, < 0: forever)
+  // passes; returns the done ones in the given order.
+  std::vector<int64_t> wait(const std::vector<int64_t>& refs, size_t numReturns, double timeout) {
+    py::gil_scoped_release release;
+    std::unique_lock lock(mutex_);
+    auto doneOnes = [&]() {
+      std::vector<int64_t> done;
+      for (int64_t r : refs) {
+        auto it = completions_.find(r);
+        if (it == completions_.end() || it->second.outcome != Outcome::kPending) done.push_back(r);
+      }
+      return done;
+    };
+    auto enough = [&]() { return doneOnes().size() >= std::min(numReturns, refs.size()); };
+    if (timeout < 0) {
+      cv_.wait(lock, enough);
+    } else {
+      cv_.wait_for(lock, std::chrono::duration<double>(timeout), enough);
+    }
+    return doneOnes();
+  }
+
+  // (outcome, data) of a finished call, consuming it; (0, "") if it is still pending.
+  std::pair<int, py::bytes> take(int64_t ref) {
+    Completion c;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = completions_.find(ref);
+      if (it == completions_.end()) return {static_cast<int>(Outcome::kError), py::bytes("unknown or already consumed ref")};
+      if (it->second.outcome == Outcome::kPending) return {0, py::bytes()};
+      c = std::move(it->second);
+      completions_.erase(it);
+    }
+    return {static_cast<int>(c.outcome), py::bytes(c.data)};
+  }
+
+  py::list nodes() {
+    auto nodes = onLoop([this]() { return client_->listNodes(); });
+    py::list out;
+    for (const auto& n : nodes) {
+      py::dict d;
+      d["id"] = n.id.hex();
+      d["address"] = n.address;
+      d["state"] = nodeStateName(n.state);
+      d["pid"] = n.pid;
+      d["is_head"] = n.isHead;
+      d["resources"] = std::map<std::string, double>(n.total.begin(), n.total.end());
+      d["used"] = std::map<std::string, double>(n.used.begin(), n.used.end());
+      d["death_reason"] = n.deathReason;
+      out.append(d);
+    }
+    return out;
+  }
+
+  // {"actors": [...]} as plain dicts.
+  py::dict status() {
+    auto actors = onLoop([this]() { return client_->listActors(); });
+    py::list out;
+    for (const auto& r : actors) {
+      py::dict d;
+      d["id"] = r.id.hex();
+      d["type"] = r.type;
+      d["name"] = r.name;
+      d["state"] = actorStateName(r.state);
+      d["node_id"] = r.nodeId.hex();
+      d["restarts"] = r.restarts;
+      d["death_reason"] = r.deathReason;
+      out.append(d);
+    }
+    py::dict result;
+    result["actors"] = out;
+    return result;
+  }
+
+ private:
+  // Runs `start` (which returns a promise) on the loop and waits for its value, GIL released.
+  template <typename Start>
+  auto onLoop(Start start) -> decltype(std::declval<const kj::Executor&>().executeSync(std::move(start))) {
+    py::gil_scoped_release release;
+    try {
+      return executor_->executeSync(kj::mv(start));
+    } catch (const kj::Exception& e) {
+      py::gil_scoped_acquire acquire;
+      std::string message = describe(e);
+      if (classify(message) == Outcome::kDied) throw std::runtime_error("TROUPE_DIED:" + message);
+      throw std::runtime_error(message);
+    }
+  }
+
+  ActorHandle handle(const std::string& id) {
+    auto it = handles_.find(id);
+    if (it == handles_.end()) it = handles_.emplace(id, client_->actor(ActorId(id))).first;
+    return it->second;
+  }
+
+  void complete(int64_t ref, Outcome outcome, std::string data) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& c = completions_[ref];
+      c.outcome = outcome;
+      c.data = std::move(data);
+    }
+    cv_.notify_all();
+  }
+
+  std::thread loop_;
+  kj::Own<const kj::Executor> executor_;
+  kj::AsyncIoContext* io_ = nullptr;  // loop_ only
+  kj::TaskSet* tasks_ = nullptr;      // loop_ only
+  kj::Own<ClusterClient> client_;     // loop_ only
+  std::map<std::string, ActorHandle> handles_;  // loop_ only: one per actor keeps call order
+  kj::Own<kj::PromiseFulfiller<void>> stop_;
+  int64_t nextRef_ = 1;  // loop_ only
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<int64_t, Completion> completions_;
+};
+
+// Serves one Python actor: `dispatch(method, payload) -> bytes` runs with the GIL held, one
+// call at a time in arrival order.
+class PythonActor final : public rpc::Actor::Server {
+ public:
+  explicit PythonActor(py::object dispatch) : dispatch_(std::move(dispatch)) {}
+  ~PythonActor() {
+    py::gil_scoped_acquire acquire;
+    dispatch_ = py::object();
+  }
+
+ protected:
+  kj::Promise<void> call(CallContext context) override {
+    auto p = context.getParams();
+    auto reply = run(p.getMethod().cStr(), p.getPayload());
+    context.getResults().setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> callBatch(CallBatchContext context) override {
+    auto calls = context.getParams().getCalls();
+    auto replies = context.getResults().initReplies(calls.size());
+    for (unsigned i = 0; i < calls.size(); ++i) {
+      auto reply = run(calls[i].getMethod().cStr(), calls[i].getPayload());
+      replies[i].setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
+    }
+    return kj::READY_NOW;
+  }
+
+ private:
+  // Exceptions are part of the reply (the Python layer encodes them), so this only fails if
+  // the dispatcher itself is broken.
+  std::string run(const char* method, capnp::Data::Reader payload) {
+    py::gil_scoped_acquire acquire;
+    py::bytes result = dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()));
+    return result;
+  }
+
+  py::object dispatch_;
+};
+
+// The Python worker's main loop: serve the actor, report ready, run until SIGTERM.
+void serveActor(const std::string& actorId, uint32_t incarnation, const std::string& controller,
+                const std::string& ip, const std::string& token, py::object dispatch) {
+  auto controllerAddr = parseHostPort(controller);
+  if (!controllerAddr.isOk()) throw py::value_error(controllerAddr.status().message());
+  py::gil_scoped_release release;
+  kj::UnixEventPort::captureSignal(SIGTERM);
+  auto io = kj::setupAsyncIo();
+  auto server = RpcServer::listen(io, HostPort{ip, 0}, token, rpc::Actor::Client(kj::heap<PythonActor>(dispatch)));
+  if (!server.isOk()) throw std::runtime_error(server.status().message());
+  std::string address = HostPort{ip, (*server)->port()}.toString();
+  auto client = RpcClient::connect(io, *controllerAddr, token, 10 * kj::SECONDS).wait(io.waitScope);
+  auto ready = client->bootstrap<rpc::Controller>().actorReadyRequest();
+  ready.setId(actorId);
+  ready.setIncarnation(incarnation);
+  ready.setAddress(address);
+  ready.setPid(getpid());
+  ready.send().wait(io.waitScope);
+  io.unixEventPort.onSignal(SIGTERM).wait(io.waitScope);
+}
+
+}  // namespace
+}  // namespace troupe
+
+PYBIND11_MODULE(_core, m) {
+  using troupe::Runtime;
+  m.doc() = "Troupe's C++ runtime (used by the troupe package; not a public API)";
+  py::class_<Runtime>(m, "Runtime")
+      .def(py::init<const std::string&, const std::string&>(), py::arg("address"), py::arg("token"))
+      .def("close", &Runtime::close)
+      .def("create_actor", &Runtime::createActor)
+      .def("get_actor", &Runtime::getActor)
+      .def("actor_info", &Runtime::actorInfo)
+      .def("wait_ready", &Runtime::waitReady)
+      .def("kill", &Runtime::kill)
+      .def("submit", &Runtime::submit)
+      .def("wait", &Runtime::wait)
+      .def("take", &Runtime::take)
+      .def("status", &Runtime::status)
+      .def("nodes", &Runtime::nodes);
+  m.def("serve_actor", &troupe::serveActor);
+  m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
+}

@@ -1,0 +1,52 @@
+"""Arguments and results on the wire: pickle protocol 5 with out-of-band buffers, so numpy
+arrays and tensors travel as raw bytes next to a small pickle instead of being copied into it.
+
+Frame: b"T5" | u32 count | u64 len(pickle) | u64 len(buffer) * count | pickle | buffers...
+Replies from Python actors add one tag byte in front: 0 = value, 1 = (exception, traceback).
+"""
+import pickle
+import struct
+
+import cloudpickle
+
+_MAGIC = b"T5"
+
+
+def dumps(obj) -> bytes:
+    buffers = []
+    main = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
+    return b"".join([header, main, *raws])
+
+
+def loads(data: bytes):
+    view = memoryview(data)
+    if view[:2] != _MAGIC:
+        raise ValueError("not a Troupe-serialized value")
+    (count,) = struct.unpack_from("<I", view, 2)
+    sizes = struct.unpack_from(f"<Q{count}Q", view, 6)
+    offset = 6 + 8 * (count + 1)
+    main = view[offset:offset + sizes[0]]
+    offset += sizes[0]
+    buffers = []
+    for size in sizes[1:]:
+        buffers.append(view[offset:offset + size])  # zero-copy slices of the reply
+        offset += size
+    return pickle.loads(main, buffers=buffers)
+
+
+def dump_reply(value) -> bytes:
+    return b"\x00" + dumps(value)
+
+
+def dump_exception(exc, traceback_text) -> bytes:
+    try:
+        return b"\x01" + dumps((exc, traceback_text))
+    except Exception:  # an exception that cannot be pickled still reaches the caller
+        return b"\x01" + dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), traceback_text))
+
+
+def load_reply(data: bytes):
+    """(is_exception, value or (exception, traceback))."""
+    return data[:1] == b"\x01", loads(memoryview(data)[1:])
