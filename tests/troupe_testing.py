@@ -97,3 +97,25 @@ def start_redis(data_dir, password=None):
 
     eventually(listening, 10, "redis-server to listen")
     return proc, port
+
+
+PYTHON_PACKAGE = BUILD / "python"
+
+
+def import_troupe():
+    """The troupe package from the build tree (make build puts it in build/python)."""
+    import sys
+
+    if str(PYTHON_PACKAGE) not in sys.path:
+        sys.path.insert(0, str(PYTHON_PACKAGE))
+    import troupe
+
+    return troupe
+
+
+def run_driver(code, env=None, timeout=60):
+    """Runs a driver script in a fresh /usr/bin/python3 with the build's troupe package."""
+    full_env = dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE))
+    full_env.update(env or {})
+    return subprocess.run(["/usr/bin/python3", "-c", code], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -68,12 +68,12 @@ class Runtime {
     loop_ = std::thread([&, hp = *hp]() {
       auto io = kj::setupAsyncIo();
       ErrorLog errors;
-      kj::TaskSet tasks(errors);
+      auto tasks = kj::heap<kj::TaskSet>(errors);
       {
         std::lock_guard lock(m);
         executor_ = kj::getCurrentThreadExecutor().addRef();
         io_ = &io;
-        tasks_ = &tasks;
+        tasks_ = tasks.get();
       }
       KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
         client_ = ClusterClient::connect(io, hp, token).wait(io.waitScope);
@@ -92,6 +92,10 @@ class Runtime {
       handles_.clear();
       client_ = nullptr;
       tasks_ = nullptr;
+      tasks = nullptr;  // cancels calls still in flight
+      // Let clean-up queued by the destructors above run: an EventLoop must die with an empty
+      // queue (KJ aborts otherwise).
+      io.waitScope.poll();
     });
     std::unique_lock lock(m);
     {
@@ -110,8 +114,13 @@ class Runtime {
   void close() {
     if (!loop_.joinable()) return;
     py::gil_scoped_release release;
-    executor_->executeSync([this]() {
-      if (stop_) stop_->fulfill();
+    // The loop may already have ended (a failed connect): then there is nothing to stop.
+    kj::runCatchingExceptions([this]() {
+      if (executor_->isLive()) {
+        executor_->executeSync([this]() {
+          if (stop_) stop_->fulfill();
+        });
+      }
     });
     loop_.join();
   }

@@ -1,0 +1,196 @@
+"""The Python driver API against real clusters: embedded, attached with "auto" and by address."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from troupe_testing import PYTHON_PACKAGE, eventually, free_port, import_troupe, processes_under, run_driver
+
+troupe = import_troupe()
+
+
+@troupe.remote(num_cpus=1)
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+
+    def add(self, k=1):
+        self.n += k
+        return self.n
+
+    def pid(self):
+        return os.getpid()
+
+    def fail(self, message):
+        raise ValueError(message)
+
+    def custom(self):
+        raise LookupError("not here")
+
+    def exit(self, code):
+        os._exit(code)
+
+    def segfault(self):
+        import ctypes
+        sys.stderr.write("about to read address 0\n")
+        sys.stderr.flush()
+        ctypes.string_at(0)
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def double(self, value):
+        return value * 2
+
+
+@pytest.fixture
+def embedded():
+    troupe.init(num_cpus=4)
+    root = troupe._api._session.run_root
+    yield root
+    troupe.shutdown()
+    assert processes_under(root) == [], "shutdown() left processes behind"
+
+
+def test_calls_get_wait_and_ordering(embedded):
+    c = Counter.remote(10)
+    assert troupe.get(c.add.remote(5)) == 15
+    refs = [c.add.remote() for _ in range(200)]
+    assert troupe.get(refs) == list(range(16, 216))  # in submission order
+    ready, not_ready = troupe.wait([c.add.remote(), c.sleep.remote(3)], num_returns=1, timeout=2)
+    assert len(ready) == 1 and len(not_ready) == 1
+    assert troupe.get(ready[0]) == 216
+    assert isinstance(c, troupe.ActorHandle)
+
+
+def test_exceptions_keep_their_type_and_remote_traceback(embedded):
+    c = Counter.remote()
+    with pytest.raises(ValueError) as info:
+        troupe.get(c.fail.remote("bad input 42"))
+    assert isinstance(info.value, troupe.ActorError)
+    assert "bad input 42" in str(info.value)
+    assert "Traceback" in info.value.remote_traceback and "in fail" in info.value.remote_traceback
+    with pytest.raises(LookupError):
+        troupe.get(c.custom.remote())
+    assert troupe.get(c.add.remote(1)) == 1  # the actor survived its exceptions
+
+
+def test_get_timeout(embedded):
+    c = Counter.remote()
+    started = time.monotonic()
+    with pytest.raises(troupe.GetTimeoutError):
+        troupe.get(c.sleep.remote(3), timeout=0.3)
+    assert time.monotonic() - started < 2
+
+
+def test_death_reasons_restarts_and_kill(embedded):
+    c = Counter.remote()
+    with pytest.raises(troupe.ActorDiedError, match="exited with code 3"):
+        troupe.get(c.exit.remote(3))
+    with pytest.raises(troupe.ActorDiedError, match="exited with code 3"):
+        troupe.get(c.add.remote())  # later calls carry the same reason
+
+    crashy = Counter.options(max_restarts=1).remote(100)
+    first = troupe.get(crashy.pid.remote())
+    with pytest.raises(troupe.ActorDiedError) as info:
+        troupe.get(crashy.segfault.remote())
+    assert "SIGSEGV" in str(info.value) and "about to read address 0" in str(info.value)
+    assert troupe.get(crashy.pid.remote()) != first  # restarted, same handle
+    assert troupe.get(crashy.add.remote()) == 101  # __init__ ran again
+
+    troupe.kill(crashy)
+    with pytest.raises(troupe.ActorDiedError, match="killed"):
+        troupe.get(crashy.add.remote())
+
+
+def test_numpy_and_tensor_arguments(embedded):
+    c = Counter.remote()
+    big = np.arange(1 << 20, dtype=np.float32)
+    out = troupe.get(c.double.remote(big))
+    np.testing.assert_array_equal(out, big * 2)
+    torch = pytest.importorskip("torch")
+    t = torch.ones(1000, 10)
+    assert torch.equal(troupe.get(c.double.remote(t)), t * 2)
+
+
+def test_named_actors_nodes_resources_and_cpp_actors(embedded):
+    Counter.options(name="shared").remote(5)
+    same = troupe.get_actor("shared")
+    assert troupe.get(same.add.remote(1)) == 6
+    with pytest.raises(troupe.TroupeError, match="no live actor"):
+        troupe.get_actor("nobody")
+    nodes = troupe.nodes()
+    assert len(nodes) == 1 and nodes[0]["state"] == "ALIVE"
+    assert troupe.cluster_resources()["CPU"] == 4
+    cpp = troupe.cpp_actor("Counter", init_args="7", name="cpp-counter")
+    assert troupe.get(cpp.add.remote("3")) == b"10"
+    assert troupe.get(troupe.get_actor("cpp-counter").get.remote()) == b"10"
+    with pytest.raises(troupe.TroupeError, match="infeasible"):
+        Counter.options(num_cpus=64).remote()
+    with pytest.raises(TypeError, match="unknown actor option"):
+        Counter.options(colour="red")
+
+
+def test_attach_auto_and_by_address_across_two_drivers(troupe_cli_cluster):
+    address, token, env = troupe_cli_cluster
+    # Driver 1 (another process) leaves a detached named actor behind.
+    first = run_driver(
+        "import troupe\n"
+        "troupe.init('auto')\n"
+        "@troupe.remote\n"
+        "class Box:\n"
+        "    def __init__(self): self.items = []\n"
+        "    def put(self, x): self.items.append(x); return len(self.items)\n"
+        "b = Box.options(name='box', lifetime='detached').remote()\n"
+        "print(troupe.get(b.put.remote('from driver 1')))\n", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "1"
+    # Driver 2 attaches by address and token.
+    second = run_driver(
+        "import troupe\n"
+        f"troupe.init('{address}', token='{token}')\n"
+        "print(troupe.get(troupe.get_actor('box').put.remote('from driver 2')))\n", env=env)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == "2"
+
+
+def test_init_against_an_unreachable_address_fails_fast():
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="cannot reach"):
+        troupe.init(f"127.0.0.1:{free_port()}", token="x" * 32)
+    assert time.monotonic() - started < 10
+    assert not troupe.is_initialized()
+
+
+def test_embedded_cluster_is_cleaned_up_when_the_driver_is_killed(tmp_path):
+    driver = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import troupe, time\n"
+         "troupe.init(num_cpus=2)\n"
+         "@troupe.remote\n"
+         "class A:\n"
+         "    def f(self): return 1\n"
+         "a = A.remote(); troupe.get(a.f.remote())\n"
+         "print(troupe._api._session.run_root, flush=True)\n"
+         "time.sleep(600)\n"],
+        env=dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE)), stdout=subprocess.PIPE, text=True)
+    root = driver.stdout.readline().strip()
+    assert root and processes_under(root), "the embedded cluster did not start"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    eventually(lambda: processes_under(root) == [], 15, "the orphaned cluster to stop")
+
+
+@pytest.fixture
+def troupe_cli_cluster(troupe):
+    """A cluster started with the CLI; drivers attach to it with "auto" or its address."""
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port))
+    import json
+    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
+    yield cluster["controller_address"], cluster["token"], troupe.env
