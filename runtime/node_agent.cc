@@ -79,10 +79,15 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
   }
 
   kj::Promise<void> readLogs(ReadLogsContext context) override {
-    auto [out, err] = agent_.readLogs(ActorId(context.getParams().getId().cStr()), context.getParams().getMaxBytes());
+    auto p = context.getParams();
+    ActorId id(p.getId().cStr());
+    auto [out, outEnd] = agent_.readLog(id, "out", p.getStdoutFrom(), p.getMaxBytes());
+    auto [err, errEnd] = agent_.readLog(id, "err", p.getStderrFrom(), p.getMaxBytes());
     auto results = context.getResults();
     results.setStdout(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(out.data()), out.size()));
     results.setStderr(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(err.data()), err.size()));
+    results.setStdoutEnd(outEnd);
+    results.setStderrEnd(errEnd);
     return kj::READY_NOW;
   }
 
@@ -256,9 +261,21 @@ void NodeAgent::killWorker(const ActorId& id, uint32_t incarnation) {
   }
 }
 
-std::pair<std::string, std::string> NodeAgent::readLogs(const ActorId& id, size_t maxBytes) const {
-  std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, id.hex());
-  return {fileTail(base + ".out", maxBytes), fileTail(base + ".err", maxBytes)};
+std::pair<std::string, int64_t> NodeAgent::readLog(const ActorId& id, const char* stream, int64_t from,
+                                                   size_t maxBytes) const {
+  std::string path = fmt::format("{}/logs/actor-{}.{}", options_.runDir, id.hex(), stream);
+  if (from < 0) return {fileTail(path, maxBytes), -1};
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return {"", from};
+  auto size = static_cast<int64_t>(in.tellg());
+  if (from >= size) return {"", size};
+  // Whole lines only, so a follower never splits one (unless a line exceeds maxBytes).
+  std::string out(static_cast<size_t>(std::min<int64_t>(size - from, static_cast<int64_t>(maxBytes))), '\0');
+  in.seekg(from);
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  auto nl = out.rfind('\n');
+  if (nl != std::string::npos) out.resize(nl + 1);
+  return {out, from + static_cast<int64_t>(out.size())};
 }
 
 kj::Promise<void> NodeAgent::watchWorker(ActorId id, uint32_t incarnation, pid_t pid) {

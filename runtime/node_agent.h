@@ -51,8 +51,9 @@ class NodeAgent {
   Result<int64_t> spawnWorker(const ActorRecord& actor, std::string_view initArgs);
   // SIGKILLs the worker of this incarnation if it runs (its exit is reported as usual).
   void killWorker(const ActorId& id, uint32_t incarnation);
-  // The last `maxBytes` of the actor's captured stdout and stderr.
-  std::pair<std::string, std::string> readLogs(const ActorId& id, size_t maxBytes) const;
+  // The actor's captured output from byte `from` (< 0: the last `maxBytes`), at most `maxBytes`,
+  // and the offset after it. `stream` is "out" or "err".
+  std::pair<std::string, int64_t> readLog(const ActorId& id, const char* stream, int64_t from, size_t maxBytes) const;
 
   struct IoState;
 

@@ -21,13 +21,28 @@ _session = None
 class _Session:
     """One driver's connection, and the embedded cluster it owns, if any."""
 
-    def __init__(self, runtime, address, cluster_process=None, run_root=None):
+    def __init__(self, runtime, address, cluster_process=None, run_root=None, log_to_driver=True):
         self.runtime = runtime
         self.address = address
         self.cluster_process = cluster_process
         self.run_root = run_root
+        self.closing = threading.Event()
+        self.printer = None
+        self.output = _OutputPrinter()
+        if log_to_driver:
+            self.printer = threading.Thread(target=_print_actor_output, args=(self,), daemon=True,
+                                            name="troupe-actor-output")
+            self.printer.start()
 
     def close(self):
+        self.closing.set()
+        if self.printer is not None:
+            self.printer.join(timeout=5)
+            try:  # what the actors printed just before shutdown is shown, not lost
+                self.output.write(self.runtime.flush_output())
+                self.output.tick(force=True)
+            except Exception:
+                pass
         try:
             self.runtime.close()
         finally:
@@ -35,6 +50,42 @@ class _Session:
                 _stop_embedded(self.cluster_process)
             if self.run_root:
                 shutil.rmtree(self.run_root, ignore_errors=True)
+
+
+# A chatty actor must not freeze a notebook: at most this many lines per second are printed;
+# the rest are counted and reported once a second.
+MAX_OUTPUT_LINES_PER_SECOND = 100
+
+
+class _OutputPrinter:
+    """Prints actor output lines with their prefix, at most MAX_OUTPUT_LINES_PER_SECOND."""
+
+    def __init__(self):
+        self.window_start, self.printed, self.dropped = time.monotonic(), 0, 0
+
+    def tick(self, force=False):
+        now = time.monotonic()
+        if force or now - self.window_start >= 1.0:
+            if self.dropped:
+                print(f"(troupe) {self.dropped} line(s) of actor output dropped: more than "
+                      f"{MAX_OUTPUT_LINES_PER_SECOND} lines/s (see `troupe logs ACTOR`)", file=sys.stderr, flush=True)
+            self.window_start, self.printed, self.dropped = now, 0, 0
+
+    def write(self, lines):
+        for label, stream, line in lines:
+            if self.printed >= MAX_OUTPUT_LINES_PER_SECOND:
+                self.dropped += 1
+                continue
+            self.printed += 1
+            print(f"{label} {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+
+
+def _print_actor_output(session):
+    printer = session.output
+    while not session.closing.is_set():
+        lines = session.runtime.poll_output(0.2)
+        printer.tick()
+        printer.write(lines)
 
 
 def _package_dir():
@@ -104,13 +155,15 @@ def _stop_embedded(proc):
             proc.wait()
 
 
-def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_reinit_error=False):
+def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_reinit_error=False, log_to_driver=True):
     """Connects this driver to a cluster.
 
     address=None starts an embedded local cluster owned by this driver (stopped by shutdown()
     or at exit); "auto" attaches to the cluster started by `troupe start --head` on this
     machine; "HOST:PORT" attaches to that controller (token from `token=`, TROUPE_TOKEN, or
     this machine's run directory). Fails within 10 s with ConnectionError if unreachable.
+    With log_to_driver, the output of the actors this driver creates is printed here,
+    prefixed with "(Class pid=N)".
     """
     global _session
     from . import _core
@@ -148,7 +201,7 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
             if proc is not None:
                 _stop_embedded(proc)
             raise ConnectionError(f"cannot reach the Troupe cluster at {address}: {e}") from None
-        _session = _Session(runtime, address, proc, run_root)
+        _session = _Session(runtime, address, proc, run_root, log_to_driver)
 
 
 def shutdown():

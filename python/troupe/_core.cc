@@ -9,6 +9,7 @@
 // serves one Python actor, taking the GIL only to run the actor's method.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -58,7 +59,7 @@ std::string describe(const kj::Exception& e) {
 // any Python thread (they release the GIL while they wait); KJ objects live on loop_ only.
 class Runtime {
  public:
-  Runtime(const std::string& address, const std::string& token) {
+  Runtime(const std::string& address, const std::string& token) : token_(token) {
     auto hp = parseHostPort(address);
     if (!hp.isOk()) throw py::value_error(hp.status().message());
     std::mutex m;
@@ -88,7 +89,11 @@ class Runtime {
         started = true;
       }
       cv.notify_all();
-      if (!failed) stop.promise.wait(io.waitScope);
+      if (!failed) {
+        tasks->add(followOutput());
+        stop.promise.wait(io.waitScope);
+      }
+      nodeAgents_.clear();
       handles_.clear();
       client_ = nullptr;
       tasks_ = nullptr;
@@ -112,6 +117,11 @@ class Runtime {
   ~Runtime() { close(); }
 
   void close() {
+    {
+      std::lock_guard lock(mutex_);
+      closing_ = true;
+    }
+    cv_.notify_all();
     if (!loop_.joinable()) return;
     py::gil_scoped_release release;
     // The loop may already have ended (a failed connect): then there is nothing to stop.
@@ -139,8 +149,9 @@ class Runtime {
     o.placementGroup = PlacementGroupId(placementGroup);
     o.bundleIndex = bundleIndex;
     return onLoop([this, o]() {
-      return client_->submitActor(o).then([this](ActorHandle h) {
+      return client_->submitActor(o).then([this, type = o.type](ActorHandle h) {
         handles_.emplace(h.id().hex(), h);
+        followed_[h.id().hex()] = Cursor{type};
         return h.id().hex();
       });
     });
@@ -254,6 +265,27 @@ class Runtime {
     return out;
   }
 
+  // Output lines of this driver's actors since the last call: (label, stream, line) tuples.
+  // Waits up to `timeout` seconds for some.
+  std::vector<std::tuple<std::string, std::string, std::string>> pollOutput(double timeout) {
+    py::gil_scoped_release release;
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout), [this]() { return !output_.empty() || closing_; });
+    std::vector<std::tuple<std::string, std::string, std::string>> lines;
+    lines.swap(output_);
+    return lines;
+  }
+
+  // Reads the output still on the nodes now (at shutdown, so none is lost) and returns it with
+  // whatever was queued.
+  std::vector<std::tuple<std::string, std::string, std::string>> flushOutput() {
+    onLoop([this]() { return followOnce(); });
+    std::lock_guard lock(mutex_);
+    std::vector<std::tuple<std::string, std::string, std::string>> lines;
+    lines.swap(output_);
+    return lines;
+  }
+
   // {"actors": [...]} as plain dicts.
   py::dict status() {
     auto actors = onLoop([this]() { return client_->listActors(); });
@@ -289,6 +321,91 @@ class Runtime {
     }
   }
 
+  struct Cursor {
+    std::string type;
+    int64_t outFrom = 0;
+    int64_t errFrom = 0;
+  };
+
+  // Follows the output files of the actors this driver created (on their nodes' agents) and
+  // queues new whole lines for Python to print. Polls every 200 ms while there are actors.
+  kj::Promise<void> followOutput() {
+    return io_->provider->getTimer().afterDelay(200 * kj::MILLISECONDS).then([this]() {
+      return followOnce();
+    }).then([this]() { return followOutput(); });
+  }
+
+  kj::Promise<void> followOnce() {
+    if (followed_.empty()) return kj::READY_NOW;
+    return client_->listActors().then([this](std::vector<ActorRecord> actors) {
+        return client_->listNodes().then([this, actors = kj::mv(actors)](std::vector<NodeRecord> nodes) {
+          std::map<NodeId, std::string> addresses;
+          for (const auto& n : nodes) {
+            if (n.state == NodeState::kAlive) addresses[n.id] = n.address;
+          }
+          auto reads = kj::heapArrayBuilder<kj::Promise<void>>(actors.size());
+          for (const auto& a : actors) {
+            auto it = followed_.find(a.id.hex());
+            auto where = addresses.find(a.nodeId);
+            if (it == followed_.end() || where == addresses.end()) continue;
+            reads.add(readOutput(a, where->second));
+          }
+          return kj::joinPromises(reads.finish());
+        });
+      }).catch_([](kj::Exception&&) {});  // a node that went away: its output is in its logs
+  }
+
+  kj::Promise<void> readOutput(const ActorRecord& actor, const std::string& nodeAddress) {
+    std::string id = actor.id.hex();
+    std::string label = fmt::format("({} pid={})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type,
+                                    actor.pid);
+    auto cursor = followed_.count(id) ? followed_[id] : Cursor{};
+    return nodeAgent(nodeAddress).then([id, cursor](rpc::NodeAgent::Client agent) {
+      auto request = agent.readLogsRequest();
+      request.setId(id);
+      request.setMaxBytes(64 * 1024);
+      request.setStdoutFrom(cursor.outFrom);
+      request.setStderrFrom(cursor.errFrom);
+      return request.send();
+    }).then([this, id, label, dead = actor.state == ActorState::kDead](capnp::Response<rpc::NodeAgent::ReadLogsResults> r) {
+      auto it = followed_.find(id);
+      if (it != followed_.end()) {
+        it->second.outFrom = r.getStdoutEnd();
+        it->second.errFrom = r.getStderrEnd();
+        if (dead) followed_.erase(it);  // this was its last output
+      }
+      std::vector<std::tuple<std::string, std::string, std::string>> lines;
+      for (auto [stream, data] : {std::make_pair("stdout", r.getStdout()), std::make_pair("stderr", r.getStderr())}) {
+        std::string text(reinterpret_cast<const char*>(data.begin()), data.size());
+        size_t pos = 0;
+        while (pos < text.size()) {
+          size_t nl = text.find('\n', pos);
+          if (nl == std::string::npos) nl = text.size();
+          lines.emplace_back(label, stream, text.substr(pos, nl - pos));
+          pos = nl + 1;
+        }
+      }
+      if (lines.empty()) return;
+      {
+        std::lock_guard lock(mutex_);
+        output_.insert(output_.end(), lines.begin(), lines.end());
+      }
+      cv_.notify_all();
+    });
+  }
+
+  kj::Promise<rpc::NodeAgent::Client> nodeAgent(const std::string& address) {
+    auto it = nodeAgents_.find(address);
+    if (it != nodeAgents_.end()) return it->second->bootstrap<rpc::NodeAgent>();
+    auto hp = parseHostPort(address);
+    if (!hp.isOk()) throwStatus(hp.status());
+    return RpcClient::connect(*io_, *hp, token_, 3 * kj::SECONDS).then([this, address](kj::Own<RpcClient> c) {
+      auto cap = c->bootstrap<rpc::NodeAgent>();
+      nodeAgents_[address] = kj::mv(c);
+      return cap;
+    });
+  }
+
   ActorHandle handle(const std::string& id) {
     auto it = handles_.find(id);
     if (it == handles_.end()) it = handles_.emplace(id, client_->actor(ActorId(id))).first;
@@ -316,6 +433,11 @@ class Runtime {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<int64_t, Completion> completions_;
+  std::string token_;
+  std::map<std::string, Cursor> followed_;                  // loop_ only
+  std::map<std::string, kj::Own<RpcClient>> nodeAgents_;    // loop_ only
+  std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
+  bool closing_ = false;                                    // guarded by mutex_
 };
 
 // Serves one Python actor: `dispatch(method, payload) -> bytes` runs with the GIL held, one
@@ -397,7 +519,9 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Runtime::wait)
       .def("take", &Runtime::take)
       .def("status", &Runtime::status)
-      .def("nodes", &Runtime::nodes);
+      .def("nodes", &Runtime::nodes)
+      .def("poll_output", &Runtime::pollOutput)
+      .def("flush_output", &Runtime::flushOutput);
   m.def("serve_actor", &troupe::serveActor);
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
 }

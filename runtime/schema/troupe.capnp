@@ -139,8 +139,10 @@ interface NodeAgent {
   spawnWorker @1 (actor :ActorInfo, initArgs :Data) -> (pid :Int64);
   # SIGKILLs the worker of this incarnation if it runs; its exit is reported as usual.
   killWorker @2 (id :Text, incarnation :UInt32) -> ();
-  # The actor's captured output (stdout and stderr), up to maxBytes from the end of each.
-  readLogs @3 (id :Text, maxBytes :UInt32) -> (stdout :Data, stderr :Data);
+  # The actor's captured output (stdout and stderr): with no offsets, up to maxBytes from the
+  # end of each; with offsets (for following), up to maxBytes from there, and where to go on.
+  readLogs @3 (id :Text, maxBytes :UInt32, stdoutFrom :Int64 = -1, stderrFrom :Int64 = -1)
+      -> (stdout :Data, stderr :Data, stdoutEnd :Int64, stderrEnd :Int64);
 }
 
 struct ActorCall {

@@ -194,3 +194,24 @@ def troupe_cli_cluster(troupe):
     import json
     cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
     yield cluster["controller_address"], cluster["token"], troupe.env
+
+
+def test_actor_output_is_streamed_with_a_prefix_and_rate_limited():
+    code = (
+        "import troupe\n"
+        "troupe.init(num_cpus=2)\n"
+        "@troupe.remote\n"
+        "class Chatty:\n"
+        "    def say(self, text, times=1):\n"
+        "        for i in range(times): print(f'{text} {i}', flush=True)\n"
+        "        return times\n"
+        "c = Chatty.remote()\n"
+        "troupe.get(c.say.remote('hello from the actor'))\n"
+        "troupe.get(c.say.remote('flood', 5000))\n"
+        "troupe.shutdown()\n")  # shutdown prints what is left, so nothing is lost
+    done = run_driver(code)
+    assert done.returncode == 0, done.stderr
+    assert "(Chatty pid=" in done.stdout and "hello from the actor 0" in done.stdout
+    flood = [line for line in done.stdout.splitlines() if " flood " in line]
+    assert 0 < len(flood) < 5000  # rate-limited...
+    assert "line(s) of actor output dropped" in done.stderr  # ...and it says so
