@@ -185,10 +185,27 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                             }));
 }
 
-// Sends what was queued this turn: one plain call, or one batch for several.
+// A batch's replies arrive together, so a slow call delays the replies of the calls before it
+// in the same batch. Only bursts at least this long are batched (throughput matters more
+// there); smaller groups go as separate pipelined calls, each answered when it is done.
+constexpr size_t kMinBatch = 16;
+
+void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued);
+
+// Sends what was queued this turn: separate calls for a few, one batch for a burst.
 void flush(std::shared_ptr<ActorConnection> c) {
-  auto calls = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(c->queue));
+  std::vector<ActorConnection::Queued> queued = std::move(c->queue);
   c->queue.clear();
+  if (queued.size() >= kMinBatch) return sendQueued(c, std::move(queued));
+  for (auto& call : queued) {
+    std::vector<ActorConnection::Queued> one;
+    one.push_back(std::move(call));
+    sendQueued(c, std::move(one));
+  }
+}
+
+void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued) {
+  auto calls = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(queued));
   c->shared->tasks.add(resolve(c).then(
       [c, calls](std::pair<rpc::Actor::Client, uint32_t> target) -> kj::Promise<void> {
         uint32_t inc = target.second;

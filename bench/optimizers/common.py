@@ -24,7 +24,8 @@ def print_table(title, header, rows):
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     print(title)
     for r in [header] + rows:
-        print("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  " + "  ".join(cells))
 
 
 def emit_json(enabled, obj):

@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -70,6 +71,7 @@ class Runtime {
       auto io = kj::setupAsyncIo();
       ErrorLog errors;
       auto tasks = kj::heap<kj::TaskSet>(errors);
+      auto woken = kj::heap<kj::UnixEventPort::FdObserver>(io.unixEventPort, wakeFd_, kj::UnixEventPort::FdObserver::OBSERVE_READ);
       {
         std::lock_guard lock(m);
         executor_ = kj::getCurrentThreadExecutor().addRef();
@@ -91,9 +93,11 @@ class Runtime {
       cv.notify_all();
       if (!failed) {
         tasks->add(followOutput());
+        tasks->add(drainSubmitted(*woken));
         stop.promise.wait(io.waitScope);
       }
       nodeAgents_.clear();
+
       handles_.clear();
       client_ = nullptr;
       tasks_ = nullptr;
@@ -114,7 +118,10 @@ class Runtime {
     }
   }
 
-  ~Runtime() { close(); }
+  ~Runtime() {
+    close();
+    ::close(wakeFd_);
+  }
 
   void close() {
     {
@@ -190,25 +197,52 @@ class Runtime {
     onLoop([this, id, noRestart]() { return client_->kill(handle(id), noRestart); });
   }
 
-  // Starts a call and returns its ref at once.
+  // Starts a call and returns its ref at once. The call joins a queue that the loop thread
+  // drains; only the first call into an empty queue wakes it, so a burst of calls costs one
+  // cross-thread wake-up, and the client sends them as one batch.
   int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload) {
     std::string bytes = payload;
     py::gil_scoped_release release;
-    return executor_->executeSync([this, &id, &method, &bytes]() {
-      int64_t ref = nextRef_++;
-      {
-        std::lock_guard lock(mutex_);
-        completions_[ref];
-      }
-      tasks_->add(handle(id).call(method, kj::mv(bytes)).then(
+    std::lock_guard lock(mutex_);
+    int64_t ref = nextRef_++;
+    completions_[ref];
+    submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
+    if (submitted_.size() == 1) {
+      uint64_t one = 1;
+      ssize_t n = ::write(wakeFd_, &one, sizeof(one));  // the loop watches this eventfd
+      (void)n;
+    }
+    return ref;
+  }
+
+  struct Submitted {
+    int64_t ref;
+    std::string actor;
+    std::string method;
+    std::string payload;
+  };
+
+  // The loop thread's side of submit(): waits to be woken, starts every queued call in order.
+  kj::Promise<void> drainSubmitted(kj::UnixEventPort::FdObserver& woken) {
+    uint64_t count = 0;
+    ssize_t n = ::read(wakeFd_, &count, sizeof(count));
+    (void)n;
+    std::vector<Submitted> batch;
+    {
+      std::lock_guard lock(mutex_);
+      batch.swap(submitted_);
+    }
+    for (auto& s : batch) {
+      int64_t ref = s.ref;
+      tasks_->add(handle(s.actor).call(kj::mv(s.method), kj::mv(s.payload)).then(
           [this, ref](std::string reply) { complete(ref, Outcome::kOk, kj::mv(reply)); },
           [this, ref](kj::Exception&& e) {
             std::string message = describe(e);
             Outcome outcome = classify(message);  // before `message` is moved
             complete(ref, outcome, kj::mv(message));
           }));
-      return ref;
-    });
+    }
+    return woken.whenBecomesReadable().then([this, &woken]() { return drainSubmitted(woken); });
   }
 
   // Waits until at least `numReturns` of `refs` are done or `timeout` (seconds, < 0: forever)
@@ -429,7 +463,9 @@ class Runtime {
   kj::Own<ClusterClient> client_;     // loop_ only
   std::map<std::string, ActorHandle> handles_;  // loop_ only: one per actor keeps call order
   kj::Own<kj::PromiseFulfiller<void>> stop_;
-  int64_t nextRef_ = 1;  // loop_ only
+  int64_t nextRef_ = 1;                                     // guarded by mutex_
+  std::vector<Submitted> submitted_;                        // guarded by mutex_
+  int wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // submit() -> loop wake-ups
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<int64_t, Completion> completions_;

@@ -1,0 +1,72 @@
+// AGD (auto-switchable optimizer with step-wise gradient difference preconditioning) as one
+// fused CPU pass per parameter, with every option of REFERENCE.md: weight_decouple,
+// fixed_decay, amsgrad, win, clip and delta. Defaults are REFERENCE.md's; for transformers
+// the authors suggest delta=1e-14 and a tenth of AdamW's lr.
+// Thread-safety: an optimizer belongs to the thread that calls step(); the kernels inside a
+// step use `threads` OpenMP threads.
+#pragma once
+
+#include <c10/util/Optional.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <tuple>
+#include <vector>
+
+namespace troupe::optimizers {
+
+struct AgdOptions : public torch::optim::OptimizerCloneableOptions<AgdOptions> {
+  AgdOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
+  TORCH_ARG(double, lr) = 1e-3;
+  using betas_t = std::tuple<double, double>;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, delta) = 1e-5;
+  TORCH_ARG(double, weight_decay) = 0;
+  TORCH_ARG(bool, weight_decouple) = true;  // p *= 1 - lr*wd; otherwise g += wd*p
+  TORCH_ARG(bool, fixed_decay) = false;     // decoupled decay p *= 1 - wd (not scaled by lr)
+  TORCH_ARG(bool, amsgrad) = false;         // precondition with the running max of b
+  TORCH_ARG(bool, win) = false;             // the "win" variant with its extra z sequence
+  TORCH_ARG(c10::optional<double>, clip) = c10::nullopt;  // |u| <= clip elementwise
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+// Throws c10::ValueError naming the option and its value.
+void validate(const AgdOptions& options);
+
+struct AgdParamState : public torch::optim::OptimizerCloneableParamState<AgdParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(torch::Tensor, exp_avg);         // m
+  TORCH_ARG(torch::Tensor, exp_avg_sq);      // b
+  TORCH_ARG(torch::Tensor, max_exp_avg_sq);  // running max of b (amsgrad only)
+  TORCH_ARG(torch::Tensor, z);               // win only, starts at 0
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+};
+
+// One step for a list of parameters; contract as adamwStep (adamw.h). Coupled weight decay
+// (weight_decouple=false) adds wd*p to a local value of the gradient: gradients are never written.
+void agdStep(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+             const std::vector<AgdParamState*>& states, const AgdOptions& options, int threads);
+
+class Agd : public torch::optim::Optimizer {
+ public:
+  explicit Agd(std::vector<torch::optim::OptimizerParamGroup> param_groups, AgdOptions defaults = {});
+  explicit Agd(std::vector<torch::Tensor> params, AgdOptions defaults = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+  void setThreads(int threads) { threads_ = threads; }
+
+ private:
+  int threads_;
+};
+
+}  // namespace troupe::optimizers
