@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD = Path(os.environ.get("TROUPE_BUILD_DIR", REPO / "build"))
+BUILD = Path(os.environ.get("TROUPE_BUILD_DIR", REPO / "build")).resolve()
 
 
 def free_port():

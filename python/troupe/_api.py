@@ -41,8 +41,8 @@ class _Session:
             try:  # what the actors printed just before shutdown is shown, not lost
                 self.output.write(self.runtime.flush_output())
                 self.output.tick(force=True)
-            except Exception:
-                pass
+            except Exception as e:  # never block shutdown; say what was missed
+                print(f"(troupe) could not read the actors' last output: {e}", file=sys.stderr, flush=True)
         try:
             self.runtime.close()
         finally:

@@ -96,15 +96,17 @@ class Runtime {
         tasks->add(drainSubmitted(*woken));
         stop.promise.wait(io.waitScope);
       }
-      nodeAgents_.clear();
-
+      // Cancel what is in flight first, while the connections it uses still exist; then drop
+      // the connections. Clean-up queued by these destructors runs in the polls: an EventLoop
+      // must die with an empty queue (KJ aborts otherwise).
+      tasks_ = nullptr;
+      tasks = nullptr;
+      io.waitScope.poll();
       handles_.clear();
       client_ = nullptr;
-      tasks_ = nullptr;
-      tasks = nullptr;  // cancels calls still in flight
-      // Let clean-up queued by the destructors above run: an EventLoop must die with an empty
-      // queue (KJ aborts otherwise).
-      io.waitScope.poll();
+      nodeAgents_.clear();
+      for (int i = 0; i < 3; ++i) io.waitScope.poll();
+      woken = nullptr;
     });
     std::unique_lock lock(m);
     {
@@ -359,6 +361,7 @@ class Runtime {
     std::string type;
     int64_t outFrom = 0;
     int64_t errFrom = 0;
+    int64_t pid = 0;  // of the incarnation that wrote the output (a dead actor's record has 0)
   };
 
   // Follows the output files of the actors this driver created (on their nodes' agents) and
@@ -391,9 +394,10 @@ class Runtime {
 
   kj::Promise<void> readOutput(const ActorRecord& actor, const std::string& nodeAddress) {
     std::string id = actor.id.hex();
-    std::string label = fmt::format("({} pid={})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type,
-                                    actor.pid);
     auto cursor = followed_.count(id) ? followed_[id] : Cursor{};
+    if (actor.pid != 0) cursor.pid = followed_[id].pid = actor.pid;
+    std::string label = fmt::format("({} pid={})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type,
+                                    cursor.pid);
     return nodeAgent(nodeAddress).then([id, cursor](rpc::NodeAgent::Client agent) {
       auto request = agent.readLogsRequest();
       request.setId(id);
@@ -543,6 +547,18 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
 PYBIND11_MODULE(_core, m) {
   using troupe::Runtime;
   m.doc() = "Troupe's C++ runtime (used by the troupe package; not a public API)";
+  // If the runtime ever terminates the process, say why before aborting.
+  std::set_terminate([]() {
+    try {
+      if (auto e = std::current_exception()) std::rethrow_exception(e);
+    } catch (const kj::Exception& e) {
+      fprintf(stderr, "troupe._core: fatal: %s\n", e.getDescription().cStr());
+    } catch (const std::exception& e) {
+      fprintf(stderr, "troupe._core: fatal: %s\n", e.what());
+    } catch (...) {
+    }
+    abort();
+  });
   py::class_<Runtime>(m, "Runtime")
       .def(py::init<const std::string&, const std::string&>(), py::arg("address"), py::arg("token"))
       .def("close", &Runtime::close)

@@ -215,3 +215,19 @@ def test_actor_output_is_streamed_with_a_prefix_and_rate_limited():
     flood = [line for line in done.stdout.splitlines() if " flood " in line]
     assert 0 < len(flood) < 5000  # rate-limited...
     assert "line(s) of actor output dropped" in done.stderr  # ...and it says so
+
+
+def test_quickstart_notebook_runs_against_a_cluster(troupe_cli_cluster, tmp_path):
+    """examples/notebooks/quickstart.ipynb, executed by jupyter nbconvert as a user would."""
+    from troupe_testing import BUILD, REPO
+
+    _, _, env = troupe_cli_cluster
+    notebook = REPO / "examples" / "notebooks" / "quickstart.ipynb"
+    out = tmp_path / "executed.ipynb"
+    done = subprocess.run(["jupyter", "nbconvert", "--to", "notebook", "--execute", "--output", str(out),
+                           "--ExecutePreprocessor.timeout=60", str(notebook)],
+                          env=dict(env, TROUPE_BUILD_DIR=str(BUILD)), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert '"15"' in text and "the actor raised a TypeError: True" in text and "'done'" in text
+    assert "counter is now 15" in text  # the actor's print reached the notebook
