@@ -101,6 +101,7 @@ class Runtime {
       // must die with an empty queue (KJ aborts otherwise).
       tasks_ = nullptr;
       tasks = nullptr;
+      lastRound_ = kj::READY_NOW;
       io.waitScope.poll();
       handles_.clear();
       client_ = nullptr;
@@ -384,7 +385,15 @@ class Runtime {
     }).then([this]() { return followOutput(); });
   }
 
+  // One round of reading, after the previous round: two rounds at once would read the same
+  // bytes twice (the periodic one and the one at shutdown).
   kj::Promise<void> followOnce() {
+    auto round = lastRound_.then([this]() { return readRound(); }).fork();
+    lastRound_ = round.addBranch();
+    return round.addBranch();
+  }
+
+  kj::Promise<void> readRound() {
     if (followed_.empty()) return kj::READY_NOW;
     return client_->listActors().then([this](std::vector<ActorRecord> actors) {
         return client_->listNodes().then([this, actors = kj::mv(actors)](std::vector<NodeRecord> nodes) {
@@ -489,6 +498,7 @@ class Runtime {
   std::map<int64_t, Completion> completions_;
   std::string token_;
   std::map<std::string, Cursor> followed_;                  // loop_ only
+  kj::Promise<void> lastRound_ = kj::READY_NOW;             // loop_ only
   std::map<std::string, kj::Own<RpcClient>> nodeAgents_;    // loop_ only
   std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
   bool closing_ = false;                                    // guarded by mutex_
