@@ -34,12 +34,15 @@ LogErrors gLogErrors;
 struct ClusterClient::Shared {
   Shared(kj::AsyncIoContext& io, std::string token, kj::Own<RpcClient> rpc)
       : io(io), token(std::move(token)), rpc(kj::mv(rpc)), controller(this->rpc->bootstrap<rpc::Controller>()),
-        tasks(gLogErrors) {}
+        tasks(kj::heap<kj::TaskSet>(gLogErrors)) {}
   kj::AsyncIoContext& io;
   std::string token;
   kj::Own<RpcClient> rpc;
   rpc::Controller::Client controller;
-  kj::TaskSet tasks;  // deferred clean-up
+  // Background work of this client and its handles. Tasks hold handles, and handles hold this
+  // object, so ~ClusterClient cancels them first: an object must never be destroyed from
+  // inside one of its own tasks (KJ aborts).
+  kj::Own<kj::TaskSet> tasks;
   // This client's session: its non-detached actors end when the client (or its connection) does.
   kj::Maybe<rpc::Session::Client> session;
   std::string sessionId;
@@ -89,7 +92,7 @@ struct ActorConnection {
     cap = nullptr;
     resolving = nullptr;
     // Destroyed on a later turn: we may be inside one of its own callbacks.
-    if (rpc) shared->tasks.add(kj::evalLater([old = kj::mv(rpc)]() {}));
+    if (rpc) shared->tasks->add(kj::evalLater([old = kj::mv(rpc)]() {}));
   }
 };
 
@@ -112,7 +115,7 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
                   c->cap = client->bootstrap<rpc::Actor>();
                   // Once the worker's connection drops, later calls go to the next incarnation.
                   std::weak_ptr<ActorConnection> weak = c;
-                  c->shared->tasks.add(client->onDisconnect().then([weak, inc]() {
+                  c->shared->tasks->add(client->onDisconnect().then([weak, inc]() {
                     if (auto alive = weak.lock()) alive->forget(inc);
                   }));
                   c->rpc = kj::mv(client);
@@ -150,7 +153,7 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
   c->forget(inc);
   auto shared = c->shared;
   auto lost = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(calls));
-  shared->tasks.add(c->shared->waitActor(c->id, inc + 1, false, 10000)
+  shared->tasks->add(c->shared->waitActor(c->id, inc + 1, false, 10000)
                         .then(
                             [c, inc, lost](ActorRecord record) {
                               c->learn(record);
@@ -164,7 +167,7 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                                       c->id.hex(), c->type);
                                 } else if (c->maxTaskRetries == -1 || call.attempt < c->maxTaskRetries) {
                                   auto reply = std::make_shared<kj::Own<kj::PromiseFulfiller<std::string>>>(kj::mv(call.reply));
-                                  c->shared->tasks.add(
+                                  c->shared->tasks->add(
                                       callActor(c, kj::mv(call.method), kj::mv(call.payload), call.attempt + 1)
                                           .then([reply](std::string r) { (*reply)->fulfill(kj::mv(r)); },
                                                 [reply](kj::Exception&& e) { (*reply)->reject(kj::mv(e)); }));
@@ -206,7 +209,7 @@ void flush(std::shared_ptr<ActorConnection> c) {
 
 void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued) {
   auto calls = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(queued));
-  c->shared->tasks.add(resolve(c).then(
+  c->shared->tasks->add(resolve(c).then(
       [c, calls](std::pair<rpc::Actor::Client, uint32_t> target) -> kj::Promise<void> {
         uint32_t inc = target.second;
         auto onLost = [c, calls, inc](kj::Exception&& e) {
@@ -270,7 +273,7 @@ kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::stri
   auto paf = kj::newPromiseAndFulfiller<std::string>();
   bool first = c->queue.empty();
   c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller)});
-  if (first) c->shared->tasks.add(kj::evalLast([c]() { flush(c); }));
+  if (first) c->shared->tasks->add(kj::evalLast([c]() { flush(c); }));
   return kj::mv(paf.promise);
 }
 
@@ -335,7 +338,14 @@ kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& i
 
 // Ends the session now (handles may keep `shared_` alive longer), so this client's
 // non-detached actors are reclaimed when the client goes, as in Ray.
-ClusterClient::~ClusterClient() { shared_->session = nullptr; }
+ClusterClient::~ClusterClient() {
+  shared_->session = nullptr;
+  // Cancel in-flight work now, from outside it (see Shared::tasks); handles that outlive the
+  // client get a fresh set.
+  auto old = kj::mv(shared_->tasks);
+  shared_->tasks = kj::heap<kj::TaskSet>(gLogErrors);
+  old = nullptr;
+}
 
 kj::Promise<ActorHandle> ClusterClient::submitActor(ActorOptions options) {
   auto request = shared_->controller.createActorRequest();

@@ -1,0 +1,150 @@
+// Communicator: collective operations (all-reduce, reduce-scatter, all-gather, broadcast,
+// barrier, send/recv) over the ranks of one (group, epoch) of an elastic group.
+//
+// Ranks meet through the cluster store: each publishes its address in the rendezvous of
+// (group, epoch), connects to the others and then talks to them directly. A communicator belongs
+// to one epoch. After any error (a peer died or closed, a timeout, a mismatched operation, or an
+// advance of the group's epoch in the store) the communicator is unusable: every pending and
+// later operation fails with the same error, which names the peer. Recreate it at epoch + 1,
+// possibly with another world size.
+//
+// Every rank must issue the same collectives in the same order with the same counts, data type
+// and operation (a mismatch is detected and reported as kFailedPrecondition). send/recv pairs
+// must match in order between two ranks.
+//
+// Thread-safety: operations may be submitted from any thread, one submitter at a time; they run
+// in submission order on the communicator's own I/O thread (an asio::io_context; large writes
+// are handed to its sender thread). The buffers handed to an operation must stay valid and
+// untouched until its Work is done.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe::collectives {
+
+enum class DataType : uint8_t { kFloat32, kFloat64, kBFloat16, kFloat16, kInt32, kInt64 };
+enum class ReduceOp : uint8_t { kSum, kAvg, kMin, kMax };
+
+const char* dataTypeName(DataType type);  // "float32", "float64", "bfloat16", ...
+const char* reduceOpName(ReduceOp op);    // "sum", "avg", "min", "max"
+size_t dataTypeSize(DataType type);       // bytes per element
+
+// The elements [begin, end) of a `count`-element buffer that rank `rank` of `worldSize` owns in
+// reduceScatter and allgather: contiguous blocks, the first count % worldSize ranks one element
+// longer, so any count works with any world size.
+struct Shard {
+  size_t begin = 0;
+  size_t end = 0;
+  size_t size() const { return end - begin; }
+};
+Shard shardOf(size_t count, int worldSize, int rank);
+
+// The outcome of one submitted operation. Thread-safety: any thread may wait.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation finished, then returns its status (the same on every call).
+  virtual Status wait() = 0;
+  // True once the operation finished (wait() then returns at once).
+  virtual bool done() const = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int worldSize() const = 0;
+  virtual const std::string& group() const = 0;
+  virtual int64_t epoch() const = 0;
+  // Ok while usable; otherwise the error that made it unusable.
+  virtual Status health() const = 0;
+
+  // ---- Asynchronous operations: each returns at once; its Work reports the outcome ----
+  // recv[i] = op over ranks of send[i], for i < count. send == recv is allowed (in place).
+  // kAvg divides the sum by the world size (integer division for integer types).
+  virtual std::shared_ptr<Work> allreduceAsync(const void* send, void* recv, size_t count,
+                                               DataType type, ReduceOp op) = 0;
+  // `send` has `count` elements on every rank; recv gets this rank's shard of the reduction
+  // (shardOf(count, worldSize, rank): shardOf(...).size() elements). recv may be the shard's
+  // place inside send.
+  virtual std::shared_ptr<Work> reduceScatterAsync(const void* send, void* recv, size_t count,
+                                                   DataType type, ReduceOp op) = 0;
+  // `send` holds this rank's shard (shardOf(count, worldSize, rank).size() elements) of a
+  // `count`-element buffer; recv gets the whole buffer. send may be the shard's place in recv.
+  virtual std::shared_ptr<Work> allgatherAsync(const void* send, void* recv, size_t count,
+                                               DataType type) = 0;
+  // Copies root's `buffer` into every other rank's `buffer`.
+  virtual std::shared_ptr<Work> broadcastAsync(void* buffer, size_t count, DataType type,
+                                               int root) = 0;
+  // Done on a rank once every rank has entered the barrier.
+  virtual std::shared_ptr<Work> barrierAsync() = 0;
+  // Point to point: `count` elements to or from `peer`; the peer's count and type must match.
+  virtual std::shared_ptr<Work> sendAsync(const void* buffer, size_t count, DataType type,
+                                          int peer) = 0;
+  virtual std::shared_ptr<Work> recvAsync(void* buffer, size_t count, DataType type,
+                                          int peer) = 0;
+
+  // ---- Blocking forms: submit, then wait ----
+  Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+    return allreduceAsync(send, recv, count, type, op)->wait();
+  }
+  Status allreduce(void* buffer, size_t count, DataType type, ReduceOp op) {
+    return allreduce(buffer, buffer, count, type, op);
+  }
+  Status reduceScatter(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+    return reduceScatterAsync(send, recv, count, type, op)->wait();
+  }
+  Status allgather(const void* send, void* recv, size_t count, DataType type) {
+    return allgatherAsync(send, recv, count, type)->wait();
+  }
+  Status broadcast(void* buffer, size_t count, DataType type, int root) {
+    return broadcastAsync(buffer, count, type, root)->wait();
+  }
+  Status barrier() { return barrierAsync()->wait(); }
+  Status send(const void* buffer, size_t count, DataType type, int peer) {
+    return sendAsync(buffer, count, type, peer)->wait();
+  }
+  Status recv(void* buffer, size_t count, DataType type, int peer) {
+    return recvAsync(buffer, count, type, peer)->wait();
+  }
+};
+
+// What a rank needs to join (group, epoch).
+struct CommunicatorOptions {
+  std::string group;
+  int64_t epoch = 0;
+  int rank = 0;
+  int worldSize = 1;
+  // The address this rank listens on and publishes for its peers.
+  std::string host = "127.0.0.1";
+  // How long connect waits for every rank to publish and connect.
+  std::chrono::milliseconds rendezvousTimeout{60'000};
+  // An operation not finished within this time fails (kDeadlineExceeded) and breaks the
+  // communicator. Dead peers and epoch advances are detected without waiting for it.
+  std::chrono::milliseconds operationTimeout{300'000};
+  // Tuning of the CPU backend: messages up to smallMessageBytes use the latency algorithms (one
+  // hop: every rank sends to every rank); larger ones the pipelined ring, in chunks of
+  // chunkBytes. Both size buffers allocated once per communicator.
+  size_t smallMessageBytes = 64 * 1024;
+  size_t chunkBytes = 256 * 1024;
+};
+
+// Joins (group, epoch) with the CPU backend (TCP over Asio): advances the group's epoch to
+// `epoch` in the store (joining an epoch ends every earlier one), publishes this rank's address,
+// waits for every rank and connects to each. `store` is used only during the call; the
+// communicator opens its own epoch watch through it. Errors: kInvalidArgument (bad options),
+// kAborted (the group is already past `epoch`), kDeadlineExceeded (ranks missing after
+// rendezvousTimeout, named), kUnavailable (the store or a peer cannot be reached).
+Result<std::unique_ptr<Communicator>> connectCpuCommunicator(ClusterStore& store,
+                                                             const CommunicatorOptions& options);
+
+}  // namespace troupe::collectives

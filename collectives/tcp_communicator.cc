@@ -1,0 +1,1326 @@
+// The CPU backend: collectives over the TCP mesh built by rendezvous.cc, driven by one Asio
+// io_context on the communicator's own thread.
+//
+// Every operation becomes a plan: per peer, a list of sends (each possibly waiting for an
+// event) and a list of receives (each possibly reducing what arrived into the output and then
+// setting an event). The engine keeps one write and one read in flight per peer and starts
+// each send as soon as its event is set, so for the ring the sender thread writes chunk k-1
+// while the kernel moves chunk k+1 and this thread reduces chunk k: sending, receiving and
+// reducing overlap.
+// Plans, events and scratch buffers live in the communicator and are reused, so steady-state
+// operations allocate nothing but their Work.
+//
+// Each operation's traffic on a connection starts with a 32-byte header (kind, type, op,
+// count, root, per-connection sequence number) that the receiver checks against its own call:
+// a rank that issued a different operation is reported instead of corrupting data.
+//
+// Failures: the first error (a data or control connection failing, a peer's ABORT, an epoch
+// advance seen by the watcher thread, a timeout, a mismatched header) is recorded, every socket
+// is closed, the current and queued operations fail with it, and an ABORT carrying it goes to
+// every peer, so ranks that were not talking to the failed one stop too.
+#include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
+#include <asio/steady_timer.hpp>
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cerrno>
+#include <optional>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <new>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "reduce.h"
+#include "rendezvous.h"
+#include "troupe/collectives/communicator.h"
+#include "troupe/runtime/logging.h"
+
+namespace troupe::collectives {
+
+const char* dataTypeName(DataType type) {
+  switch (type) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat16: return "float16";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+const char* reduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "unknown";
+}
+
+size_t dataTypeSize(DataType type) {
+  switch (type) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat64: return 8;
+    case DataType::kBFloat16: return 2;
+    case DataType::kFloat16: return 2;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+  }
+  return 0;
+}
+
+Shard shardOf(size_t count, int worldSize, int rank) {
+  const size_t n = static_cast<size_t>(worldSize);
+  const size_t r = static_cast<size_t>(rank);
+  const size_t base = count / n, extra = count % n;
+  const size_t begin = r * base + std::min(r, extra);
+  return Shard{begin, begin + base + (r < extra ? 1 : 0)};
+}
+
+namespace {
+
+using asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+tcp protocolOf(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  return address.ss_family == AF_INET6 ? tcp::v6() : tcp::v4();
+}
+
+enum class OpKind : uint8_t {
+  kAllreduce = 1,
+  kReduceScatter,
+  kAllgather,
+  kBroadcast,
+  kBarrier,
+  kSend,
+  kRecv,
+};
+
+const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kSend: return "send";
+    case OpKind::kRecv: return "recv";
+  }
+  return "unknown";
+}
+
+constexpr uint32_t kWireMagic = 0x31435254;  // "TRC1"
+constexpr size_t kMaxGatherItems = 16;      // buffers per writev
+constexpr size_t kMaxWriteBytes = 4 << 20;  // bytes per write, so events are checked often
+constexpr size_t kLowWatermarkCap = 256 << 10;  // wake a reader for at most this much data
+constexpr size_t kInlineWriteBytes = 64 << 10;  // smaller writes skip the sender thread
+
+// Host byte order: Troupe runs on little-endian hosts (x86-64, arm64) only.
+struct WireHeader {
+  uint32_t magic = kWireMagic;
+  uint8_t kind = 0;  // a p2p pair is sent as kSend and expected as kSend
+  uint8_t type = 0;
+  uint8_t op = 0;
+  uint8_t unused = 0;
+  int32_t root = -1;
+  uint32_t unused2 = 0;
+  uint64_t seq = 0;
+  uint64_t count = 0;
+  bool operator==(const WireHeader&) const = default;
+};
+static_assert(sizeof(WireHeader) == 32);
+
+enum class ControlKind : uint32_t { kGoodbye = 1, kAbort = 2 };
+struct ControlHeader {
+  uint32_t kind = 0;
+  uint32_t length = 0;  // payload bytes (kAbort: a status code byte, then the message)
+};
+constexpr uint32_t kMaxControlPayload = 64 * 1024;
+
+std::string describeHeader(const WireHeader& header) {
+  const auto kind = static_cast<OpKind>(header.kind);
+  const auto type = static_cast<DataType>(header.type);
+  std::string what = fmt::format("{} #{} ({} elements of {}", opKindName(kind), header.seq,
+                                 header.count, dataTypeName(type));
+  if (kind == OpKind::kAllreduce || kind == OpKind::kReduceScatter) {
+    what += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(header.op)));
+  }
+  if (kind == OpKind::kBroadcast) what += fmt::format(", root {}", header.root);
+  return what + ")";
+}
+
+// A Work completed by the I/O thread and waited on by callers.
+class WorkState final : public Work {
+ public:
+  Status wait() override {
+    std::unique_lock lock(mutex_);
+    ready_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+  bool done() const override {
+    std::lock_guard lock(mutex_);
+    return done_;
+  }
+  void complete(Status status) {
+    {
+      std::lock_guard lock(mutex_);
+      if (done_) return;
+      status_ = std::move(status);
+      done_ = true;
+    }
+    ready_.notify_all();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+  bool done_ = false;
+  Status status_;
+};
+
+struct Request {
+  OpKind kind = OpKind::kBarrier;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  DataType type = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;  // broadcast root, or the p2p peer
+  std::shared_ptr<WorkState> work;
+};
+
+// 64-byte aligned, pre-faulted memory allocated once (no first-touch faults on the hot path).
+class AlignedBuffer {
+ public:
+  void reserve(size_t bytes) {
+    if (bytes <= size_) return;
+    data_.reset(static_cast<char*>(::operator new[](bytes, std::align_val_t(64))));
+    std::memset(data_.get(), 0, bytes);
+    size_ = bytes;
+  }
+  char* data() { return data_.get(); }
+
+ private:
+  struct Deleter {
+    void operator()(char* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<char[], Deleter> data_;
+  size_t size_ = 0;
+};
+
+struct SendItem {
+  const char* data;
+  size_t bytes;
+  int32_t waitEvent;  // -1: ready at once
+};
+
+struct RecvItem {
+  char* dst;
+  size_t bytes;
+  int32_t event;  // -1: none
+  // When reduceOut is set: reduceOut[i] = local[i] op dst[i] for `count` elements.
+  char* reduceOut;
+  const char* local;
+  size_t count;
+  int divisor;
+};
+
+// One peer: its two connections and its part of the current plan. Owned by the I/O thread.
+struct Peer {
+  Peer(asio::io_context& io, int rank, std::string name)
+      : rank(rank), name(std::move(name)), data(io), control(io) {}
+
+  int rank;
+  std::string name;
+  tcp::socket data;
+  tcp::socket control;
+  uint64_t sendSeq = 0;
+  uint64_t recvSeq = 0;
+  bool saidGoodbye = false;
+  bool left = false;  // said goodbye and closed: later operations with it fail
+  AlignedBuffer scratch;
+
+  // The current plan.
+  bool sendActive = false, recvActive = false;
+  bool headerSent = false, headerReceived = false;
+  WireHeader outHeader, inHeader, expectedHeader;
+  std::vector<SendItem> sends;
+  std::vector<RecvItem> recvs;
+  size_t nextSend = 0, nextRecv = 0;
+  bool writing = false, reading = false;
+  bool writeHasHeader = false, readIsHeader = false;
+  char* readPtr = nullptr;
+  size_t readLeft = 0;
+  int lowWatermark = 1;  // the data socket's SO_RCVLOWAT
+  size_t writeItems = 0;
+  std::vector<asio::const_buffer> writeBuffers;
+  std::vector<iovec> writeIov;  // the sender thread's copy of writeBuffers while `writing`
+  int dataFd = -1;              // data.native_handle(), for the sender thread
+
+  // Control channel: bytes read but not yet parsed, and whether it ended.
+  std::string controlBytes;
+  bool controlEnded = false;
+
+  void resetPlan() {
+    sendActive = recvActive = headerSent = headerReceived = false;
+    sends.clear();
+    recvs.clear();
+    nextSend = nextRecv = 0;
+  }
+  bool sendsDone() const {
+    return !sendActive || (headerSent && nextSend == sends.size() && !writing);
+  }
+  bool recvsDone() const {
+    return !recvActive || (headerReceived && nextRecv == recvs.size() && !reading);
+  }
+};
+
+class TcpCommunicator final : public Communicator {
+ public:
+  TcpCommunicator(const CommunicatorOptions& options, RendezvousResult met)
+      : options_(options),
+        n_(options.worldSize),
+        me_(options.rank),
+        elementsPerChunkBytes_(std::max<size_t>(options.chunkBytes & ~size_t{63}, 4096)),
+        timer_(io_),
+        watch_(std::move(met.watch)) {
+    const size_t scratchBytes = std::max(elementsPerChunkBytes_, options_.smallMessageBytes) + 64;
+    peers_.resize(n_);
+    for (int r = 0; r < n_; ++r) {
+      if (r == me_) continue;
+      RendezvousPeer& raw = met.peers[r];
+      auto peer = std::make_unique<Peer>(io_, r, raw.name);
+      asio::error_code ec;
+      const tcp protocol = protocolOf(raw.data.get());
+      peer->data.assign(protocol, raw.data.release(), ec);
+      TROUPE_CHECK(!ec, "assigning a data socket: {}", ec.message());
+      peer->control.assign(protocol, raw.control.release(), ec);
+      TROUPE_CHECK(!ec, "assigning a control socket: {}", ec.message());
+      peer->dataFd = peer->data.native_handle();
+      peer->scratch.reserve(scratchBytes);
+      peers_[r] = std::move(peer);
+    }
+    selfSlot_.reserve(options_.smallMessageBytes + 64);
+    for (auto& peer : peers_) {
+      if (peer) watchControl(*peer);
+    }
+    ioThread_ = std::thread([this] { io_.run(); });  // runs until the guard goes (destructor)
+    sender_ = std::thread([this] { senderLoop(); });
+    watcher_ = std::thread([this] { watchEpoch(); });
+  }
+
+  ~TcpCommunicator() override {
+    stopping_.store(true);
+    watch_->interrupt();
+    watcher_.join();
+    asio::post(io_, [this] { shutdown(); });
+    keepRunning_.reset();
+    ioThread_.join();
+    {
+      std::lock_guard lock(sendMutex_);
+      sendStop_ = true;
+    }
+    sendReady_.notify_one();
+    sender_.join();  // its sockets were shut down, so a write in progress has ended
+  }
+
+  int rank() const override { return me_; }
+  int worldSize() const override { return n_; }
+  const std::string& group() const override { return options_.group; }
+  int64_t epoch() const override { return options_.epoch; }
+  Status health() const override {
+    std::lock_guard lock(healthMutex_);
+    return health_;
+  }
+
+  std::shared_ptr<Work> allreduceAsync(const void* send, void* recv, size_t count, DataType type,
+                                       ReduceOp op) override {
+    return submit(Request{OpKind::kAllreduce, send, recv, count, type, op, -1, nullptr});
+  }
+  std::shared_ptr<Work> reduceScatterAsync(const void* send, void* recv, size_t count,
+                                           DataType type, ReduceOp op) override {
+    return submit(Request{OpKind::kReduceScatter, send, recv, count, type, op, -1, nullptr});
+  }
+  std::shared_ptr<Work> allgatherAsync(const void* send, void* recv, size_t count,
+                                       DataType type) override {
+    return submit(
+        Request{OpKind::kAllgather, send, recv, count, type, ReduceOp::kSum, -1, nullptr});
+  }
+  std::shared_ptr<Work> broadcastAsync(void* buffer, size_t count, DataType type,
+                                       int root) override {
+    return submit(Request{OpKind::kBroadcast, buffer, buffer, count, type, ReduceOp::kSum, root,
+                          nullptr});
+  }
+  std::shared_ptr<Work> barrierAsync() override {
+    return submit(Request{OpKind::kBarrier, nullptr, nullptr, 0, DataType::kFloat32,
+                          ReduceOp::kSum, -1, nullptr});
+  }
+  std::shared_ptr<Work> sendAsync(const void* buffer, size_t count, DataType type,
+                                  int peer) override {
+    return submit(
+        Request{OpKind::kSend, buffer, nullptr, count, type, ReduceOp::kSum, peer, nullptr});
+  }
+  std::shared_ptr<Work> recvAsync(void* buffer, size_t count, DataType type, int peer) override {
+    return submit(
+        Request{OpKind::kRecv, nullptr, buffer, count, type, ReduceOp::kSum, peer, nullptr});
+  }
+
+ private:
+  // ---- Caller side ----
+
+  std::shared_ptr<Work> submit(Request request) {
+    auto work = std::make_shared<WorkState>();
+    request.work = work;
+    if (Status invalid = validate(request); !invalid.isOk()) {
+      work->complete(std::move(invalid));  // a local mistake: nothing was sent, still usable
+      return work;
+    }
+    {
+      std::lock_guard lock(healthMutex_);
+      if (!health_.isOk()) {
+        work->complete(health_);
+        return work;
+      }
+    }
+    asio::post(io_,
+               [this, request = std::move(request)]() mutable { enqueue(std::move(request)); });
+    return work;
+  }
+
+  Status validate(const Request& request) const {
+    if (dataTypeSize(request.type) == 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("unknown data type {}", static_cast<int>(request.type)));
+    }
+    if (request.count > (size_t{1} << 48)) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{} of {} elements is too large", opKindName(request.kind),
+                                request.count));
+    }
+    const bool p2p = request.kind == OpKind::kSend || request.kind == OpKind::kRecv;
+    if (p2p && (request.root < 0 || request.root >= n_ || request.root == me_)) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: peer {} is not another rank of this communicator (rank {} "
+                                "of {})",
+                                opKindName(request.kind), request.root, me_, n_));
+    }
+    if (request.kind == OpKind::kBroadcast && (request.root < 0 || request.root >= n_)) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("broadcast: root {} is not a rank of this communicator (world "
+                                "size {})",
+                                request.root, n_));
+    }
+    if (request.count > 0 && request.kind != OpKind::kBarrier &&
+        ((request.kind != OpKind::kRecv && request.send == nullptr) ||
+         (request.kind != OpKind::kSend && request.recv == nullptr))) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: null buffer for {} elements", opKindName(request.kind),
+                                request.count));
+    }
+    return Status::ok();
+  }
+
+  // ---- Epoch watcher thread ----
+
+  void watchEpoch() {
+    while (!stopping_.load()) {
+      auto next = watch_->next(std::chrono::seconds(3600));
+      if (!next.isOk()) {
+        TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: {}; epoch advances are no longer "
+                   "seen by this communicator (peer failures and timeouts still are)",
+                   options_.group, options_.epoch, me_, next.status().message());
+        return;
+      }
+      if (!next->has_value() || **next <= options_.epoch) continue;
+      const int64_t advanced = **next;
+      asio::post(io_, [this, advanced] {
+        fail(Status(StatusCode::kAborted,
+                    fmt::format("group '{}' advanced to epoch {}; {}", options_.group, advanced,
+                                recreateAdvice(options_))));
+      });
+      return;
+    }
+  }
+
+  // ---- I/O thread ----
+
+  void enqueue(Request request) {
+    if (!broken_.isOk()) {
+      request.work->complete(broken_);
+      return;
+    }
+    queue_.push_back(std::move(request));
+    advance();
+  }
+
+  // Finishes the current operation when it is done and starts queued ones.
+  void advance() {
+    for (;;) {
+      if (active_) {
+        if (!currentDone()) return;
+        finishCurrent();
+      }
+      if (queue_.empty() || !broken_.isOk()) return;
+      current_ = std::move(queue_.front());
+      queue_.pop_front();
+      startCurrent();
+    }
+  }
+
+  bool currentDone() const {
+    for (const auto& peer : peers_) {
+      if (peer && (!peer->sendsDone() || !peer->recvsDone())) return false;
+    }
+    return true;
+  }
+
+  void finishCurrent() {
+    if (finishReduce_) directReduce();
+    active_ = false;
+    timer_.cancel();
+    for (auto& peer : peers_) {
+      if (peer) peer->resetPlan();
+    }
+    auto work = std::move(current_.work);
+    work->complete(Status::ok());
+  }
+
+  void startCurrent() {
+    active_ = true;
+    ++opNumber_;
+    events_.clear();
+    finishReduce_ = false;
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const size_t bytes = r.count * elem;
+    switch (r.kind) {
+      case OpKind::kAllreduce:
+        if (n_ == 1) {
+          if (r.send != r.recv) std::memmove(r.recv, r.send, bytes);
+        } else if (bytes <= options_.smallMessageBytes) {
+          planDirectAllreduce();
+        } else {
+          planRingAllreduce();
+        }
+        break;
+      case OpKind::kReduceScatter:
+        if (n_ == 1) {
+          if (r.send != r.recv) std::memmove(r.recv, r.send, bytes);
+        } else if (bytes <= options_.smallMessageBytes) {
+          planDirectReduceScatter();
+        } else {
+          planRingReduceScatter();
+        }
+        break;
+      case OpKind::kAllgather: {
+        const Shard mine = shardOf(r.count, n_, me_);
+        char* own = static_cast<char*>(r.recv) + mine.begin * elem;
+        if (mine.size() > 0 && r.send != own) std::memmove(own, r.send, mine.size() * elem);
+        if (n_ == 1) break;
+        if (bytes <= options_.smallMessageBytes) {
+          planDirectAllgather();
+        } else {
+          planRingAllgather(/*prevBase=*/-1);
+        }
+        break;
+      }
+      case OpKind::kBroadcast:
+        if (n_ == 1) break;
+        if (bytes <= options_.smallMessageBytes) {
+          planDirectBroadcast();
+        } else {
+          planChainBroadcast();
+        }
+        break;
+      case OpKind::kBarrier:
+        for (int p = 0; p < n_; ++p) {
+          if (p != me_) activate(p, true, true);
+        }
+        break;
+      case OpKind::kSend:
+        activate(r.root, true, false);
+        addSend(r.root, r.send, bytes, -1);
+        break;
+      case OpKind::kRecv:
+        activate(r.root, false, true);
+        addRecv(r.root, static_cast<char*>(r.recv), bytes, -1);
+        break;
+    }
+    for (auto& peer : peers_) {
+      if (peer && (peer->sendActive || peer->recvActive) && peer->left) {
+        fail(Status(StatusCode::kUnavailable,
+                    fmt::format("{} needs {}, which closed its communicator (it left the "
+                                "group); {}",
+                                describeCurrent(), peer->name, recreateAdvice(options_))));
+        return;
+      }
+    }
+    const uint64_t number = opNumber_;
+    timer_.expires_after(options_.operationTimeout);
+    timer_.async_wait([this, number](const asio::error_code& ec) {
+      if (ec || !active_ || number != opNumber_ || !broken_.isOk()) return;
+      onTimeout();
+    });
+    for (auto& peer : peers_) {
+      if (!peer) continue;
+      pumpWriter(*peer);
+      pumpReader(*peer);
+    }
+  }
+
+  // ---- Plans ----
+
+  int32_t newEvent() {
+    events_.push_back(0);
+    return static_cast<int32_t>(events_.size() - 1);
+  }
+
+  // Marks `peer` as taking part in the current operation in each direction and prepares the
+  // headers: the one we send and the one we expect.
+  void activate(int p, bool send, bool recv) {
+    Peer& peer = *peers_[p];
+    const Request& r = current_;
+    WireHeader header;
+    header.kind = static_cast<uint8_t>(r.kind == OpKind::kRecv ? OpKind::kSend : r.kind);
+    header.type = static_cast<uint8_t>(r.type);
+    header.op = static_cast<uint8_t>(r.kind == OpKind::kAllreduce ||
+                                             r.kind == OpKind::kReduceScatter
+                                         ? r.op
+                                         : ReduceOp::kSum);
+    header.root = r.kind == OpKind::kBroadcast ? r.root : -1;
+    header.count = r.kind == OpKind::kBarrier ? 0 : r.count;
+    if (send && !peer.sendActive) {
+      peer.sendActive = true;
+      peer.outHeader = header;
+      peer.outHeader.seq = peer.sendSeq++;
+    }
+    if (recv && !peer.recvActive) {
+      peer.recvActive = true;
+      peer.expectedHeader = header;
+      peer.expectedHeader.seq = peer.recvSeq++;
+    }
+  }
+
+  void addSend(int p, const void* data, size_t bytes, int32_t waitEvent) {
+    if (bytes == 0) return;
+    peers_[p]->sends.push_back(SendItem{static_cast<const char*>(data), bytes, waitEvent});
+  }
+
+  void addRecv(int p, char* dst, size_t bytes, int32_t event, char* reduceOut = nullptr,
+               const char* local = nullptr, size_t count = 0, int divisor = 1) {
+    if (bytes == 0) return;
+    peers_[p]->recvs.push_back(RecvItem{dst, bytes, event, reduceOut, local, count, divisor});
+  }
+
+  size_t chunkElements() const {
+    return std::max<size_t>(1, elementsPerChunkBytes_ / dataTypeSize(current_.type));
+  }
+
+  int divisorFor(ReduceOp op) const { return op == ReduceOp::kAvg ? n_ : 1; }
+
+  int mod(int x) const { return ((x % n_) + n_) % n_; }
+
+  // One hop: every rank sends its whole input to every rank and reduces all of them, in rank
+  // order, so every rank computes bit-identical results.
+  void planDirectAllreduce() {
+    const Request& r = current_;
+    const size_t bytes = r.count * dataTypeSize(r.type);
+    for (int p = 0; p < n_; ++p) {
+      if (p == me_) continue;
+      activate(p, true, true);
+      addSend(p, r.send, bytes, -1);
+      addRecv(p, peers_[p]->scratch.data(), bytes, -1);
+    }
+    finishReduce_ = true;
+    directOut_ = static_cast<char*>(r.recv);
+    directSelf_ = static_cast<const char*>(r.send);
+    directCount_ = r.count;
+  }
+
+  void planDirectReduceScatter() {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const Shard mine = shardOf(r.count, n_, me_);
+    for (int p = 0; p < n_; ++p) {
+      if (p == me_) continue;
+      const Shard theirs = shardOf(r.count, n_, p);
+      activate(p, true, true);
+      addSend(p, static_cast<const char*>(r.send) + theirs.begin * elem, theirs.size() * elem, -1);
+      addRecv(p, peers_[p]->scratch.data(), mine.size() * elem, -1);
+    }
+    finishReduce_ = true;
+    directOut_ = static_cast<char*>(r.recv);
+    directSelf_ = static_cast<const char*>(r.send) + mine.begin * elem;
+    directCount_ = mine.size();
+  }
+
+  // out = x_0 op x_1 op ... op x_{n-1}, x_me being this rank's input, the others in scratch.
+  void directReduce() {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const size_t bytes = directCount_ * elem;
+    if (bytes == 0) return;
+    const char* self = directSelf_;
+    // The output may be this rank's input: keep a copy, since out is written before x_me is read.
+    if (me_ >= 2 && self == directOut_) {
+      std::memcpy(selfSlot_.data(), self, bytes);
+      self = selfSlot_.data();
+    }
+    auto source = [&](int p) -> const char* { return p == me_ ? self : peers_[p]->scratch.data(); };
+    const int divisor = divisorFor(r.op);
+    reduceBuffers(r.type, r.op, directOut_, source(0), source(1), directCount_,
+                  n_ == 2 ? divisor : 1);
+    for (int p = 2; p < n_; ++p) {
+      reduceBuffers(r.type, r.op, directOut_, directOut_, source(p), directCount_,
+                    p == n_ - 1 ? divisor : 1);
+    }
+  }
+
+  void planDirectAllgather() {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const Shard mine = shardOf(r.count, n_, me_);
+    char* out = static_cast<char*>(r.recv);
+    for (int p = 0; p < n_; ++p) {
+      if (p == me_) continue;
+      const Shard theirs = shardOf(r.count, n_, p);
+      activate(p, true, true);
+      addSend(p, out + mine.begin * elem, mine.size() * elem, -1);
+      addRecv(p, out + theirs.begin * elem, theirs.size() * elem, -1);
+    }
+  }
+
+  void planDirectBroadcast() {
+    const Request& r = current_;
+    const size_t bytes = r.count * dataTypeSize(r.type);
+    if (me_ == r.root) {
+      for (int p = 0; p < n_; ++p) {
+        if (p == me_) continue;
+        activate(p, true, false);
+        addSend(p, r.recv, bytes, -1);
+      }
+    } else {
+      activate(r.root, false, true);
+      addRecv(r.root, static_cast<char*>(r.recv), bytes, -1);
+    }
+  }
+
+  // Ring reduce-scatter steps of an all-reduce or reduce-scatter. Step s sends segment
+  // (me - s - 1) to the right and receives segment (me - s - 2) from the left, reducing it with
+  // this rank's input; after n - 1 steps segment `me` is complete here. A chunk of step s + 1
+  // is sent as soon as the same chunk of step s has been received and reduced.
+  // `partial` holds the partial sums (sent on); `final` gets segment me. Returns the event base
+  // of the last step's receives.
+  int32_t planRingReduceScatter(const char* input, char* partial, char* final) {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const size_t chunk = chunkElements();
+    const int right = mod(me_ + 1), left = mod(me_ - 1);
+    activate(right, true, false);
+    activate(left, false, true);
+    char* scratch = peers_[left]->scratch.data();
+    int32_t prevBase = -1;
+    for (int s = 0; s <= n_ - 2; ++s) {
+      const Shard out = shardOf(r.count, n_, mod(me_ - s - 1));
+      const char* source = s == 0 ? input : partial;
+      for (size_t k = 0, at = out.begin; at < out.end; ++k, at += chunk) {
+        const size_t len = std::min(chunk, out.end - at);
+        addSend(right, source + at * elem, len * elem,
+                s == 0 ? -1 : prevBase + static_cast<int32_t>(k));
+      }
+      const Shard in = shardOf(r.count, n_, mod(me_ - s - 2));
+      const bool last = s == n_ - 2;
+      const int32_t base = static_cast<int32_t>(events_.size());
+      for (size_t at = in.begin; at < in.end; at += chunk) {
+        const size_t len = std::min(chunk, in.end - at);
+        char* target = last ? final + (at - in.begin) * elem : partial + at * elem;
+        addRecv(left, scratch, len * elem, newEvent(), target, input + at * elem, len,
+                last ? divisorFor(r.op) : 1);
+      }
+      prevBase = base;
+    }
+    return prevBase;
+  }
+
+  void planRingAllreduce() {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    char* out = static_cast<char*>(r.recv);
+    const Shard mine = shardOf(r.count, n_, me_);
+    const int32_t base =
+        planRingReduceScatter(static_cast<const char*>(r.send), out, out + mine.begin * elem);
+    planRingAllgather(base);
+  }
+
+  void planRingReduceScatter() {
+    const Request& r = current_;
+    workspace_.reserve(r.count * dataTypeSize(r.type));
+    planRingReduceScatter(static_cast<const char*>(r.send), workspace_.data(),
+                          static_cast<char*>(r.recv));
+  }
+
+  // Ring all-gather over recv: step t sends segment (me - t) and receives (me - t - 1) straight
+  // into place; a chunk is forwarded once it arrived. `prevBase` is the event base that guards
+  // segment me's chunks (its last reduce-scatter step), or -1 when it is ready.
+  void planRingAllgather(int32_t prevBase) {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const size_t chunk = chunkElements();
+    const int right = mod(me_ + 1), left = mod(me_ - 1);
+    activate(right, true, false);
+    activate(left, false, true);
+    char* out = static_cast<char*>(r.recv);
+    for (int t = 0; t <= n_ - 2; ++t) {
+      const Shard send = shardOf(r.count, n_, mod(me_ - t));
+      for (size_t k = 0, at = send.begin; at < send.end; ++k, at += chunk) {
+        const size_t len = std::min(chunk, send.end - at);
+        addSend(right, out + at * elem, len * elem,
+                prevBase < 0 ? -1 : prevBase + static_cast<int32_t>(k));
+      }
+      const Shard in = shardOf(r.count, n_, mod(me_ - t - 1));
+      const int32_t base = static_cast<int32_t>(events_.size());
+      for (size_t at = in.begin; at < in.end; at += chunk) {
+        const size_t len = std::min(chunk, in.end - at);
+        addRecv(left, out + at * elem, len * elem, newEvent());
+      }
+      prevBase = base;
+    }
+  }
+
+  // Pipelined chain from the root: each rank receives chunk k from its predecessor and forwards
+  // it to its successor as soon as it arrived.
+  void planChainBroadcast() {
+    const Request& r = current_;
+    const size_t elem = dataTypeSize(r.type);
+    const size_t chunk = chunkElements();
+    const int position = mod(me_ - r.root);
+    char* buffer = static_cast<char*>(r.recv);
+    const int32_t base = static_cast<int32_t>(events_.size());
+    if (position > 0) {
+      activate(mod(me_ - 1), false, true);
+      for (size_t at = 0; at < r.count; at += chunk) {
+        addRecv(mod(me_ - 1), buffer + at * elem, std::min(chunk, r.count - at) * elem, newEvent());
+      }
+    }
+    if (position < n_ - 1) {
+      activate(mod(me_ + 1), true, false);
+      for (size_t k = 0, at = 0; at < r.count; ++k, at += chunk) {
+        addSend(mod(me_ + 1), buffer + at * elem, std::min(chunk, r.count - at) * elem,
+                position == 0 ? -1 : base + static_cast<int32_t>(k));
+      }
+    }
+  }
+
+  // ---- Transfers ----
+
+  void pumpWriter(Peer& peer) {
+    if (peer.writing || !peer.sendActive || !broken_.isOk()) return;
+    peer.writeBuffers.clear();
+    peer.writeHasHeader = !peer.headerSent;
+    if (peer.writeHasHeader) {
+      peer.writeBuffers.push_back(asio::buffer(&peer.outHeader, sizeof(WireHeader)));
+    }
+    size_t items = 0, bytes = 0;
+    for (size_t i = peer.nextSend; i < peer.sends.size(); ++i) {
+      const SendItem& item = peer.sends[i];
+      if (items == kMaxGatherItems || bytes >= kMaxWriteBytes) break;
+      if (item.waitEvent >= 0 && events_[item.waitEvent] == 0) break;
+      peer.writeBuffers.push_back(asio::buffer(item.data, item.bytes));
+      bytes += item.bytes;
+      ++items;
+    }
+    if (items == 0 && !peer.writeHasHeader) return;
+    peer.writing = true;
+    peer.writeItems = items;
+    peer.writeIov.clear();
+    for (const asio::const_buffer& buffer : peer.writeBuffers) {
+      peer.writeIov.push_back(iovec{const_cast<void*>(buffer.data()), buffer.size()});
+    }
+    // Small writes go out at once from this thread: handing them to the sender thread would
+    // add a wake-up to every small message's latency. What does not fit goes to the sender.
+    if (bytes <= kInlineWriteBytes) {
+      bool done = false;
+      const asio::error_code ec = sendIov(peer, /*block=*/false, done);
+      if (ec || done) {
+        asio::post(io_, [this, &peer, ec] { onWritten(peer, ec); });
+        return;
+      }
+    }
+    {
+      std::lock_guard lock(sendMutex_);
+      sendQueue_.push_back(&peer);
+    }
+    sendReady_.notify_one();
+  }
+
+  // The sender thread: copies queued writes into the kernel, so sending overlaps with receiving
+  // and reducing on the I/O thread (on loopback a send also runs the receiver's TCP processing,
+  // which makes it the most expensive half). It touches only the raw descriptor and the peer's
+  // writeIov, which the I/O thread leaves alone while the peer is `writing`; completions go back
+  // to the I/O thread. Writes are FIFO across peers: every algorithm here reads from each peer
+  // independently of its own writes, so a slow reader cannot block the others forever.
+  void senderLoop() {
+    for (;;) {
+      Peer* peer = nullptr;
+      {
+        std::unique_lock lock(sendMutex_);
+        sendReady_.wait(lock, [this] { return sendStop_ || !sendQueue_.empty(); });
+        if (sendQueue_.empty()) return;
+        peer = sendQueue_.front();
+        sendQueue_.pop_front();
+      }
+      bool done = false;
+      const asio::error_code ec = sendIov(*peer, /*block=*/true, done);
+      asio::post(io_, [this, peer, ec] { onWritten(*peer, ec); });
+    }
+  }
+
+  // Sends what it can of peer.writeIov, waiting for room only when `block`; what is not sent
+  // stays in writeIov. `done` tells whether everything went.
+  static asio::error_code sendIov(Peer& peer, bool block, bool& done) {
+    std::vector<iovec>& iovs = peer.writeIov;
+    size_t first = 0;
+    asio::error_code result;
+    while (first < iovs.size()) {
+      msghdr message{};
+      message.msg_iov = iovs.data() + first;
+      message.msg_iovlen = iovs.size() - first;
+      const ssize_t n = ::sendmsg(peer.dataFd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n >= 0) {
+        size_t sent = static_cast<size_t>(n);
+        while (first < iovs.size() && sent >= iovs[first].iov_len) {
+          sent -= iovs[first].iov_len;
+          ++first;
+        }
+        if (first < iovs.size()) {
+          iovs[first].iov_base = static_cast<char*>(iovs[first].iov_base) + sent;
+          iovs[first].iov_len -= sent;
+        }
+        continue;
+      }
+      if (errno == EINTR) continue;
+      if ((errno == EAGAIN || errno == EWOULDBLOCK) && block) {
+        // A failure shuts the socket down, which ends this wait too.
+        pollfd pfd{peer.dataFd, POLLOUT, 0};
+        ::poll(&pfd, 1, -1);
+        continue;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        result = asio::error_code(errno, asio::system_category());
+      }
+      break;
+    }
+    iovs.erase(iovs.begin(), iovs.begin() + static_cast<ptrdiff_t>(first));
+    done = iovs.empty();
+    return result;
+  }
+
+  void onWritten(Peer& peer, const asio::error_code& ec) {
+    if (!broken_.isOk()) return;
+    if (ec) {
+      fail(connectionError(peer, "sending to", ec));
+      return;
+    }
+    peer.writing = false;
+    if (peer.writeHasHeader) peer.headerSent = true;
+    peer.nextSend += peer.writeItems;
+    if (peer.sendsDone()) {
+      advance();
+    } else {
+      pumpWriter(peer);
+    }
+  }
+
+  // Reads run as our own loop over non-blocking recv() and readiness waits rather than
+  // async_read, so each wait can set SO_RCVLOWAT to what the current item still needs (capped):
+  // the kernel then wakes this thread once per chunk instead of once per arriving segment, which
+  // matters most when ranks share few cores.
+  void pumpReader(Peer& peer) {
+    if (peer.reading || !peer.recvActive || !broken_.isOk()) return;
+    readLoop(peer);
+  }
+
+  // Starts the next read of the plan; false when there is none.
+  bool startRead(Peer& peer) {
+    peer.readIsHeader = !peer.headerReceived;
+    if (peer.readIsHeader) {
+      peer.readPtr = reinterpret_cast<char*>(&peer.inHeader);
+      peer.readLeft = sizeof(WireHeader);
+    } else if (peer.nextRecv < peer.recvs.size()) {
+      const RecvItem& item = peer.recvs[peer.nextRecv];
+      peer.readPtr = item.dst;
+      peer.readLeft = item.bytes;
+    } else {
+      return false;
+    }
+    peer.reading = true;
+    return true;
+  }
+
+  void readLoop(Peer& peer) {
+    for (;;) {
+      if (!peer.reading && !startRead(peer)) return;
+      while (peer.readLeft > 0) {
+        const ssize_t n = ::recv(peer.data.native_handle(), peer.readPtr, peer.readLeft,
+                                 MSG_DONTWAIT);
+        if (n > 0) {
+          peer.readPtr += n;
+          peer.readLeft -= static_cast<size_t>(n);
+          continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          setLowWatermark(peer, std::min(peer.readLeft, kLowWatermarkCap));
+          peer.data.async_wait(tcp::socket::wait_read, [this, &peer](const asio::error_code& ec) {
+            if (!broken_.isOk()) return;
+            if (ec) {
+              fail(connectionError(peer, "receiving from", ec));
+              return;
+            }
+            readLoop(peer);
+          });
+          return;
+        }
+        fail(connectionError(peer, "receiving from",
+                             n == 0 ? asio::error_code(asio::error::eof)
+                                    : asio::error_code(errno, asio::system_category())));
+        return;
+      }
+      peer.reading = false;
+      if (!finishRead(peer)) return;
+    }
+  }
+
+  void setLowWatermark(Peer& peer, size_t bytes) {
+    const int value = static_cast<int>(std::max<size_t>(bytes, 1));
+    if (value == peer.lowWatermark) return;
+    ::setsockopt(peer.data.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &value, sizeof(value));
+    peer.lowWatermark = value;
+  }
+
+  // Handles a finished read; false when reading must stop here (a failure, or this peer's part
+  // of the operation is done and advance() moved on).
+  bool finishRead(Peer& peer) {
+    if (peer.readIsHeader) {
+      if (!(peer.inHeader == peer.expectedHeader)) {
+        fail(Status(StatusCode::kFailedPrecondition,
+                    fmt::format("operation mismatch with {}: this rank issued {} but the peer "
+                                "sent {}; every rank must issue the same collectives (and "
+                                "matching send/recv) in the same order; {}",
+                                peer.name, describeHeader(peer.expectedHeader),
+                                peer.inHeader.magic == kWireMagic
+                                    ? describeHeader(peer.inHeader)
+                                    : std::string("bytes that are not a Troupe header"),
+                                recreateAdvice(options_))));
+        return false;
+      }
+      peer.headerReceived = true;
+    } else {
+      const RecvItem& item = peer.recvs[peer.nextRecv++];
+      if (item.reduceOut != nullptr) {
+        reduceBuffers(current_.type, current_.op, item.reduceOut, item.local, item.dst,
+                      item.count, item.divisor);
+      }
+      if (item.event >= 0) {
+        events_[item.event] = 1;
+        for (auto& other : peers_) {
+          if (other) pumpWriter(*other);
+        }
+        if (!broken_.isOk()) return false;
+      }
+    }
+    if (peer.recvsDone()) {
+      advance();
+      return false;
+    }
+    return true;
+  }
+
+  // ---- Control channel ----
+  //
+  // Read with readiness waits and non-blocking reads of our own (not async_read), so a failure
+  // noticed elsewhere can first pick up what already arrived there: a peer's ABORT (the root
+  // cause) or the end of a peer that died.
+
+  void watchControl(Peer& peer) {
+    peer.control.async_wait(tcp::socket::wait_read, [this, &peer](const asio::error_code& ec) {
+      if (!broken_.isOk() || shuttingDown_ || ec == asio::error::operation_aborted) return;
+      if (auto failure = drainControl(peer)) {
+        fail(std::move(*failure));
+        return;
+      }
+      if (peer.control.is_open()) watchControl(peer);
+    });
+  }
+
+  // Reads what the peer's control connection holds and handles it: a goodbye is noted; an ABORT,
+  // a malformed message, or the end of the connection without a goodbye is returned as the
+  // failure it means.
+  std::optional<Status> drainControl(Peer& peer) {
+    if (!peer.control.is_open()) return std::nullopt;
+    char buffer[4096];
+    while (!peer.controlEnded) {
+      const ssize_t n = ::recv(peer.control.native_handle(), buffer, sizeof(buffer), MSG_DONTWAIT);
+      if (n > 0) {
+        peer.controlBytes.append(buffer, static_cast<size_t>(n));
+      } else if (n == 0) {
+        peer.controlEnded = true;
+      } else if (errno == EINTR) {
+        continue;
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        break;
+      } else {
+        peer.controlEnded = true;  // reset: the peer's kernel closed it (the process died)
+      }
+    }
+    while (peer.controlBytes.size() >= sizeof(ControlHeader)) {
+      ControlHeader header;
+      std::memcpy(&header, peer.controlBytes.data(), sizeof(header));
+      const auto kind = static_cast<ControlKind>(header.kind);
+      if (kind == ControlKind::kGoodbye && header.length == 0) {
+        peer.saidGoodbye = true;
+        peer.controlBytes.erase(0, sizeof(header));
+        continue;
+      }
+      if (kind != ControlKind::kAbort || header.length == 0 || header.length > kMaxControlPayload) {
+        return Status(StatusCode::kInternal,
+                      fmt::format("{} sent a malformed control message (kind {}, {} bytes); {}",
+                                  peer.name, header.kind, header.length,
+                                  recreateAdvice(options_)));
+      }
+      if (peer.controlBytes.size() < sizeof(header) + header.length) break;
+      auto code = static_cast<StatusCode>(peer.controlBytes[sizeof(header)]);
+      if (code == StatusCode::kOk || code > StatusCode::kInternal) code = StatusCode::kAborted;
+      return Status(code, fmt::format("{} stopped: {}", peer.name,
+                                      peer.controlBytes.substr(sizeof(header) + 1,
+                                                               header.length - 1)));
+    }
+    if (!peer.controlEnded) return std::nullopt;
+    if (peer.saidGoodbye) {
+      // A clean leave: operations that still need the peer fail when they reach it.
+      peer.left = true;
+      asio::error_code ignored;
+      peer.control.close(ignored);
+      return std::nullopt;
+    }
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{} closed its connection without a goodbye: the process died or "
+                              "was killed{}; {}",
+                              peer.name,
+                              active_ ? fmt::format(" (during {})", describeCurrent()) : "",
+                              recreateAdvice(options_)));
+  }
+
+  // Best effort: a few bytes on a socket nobody else writes to; a dead peer just fails it.
+  void sendControl(Peer& peer, ControlKind kind, const std::string& payload) {
+    std::string message(sizeof(ControlHeader) + payload.size(), '\0');
+    ControlHeader header{static_cast<uint32_t>(kind), static_cast<uint32_t>(payload.size())};
+    std::memcpy(message.data(), &header, sizeof(header));
+    std::memcpy(message.data() + sizeof(header), payload.data(), payload.size());
+    asio::error_code ignored;
+    peer.control.non_blocking(true, ignored);
+    peer.control.send(asio::buffer(message), 0, ignored);
+  }
+
+  // ---- Failure ----
+
+  std::string describeCurrent() const {
+    const Request& r = current_;
+    std::string what = fmt::format("{} #{} ({} elements of {}", opKindName(r.kind), opNumber_,
+                                   r.count, dataTypeName(r.type));
+    if (r.kind == OpKind::kAllreduce || r.kind == OpKind::kReduceScatter) {
+      what += fmt::format(", {}", reduceOpName(r.op));
+    }
+    if (r.kind == OpKind::kSend || r.kind == OpKind::kRecv) {
+      what += fmt::format(", peer {}", r.root);
+    }
+    if (r.kind == OpKind::kBroadcast) what += fmt::format(", root {}", r.root);
+    return what + ")";
+  }
+
+  Status connectionError(const Peer& peer, std::string_view doing, const asio::error_code& ec) {
+    if (peer.saidGoodbye) {
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("{} closed its communicator (it left the group) while this rank "
+                                "was {} it during {}; {}",
+                                peer.name, doing, describeCurrent(), recreateAdvice(options_)));
+    }
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("lost the connection to {} while {} it during {} ({}): the peer "
+                              "died, was killed or aborted; {}",
+                              peer.name, doing, describeCurrent(), ec.message(),
+                              recreateAdvice(options_)));
+  }
+
+  void onTimeout() {
+    const Peer* waiting = nullptr;
+    for (const auto& peer : peers_) {
+      if (peer && !peer->recvsDone()) {
+        waiting = peer.get();
+        break;
+      }
+    }
+    for (const auto& peer : peers_) {
+      if (!waiting && peer && !peer->sendsDone()) waiting = peer.get();
+    }
+    fail(Status(StatusCode::kDeadlineExceeded,
+                fmt::format("{} did not finish within {} ms{}; {}", describeCurrent(),
+                            options_.operationTimeout.count(),
+                            waiting ? fmt::format("; still waiting for {}", waiting->name) : "",
+                            recreateAdvice(options_))));
+  }
+
+  // Records the first error, tells every peer, closes everything, fails all operations.
+  // A failure noticed one way (a data connection ending, an epoch advance made by the survivors,
+  // a peer's ABORT) is first checked against what the control connections already hold, so the
+  // error names the rank that died or the root cause a peer reported.
+  void fail(Status status) {
+    if (!broken_.isOk()) return;
+    auto isDeath = [](const Status& s) {
+      return s.message().find(" closed its connection without a goodbye") != std::string::npos &&
+             s.message().find(" stopped: ") == std::string::npos;
+    };
+    std::optional<Status> death, abort;
+    for (auto& peer : peers_) {
+      if (!peer) continue;
+      auto found = drainControl(*peer);
+      if (!found) continue;
+      if (isDeath(*found)) {
+        if (!death) death = std::move(found);
+      } else if (!abort) {
+        abort = std::move(found);
+      }
+    }
+    if (!isDeath(status) && death) {
+      status = Status(StatusCode::kUnavailable,
+                      fmt::format("{}; also: {}", death->message(), status.message()));
+    } else if (abort && status.message().rfind("lost the connection", 0) == 0) {
+      status = std::move(*abort);  // the data connection ended because the peer aborted: say why
+    }
+    broken_ = status;
+    {
+      std::lock_guard lock(healthMutex_);
+      health_ = status;
+    }
+    TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: {}", options_.group, options_.epoch, me_,
+               status.toString());
+    std::string payload(1, static_cast<char>(status.code()));
+    payload += fmt::format("rank {} of group '{}' epoch {} failed: {}", me_, options_.group,
+                           options_.epoch, status.message());
+    if (payload.size() > kMaxControlPayload) payload.resize(kMaxControlPayload);
+    for (auto& peer : peers_) {
+      if (!peer) continue;
+      if (peer->control.is_open()) sendControl(*peer, ControlKind::kAbort, payload);
+      closeSockets(*peer);
+    }
+    timer_.cancel();
+    if (active_) {
+      active_ = false;
+      current_.work->complete(status);
+      current_.work.reset();
+    }
+    for (auto& request : queue_) request.work->complete(status);
+    queue_.clear();
+  }
+
+  // The data socket is only shut down here (which ends the sender thread's write on it) and
+  // closed by its destructor once the sender thread is gone, so its descriptor is never reused
+  // under a write.
+  static void closeSockets(Peer& peer) {
+    asio::error_code ignored;
+    peer.data.shutdown(tcp::socket::shutdown_both, ignored);
+    peer.control.shutdown(tcp::socket::shutdown_both, ignored);
+    peer.control.close(ignored);
+  }
+
+  // Destruction: operations still pending fail, peers get a goodbye, then every socket closes,
+  // which ends io_.run() (nothing else keeps it busy).
+  void shutdown() {
+    shuttingDown_ = true;
+    Status closed(StatusCode::kAborted,
+                  fmt::format("the communicator of group '{}' epoch {} was destroyed",
+                              options_.group, options_.epoch));
+    if (active_) current_.work->complete(closed);
+    for (auto& request : queue_) request.work->complete(closed);
+    queue_.clear();
+    active_ = false;
+    timer_.cancel();
+    for (auto& peer : peers_) {
+      if (!peer) continue;
+      if (broken_.isOk() && peer->control.is_open()) sendControl(*peer, ControlKind::kGoodbye, "");
+      closeSockets(*peer);
+    }
+  }
+
+  const CommunicatorOptions options_;
+  const int n_;
+  const int me_;
+  const size_t elementsPerChunkBytes_;
+
+  // Declared before everything holding sockets or timers, so it is destroyed after them.
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> keepRunning_{io_.get_executor()};
+  asio::steady_timer timer_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for this rank
+
+  // I/O thread only.
+  std::deque<Request> queue_;
+  Request current_;
+  bool active_ = false;
+  bool shuttingDown_ = false;
+  uint64_t opNumber_ = 0;
+  std::vector<uint8_t> events_;
+  Status broken_;
+  bool finishReduce_ = false;
+  char* directOut_ = nullptr;
+  const char* directSelf_ = nullptr;
+  size_t directCount_ = 0;
+  AlignedBuffer selfSlot_;
+  AlignedBuffer workspace_;
+
+  mutable std::mutex healthMutex_;
+  Status health_;  // a copy of broken_ for other threads
+
+  std::unique_ptr<GroupEpochWatch> watch_;
+  std::atomic<bool> stopping_{false};
+  std::thread ioThread_;
+  std::thread watcher_;
+
+  // The sender thread's queue: peers whose writeIov is ready to go.
+  std::mutex sendMutex_;
+  std::condition_variable sendReady_;
+  std::deque<Peer*> sendQueue_;
+  bool sendStop_ = false;
+  std::thread sender_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> connectCpuCommunicator(ClusterStore& store,
+                                                             const CommunicatorOptions& options) {
+  if (options.chunkBytes < 4096 || options.smallMessageBytes > (size_t{64} << 20)) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("chunkBytes must be >= 4096 (got {}) and smallMessageBytes <= 64 MiB "
+                              "(got {})",
+                              options.chunkBytes, options.smallMessageBytes));
+  }
+  auto met = rendezvous(store, options, /*connectMesh=*/true);
+  if (!met) return met.status();
+  return std::unique_ptr<Communicator>(
+      std::make_unique<TcpCommunicator>(options, std::move(met).value()));
+}
+
+}  // namespace troupe::collectives

@@ -1,0 +1,423 @@
+// collectives_test_rank: one rank of a multi-process communicator test (communicator_test.cc
+// spawns several). Redis comes from the environment (TROUPE_TEST_REDIS_HOST, _PORT, _PASSWORD:
+// the password never travels in argv). Reports on stdout, one line each, flushed:
+//   READY                      the first operation succeeded (loop mode)
+//   BLOCKING                   an operation that cannot finish was submitted (block mode)
+//   ERROR <monotonic ns> <CODE> <message>   an operation failed, and when
+//   REJOINED OK                the rank re-formed epoch + 1 without the victim and checked it
+//   MATRIX OK <operations>     every operation of the matrix matched the reference
+// Exit code 0 when the mode's expectations held, 1 otherwise (with the reasons on stderr).
+#include <time.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "reduce.h"
+#include "troupe/collectives/communicator.h"
+#include "troupe/runtime/cluster_store.h"
+
+namespace troupe::collectives {
+namespace {
+
+struct Args {
+  std::string mode = "matrix";
+  std::string cluster = "test";
+  std::string group = "g";
+  int64_t epoch = 1;
+  int rank = 0;
+  int world = 1;
+  int victim = -1;
+  size_t count = 1 << 20;
+  size_t chunkBytes = 256 * 1024;
+  size_t smallBytes = 64 * 1024;
+};
+
+int64_t monotonicNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+void report(const std::string& line) {
+  std::fputs((line + "\n").c_str(), stdout);
+  std::fflush(stdout);
+}
+
+void reportError(const Status& status) {
+  std::string message = status.message();
+  for (char& c : message) {
+    if (c == '\n') c = ' ';
+  }
+  report(fmt::format("ERROR {} {} {}", monotonicNs(), statusCodeName(status.code()), message));
+}
+
+Result<std::unique_ptr<ClusterStore>> openStore(const Args& args) {
+  RedisOptions options;
+  const char* host = std::getenv("TROUPE_TEST_REDIS_HOST");
+  const char* port = std::getenv("TROUPE_TEST_REDIS_PORT");
+  const char* password = std::getenv("TROUPE_TEST_REDIS_PASSWORD");
+  if (!host || !port || !password) {
+    return Status(StatusCode::kInvalidArgument,
+                  "set TROUPE_TEST_REDIS_HOST, TROUPE_TEST_REDIS_PORT and "
+                  "TROUPE_TEST_REDIS_PASSWORD");
+  }
+  options.host = host;
+  options.port = std::atoi(port);
+  options.password = password;
+  options.cluster = args.cluster;
+  return connectRedisStore(options);
+}
+
+CommunicatorOptions communicatorOptions(const Args& args, int64_t epoch, int rank, int world) {
+  CommunicatorOptions options;
+  options.group = args.group;
+  options.epoch = epoch;
+  options.rank = rank;
+  options.worldSize = world;
+  options.rendezvousTimeout = std::chrono::seconds(30);
+  options.operationTimeout = std::chrono::seconds(60);
+  options.chunkBytes = args.chunkBytes;
+  options.smallMessageBytes = args.smallBytes;
+  return options;
+}
+
+// ---- Values and references ----
+
+// Small integers: exact in every type, and sums of five stay exact even in bfloat16.
+int valueOf(int rank, size_t i, int salt) {
+  return static_cast<int>((i * 7 + static_cast<size_t>(rank) * 13 + salt * 5) % 17) - 8;
+}
+
+void store(DataType type, void* buffer, size_t i, double value) {
+  switch (type) {
+    case DataType::kFloat32: static_cast<float*>(buffer)[i] = static_cast<float>(value); break;
+    case DataType::kFloat64: static_cast<double*>(buffer)[i] = value; break;
+    case DataType::kBFloat16:
+      static_cast<uint16_t*>(buffer)[i] = floatToBfloat16(static_cast<float>(value));
+      break;
+    case DataType::kFloat16:
+      static_cast<uint16_t*>(buffer)[i] = floatToFloat16(static_cast<float>(value));
+      break;
+    case DataType::kInt32: static_cast<int32_t*>(buffer)[i] = static_cast<int32_t>(value); break;
+    case DataType::kInt64: static_cast<int64_t*>(buffer)[i] = static_cast<int64_t>(value); break;
+  }
+}
+
+double load(DataType type, const void* buffer, size_t i) {
+  switch (type) {
+    case DataType::kFloat32: return static_cast<const float*>(buffer)[i];
+    case DataType::kFloat64: return static_cast<const double*>(buffer)[i];
+    case DataType::kBFloat16: return bfloat16ToFloat(static_cast<const uint16_t*>(buffer)[i]);
+    case DataType::kFloat16: return float16ToFloat(static_cast<const uint16_t*>(buffer)[i]);
+    case DataType::kInt32: return static_cast<const int32_t*>(buffer)[i];
+    case DataType::kInt64: return static_cast<const int64_t*>(buffer)[i];
+  }
+  return 0;
+}
+
+bool isInteger(DataType type) { return type == DataType::kInt32 || type == DataType::kInt64; }
+
+// The straightforward reference: reduce element i over the ranks' inputs.
+double reference(DataType type, ReduceOp op, int world, size_t i, int salt) {
+  int64_t sum = 0, low = valueOf(0, i, salt), high = low;
+  for (int r = 0; r < world; ++r) {
+    const int64_t v = valueOf(r, i, salt);
+    sum += v;
+    low = std::min(low, v);
+    high = std::max(high, v);
+  }
+  switch (op) {
+    case ReduceOp::kSum: return static_cast<double>(sum);
+    case ReduceOp::kMin: return static_cast<double>(low);
+    case ReduceOp::kMax: return static_cast<double>(high);
+    case ReduceOp::kAvg:
+      return isInteger(type) ? static_cast<double>(sum / world)  // C++ truncation, as documented
+                             : static_cast<double>(sum) / world;
+  }
+  return 0;
+}
+
+double tolerance(DataType type, double expected) {
+  switch (type) {
+    case DataType::kBFloat16: return std::max(1.0, std::fabs(expected)) / 128;
+    case DataType::kFloat16: return std::max(1.0, std::fabs(expected)) / 1024;
+    case DataType::kFloat32: return std::max(1.0, std::fabs(expected)) * 1e-6;
+    case DataType::kFloat64: return std::max(1.0, std::fabs(expected)) * 1e-12;
+    default: return 0;
+  }
+}
+
+class Matrix {
+ public:
+  Matrix(Communicator& comm) : comm_(comm), n_(comm.worldSize()), me_(comm.rank()) {}
+
+  int failures() const { return failures_; }
+  int operations() const { return operations_; }
+
+  void run() {
+    const size_t counts[] = {0, 1, 5, 1000, 4099, 50021};
+    const DataType types[] = {DataType::kFloat32, DataType::kFloat64, DataType::kBFloat16,
+                              DataType::kFloat16, DataType::kInt32,   DataType::kInt64};
+    const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax};
+    int salt = 0;
+    for (size_t count : counts) {
+      for (DataType type : types) {
+        const size_t elem = dataTypeSize(type);
+        std::vector<char> in(count * elem + 8), out(count * elem + 8);
+        for (ReduceOp op : ops) {
+          for (bool inPlace : {false, true}) {
+            ++salt;
+            fill(type, in.data(), count, me_, salt);
+            std::memset(out.data(), 0x7f, out.size());
+            char* target = inPlace ? in.data() : out.data();
+            check(comm_.allreduce(in.data(), target, count, type, op), "allreduce", type, op,
+                  count, [&](size_t i) { return reference(type, op, n_, i, salt); }, target, 0,
+                  count);
+          }
+          // reduce-scatter: out-of-place, then in place (the shard's place inside the input)
+          const Shard mine = shardOf(count, n_, me_);
+          for (bool inPlace : {false, true}) {
+            ++salt;
+            fill(type, in.data(), count, me_, salt);
+            char* target = inPlace ? in.data() + mine.begin * elem : out.data();
+            check(comm_.reduceScatter(in.data(), target, count, type, op), "reduce_scatter",
+                  type, op, count,
+                  [&](size_t i) { return reference(type, op, n_, mine.begin + i, salt); },
+                  target, 0, mine.size());
+          }
+        }
+        // all-gather: out-of-place, then in place
+        const Shard mine = shardOf(count, n_, me_);
+        for (bool inPlace : {false, true}) {
+          ++salt;
+          std::vector<char> shard(mine.size() * elem + 8);
+          for (size_t i = 0; i < mine.size(); ++i) {
+            store(type, shard.data(), i, valueOf(me_, mine.begin + i, salt));
+          }
+          std::memset(out.data(), 0x7f, out.size());
+          const char* source = shard.data();
+          if (inPlace) {
+            std::memcpy(out.data() + mine.begin * elem, shard.data(), mine.size() * elem);
+            source = out.data() + mine.begin * elem;
+          }
+          check(comm_.allgather(source, out.data(), count, type), "allgather", type,
+                ReduceOp::kSum, count,
+                [&](size_t i) {
+                  for (int r = 0; r < n_; ++r) {
+                    const Shard s = shardOf(count, n_, r);
+                    if (i >= s.begin && i < s.end) return double(valueOf(r, i, salt));
+                  }
+                  return -1000.0;
+                },
+                out.data(), 0, count);
+        }
+        // broadcast from a root that moves with the count
+        {
+          ++salt;
+          const int root = static_cast<int>(count % static_cast<size_t>(n_));
+          fill(type, in.data(), count, me_, salt);
+          check(comm_.broadcast(in.data(), count, type, root), "broadcast", type, ReduceOp::kSum,
+                count, [&](size_t i) { return double(valueOf(root, i, salt)); }, in.data(), 0,
+                count);
+        }
+        // send/recv around the ring; even ranks send first so nobody waits on a full socket
+        if (n_ > 1) {
+          ++salt;
+          const int right = (me_ + 1) % n_, left = (me_ + n_ - 1) % n_;
+          fill(type, in.data(), count, me_, salt);
+          std::memset(out.data(), 0x7f, out.size());
+          Status sent, received;
+          if (me_ % 2 == 0) {
+            sent = comm_.send(in.data(), count, type, right);
+            received = comm_.recv(out.data(), count, type, left);
+          } else {
+            received = comm_.recv(out.data(), count, type, left);
+            sent = comm_.send(in.data(), count, type, right);
+          }
+          check(sent, "send", type, ReduceOp::kSum, count, [](size_t) { return 0.0; }, nullptr, 0,
+                0);
+          check(received, "recv", type, ReduceOp::kSum, count,
+                [&](size_t i) { return double(valueOf(left, i, salt)); }, out.data(), 0, count);
+        }
+      }
+      check(comm_.barrier(), "barrier", DataType::kFloat32, ReduceOp::kSum, 0,
+            [](size_t) { return 0.0; }, nullptr, 0, 0);
+    }
+  }
+
+ private:
+  static void fill(DataType type, void* buffer, size_t count, int rank, int salt) {
+    for (size_t i = 0; i < count; ++i) store(type, buffer, i, valueOf(rank, i, salt));
+  }
+
+  template <typename Expected>
+  void check(const Status& status, const char* what, DataType type, ReduceOp op, size_t count,
+             Expected expected, const void* got, size_t from, size_t to) {
+    ++operations_;
+    if (!status.isOk()) {
+      ++failures_;
+      std::fprintf(stderr, "rank %d: %s(%s, %s, %zu) failed: %s\n", me_, what,
+                   dataTypeName(type), reduceOpName(op), count, status.toString().c_str());
+      return;
+    }
+    for (size_t i = from; i < to; ++i) {
+      const double want = expected(i);
+      const double have = load(type, got, i);
+      if (std::fabs(have - want) > tolerance(type, want)) {
+        ++failures_;
+        std::fprintf(stderr, "rank %d of %d: %s(%s, %s, %zu elements): element %zu is %g, "
+                     "expected %g\n",
+                     me_, n_, what, dataTypeName(type), reduceOpName(op), count, i, have, want);
+        return;
+      }
+    }
+  }
+
+  Communicator& comm_;
+  int n_;
+  int me_;
+  int failures_ = 0;
+  int operations_ = 0;
+};
+
+// ---- Modes ----
+
+int runMatrix(ClusterStore& store, const Args& args) {
+  auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank,
+                                                                args.world));
+  if (!comm) {
+    reportError(comm.status());
+    return 1;
+  }
+  Matrix matrix(**comm);
+  matrix.run();
+  if (matrix.failures() > 0) return 1;
+  report(fmt::format("MATRIX OK {}", matrix.operations()));
+  return 0;
+}
+
+// A sum all-reduce of `count` floats whose result is checked; returns the status.
+Status checkedAllreduce(Communicator& comm, std::vector<float>& buffer) {
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    buffer[i] = static_cast<float>(valueOf(comm.rank(), i, 1));
+  }
+  Status status = comm.allreduce(buffer.data(), buffer.size(), DataType::kFloat32, ReduceOp::kSum);
+  if (!status.isOk()) return status;
+  for (size_t i = 0; i < buffer.size(); i += 997) {
+    const double want = reference(DataType::kFloat32, ReduceOp::kSum, comm.worldSize(), i, 1);
+    if (buffer[i] != want) {
+      return Status(StatusCode::kInternal,
+                    fmt::format("element {} is {}, expected {}", i, buffer[i], want));
+    }
+  }
+  return Status::ok();
+}
+
+// Loops all-reduces until one fails (a peer was killed), then re-forms epoch + 1 without the
+// victim and checks an all-reduce there.
+int runLoop(ClusterStore& store, const Args& args) {
+  std::vector<float> buffer(args.count);
+  Status failure;
+  {
+    auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank,
+                                                                  args.world));
+    if (!comm) {
+      reportError(comm.status());
+      return 1;
+    }
+    bool ready = false;
+    for (;;) {
+      Status status = checkedAllreduce(**comm, buffer);
+      if (!status.isOk()) {
+        failure = status;
+        reportError(status);
+        break;
+      }
+      if (!ready) report("READY");
+      ready = true;
+    }
+    // Later operations fail at once, with the same error.
+    Status later = (*comm)->barrier();
+    if (later.isOk() || later.message() != failure.message()) {
+      std::fprintf(stderr, "rank %d: an operation after the failure returned %s\n", args.rank,
+                   later.toString().c_str());
+      return 1;
+    }
+  }
+  if (args.victim < 0) return 0;
+  const int newRank = args.rank > args.victim ? args.rank - 1 : args.rank;
+  auto comm = connectCpuCommunicator(
+      store, communicatorOptions(args, args.epoch + 1, newRank, args.world - 1));
+  if (!comm) {
+    reportError(comm.status());
+    return 1;
+  }
+  Status status = checkedAllreduce(**comm, buffer);
+  if (!status.isOk()) {
+    reportError(status);
+    return 1;
+  }
+  report("REJOINED OK");
+  return 0;
+}
+
+// Submits an operation that cannot finish (rank `victim` receives from rank 0 instead of
+// joining the all-reduce) and reports how it ends.
+int runBlock(ClusterStore& store, const Args& args) {
+  auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank,
+                                                                args.world));
+  if (!comm) {
+    reportError(comm.status());
+    return 1;
+  }
+  std::vector<float> buffer(args.count, 1.0f);
+  auto work = args.rank == args.victim
+                  ? (*comm)->recvAsync(buffer.data(), buffer.size(), DataType::kFloat32, 0)
+                  : (*comm)->allreduceAsync(buffer.data(), buffer.data(), buffer.size(),
+                                            DataType::kFloat32, ReduceOp::kSum);
+  report("BLOCKING");
+  Status status = work->wait();
+  if (status.isOk()) {
+    std::fprintf(stderr, "rank %d: the blocked operation succeeded\n", args.rank);
+    return 1;
+  }
+  reportError(status);
+  return 0;
+}
+
+}  // namespace
+}  // namespace troupe::collectives
+
+int main(int argc, char** argv) {
+  using namespace troupe::collectives;
+  Args args;
+  CLI::App app("One rank of a Troupe collectives test");
+  app.add_option("--mode", args.mode)->check(CLI::IsMember({"matrix", "loop", "block"}));
+  app.add_option("--cluster", args.cluster);
+  app.add_option("--group", args.group);
+  app.add_option("--epoch", args.epoch);
+  app.add_option("--rank", args.rank);
+  app.add_option("--world", args.world);
+  app.add_option("--victim", args.victim);
+  app.add_option("--count", args.count);
+  app.add_option("--chunk-bytes", args.chunkBytes);
+  app.add_option("--small-bytes", args.smallBytes);
+  CLI11_PARSE(app, argc, argv);
+
+  auto store = openStore(args);
+  if (!store) {
+    reportError(store.status());
+    return 1;
+  }
+  if (args.mode == "matrix") return runMatrix(**store, args);
+  if (args.mode == "loop") return runLoop(**store, args);
+  return runBlock(**store, args);
+}
