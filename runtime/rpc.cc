@@ -1,5 +1,8 @@
 #include "troupe/runtime/rpc.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
 #include <capnp/rpc.h>
 #include <kj/debug.h>
 
@@ -17,6 +20,14 @@ constexpr kj::byte kRejected = 'N';
 constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 
 // Compares without an early exit so timing does not reveal a token prefix.
+// Small RPC messages must leave at once, not wait for Nagle's algorithm to coalesce them.
+void noDelay(kj::AsyncIoStream& stream) {
+  int one = 1;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
+    (void)e;  // not a TCP stream (tests may use pipes): nothing to tune
+  }
+}
+
 bool tokensEqual(kj::ArrayPtr<const kj::byte> a, const std::string& b) {
   if (a.size() != b.size()) return false;
   kj::byte diff = 0;
@@ -39,6 +50,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
  private:
   kj::Promise<void> acceptLoop() {
     return listener_->accept().then([this](kj::Own<kj::AsyncIoStream> stream) {
+      noDelay(*stream);
       tasks_.add(serve(kj::mv(stream)));
       return acceptLoop();
     });
@@ -143,6 +155,7 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
           .parseAddress(address.host, address.port)
           .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
           .then([hello = kj::mv(hello)](kj::Own<kj::AsyncIoStream> stream) mutable {
+            noDelay(*stream);
             auto& s = *stream;
             auto ptr = hello.begin();
             auto size = hello.size();
