@@ -1,5 +1,7 @@
 #include "troupe/runtime/client.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include "schema_convert.h"
@@ -377,6 +379,16 @@ ActorHandle ClusterClient::actor(const ActorId& id) {
   ActorRecord r;
   r.id = id;
   return ActorHandle(connectionFor(shared_, r));
+}
+
+kj::Promise<void> ClusterClient::reportActorReady(const ActorId& actor, uint32_t incarnation,
+                                                 const std::string& address) {
+  auto request = shared_->controller.actorReadyRequest();
+  request.setId(actor.hex());
+  request.setIncarnation(incarnation);
+  request.setAddress(address);
+  request.setPid(getpid());
+  return request.send().ignoreResult();
 }
 
 kj::Promise<void> ClusterClient::kill(const ActorHandle& actor, bool noRestart) {

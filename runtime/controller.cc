@@ -304,28 +304,34 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     return tail.empty() ? fmt::format("worker {}", how) : fmt::format("worker {}; last stderr: {}", how, tail);
   }
 
-  // Failure detection: marks nodes whose heartbeat expired DEAD and moves their actors.
-  kj::Promise<void> reapLoop() {
+  // Failure detection: marks nodes whose heartbeat expired DEAD and moves their actors. The
+  // full reconciliation (which lists every actor and group) runs right after a reap, and
+  // otherwise only every kReconcileEvery ticks, for nodes that stopped cleanly or died while no
+  // controller ran.
+  static constexpr int kReconcileEvery = 8;
+
+  kj::Promise<void> reapLoop(int tick = 0) {
     return asyncIo_.provider->getTimer().afterDelay(reapInterval_.count() * kj::MILLISECONDS)
-        .then([this]() {
+        .then([this, tick]() {
           auto state = state_;
-          return io_.call([state]() -> Result<Actions> {
+          bool periodic = tick % kReconcileEvery == 0;
+          return io_.call([state, periodic]() -> Result<Actions> {
             auto dead = state->store->reapExpiredNodes();
             if (!dead.isOk()) return dead.status();
             for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
             Actions actions;
-            TROUPE_RETURN_IF_ERROR(state->core.reconcileDeadNodes(actions));
+            if (periodic || !dead->empty()) TROUPE_RETURN_IF_ERROR(state->core.reconcileDeadNodes(actions));
             return actions;
           });
         })
-        .then([this](Result<Actions> actions) {
+        .then([this, tick](Result<Actions> actions) {
           if (!actions.isOk()) {
             TROUPE_LOG(kWarning, "failure detector cannot read Redis: {}", actions.status().toString());
           } else if (!actions->empty()) {
             execute(std::move(*actions));
             notifyWaiters();
           }
-          return reapLoop();
+          return reapLoop(tick + 1);
         });
   }
 

@@ -47,11 +47,18 @@
 
 #include <fmt/format.h>
 
+#include "store_args.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
+
+using store_args::checkNameArgs;
+using store_args::checkNodeArgs;
+using store_args::checkReservations;
+using store_args::emptyArgument;
+using store_args::emptyId;
 
 const char* nodeStateName(NodeState state) {
   switch (state) {
@@ -1298,58 +1305,6 @@ class RedisClusterStore final : public ClusterStore {
   std::string placementGroupKeyPrefix() const { return prefix_ + "pg:"; }
   std::string placementGroupKey(const PlacementGroupId& id) const {
     return placementGroupKeyPrefix() + id.hex();
-  }
-
-  static Status emptyArgument(std::string_view what) {
-    return Status(StatusCode::kInvalidArgument, fmt::format("empty {}", what));
-  }
-  static Status emptyId() { return emptyArgument("node id"); }
-
-  static Status checkNameArgs(const std::string& name, const ActorId& id) {
-    if (name.empty()) return emptyArgument("actor name");
-    if (id.empty()) return emptyArgument("actor id");
-    return Status::ok();
-  }
-
-  // Same checks, same messages as the fake's.
-  static Status checkReservations(const std::vector<Reservation>& reservations,
-                                  bool forReserve) {
-    std::set<std::pair<NodeId, std::string>> seen;
-    for (const Reservation& r : reservations) {
-      if (r.nodeId.empty()) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("reservation of holder '{}' has an empty node id", r.holder));
-      }
-      if (r.holder.empty()) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("reservation on node {} has an empty holder", r.nodeId.hex()));
-      }
-      if (!forReserve) continue;
-      for (const auto& [name, amount] : r.resources) {
-        if (!std::isfinite(amount) || amount < 0) {
-          return Status(StatusCode::kInvalidArgument,
-                        fmt::format("holder '{}' asks node {} for {} {}; amounts must be finite "
-                                    "and non-negative",
-                                    r.holder, r.nodeId.hex(), amount, name));
-        }
-      }
-      if (!seen.emplace(r.nodeId, r.holder).second) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("holder '{}' appears twice for node {} in one reserve(); merge "
-                                  "its resources into one reservation",
-                                  r.holder, r.nodeId.hex()));
-      }
-    }
-    return Status::ok();
-  }
-
-  static Status checkNodeArgs(const NodeId& id, std::chrono::milliseconds ttl) {
-    if (id.empty()) return emptyId();
-    if (ttl.count() <= 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("heartbeat ttl must be positive, got {} ms", ttl.count()));
-    }
-    return Status::ok();
   }
 
   Status unexpected(std::string_view what, const redisReply& reply) const {

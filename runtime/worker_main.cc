@@ -164,15 +164,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::string address = HostPort{ip, (*server)->port()}.toString();
-  kj::Own<RpcClient> client;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-    client = RpcClient::connect(io, *controllerAddr, token, 10 * kj::SECONDS).wait(io.waitScope);
-    auto ready = client->bootstrap<rpc::Controller>().actorReadyRequest();
-    ready.setId(actorId);
-    ready.setIncarnation(incarnation);
-    ready.setAddress(address);
-    ready.setPid(getpid());
-    ready.send().wait(io.waitScope);
+    cluster->reportActorReady(ActorId(actorId), incarnation, address).wait(io.waitScope);
   })) {
     fprintf(stderr, "troupe-worker: cannot report to the controller: %s\n", e->getDescription().cStr());
     return 1;

@@ -40,6 +40,20 @@ struct Completion {
   std::string data;  // the reply, or the error message
 };
 
+py::dict toDict(const ActorRecord& r) {
+  py::dict d;
+  d["id"] = r.id.hex();
+  d["type"] = r.type;
+  d["name"] = r.name;
+  d["state"] = actorStateName(r.state);
+  d["node_id"] = r.nodeId.hex();
+  d["pid"] = r.pid;
+  d["incarnation"] = r.incarnation;
+  d["restarts"] = r.restarts;
+  d["death_reason"] = r.deathReason;
+  return d;
+}
+
 class ErrorLog final : public kj::TaskSet::ErrorHandler {
  public:
   void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "runtime task: {}", e.getDescription().cStr()); }
@@ -178,18 +192,7 @@ class Runtime {
   }
 
   py::dict actorInfo(const std::string& id) {
-    ActorRecord r = onLoop([this, id]() { return client_->actorInfo(ActorId(id)); });
-    py::dict d;
-    d["id"] = r.id.hex();
-    d["type"] = r.type;
-    d["name"] = r.name;
-    d["state"] = actorStateName(r.state);
-    d["node_id"] = r.nodeId.hex();
-    d["pid"] = r.pid;
-    d["incarnation"] = r.incarnation;
-    d["restarts"] = r.restarts;
-    d["death_reason"] = r.deathReason;
-    return d;
+    return toDict(onLoop([this, id]() { return client_->actorInfo(ActorId(id)); }));
   }
 
   void waitReady(const std::string& id) {
@@ -339,17 +342,7 @@ class Runtime {
   py::dict status() {
     auto actors = onLoop([this]() { return client_->listActors(); });
     py::list out;
-    for (const auto& r : actors) {
-      py::dict d;
-      d["id"] = r.id.hex();
-      d["type"] = r.type;
-      d["name"] = r.name;
-      d["state"] = actorStateName(r.state);
-      d["node_id"] = r.nodeId.hex();
-      d["restarts"] = r.restarts;
-      d["death_reason"] = r.deathReason;
-      out.append(d);
-    }
+    for (const auto& r : actors) out.append(toDict(r));
     py::dict result;
     result["actors"] = out;
     return result;
@@ -555,13 +548,8 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
   auto server = RpcServer::listen(io, HostPort{ip, 0}, token, rpc::Actor::Client(kj::heap<PythonActor>(dispatch)));
   if (!server.isOk()) throw std::runtime_error(server.status().message());
   std::string address = HostPort{ip, (*server)->port()}.toString();
-  auto client = RpcClient::connect(io, *controllerAddr, token, 10 * kj::SECONDS).wait(io.waitScope);
-  auto ready = client->bootstrap<rpc::Controller>().actorReadyRequest();
-  ready.setId(actorId);
-  ready.setIncarnation(incarnation);
-  ready.setAddress(address);
-  ready.setPid(getpid());
-  ready.send().wait(io.waitScope);
+  auto cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);
+  cluster->reportActorReady(ActorId(actorId), incarnation, address).wait(io.waitScope);
   io.unixEventPort.onSignal(SIGTERM).wait(io.waitScope);
 }
 

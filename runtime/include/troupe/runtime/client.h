@@ -90,6 +90,9 @@ class ClusterClient {
   kj::Promise<PlacementGroupRecord> addBundles(const PlacementGroupRecord& group, std::vector<Resources> bundles);
   kj::Promise<PlacementGroupRecord> removeBundles(const PlacementGroupId& id, std::vector<uint32_t> indices);
 
+  // For worker processes: this incarnation of `actor` now serves `address` (HOST:PORT).
+  kj::Promise<void> reportActorReady(const ActorId& actor, uint32_t incarnation, const std::string& address);
+
   // Used by handles: the controller capability and what a connection needs.
   struct Shared;
 
