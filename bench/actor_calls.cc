@@ -4,8 +4,10 @@
 //   1:1 pipelined  one caller, 256 calls in flight
 //   n:n pipelined  n caller processes, each with its own actor (n = 2: this machine's cores)
 //   payload sweep  sync calls of 64 B .. 1 MB through the Echo actor
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include <fmt/format.h>
@@ -55,8 +57,9 @@ int main(int argc, char** argv) {
   int rc = 0;
   if (troupe::bench::maybeServeTcp(argc, argv, &rc)) return rc;
   if (argc == 6 && std::string(argv[1]) == "--nn-client") return nnClient(argv);
-  if (argc > 1 && std::string(argv[1]) == "--floor") {  // for the Python benchmark
-    printf("{\"pingpong_per_s\": %.0f}\n", 1e6 / troupe::bench::tcpRoundTripUs(argv[0], 3000));
+  if (argc > 1 && std::string(argv[1]) == "--floor") {  // for the Python benchmark: --floor [ROUNDS]
+    int rounds = argc > 2 ? std::max(100, atoi(argv[2])) : 3000;
+    printf("{\"pingpong_per_s\": %.0f}\n", 1e6 / troupe::bench::tcpRoundTripUs(argv[0], rounds));
     return 0;
   }
   bool json = argc > 1 && std::string(argv[1]) == "--json";

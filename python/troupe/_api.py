@@ -393,14 +393,17 @@ class ObjectRef:
         self._done = False
         self._value = None
 
+    def _where(self):
+        h = self._handle
+        return f"{h._type[3:] if h._is_python else h._type}.{self._method}"
+
     def _resolve(self, outcome, data):
-        where = f"{self._handle._type[3:] if self._handle._is_python else self._handle._type}.{self._method}"
         if outcome == 1:
             if self._handle._is_python:
                 is_exc, value = _serialization.load_reply(data)
                 if is_exc:
                     exc, tb = value
-                    self._value = ActorError.wrap(exc, tb, where)
+                    self._value = ActorError.wrap(exc, tb, self._where())
                 else:
                     self._value = value
             else:
@@ -408,7 +411,7 @@ class ObjectRef:
         elif outcome == 3:
             self._value = ActorDiedError(data.decode(errors="replace"))
         else:
-            self._value = ActorError(f"{where}: {data.decode(errors='replace')}")
+            self._value = ActorError(f"{self._where()}: {data.decode(errors='replace')}")
         self._done = True
 
     def __repr__(self):

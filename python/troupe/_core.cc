@@ -1,9 +1,11 @@
 // troupe._core: the C++ runtime inside Python.
 //
-// Driver side (`Runtime`): a background thread owns a KJ event loop and a ClusterClient; Python
-// threads hand it work with kj::Executor::executeSync (they have no event loop) and wait for
-// results on a condition variable with the GIL released. Actor calls return integer refs at
-// once, so a driver can have many calls in flight; the client batches calls made together.
+// Driver side (`Runtime`): one KJ event loop and a ClusterClient serve the whole driver. Who runs
+// the loop changes hands: a Python thread that waits for its calls runs it itself (GIL released),
+// so a synchronous call costs no thread hand-off, only the network round trip; when no Python
+// thread has needed it for kIdleHandBack, the background thread takes it back and keeps I/O
+// (output, replies, queued calls) moving. Other work reaches the loop through its kj::Executor,
+// whoever runs it. Actor calls return integer refs at once; calls made together are batched.
 //
 // Worker side (`serve_actor`): a Python worker process runs the KJ loop on its main thread and
 // serves one Python actor, taking the GIL only to run the actor's method.
@@ -15,6 +17,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -70,8 +73,26 @@ std::string describe(const kj::Exception& e) {
   return d;
 }
 
+// kj::Executor knows its EventLoop but keeps the accessor private. The Runtime needs the loop so
+// that a waiting Python thread can run it (a kj::WaitScope is made from the loop); an explicit
+// instantiation may name a private member, which is the language's sanctioned way to reach it.
+using LoopGetter = kj::EventLoop& (kj::Executor::*)() const;
+LoopGetter loopGetter();
+template <LoopGetter Getter>
+struct ExposeLoopGetter {
+  friend LoopGetter loopGetter() { return Getter; }
+};
+template struct ExposeLoopGetter<&kj::Executor::getLoop>;
+
+// How long the loop stays with the Python thread that ran it last before the background thread
+// takes it back: longer than the gap between two calls of a synchronous loop in Python.
+constexpr auto kIdleHandBack = std::chrono::milliseconds(2);
+// How often the background thread looks whether a Python thread still runs the loop.
+constexpr auto kOwnerCheck = std::chrono::milliseconds(10);
+
 // A driver's connection to a cluster. Thread-safety: every public method may be called from
-// any Python thread (they release the GIL while they wait); KJ objects live on loop_ only.
+// any Python thread (they release the GIL while they wait); KJ objects belong to whichever thread
+// runs the loop (see Holder).
 class Runtime {
  public:
   Runtime(const std::string& address, const std::string& token) : token_(token) {
@@ -81,7 +102,7 @@ class Runtime {
     std::condition_variable cv;
     bool started = false;
     std::string error;
-    loop_ = std::thread([&, hp = *hp]() {
+    background_ = std::thread([&, hp = *hp]() {
       auto io = kj::setupAsyncIo();
       ErrorLog errors;
       auto tasks = kj::heap<kj::TaskSet>(errors);
@@ -89,6 +110,7 @@ class Runtime {
       {
         std::lock_guard lock(m);
         executor_ = kj::getCurrentThreadExecutor().addRef();
+        loop_ = &(executor_.get()->*loopGetter())();
         io_ = &io;
         tasks_ = tasks.get();
       }
@@ -97,18 +119,17 @@ class Runtime {
       })) {
         error = describe(*e);
       }
-      auto stop = kj::newPromiseAndFulfiller<void>();
       bool failed = !error.empty();  // `error` belongs to the constructor's frame: read it now
       {
         std::lock_guard lock(m);
-        stop_ = kj::mv(stop.fulfiller);
         started = true;
       }
       cv.notify_all();
       if (!failed) {
         tasks->add(followOutput());
         tasks->add(drainSubmitted(*woken));
-        stop.promise.wait(io.waitScope);
+        kj::UnixEventPort::FdObserver handBack(io.unixEventPort, yieldFd_, kj::UnixEventPort::FdObserver::OBSERVE_READ);
+        serveLoop(io.waitScope, handBack);
       }
       // Cancel what is in flight first, while the connections it uses still exist; then drop
       // the connections. Clean-up queued by these destructors runs in the polls: an EventLoop
@@ -138,6 +159,7 @@ class Runtime {
   ~Runtime() {
     close();
     ::close(wakeFd_);
+    ::close(yieldFd_);
   }
 
   void close() {
@@ -146,17 +168,15 @@ class Runtime {
       closing_ = true;
     }
     cv_.notify_all();
-    if (!loop_.joinable()) return;
+    if (!background_.joinable()) return;
     py::gil_scoped_release release;
-    // The loop may already have ended (a failed connect): then there is nothing to stop.
-    kj::runCatchingExceptions([this]() {
-      if (executor_->isLive()) {
-        executor_->executeSync([this]() {
-          if (stop_) stop_->fulfill();
-        });
-      }
-    });
-    loop_.join();
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    poke(yieldFd_);  // the background thread stops running the loop, or wakes from its wait
+    backgroundCv_.notify_all();
+    background_.join();
   }
 
   std::string createActor(const std::string& type, const std::string& name, const std::map<std::string, double>& resources,
@@ -203,9 +223,10 @@ class Runtime {
     onLoop([this, id, noRestart]() { return client_->kill(handle(id), noRestart); });
   }
 
-  // Starts a call and returns its ref at once. The call joins a queue that the loop thread
-  // drains; only the first call into an empty queue wakes it, so a burst of calls costs one
-  // cross-thread wake-up, and the client sends them as one batch.
+  // Starts a call and returns its ref at once. A lone call (the synchronous pattern) is sent by
+  // this thread when the loop is free, so it costs no wake-up of another thread. Otherwise the
+  // call joins a queue that whoever runs the loop drains in order; only the first call into an
+  // empty queue pokes the loop, and the client sends a burst as one batch.
   int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload) {
     std::string bytes = payload;
     py::gil_scoped_release release;
@@ -214,19 +235,21 @@ class Runtime {
     bool idle = inFlight_ == 0 && submitted_.empty();
     ++inFlight_;
     completions_[ref];
-    if (idle) {
-      // A lone call (the synchronous pattern): hand it over directly, which wakes the loop
-      // faster than the queue does.
+    if (idle && holder_ == Holder::kNone && !stopping_) {
+      holder_ = Holder::kCaller;
       lock.unlock();
-      executor_->executeSync([this, ref, &id, &method, &bytes]() { start(Submitted{ref, id, method, kj::mv(bytes)}); });
+      {
+        kj::WaitScope scope(*loop_);
+        start(Submitted{ref, id, method, kj::mv(bytes)});
+        scope.poll();  // writes the request now
+      }
+      lock.lock();
+      releaseLoop(lock);
       return ref;
     }
     submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
-    if (submitted_.size() == 1) {
-      uint64_t one = 1;
-      ssize_t n = ::write(wakeFd_, &one, sizeof(one));  // the loop watches this eventfd
-      (void)n;
-    }
+    if (submitted_.size() == 1) poke(wakeFd_);
+    if (idle) askForLoop(lock);  // so that the get() that usually follows runs the loop itself
     return ref;
   }
 
@@ -264,25 +287,33 @@ class Runtime {
   }
 
   // Waits until at least `numReturns` of `refs` are done or `timeout` (seconds, < 0: forever)
-  // passes; returns the done ones in the given order.
+  // passes; returns the done ones in the given order. Runs the event loop itself when nobody
+  // else does; otherwise waits to be told of completions.
   std::vector<int64_t> wait(const std::vector<int64_t>& refs, size_t numReturns, double timeout) {
     py::gil_scoped_release release;
     std::unique_lock lock(mutex_);
-    auto doneOnes = [&]() {
-      std::vector<int64_t> done;
-      for (int64_t r : refs) {
-        auto it = completions_.find(r);
-        if (it == completions_.end() || it->second.outcome != Outcome::kPending) done.push_back(r);
+    size_t need = std::min(numReturns, refs.size());
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(
+                        timeout < 0 ? 1e9 : timeout));
+    while (countDone(refs) < need && std::chrono::steady_clock::now() < deadline) {
+      if (holder_ == Holder::kNone && !stopping_) {
+        holder_ = Holder::kCaller;
+        lock.unlock();
+        runLoopUntil(refs, need, deadline);
+        lock.lock();
+        releaseLoop(lock);
+      } else {
+        askForLoop(lock);
+        cv_.wait_until(lock, deadline);  // woken by complete() and by a release of the loop
       }
-      return done;
-    };
-    auto enough = [&]() { return doneOnes().size() >= std::min(numReturns, refs.size()); };
-    if (timeout < 0) {
-      cv_.wait(lock, enough);
-    } else {
-      cv_.wait_for(lock, std::chrono::duration<double>(timeout), enough);
     }
-    return doneOnes();
+    std::vector<int64_t> done;
+    for (int64_t r : refs) {
+      auto it = completions_.find(r);
+      if (it == completions_.end() || it->second.outcome != Outcome::kPending) done.push_back(r);
+    }
+    return done;
   }
 
   // (outcome, data) of a finished call, consuming it; (0, "") if it is still pending.
@@ -473,19 +504,118 @@ class Runtime {
       c.data = std::move(data);
     }
     cv_.notify_all();
+    KJ_IF_MAYBE(w, ownerWait_) {
+      if (w->fulfiller->isWaiting()) {
+        std::lock_guard lock(mutex_);
+        if (countDone(*w->refs) >= w->need) w->fulfiller->fulfill();
+      }
+    }
   }
 
-  std::thread loop_;
+  // Number of `refs` that are done (or unknown: consumed or never made). Caller holds mutex_.
+  size_t countDone(const std::vector<int64_t>& refs) const {
+    size_t n = 0;
+    for (int64_t r : refs) {
+      auto it = completions_.find(r);
+      if (it == completions_.end() || it->second.outcome != Outcome::kPending) ++n;
+    }
+    return n;
+  }
+
+  // ---- Who runs the loop ----
+  // A Python thread that holds the loop (Holder::kCaller) runs it here until `need` of `refs`
+  // are done or the deadline passes.
+  void runLoopUntil(const std::vector<int64_t>& refs, size_t need, std::chrono::steady_clock::time_point deadline) {
+    kj::WaitScope scope(*loop_);
+    auto done = kj::newPromiseAndFulfiller<void>();
+    ownerWait_ = OwnerWait{&refs, need, kj::mv(done.fulfiller)};
+    KJ_DEFER(ownerWait_ = nullptr);
+    {
+      std::lock_guard lock(mutex_);
+      if (countDone(refs) >= need) return;
+    }
+    auto left = deadline - std::chrono::steady_clock::now();
+    auto timeout = io_->provider->getTimer().afterDelay(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(left).count() * kj::NANOSECONDS);
+    done.promise.exclusiveJoin(kj::mv(timeout)).wait(scope);
+  }
+
+  // Asks the background thread to hand the loop over, if it runs it (caller holds mutex_).
+  void askForLoop(std::unique_lock<std::mutex>&) {
+    if (holder_ == Holder::kBackground && !yieldAsked_) {
+      yieldAsked_ = true;
+      poke(yieldFd_);
+    }
+  }
+
+  // Gives the loop up (caller holds mutex_ and held the loop).
+  void releaseLoop(std::unique_lock<std::mutex>&) {
+    holder_ = Holder::kNone;
+    releasedAt_ = std::chrono::steady_clock::now();
+    cv_.notify_all();
+  }
+
+  // The background thread's part: run the loop while no Python thread needs it; hand it over
+  // when one pokes yieldFd_ (a waiter, or close()); take it back once it has been free for
+  // kIdleHandBack.
+  void serveLoop(kj::WaitScope& scope, kj::UnixEventPort::FdObserver& handBack) {
+    std::unique_lock lock(mutex_);
+    holder_ = Holder::kBackground;
+    while (!stopping_) {
+      lock.unlock();
+      uint64_t count = 0;
+      ssize_t n = ::read(yieldFd_, &count, sizeof(count));
+      (void)n;
+      handBack.whenBecomesReadable().wait(scope);
+      lock.lock();
+      if (stopping_) break;
+      holder_ = Holder::kNone;
+      yieldAsked_ = false;
+      releasedAt_ = std::chrono::steady_clock::now();
+      cv_.notify_all();
+      // Polls rather than being woken on every release: a synchronous loop in Python releases
+      // the loop twice per call, and a wake-up per release would cost more than the call.
+      for (;;) {
+        auto now = std::chrono::steady_clock::now();
+        if (holder_ == Holder::kNone && (stopping_ || now >= releasedAt_ + kIdleHandBack)) break;
+        backgroundCv_.wait_until(lock, holder_ == Holder::kNone ? releasedAt_ + kIdleHandBack : now + kOwnerCheck);
+      }
+      holder_ = Holder::kBackground;
+    }
+  }
+
+  static void poke(int fd) {
+    uint64_t one = 1;
+    ssize_t n = ::write(fd, &one, sizeof(one));
+    (void)n;
+  }
+
+  enum class Holder { kNone, kBackground, kCaller };  // who runs the loop now
+  struct OwnerWait {
+    const std::vector<int64_t>* refs;
+    size_t need;
+    kj::Own<kj::PromiseFulfiller<void>> fulfiller;
+  };
+
+  std::thread background_;
   kj::Own<const kj::Executor> executor_;
-  kj::AsyncIoContext* io_ = nullptr;  // loop_ only
-  kj::TaskSet* tasks_ = nullptr;      // loop_ only
-  kj::Own<ClusterClient> client_;     // loop_ only
-  std::map<std::string, ActorHandle> handles_;  // loop_ only: one per actor keeps call order
-  kj::Own<kj::PromiseFulfiller<void>> stop_;
+  kj::EventLoop* loop_ = nullptr;
+  // The fields marked "loop" belong to whichever thread runs the loop (see Holder).
+  kj::AsyncIoContext* io_ = nullptr;  // loop
+  kj::TaskSet* tasks_ = nullptr;      // loop
+  kj::Own<ClusterClient> client_;     // loop
+  std::map<std::string, ActorHandle> handles_;  // loop: one per actor keeps call order
+  kj::Maybe<OwnerWait> ownerWait_;              // loop: what the Python thread running it waits for
   int64_t nextRef_ = 1;                                     // guarded by mutex_
   std::vector<Submitted> submitted_;                        // guarded by mutex_
   int64_t inFlight_ = 0;                                    // guarded by mutex_: submitted, not completed
-  int wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // submit() -> loop wake-ups
+  int wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // submit() -> loop: calls are queued
+  int yieldFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -> background thread: hand the loop over
+  Holder holder_ = Holder::kNone;                           // guarded by mutex_
+  std::chrono::steady_clock::time_point releasedAt_;        // guarded by mutex_
+  bool stopping_ = false;                                   // guarded by mutex_
+  bool yieldAsked_ = false;                                 // guarded by mutex_: yieldFd_ poked
+  std::condition_variable backgroundCv_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<int64_t, Completion> completions_;

@@ -47,6 +47,9 @@ class Counter:
     def double(self, value):
         return value * 2
 
+    def touch(self, path):
+        open(path, "w").close()
+
 
 @pytest.fixture
 def embedded():
@@ -66,6 +69,37 @@ def test_calls_get_wait_and_ordering(embedded):
     assert len(ready) == 1 and len(not_ready) == 1
     assert troupe.get(ready[0]) == 216
     assert isinstance(c, troupe.ActorHandle)
+
+
+def test_threads_share_the_runtime_while_one_waits_long(embedded):
+    """A thread blocked in a long get() (it runs the event loop) must not hold up another thread's
+    calls, and a call nobody waits for still runs once the caller goes idle."""
+    import threading
+
+    slow, fast = Counter.remote(), Counter.remote()
+    troupe.get([slow.pid.remote(), fast.pid.remote()])
+    started = threading.Event()
+    results = {}
+
+    def long_wait():
+        started.set()
+        results["slow"] = troupe.get(slow.sleep.remote(3.0), timeout=30)
+
+    t = threading.Thread(target=long_wait)
+    t.start()
+    started.wait()
+    t0 = time.monotonic()
+    for i in range(50):
+        assert troupe.get(fast.add.remote(1), timeout=10) == i + 1
+    assert time.monotonic() - t0 < 2.5, "another thread's long get() stalled these calls"
+    t.join()
+    assert results["slow"] == 3.0
+    # Fire and forget: the second call is queued behind the first, and the driver then stays out
+    # of the runtime; the background thread must take the loop back and send it.
+    marker = os.path.join(embedded, "fired")
+    fast.sleep.remote(0.1)
+    fast.touch.remote(marker)
+    eventually(lambda: os.path.exists(marker), 10, "the queued call to run without a get()")
 
 
 def test_exceptions_keep_their_type_and_remote_traceback(embedded):
