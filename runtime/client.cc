@@ -432,6 +432,38 @@ kj::Promise<PlacementGroupRecord> ClusterClient::placementGroup(const PlacementG
   return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
 }
 
+kj::Promise<void> ClusterClient::putGroup(const std::string& id, const std::string& doc) {
+  auto request = shared_->controller.putGroupRequest();
+  request.setId(id);
+  request.setDoc(doc);
+  return request.send().ignoreResult();
+}
+
+kj::Promise<void> ClusterClient::groupEvent(const std::string& id, const std::string& text) {
+  auto request = shared_->controller.groupEventRequest();
+  request.setId(id);
+  request.setText(text);
+  return request.send().ignoreResult();
+}
+
+kj::Promise<void> ClusterClient::removeGroup(const std::string& id) {
+  auto request = shared_->controller.removeGroupRequest();
+  request.setId(id);
+  return request.send().ignoreResult();
+}
+
+kj::Promise<std::optional<ElasticGroupRecord>> ClusterClient::group(const std::string& id) {
+  auto request = shared_->controller.getGroupRequest();
+  request.setId(id);
+  return request.send().then([](auto response) -> std::optional<ElasticGroupRecord> {
+    if (!response.getFound()) return std::nullopt;
+    auto g = response.getGroup();
+    ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
+    for (auto e : g.getEvents()) record.events.push_back(e.cStr());
+    return record;
+  });
+}
+
 kj::Promise<void> ClusterClient::removePlacementGroup(const PlacementGroupId& id) {
   auto request = shared_->controller.removePlacementGroupRequest();
   request.setId(id.hex());

@@ -1211,6 +1211,44 @@ TEST_CASE_TEMPLATE("group epochs only rise; an advance is published once", Backe
   CHECK(store->watchGroupEpoch("").status().code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE_TEMPLATE("elastic groups: document, capped events, epoch, delete", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto none = store->getElasticGroup("g1");
+  REQUIRE(none.isOk());
+  CHECK_FALSE(none->has_value());
+  REQUIRE(store->appendGroupEvent("g1", "before it exists").isOk());  // ignored
+  REQUIRE(store->putElasticGroup("g1", R"({"world_size": 2})").isOk());
+  REQUIRE(store->putElasticGroup("g0", "{}").isOk());
+  REQUIRE(store->putElasticGroup("g1", R"({"world_size": 3})").isOk());  // replaces, keeps its place
+  for (int i = 0; i < kMaxGroupEvents + 5; ++i) REQUIRE(store->appendGroupEvent("g1", fmt::format("e{}", i)).isOk());
+  REQUIRE(store->advanceGroupEpoch("g1", 4).isOk());
+  REQUIRE(store->putRendezvousEntry("g1", 4, 0, "addr", kLongTtl).isOk());
+
+  auto g1 = store->getElasticGroup("g1");
+  REQUIRE(g1.isOk());
+  REQUIRE(g1->has_value());
+  CHECK((*g1)->doc == R"({"world_size": 3})");
+  CHECK((*g1)->epoch == 4);
+  REQUIRE((*g1)->events.size() == kMaxGroupEvents);
+  CHECK((*g1)->events.front() == "e5");
+  CHECK((*g1)->events.back() == fmt::format("e{}", kMaxGroupEvents + 4));
+  auto all = store->listElasticGroups();
+  REQUIRE(all.isOk());
+  REQUIRE(all->size() == 2);  // by creation time, then id
+  CHECK((*all)[0].id == ((*all)[0].id == "g0" ? "g0" : "g1"));
+  CHECK((*all)[1].id != (*all)[0].id);
+
+  REQUIRE(store->deleteElasticGroup("g1").isOk());
+  REQUIRE(store->deleteElasticGroup("g1").isOk());  // idempotent
+  CHECK_FALSE(store->getElasticGroup("g1")->has_value());
+  CHECK(*store->groupEpoch("g1") == 0);
+  CHECK(store->getRendezvous("g1", 4)->empty());
+  CHECK(store->listElasticGroups()->size() == 1);
+  CHECK(store->putElasticGroup("", "{}").code() == StatusCode::kInvalidArgument);
+}
+
 TEST_CASE_TEMPLATE("group epoch watch: interrupt wakes a blocked next() at once", Backend,
                    TROUPE_STORE_BACKENDS) {
   Backend backend;

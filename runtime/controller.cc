@@ -91,6 +91,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       std::vector<NodeRecord> nodes;
       std::vector<ActorRecord> actors;
       std::vector<PlacementGroupRecord> groups;
+      std::vector<ElasticGroupRecord> elastic;
     };
     return onIo([](Controller::IoState& s) -> Result<Snapshot> {
              auto nodes = s.store->listNodes();
@@ -99,7 +100,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
              if (!actors.isOk()) return actors.status();
              auto groups = s.store->listPlacementGroups();
              if (!groups.isOk()) return groups.status();
-             return Snapshot{std::move(*nodes), std::move(*actors), std::move(*groups)};
+             auto elastic = s.store->listElasticGroups();
+             if (!elastic.isOk()) return elastic.status();
+             return Snapshot{std::move(*nodes), std::move(*actors), std::move(*groups), std::move(*elastic)};
            })
         .then([context](Snapshot snap) mutable {
           auto results = context.getResults();
@@ -109,6 +112,43 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
           for (unsigned i = 0; i < snap.actors.size(); ++i) toActorInfo(snap.actors[i], actors[i]);
           auto groups = results.initPlacementGroups(static_cast<unsigned>(snap.groups.size()));
           for (unsigned i = 0; i < snap.groups.size(); ++i) toPlacementGroupInfo(snap.groups[i], groups[i]);
+          auto elastic = results.initGroups(static_cast<unsigned>(snap.elastic.size()));
+          for (unsigned i = 0; i < snap.elastic.size(); ++i) toElasticGroupInfo(snap.elastic[i], elastic[i]);
+        });
+  }
+
+  kj::Promise<void> putGroup(PutGroupContext context) override {
+    std::string id = context.getParams().getId().cStr();
+    std::string doc = context.getParams().getDoc().cStr();
+    return onIo([id, doc](Controller::IoState& s) -> Result<bool> {
+             TROUPE_RETURN_IF_ERROR(s.store->putElasticGroup(id, doc));
+             return true;
+           }).ignoreResult();
+  }
+
+  kj::Promise<void> groupEvent(GroupEventContext context) override {
+    std::string id = context.getParams().getId().cStr();
+    std::string text = fmt::format("{} {}", wallClockMs(), context.getParams().getText().cStr());
+    return onIo([id, text](Controller::IoState& s) -> Result<bool> {
+             TROUPE_RETURN_IF_ERROR(s.store->appendGroupEvent(id, text));
+             return true;
+           }).ignoreResult();
+  }
+
+  kj::Promise<void> removeGroup(RemoveGroupContext context) override {
+    std::string id = context.getParams().getId().cStr();
+    return onIo([id](Controller::IoState& s) -> Result<bool> {
+             TROUPE_RETURN_IF_ERROR(s.store->deleteElasticGroup(id));
+             return true;
+           }).ignoreResult();
+  }
+
+  kj::Promise<void> getGroup(GetGroupContext context) override {
+    std::string id = context.getParams().getId().cStr();
+    return onIo([id](Controller::IoState& s) { return s.store->getElasticGroup(id); })
+        .then([context](std::optional<ElasticGroupRecord> group) mutable {
+          context.getResults().setFound(group.has_value());
+          if (group) toElasticGroupInfo(*group, context.getResults().initGroup());
         });
   }
 

@@ -149,9 +149,27 @@ Result<ActorRecord> ControllerCore::actorReady(const ActorId& id, uint32_t incar
   return actor;
 }
 
+// A member of an elastic group ended: the group's epoch advances (its survivors' collectives
+// fail fast and they meet again at the new epoch) and the group records why.
+void ControllerCore::memberEnded(const ActorRecord& actor, const std::string& reason, bool restarting) {
+  if (actor.placementGroup.empty()) return;
+  std::string id = actor.placementGroup.hex();
+  auto group = store_.getElasticGroup(id);
+  if (!group.isOk() || !group->has_value()) return;
+  auto epoch = store_.advanceGroupEpoch(id, (*group)->epoch + 1);
+  if (!epoch.isOk()) {
+    TROUPE_LOG(kWarning, "group {}: could not advance its epoch: {}", id, epoch.status().toString());
+    return;
+  }
+  (void)store_.appendGroupEvent(
+      id, fmt::format("{} epoch {}: {} {} ended: {}; {}", wallClockMs(), *epoch, actor.type, actor.id.hex(), reason,
+                      restarting ? "restarting" : "not restarted"));
+}
+
 Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
                                       std::vector<WorkerAction>& actions) {
   releaseActorResources(actor);
+  memberEnded(actor, reason, allowRestart && (actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts));
   bool restart = allowRestart && (actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts);
   actor.address.clear();
   actor.pid = 0;

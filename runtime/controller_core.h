@@ -69,6 +69,7 @@ class ControllerCore {
   Status releaseBundles(PlacementGroupRecord& group, const std::vector<uint32_t>& indices,
                         std::vector<WorkerAction>& actions);
   void releaseActorResources(const ActorRecord& actor);
+  void memberEnded(const ActorRecord& actor, const std::string& reason, bool restarting);
   Status endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
                         std::vector<WorkerAction>& actions);
 

@@ -65,6 +65,9 @@ struct FakeClusterState {
   std::map<std::string, int64_t> groupEpochs;
   std::map<std::string, std::vector<std::weak_ptr<EpochQueue>>> epochWatchers;
   std::map<std::pair<std::string, int64_t>, Rendezvous> rendezvous;
+  // Elastic groups: id -> (doc, events); listed by (creation ms, id) as Redis's zset does.
+  std::set<std::pair<int64_t, std::string>> elasticOrder;
+  std::map<std::string, std::pair<std::string, std::vector<std::string>>> elasticGroups;
 
   // Caller holds `mutex`. Sets the node's `used` to the sum of its claims, listing every
   // resource in `total` (0 when unclaimed).
@@ -467,7 +470,61 @@ class FakeClusterStore final : public ClusterStore {
     return it->second.entries;
   }
 
+  Status putElasticGroup(const std::string& id, const std::string& doc) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    std::lock_guard lock(state_->mutex);
+    auto [it, added] = state_->elasticGroups.try_emplace(id);
+    if (added) state_->elasticOrder.emplace(wallClockMs(), id);
+    it->second.first = doc;
+    return Status::ok();
+  }
+
+  Status appendGroupEvent(const std::string& id, const std::string& text) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->elasticGroups.find(id);
+    if (it == state_->elasticGroups.end()) return Status::ok();
+    auto& events = it->second.second;
+    events.push_back(text);
+    if (events.size() > kMaxGroupEvents) events.erase(events.begin(), events.end() - kMaxGroupEvents);
+    return Status::ok();
+  }
+
+  Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    std::lock_guard lock(state_->mutex);
+    return elasticRecord(id);
+  }
+
+  Result<std::vector<ElasticGroupRecord>> listElasticGroups() override {
+    std::lock_guard lock(state_->mutex);
+    std::vector<ElasticGroupRecord> groups;
+    for (const auto& [createdMs, id] : state_->elasticOrder) {
+      if (auto r = elasticRecord(id)) groups.push_back(std::move(*r));
+    }
+    return groups;
+  }
+
+  Status deleteElasticGroup(const std::string& id) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    std::lock_guard lock(state_->mutex);
+    state_->elasticGroups.erase(id);
+    std::erase_if(state_->elasticOrder, [&id](const auto& entry) { return entry.second == id; });
+    state_->groupEpochs.erase(id);
+    std::erase_if(state_->rendezvous, [&id](const auto& entry) { return entry.first.first == id; });
+    return Status::ok();
+  }
+
  private:
+  // Caller holds the state's mutex.
+  std::optional<ElasticGroupRecord> elasticRecord(const std::string& id) const {
+    auto it = state_->elasticGroups.find(id);
+    if (it == state_->elasticGroups.end()) return std::nullopt;
+    auto epoch = state_->groupEpochs.find(id);
+    return ElasticGroupRecord{id, it->second.first, it->second.second,
+                              epoch == state_->groupEpochs.end() ? 0 : epoch->second};
+  }
+
   // Same checks, same messages as redis_cluster_store.cc's.
   static Status checkGroupArgs(const std::string& group, int64_t epoch) {
     if (group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");

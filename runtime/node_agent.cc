@@ -187,6 +187,9 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
         redis.port = hp->port;
         redis.password = endpoint.getPassword().cStr();
         redis.cluster = endpoint.getCluster().cStr();
+        a.workerRedisAddress_ = endpoint.getAddress().cStr();
+        a.workerRedisPassword_ = redis.password;
+        a.workerCluster_ = redis.cluster;
         a.state_->ttl = std::chrono::milliseconds(endpoint.getHeartbeatTtlMs());
         // The store is created on the I/O thread, which owns it from then on.
         auto state = a.state_;
@@ -244,6 +247,10 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   spawn.outputPath = base + ".out";
   spawn.errorPath = base + ".err";
   spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
+  spawn.env.push_back("TROUPE_REDIS_ADDRESS=" + workerRedisAddress_);
+  spawn.env.push_back("TROUPE_REDIS_PASSWORD=" + workerRedisPassword_);
+  spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
+  spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
   auto pid = spawnProcess(spawn);
   if (!pid.isOk()) return pid.status();

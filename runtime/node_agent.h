@@ -77,6 +77,10 @@ class NodeAgent {
   kj::Own<RpcClient> controller_;
   kj::Promise<std::string> fatal_ = nullptr;
   std::map<ActorId, Worker> workers_;
+  // Handed to workers (TROUPE_REDIS_*): actors in elastic groups meet through the store.
+  std::string workerRedisAddress_;
+  std::string workerRedisPassword_;
+  std::string workerCluster_;
   kj::Own<kj::TaskSet> tasks_;
 };
 

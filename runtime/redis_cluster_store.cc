@@ -25,6 +25,9 @@
 //   P rendezvous:<group>:<epoch> hash rank -> opaque value (a communicator's address, an NCCL
 //                                unique id), PEXPIRE'd by every write; the epoch is the text
 //                                after the last ':', so group names may hold ':'
+//   P egroups          zset  elastic group ids scored by created_ms
+//   P egroup:<id>      string: the group's JSON document, written by its driver
+//   P egroup_events:<id> list of event lines, the newest kMaxGroupEvents
 //
 // Every membership or claim change runs as one Lua script, so the hashes, the zsets, the
 // heartbeat key and the published event never disagree, even with several controllers at once.
@@ -562,6 +565,31 @@ if tonumber(ARGV[1]) > tonumber(current) then
   return ARGV[1]
 end
 return current
+)lua";
+
+// KEYS: the group's document, the groups zset. ARGV: id, doc, now ms.
+constexpr const char* kPutElasticGroupScript = R"lua(
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[1])
+return 1
+)lua";
+
+// KEYS: the group's document, its events list. ARGV: text, how many to keep.
+constexpr const char* kAppendGroupEventScript = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
+return 1
+)lua";
+
+// KEYS: document, events, groups zset, epoch. ARGV: id, the rendezvous key prefix (the
+// rendezvous of each epoch up to the current one is deleted; they expire anyway).
+constexpr const char* kDeleteElasticGroupScript = R"lua(
+local epoch = tonumber(redis.call('GET', KEYS[4]) or '0')
+for e = 0, epoch do redis.call('DEL', ARGV[2] .. e) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
 )lua";
 
 // KEYS: the rendezvous hash. ARGV: rank, value, ttl ms. The write and the expiry go together.
@@ -1263,7 +1291,65 @@ class RedisClusterStore final : public ClusterStore {
     return entries;
   }
 
+  Status putElasticGroup(const std::string& id, const std::string& doc) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    auto reply = connection_.run({"EVAL", kPutElasticGroupScript, "2", elasticKey(id), elasticListKey(), id, doc,
+                                  std::to_string(wallClockMs())},
+                                 "putElasticGroup");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Status appendGroupEvent(const std::string& id, const std::string& text) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    auto reply = connection_.run({"EVAL", kAppendGroupEventScript, "2", elasticKey(id), elasticEventsKey(id), text,
+                                  std::to_string(kMaxGroupEvents)},
+                                 "appendGroupEvent");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    auto doc = connection_.run({"GET", elasticKey(id)}, "getElasticGroup");
+    if (!doc) return doc.status();
+    if ((*doc)->type == REDIS_REPLY_NIL) return std::optional<ElasticGroupRecord>();
+    ElasticGroupRecord record{id, replyText(**doc), {}, 0};
+    auto events = connection_.run({"LRANGE", elasticEventsKey(id), "0", "-1"}, "getElasticGroup");
+    if (!events) return events.status();
+    if ((*events)->type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < (*events)->elements; ++i) record.events.push_back(replyText(*(*events)->element[i]));
+    }
+    auto epoch = groupEpoch(id);
+    if (!epoch) return epoch.status();
+    record.epoch = *epoch;
+    return std::optional<ElasticGroupRecord>(std::move(record));
+  }
+
+  Result<std::vector<ElasticGroupRecord>> listElasticGroups() override {
+    auto ids = connection_.run({"ZRANGE", elasticListKey(), "0", "-1"}, "listElasticGroups");
+    if (!ids) return ids.status();
+    std::vector<ElasticGroupRecord> groups;
+    if ((*ids)->type != REDIS_REPLY_ARRAY) return groups;
+    for (size_t i = 0; i < (*ids)->elements; ++i) {
+      auto group = getElasticGroup(replyText(*(*ids)->element[i]));
+      if (!group) return group.status();
+      if (*group) groups.push_back(std::move(**group));
+    }
+    return groups;
+  }
+
+  Status deleteElasticGroup(const std::string& id) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    auto reply = connection_.run({"EVAL", kDeleteElasticGroupScript, "4", elasticKey(id), elasticEventsKey(id),
+                                  elasticListKey(), groupEpochKey(id), id, prefix_ + "rendezvous:" + id + ":"},
+                                 "deleteElasticGroup");
+    return reply ? Status::ok() : reply.status();
+  }
+
  private:
+  std::string elasticListKey() const { return prefix_ + "egroups"; }
+  std::string elasticKey(const std::string& id) const { return prefix_ + "egroup:" + id; }
+  std::string elasticEventsKey(const std::string& id) const { return prefix_ + "egroup_events:" + id; }
+
   std::string groupEpochKey(const std::string& group) const {
     return prefix_ + "group_epoch:" + group;
   }
@@ -1425,6 +1511,25 @@ Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& opti
   if (!connection) return connection.status();
   return std::unique_ptr<ClusterStore>(
       std::make_unique<RedisClusterStore>(options, std::move(connection).value()));
+}
+
+Result<RedisOptions> workerRedisOptions() {
+  const char* address = getenv("TROUPE_REDIS_ADDRESS");
+  const char* password = getenv("TROUPE_REDIS_PASSWORD");
+  const char* cluster = getenv("TROUPE_CLUSTER");
+  if (!address || !*address || !password || !cluster) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "TROUPE_REDIS_ADDRESS, TROUPE_REDIS_PASSWORD and TROUPE_CLUSTER are not set: this is not a worker "
+                  "started by a node agent");
+  }
+  auto hp = parseHostPort(address);
+  if (!hp.isOk()) return hp.status();
+  RedisOptions options;
+  options.host = hp->host;
+  options.port = hp->port;
+  options.password = password;
+  options.cluster = cluster;
+  return options;
 }
 
 }  // namespace troupe

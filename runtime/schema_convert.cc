@@ -99,6 +99,14 @@ ActorRecord fromActorInfo(rpc::ActorInfo::Reader in) {
   return a;
 }
 
+void toElasticGroupInfo(const ElasticGroupRecord& g, rpc::ElasticGroupInfo::Builder out) {
+  out.setId(g.id);
+  out.setDoc(g.doc);
+  out.setEpoch(g.epoch);
+  auto events = out.initEvents(static_cast<unsigned>(g.events.size()));
+  for (unsigned i = 0; i < g.events.size(); ++i) events.set(i, g.events[i]);
+}
+
 void toPlacementGroupInfo(const PlacementGroupRecord& g, rpc::PlacementGroupInfo::Builder out) {
   out.setId(g.id.hex());
   out.setName(g.name);

@@ -17,6 +17,7 @@ void toActorInfo(const ActorRecord& actor, rpc::ActorInfo::Builder out);
 ActorRecord fromActorInfo(rpc::ActorInfo::Reader in);
 
 void toPlacementGroupInfo(const PlacementGroupRecord& group, rpc::PlacementGroupInfo::Builder out);
+void toElasticGroupInfo(const ElasticGroupRecord& group, rpc::ElasticGroupInfo::Builder out);
 PlacementGroupRecord fromPlacementGroupInfo(rpc::PlacementGroupInfo::Reader in);
 
 }  // namespace troupe

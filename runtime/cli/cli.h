@@ -60,6 +60,7 @@ struct ClusterSnapshot {
   std::vector<NodeRecord> nodes;
   std::vector<ActorRecord> actors;
   std::vector<PlacementGroupRecord> placementGroups;
+  std::vector<ElasticGroupRecord> groups;
 };
 // Calls Controller.status on an authenticated connection, within `timeout`.
 Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout);

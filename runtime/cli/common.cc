@@ -62,6 +62,11 @@ Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget&
     for (auto node : response.getNodes()) snap.nodes.push_back(fromNodeInfo(node));
     for (auto actor : response.getActors()) snap.actors.push_back(fromActorInfo(actor));
     for (auto group : response.getPlacementGroups()) snap.placementGroups.push_back(fromPlacementGroupInfo(group));
+    for (auto g : response.getGroups()) {
+      ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
+      for (auto e : g.getEvents()) record.events.push_back(e.cStr());
+      snap.groups.push_back(std::move(record));
+    }
   })) {
     Status s = statusFromException(*e, "");
     return Status(s.code(), fmt::format("{}; is the cluster running? ('troupe start --head' starts one)",

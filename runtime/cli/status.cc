@@ -60,6 +60,32 @@ nlohmann::json toJson(const PlacementGroupRecord& g) {
           {"pending_reason", g.pendingReason}};
 }
 
+// The driver's document (world_size, step, members, samples_per_s, ...) with the controller's
+// epoch and the events ("<wall ms> <text>") as {"time_ms", "text"}.
+nlohmann::json toJson(const ElasticGroupRecord& g) {
+  nlohmann::json out = nlohmann::json::parse(g.doc, nullptr, false);
+  if (!out.is_object()) out = {{"doc_error", "the driver's document is not a JSON object"}};
+  out["id"] = g.id;
+  out["epoch"] = g.epoch;
+  nlohmann::json events = nlohmann::json::array();
+  for (const auto& e : g.events) {
+    size_t space = e.find(' ');
+    int64_t ms = 0;
+    try {
+      ms = std::stoll(e.substr(0, space));
+    } catch (const std::exception&) {
+      space = std::string::npos;
+    }
+    events.push_back({{"time_ms", ms}, {"text", space == std::string::npos ? e : e.substr(space + 1)}});
+  }
+  out["events"] = events;
+  for (const char* key : {"world_size", "step"}) {
+    if (!out.contains(key)) out[key] = 0;
+  }
+  if (!out.contains("members")) out["members"] = nlohmann::json::array();
+  return out;
+}
+
 std::string ago(int64_t ms) {
   if (ms <= 0) return "-";
   double s = static_cast<double>(wallClockMs() - ms) / 1000.0;
@@ -85,6 +111,7 @@ int statusCommand(const StatusFlags& flags) {
     for (const auto& n : *nodes) out["nodes"].push_back(toJson(n));
     for (const auto& a : snapshot->actors) out["actors"].push_back(toJson(a));
     for (const auto& g : snapshot->placementGroups) out["placement_groups"].push_back(toJson(g));
+    for (const auto& g : snapshot->groups) out["groups"].push_back(toJson(g));
     std::cout << out.dump() << std::endl;
     return 0;
   }
@@ -125,7 +152,24 @@ int statusCommand(const StatusFlags& flags) {
                                g.pendingReason.empty() ? "" : "  " + g.pendingReason);
     }
   }
-  std::cout << "Groups: none (elastic training groups are not built yet)" << std::endl;
+  if (snapshot->groups.empty()) {
+    std::cout << "Groups: none" << std::endl;
+    return 0;
+  }
+  std::cout << fmt::format("\nGroups ({})\n", snapshot->groups.size());
+  for (const auto& record : snapshot->groups) {
+    auto g = toJson(record);
+    std::cout << fmt::format("{}  {}  epoch {}  world size {}  step {}  {:.1f} samples/s\n", g["id"].get<std::string>(),
+                             g.value("state", std::string("?")), g["epoch"].get<int64_t>(), g["world_size"].get<int64_t>(),
+                             g["step"].get<int64_t>(), g.value("samples_per_s", 0.0));
+    std::cout << "  members: " << g["members"].dump() << "\n";
+    auto& events = g["events"];
+    size_t from = events.size() > 5 ? events.size() - 5 : 0;
+    for (size_t i = from; i < events.size(); ++i) {
+      std::cout << fmt::format("  {:>11} {}\n", ago(events[i]["time_ms"].get<int64_t>()), events[i]["text"].get<std::string>());
+    }
+  }
+  std::cout << std::flush;
   return 0;
 }
 

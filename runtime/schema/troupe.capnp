@@ -85,6 +85,14 @@ struct PlacementGroupInfo {
   pendingReason @5 :Text;
 }
 
+# An elastic training group as its driver describes it (see ClusterStore::ElasticGroupRecord).
+struct ElasticGroupInfo {
+  id @0 :Text;               # also its placement group's and collective group's id
+  doc @1 :Text;              # JSON object written by the driver: members, world size, step, ...
+  events @2 :List(Text);     # "<wall ms> <text>", oldest first
+  epoch @3 :Int64;
+}
+
 # How a worker process ended, as its node agent saw it.
 struct WorkerExit {
   exitCode @0 :Int32;        # -1 when killed by a signal
@@ -97,7 +105,8 @@ interface Controller {
   # Records the node as ALIVE (again, if it registers twice) and says where to heartbeat.
   registerNode @1 (node :NodeInfo) -> (redis :RedisEndpoint);
   # Everything `troupe status` shows, read from Redis at the time of the call.
-  status @2 () -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo));
+  status @2 () -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo),
+                   groups :List(ElasticGroupInfo));
 
   # Actors. The caller picks the id, which makes creation idempotent: a retry returns the
   # same actor. Infeasible demands are an error; busy clusters leave the actor PENDING.
@@ -128,6 +137,14 @@ interface Controller {
   # A driver's session: its non-detached actors end when the session does (the client drops
   # it or its connection breaks). The id goes into ActorSpec.owner.
   openSession @14 () -> (session :Session, id :Text);
+
+  # Elastic groups: the driver records the group's document (replacing it) and events; a member's
+  # death advances the group's epoch (done by the controller itself). removeGroup forgets the
+  # record, epoch and rendezvous (not the placement group: remove that separately).
+  putGroup @15 (id :Text, doc :Text) -> ();
+  groupEvent @16 (id :Text, text :Text) -> ();
+  removeGroup @17 (id :Text) -> ();
+  getGroup @18 (id :Text) -> (group :ElasticGroupInfo, found :Bool);
 }
 
 interface Session {}

@@ -12,6 +12,7 @@
 #include <kj/async-io.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,13 @@ class ClusterClient {
   // Resize a live group (see troupe.capnp: addBundles / removeBundles).
   kj::Promise<PlacementGroupRecord> addBundles(const PlacementGroupRecord& group, std::vector<Resources> bundles);
   kj::Promise<PlacementGroupRecord> removeBundles(const PlacementGroupId& id, std::vector<uint32_t> indices);
+
+  // Elastic groups (troupe.capnp: putGroup ...): the driver's document and events; the group's
+  // id is its placement group's. group() resolves to nullopt for an unknown group.
+  kj::Promise<void> putGroup(const std::string& id, const std::string& doc);
+  kj::Promise<void> groupEvent(const std::string& id, const std::string& text);
+  kj::Promise<void> removeGroup(const std::string& id);
+  kj::Promise<std::optional<ElasticGroupRecord>> group(const std::string& id);
 
   // For worker processes: this incarnation of `actor` now serves `address` (HOST:PORT).
   kj::Promise<void> reportActorReady(const ActorId& actor, uint32_t incarnation, const std::string& address);

@@ -108,6 +108,15 @@ struct Reservation {
   Resources resources;
 };
 
+// An elastic training group as its driver describes it, with its recent events and epoch.
+struct ElasticGroupRecord {
+  std::string id;                   // also the id of its placement group and collective group
+  std::string doc;                  // a JSON object written by the driver (members, step, ...)
+  std::vector<std::string> events;  // oldest first, at most kMaxGroupEvents
+  int64_t epoch = 0;                // the collective epoch (groupEpoch(id))
+};
+constexpr int kMaxGroupEvents = 50;
+
 enum class ClusterEventType { kNodeAdded, kNodeDead };
 const char* clusterEventTypeName(ClusterEventType type);  // "NODE_ADDED" / "NODE_DEAD"
 
@@ -227,6 +236,17 @@ class ClusterStore {
   // expired). Same argument errors as putRendezvousEntry().
   virtual Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
                                                                int64_t epoch) = 0;
+
+  // ---- Elastic groups (see ElasticGroupRecord) ----
+  // Creates or replaces the group's document. kInvalidArgument for an empty id.
+  virtual Status putElasticGroup(const std::string& id, const std::string& doc) = 0;
+  // Appends an event line to a group (kept: the newest kMaxGroupEvents); unknown groups are
+  // ignored (an event may race with the group's removal).
+  virtual Status appendGroupEvent(const std::string& id, const std::string& text) = 0;
+  virtual Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) = 0;
+  virtual Result<std::vector<ElasticGroupRecord>> listElasticGroups() = 0;
+  // Forgets the group: its document, events, epoch and rendezvous. Unknown ids are ignored.
+  virtual Status deleteElasticGroup(const std::string& id) = 0;
 };
 
 struct RedisOptions {
@@ -240,6 +260,10 @@ struct RedisOptions {
 // Connects and authenticates. Errors: kUnavailable (cannot reach it), kUnauthenticated (wrong
 // password), kFailedPrecondition (Redis accepts clients without a password).
 Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& options);
+
+// In a worker process: the cluster's Redis as its node agent handed it over (TROUPE_REDIS_ADDRESS,
+// TROUPE_REDIS_PASSWORD, TROUPE_CLUSTER). kFailedPrecondition naming what is missing.
+Result<RedisOptions> workerRedisOptions();
 
 // An in-memory store with the same behaviour; instances made from the same `FakeClusterState`
 // share data (as two connections to one Redis do).
