@@ -1,0 +1,154 @@
+// TrainerEngine: the compute half of a trainer of the elastic group. It owns a model (a
+// TorchScript file, or the built-in "tinylm" or "mlp"), a loss and an optimizer, and runs one
+// synchronous data-parallel step at a time: forward and backward over this rank's slice of the
+// global batch in micro-batches, gradients all-reduced in buckets while backward still runs,
+// then the optimizer step. No LibTorch in this header: batches and state are plain buffers.
+//
+// Global batch. The global batch size G is fixed whatever the world size W: rank r computes rows
+// rankSlice(G, W, r) of each step (batch.h) in micro-batches of at most max_micro_batch rows,
+// accumulating gradients. The loss is the sum of per-sample losses divided by G (a per-sample
+// loss is the mean over that sample's positions), so the all-reduced SUM of the ranks' gradients
+// is the gradient of the mean over the global batch, however the samples are split.
+//
+// Determinism. Parameters are initialised from `seed` with the engine's own generator (never the
+// global one), identically on every rank. Bitwise equal results need the same options (seed,
+// threads, world size, max_micro_batch) and the same data: every kernel runs in a fixed order
+// for fixed shapes and thread counts, and the CPU ring's reductions are bit-identical on every
+// rank. Across world sizes the result is the same sum in another order, so it matches within
+// float rounding; it is bitwise equal where the order cannot differ: with world sizes 1 and 2
+// when each rank computes whole micro-batches the single rank also computes (float addition of
+// two terms is commutative), e.g. G = 8, max_micro_batch = 4.
+//
+// Failures. A communicator error (a peer died or left, the epoch moved on, a timeout) makes
+// step() return that error as soon as the communicator reports it; the parameters, optimizer
+// state and step count are those from before the step, so the group can restore or retry after
+// join()ing a new communicator. The communicator itself is then unusable (recreate it at
+// epoch + 1).
+//
+// Thread-safety: not thread-safe; one thread at a time calls the engine (the trainer's compute
+// thread). LibTorch's intra-op thread count is set to `threads` on each thread that calls step().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "troupe/actors/batch.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe::collectives {
+class Communicator;
+}
+
+namespace troupe::actors {
+
+// The built-in character-level transformer (pre-LayerNorm GPT blocks, causal attention, learned
+// positions, untied output head): inputs int64 [B, T] token ids (T <= context), logits
+// float32 [B, T, vocab].
+struct TinyLmOptions {
+  int64_t vocab = 256;
+  int64_t context = 64;
+  int64_t d_model = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+};
+
+struct TrainerEngineOptions {
+  // "tinylm", "mlp", or the path of a TorchScript file (torch.jit.script/trace in Python,
+  // torch.jit.save) whose forward(inputs) returns the logits. Parameters must be float32.
+  std::string model = "tinylm";
+  TinyLmOptions tinylm;
+  // The built-in MLP: layer widths from inputs to outputs, ReLU between layers: float32 [B, F]
+  // features -> [B, K] (F = front, K = back).
+  std::vector<int64_t> mlp_sizes = {16, 64, 4};
+  // "cross_entropy" (over the last dimension; int64 class targets of the logits' shape without
+  // it) or "mse" (float32 targets of the logits' shape).
+  std::string loss = "cross_entropy";
+  // "adamw", "agd", "lamb", "lars", "sgd", or "wsam" (around `wsam_base`, one of the others).
+  // Defaults of each are those of optimizers/ except lr, weight_decay and momentum below.
+  std::string optimizer = "adamw";
+  std::string wsam_base = "sgd";
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double momentum = 0.0;   // sgd and lars
+  double wsam_rho = 0.05;
+  double wsam_gamma = 0.9;
+  uint64_t seed = 0;
+  // LibTorch intra-op threads (at::set_num_threads) and the optimizer kernels' threads.
+  int threads = 1;
+  int64_t global_batch = 32;
+  int64_t max_micro_batch = 32;
+  // Gradients are all-reduced in buckets of about this many bytes, in reverse parameter order
+  // (the order backward produces them); a parameter larger than this is a bucket of its own.
+  size_t bucket_bytes = size_t{25} << 20;
+};
+
+// What one step did. Times are wall-clock seconds on the calling thread.
+struct StepMetrics {
+  int64_t step = 0;          // steps done after this one
+  double loss = 0;           // mean per-sample loss over the global batch (all ranks)
+  double compute_s = 0;      // the step's time not spent waiting on collectives
+  double comm_s = 0;         // time blocked on all-reduces after backward (not overlapped)
+  double wait_s = 0;         // waiting for data: measured and filled in by the caller
+  int64_t samples = 0;       // global batch size
+  int64_t local_samples = 0; // rows this rank computed
+  int64_t micro_batches = 0;
+  uint64_t bytes_allreduced = 0;          // gradient and loss bytes this rank all-reduced
+  uint64_t bytes_reduced_in_backward = 0; // of which finished before the last backward returned
+  int64_t buckets = 0;                    // gradient all-reduces per backward pass
+};
+
+class TrainerEngine {
+ public:
+  // Builds the model (initialised from options.seed, or loaded from the TorchScript file), the
+  // gradient buckets and the optimizer. kInvalidArgument names a bad option (unknown model,
+  // loss or optimizer, sizes < 1, a model whose parameters are not float32), kNotFound a missing
+  // TorchScript file.
+  static Result<std::unique_ptr<TrainerEngine>> create(const TrainerEngineOptions& options);
+  ~TrainerEngine();
+  TrainerEngine(const TrainerEngine&) = delete;
+  TrainerEngine& operator=(const TrainerEngine&) = delete;
+
+  const TrainerEngineOptions& options() const;
+
+  // Joins a group epoch: rank and world size come from `comm` (shared: the trainer may also use
+  // it); nullptr or a world of 1 trains alone without all-reduce. Parameters are not exchanged:
+  // every rank must hold the same state (same seed, or the same checkpoint loaded).
+  // kFailedPrecondition when `comm` is already unusable.
+  Status join(std::shared_ptr<collectives::Communicator> comm);
+  int rank() const;
+  int worldSize() const;
+  // The rows of each step this rank computes: rankSlice(global_batch, worldSize(), rank()).
+  RankSlice slice() const;
+
+  // One training step on this rank's rows of the step (slice().size() rows; sample_ids may be
+  // empty or one per row). Errors: kInvalidArgument (a batch of the wrong rows, dtype or shape,
+  // token ids out of range: nothing changed), the communicator's error (nothing changed).
+  Result<StepMetrics> step(const Batch& batch);
+  // The mean per-sample loss over `batch` (any number of rows) without changing anything; local,
+  // no collectives. kInvalidArgument as step().
+  Result<double> evaluate(const Batch& batch);
+  int64_t stepCount() const;
+  int64_t parameterCount() const;
+  // FNV-1a over every parameter's bytes in order: equal on all ranks while they agree.
+  uint64_t parameterHash() const;
+
+  // Everything that decides the next steps, as plain buffers: "param/<name>" and
+  // "buffer/<name>" (the model), "optim/<param>/<field>" (optimizer state; counters are int64
+  // scalars), "rng/engine" (the generator's state), "engine/step" and "meta/optimizer". Loading it
+  // into an engine with the same options makes the next steps bitwise equal to the saver's.
+  std::vector<HostTensor> state() const;
+  // Loads state() output. Checks everything first (every parameter present, names, dtypes,
+  // shapes, the optimizer) and changes nothing on error: kInvalidArgument naming the entry.
+  Status loadState(const std::vector<HostTensor>& state);
+
+  class Impl;
+
+ private:
+  explicit TrainerEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace troupe::actors

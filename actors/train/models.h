@@ -1,0 +1,39 @@
+// Models the TrainerEngine trains (internal; LibTorch): the built-in tinylm and mlp, and
+// TorchScript modules loaded from a file, behind one small interface.
+// Thread-safety: a model belongs to its engine's thread.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "troupe/actors/trainer_engine.h"
+
+namespace troupe::actors::train {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+class TrainModel {
+ public:
+  virtual ~TrainModel() = default;
+  // inputs -> logits, recording autograd history unless a NoGradGuard is active.
+  virtual at::Tensor forward(const at::Tensor& inputs) = 0;
+  // Trainable parameters (requires_grad leaves) in registration order, and buffers.
+  virtual NamedTensors parameters() = 0;
+  virtual NamedTensors buffers() = 0;
+  // The dtype inputs must have ("int64" or "float32"), or "" when the model does not say.
+  virtual std::string inputDtype() const = 0;
+  // Largest token id + 1 for token models (inputs are checked against it), 0 otherwise.
+  virtual int64_t vocab() const { return 0; }
+  virtual void train(bool on) = 0;
+};
+
+// The model named by options.model, with built-in models' parameters drawn from `generator`.
+// Errors as TrainerEngine::create.
+Result<std::unique_ptr<TrainModel>> makeModel(const TrainerEngineOptions& options,
+                                              at::Generator& generator);
+
+}  // namespace troupe::actors::train

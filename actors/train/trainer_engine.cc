@@ -1,0 +1,860 @@
+// The engine's step: micro-batches, bucketed all-reduce overlapped with backward, optimizer.
+// One of the two translation units of actors/train that include LibTorch (~30 s to compile).
+#include "troupe/actors/trainer_engine.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/types.h>
+#include <torch/utils.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "models.h"
+#include "troupe/collectives/communicator.h"
+#include "troupe/optimizers/adamw.h"
+#include "troupe/optimizers/agd.h"
+#include "troupe/optimizers/lamb.h"
+#include "troupe/optimizers/lars.h"
+#include "troupe/optimizers/wsam.h"
+
+namespace troupe::actors {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using train::NamedTensors;
+using train::TrainModel;
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+Status invalid(const std::string& message) {
+  return Status(StatusCode::kInvalidArgument, message);
+}
+
+const char* dtypeName(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return "unsupported";
+  }
+}
+
+Result<at::ScalarType> scalarTypeOf(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> kTypes = {
+      {"float32", at::kFloat}, {"float64", at::kDouble}, {"int64", at::kLong},
+      {"int32", at::kInt},     {"uint8", at::kByte},     {"bool", at::kBool},
+      {"float16", at::kHalf},  {"bfloat16", at::kBFloat16}};
+  auto it = kTypes.find(dtype);
+  if (it == kTypes.end()) return invalid(fmt::format("unknown dtype '{}'", dtype));
+  return it->second;
+}
+
+HostTensor toHost(std::string name, const at::Tensor& tensor) {
+  const at::Tensor t = tensor.detach().contiguous();
+  HostTensor host;
+  host.name = std::move(name);
+  host.dtype = dtypeName(t.scalar_type());
+  host.shape.assign(t.sizes().begin(), t.sizes().end());
+  host.bytes.resize(t.numel() * t.element_size());
+  if (!host.bytes.empty()) std::memcpy(host.bytes.data(), t.data_ptr(), host.bytes.size());
+  return host;
+}
+
+HostTensor scalarHost(std::string name, int64_t value) {
+  HostTensor host;
+  host.name = std::move(name);
+  host.dtype = "int64";
+  host.bytes.resize(8);
+  std::memcpy(host.bytes.data(), &value, 8);
+  return host;
+}
+
+// A view of a host buffer (no copy): valid while `host` lives and is not modified.
+at::Tensor viewOf(const HostTensor& host, at::ScalarType type) {
+  return at::from_blob(const_cast<uint8_t*>(host.bytes.data()), host.shape,
+                       at::TensorOptions().dtype(type));
+}
+
+// Checks a host buffer is a well-formed array: known dtype, bytes matching the shape.
+Status checkHost(const HostTensor& host, const std::string& what) {
+  const size_t size = dtypeSize(host.dtype);
+  if (size == 0) return invalid(fmt::format("{}: unknown dtype '{}'", what, host.dtype));
+  for (int64_t d : host.shape) {
+    if (d < 0) return invalid(fmt::format("{}: negative dimension in [{}]", what, fmt::join(host.shape, ", ")));
+  }
+  if (host.bytes.size() != static_cast<size_t>(host.numel()) * size) {
+    return invalid(fmt::format("{}: {} bytes for {} [{}] (expected {})", what, host.bytes.size(),
+                               host.dtype, fmt::join(host.shape, ", "),
+                               static_cast<size_t>(host.numel()) * size));
+  }
+  return Status::ok();
+}
+
+// ---- Optimizer rules: the functional steps of optimizers/ over states the engine owns, so
+// every state field is enumerable for checkpoints ----
+
+struct StateField {
+  std::string name;
+  at::Tensor* tensor = nullptr;  // a per-parameter buffer of the parameter's shape, or
+  int64_t* counter = nullptr;    // a step count
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  // One update of `params` from `grads` (called under a NoGradGuard).
+  virtual void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) = 0;
+  virtual std::vector<StateField> fields(size_t param) = 0;
+  virtual double lr() const = 0;
+};
+
+template <typename State>
+std::vector<State*> pointersTo(std::vector<State>& states) {
+  std::vector<State*> out;
+  for (auto& s : states) out.push_back(&s);
+  return out;
+}
+
+class AdamWRule final : public UpdateRule {
+ public:
+  AdamWRule(size_t n, optimizers::AdamWOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
+  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
+    optimizers::adamwStep(p, g, pointersTo(states_), o_, threads_);
+  }
+  std::vector<StateField> fields(size_t i) override {
+    auto& s = states_[i];
+    return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
+  }
+  double lr() const override { return o_.lr(); }
+
+ private:
+  std::vector<optimizers::AdamWParamState> states_;
+  optimizers::AdamWOptions o_;
+  int threads_;
+};
+
+class AgdRule final : public UpdateRule {
+ public:
+  AgdRule(size_t n, optimizers::AgdOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
+  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
+    optimizers::agdStep(p, g, pointersTo(states_), o_, threads_);
+  }
+  std::vector<StateField> fields(size_t i) override {
+    auto& s = states_[i];
+    return {{"step", nullptr, &s.step()},
+            {"exp_avg", &s.exp_avg()},
+            {"exp_avg_sq", &s.exp_avg_sq()},
+            {"max_exp_avg_sq", &s.max_exp_avg_sq()},
+            {"z", &s.z()}};
+  }
+  double lr() const override { return o_.lr(); }
+
+ private:
+  std::vector<optimizers::AgdParamState> states_;
+  optimizers::AgdOptions o_;
+  int threads_;
+};
+
+class LambRule final : public UpdateRule {
+ public:
+  LambRule(size_t n, optimizers::LambOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
+  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
+    auto states = pointersTo(states_);
+    // Whole tensors on every rank: the partial norms are the whole norms (no reducer).
+    const auto norms = optimizers::lambMoments(p, g, states, o_, threads_);
+    optimizers::lambApply(p, states, o_, norms, threads_);
+  }
+  std::vector<StateField> fields(size_t i) override {
+    auto& s = states_[i];
+    return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
+  }
+  double lr() const override { return o_.lr(); }
+
+ private:
+  std::vector<optimizers::LambParamState> states_;
+  optimizers::LambOptions o_;
+  int threads_;
+};
+
+class LarsRule final : public UpdateRule {
+ public:
+  LarsRule(size_t n, optimizers::LarsOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
+  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
+    const auto norms = optimizers::larsNorms(p, g, threads_);
+    optimizers::larsApply(p, g, pointersTo(states_), o_, norms, threads_);
+  }
+  std::vector<StateField> fields(size_t i) override {
+    return {{"momentum_buffer", &states_[i].momentum_buffer()}};
+  }
+  double lr() const override { return o_.lr(); }
+
+ private:
+  std::vector<optimizers::LarsParamState> states_;
+  optimizers::LarsOptions o_;
+  int threads_;
+};
+
+// Plain SGD as torch.optim.SGD: d = g + wd * p; buf = d (first step) or momentum * buf + d.
+class SgdRule final : public UpdateRule {
+ public:
+  SgdRule(size_t n, double lr, double momentum, double weight_decay)
+      : buffers_(n), lr_(lr), momentum_(momentum), weight_decay_(weight_decay) {}
+  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
+    for (size_t i = 0; i < p.size(); ++i) {
+      at::Tensor d = weight_decay_ != 0 ? g[i].add(p[i], weight_decay_) : g[i];
+      if (momentum_ != 0) {
+        if (!buffers_[i].defined()) {
+          buffers_[i] = d.clone();
+        } else {
+          buffers_[i].mul_(momentum_).add_(d);
+        }
+        d = buffers_[i];
+      }
+      p[i].add_(d, -lr_);
+    }
+  }
+  std::vector<StateField> fields(size_t i) override { return {{"momentum_buffer", &buffers_[i]}}; }
+  double lr() const override { return lr_; }
+
+ private:
+  std::vector<at::Tensor> buffers_;
+  double lr_, momentum_, weight_decay_;
+};
+
+Result<std::unique_ptr<UpdateRule>> makeRule(const std::string& name, const TrainerEngineOptions& o,
+                                             size_t n) {
+  try {
+    if (name == "adamw") {
+      optimizers::AdamWOptions a(o.lr);
+      a.weight_decay(o.weight_decay);
+      optimizers::validate(a);
+      return std::unique_ptr<UpdateRule>(std::make_unique<AdamWRule>(n, a, o.threads));
+    }
+    if (name == "agd") {
+      optimizers::AgdOptions a(o.lr);
+      a.weight_decay(o.weight_decay);
+      optimizers::validate(a);
+      return std::unique_ptr<UpdateRule>(std::make_unique<AgdRule>(n, a, o.threads));
+    }
+    if (name == "lamb") {
+      optimizers::LambOptions a(o.lr);
+      a.weight_decay(o.weight_decay);
+      optimizers::validate(a);
+      return std::unique_ptr<UpdateRule>(std::make_unique<LambRule>(n, a, o.threads));
+    }
+    if (name == "lars") {
+      optimizers::LarsOptions a(o.lr);
+      a.weight_decay(o.weight_decay);
+      a.momentum(o.momentum);
+      optimizers::validate(a);
+      return std::unique_ptr<UpdateRule>(std::make_unique<LarsRule>(n, a, o.threads));
+    }
+    if (name == "sgd") {
+      if (!(o.lr >= 0) || !(o.momentum >= 0) || !(o.weight_decay >= 0)) {
+        return invalid(fmt::format("sgd: lr, momentum and weight_decay must be >= 0, got {}, {}, {}",
+                                   o.lr, o.momentum, o.weight_decay));
+      }
+      return std::unique_ptr<UpdateRule>(std::make_unique<SgdRule>(n, o.lr, o.momentum, o.weight_decay));
+    }
+  } catch (const c10::Error& e) {
+    return invalid(fmt::format("optimizer {}: {}", name, e.what_without_backtrace()));
+  }
+  return invalid(fmt::format("unknown optimizer '{}': use adamw, agd, lamb, lars, sgd or wsam", name));
+}
+
+// Calls back when a parameter's gradient has been accumulated (a post hook on its
+// AccumulateGrad node, which runs on the thread running backward).
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(TrainerEngine::Impl* engine, size_t param) : engine_(engine), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override;
+
+ private:
+  TrainerEngine::Impl* engine_;
+  size_t param_;
+};
+
+}  // namespace
+
+class TrainerEngine::Impl {
+ public:
+  struct Bucket {
+    at::Tensor flat;             // float32; the gradients of `params` are views into it
+    std::vector<size_t> params;
+    size_t pending = 0;          // gradients of the current pass not yet final
+    std::shared_ptr<collectives::Work> work;
+    uint64_t bytes = 0;
+  };
+
+  // What one forward/backward pass over this rank's rows produced.
+  struct Pass {
+    double loss_sum = 0;  // sum of per-sample losses over the global batch
+    double comm_s = 0;
+    uint64_t bytes = 0;
+    uint64_t bytes_in_backward = 0;
+    int64_t micro_batches = 0;
+  };
+
+  explicit Impl(const TrainerEngineOptions& o) : options(o), generator(at::detail::createCPUGenerator(o.seed)) {}
+
+  ~Impl() {
+    for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
+  }
+
+  Status init() {
+    const auto& o = options;
+    if (o.global_batch < 1 || o.max_micro_batch < 1 || o.threads < 1 || o.bucket_bytes < 1) {
+      return invalid(fmt::format("global_batch, max_micro_batch, threads and bucket_bytes must be >= 1; "
+                                 "got {}, {}, {}, {}",
+                                 o.global_batch, o.max_micro_batch, o.threads, o.bucket_bytes));
+    }
+    if (o.loss != "cross_entropy" && o.loss != "mse") {
+      return invalid(fmt::format("unknown loss '{}': use cross_entropy or mse", o.loss));
+    }
+    setThreads();
+    auto m = train::makeModel(o, generator);
+    if (!m) return m.status();
+    model = std::move(m).value();
+    for (auto& [name, p] : model->parameters()) {
+      names.push_back(name);
+      params.push_back(p);
+    }
+    if (params.empty()) return invalid(fmt::format("model {} has no trainable parameters", o.model));
+    buffers = model->buffers();
+    wsam = o.optimizer == "wsam";
+    if (wsam) {
+      if (o.wsam_base == "wsam") return invalid("wsam_base must be another optimizer than wsam");
+      try {
+        optimizers::WsamOptions w(o.wsam_rho);
+        w.gamma(o.wsam_gamma);
+        optimizers::validate(w);
+      } catch (const c10::Error& e) {
+        return invalid(fmt::format("optimizer wsam: {}", e.what_without_backtrace()));
+      }
+      wsam_states.resize(params.size());
+      for (const auto& p : params) wsam_saved.push_back(at::empty_like(p));
+    }
+    auto r = makeRule(wsam ? o.wsam_base : o.optimizer, o, params.size());
+    if (!r) return r.status();
+    rule = std::move(r).value();
+    buildBuckets();
+    return Status::ok();
+  }
+
+  // Buckets in reverse parameter order (roughly the order backward finishes gradients), each up
+  // to bucket_bytes; every gradient becomes a view into its bucket, allocated once.
+  void buildBuckets() {
+    bucket_of.assign(params.size(), 0);
+    std::vector<std::vector<size_t>> groups;
+    uint64_t current = 0;
+    for (size_t k = params.size(); k-- > 0;) {
+      const uint64_t bytes = static_cast<uint64_t>(params[k].numel()) * 4;
+      if (groups.empty() || (current > 0 && current + bytes > options.bucket_bytes)) {
+        groups.emplace_back();
+        current = 0;
+      }
+      groups.back().push_back(k);
+      current += bytes;
+    }
+    grads.resize(params.size());
+    for (auto& members : groups) {
+      Bucket bucket;
+      int64_t total = 0;
+      for (size_t k : members) total += params[k].numel();
+      bucket.flat = at::zeros({total}, at::kFloat);
+      bucket.bytes = static_cast<uint64_t>(total) * 4;
+      int64_t offset = 0;
+      for (size_t k : members) {
+        grads[k] = bucket.flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
+        params[k].mutable_grad() = grads[k];
+        offset += params[k].numel();
+        bucket_of[k] = buckets.size();
+      }
+      bucket.params = members;
+      buckets.push_back(std::move(bucket));
+    }
+    for (size_t k = 0; k < params.size(); ++k) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(params[k]);
+      hook_keys.push_back(accumulator->add_post_hook(std::make_unique<GradReadyHook>(this, k)));
+      accumulators.push_back(std::move(accumulator));
+    }
+  }
+
+  void setThreads() {
+    if (at::get_num_threads() != options.threads) at::set_num_threads(options.threads);
+  }
+
+  bool distributed() const { return comm != nullptr && world > 1; }
+
+  // A gradient is final (last micro-batch of the pass): launch every bucket that is complete,
+  // in bucket order, so all ranks issue the same all-reduces in the same order.
+  void gradReady(size_t param) {
+    if (!collecting) return;
+    Bucket& bucket = buckets[bucket_of[param]];
+    if (bucket.pending > 0) --bucket.pending;
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
+  }
+
+  void launch(size_t index) {
+    Bucket& b = buckets[index];
+    b.work = comm->allreduceAsync(b.flat.data_ptr(), b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
+                                  collectives::DataType::kFloat32, collectives::ReduceOp::kSum);
+  }
+
+  // Waits for every launched all-reduce; the first error wins.
+  Status waitLaunched() {
+    Status first;
+    for (auto& b : buckets) {
+      if (!b.work) continue;
+      Status s = b.work->wait();
+      if (!s.isOk() && first.isOk()) first = s;
+    }
+    return first;
+  }
+
+  Status checkBatch(const Batch& batch, int64_t expected_rows) const {
+    TROUPE_RETURN_IF_ERROR(checkHost(batch.inputs, "batch inputs"));
+    TROUPE_RETURN_IF_ERROR(checkHost(batch.targets, "batch targets"));
+    const int64_t rows = batch.rows();
+    if (expected_rows >= 0 && rows != expected_rows) {
+      return invalid(fmt::format("batch has {} rows but rank {} of world {} computes {} of the global "
+                                 "batch of {}",
+                                 rows, rank, world, expected_rows, options.global_batch));
+    }
+    if (batch.targets.shape.empty() || batch.targets.shape[0] != rows) {
+      return invalid(fmt::format("batch targets [{}] do not have one row per input row ({})",
+                                 fmt::join(batch.targets.shape, ", "), rows));
+    }
+    if (!batch.sample_ids.empty() && static_cast<int64_t>(batch.sample_ids.size()) != rows) {
+      return invalid(fmt::format("batch has {} sample ids for {} rows", batch.sample_ids.size(), rows));
+    }
+    const std::string want = model->inputDtype();
+    if (!want.empty() && batch.inputs.dtype != want) {
+      return invalid(fmt::format("model {} takes {} inputs, got {}", options.model, want, batch.inputs.dtype));
+    }
+    const std::string target = options.loss == "cross_entropy" ? "int64" : "float32";
+    if (batch.targets.dtype != target) {
+      return invalid(fmt::format("loss {} takes {} targets, got {}", options.loss, target, batch.targets.dtype));
+    }
+    // Ids out of range would throw inside forward or the loss; refuse them before anything runs.
+    auto inRange = [](const HostTensor& t, int64_t limit, const char* what) -> Status {
+      const auto* v = reinterpret_cast<const int64_t*>(t.bytes.data());
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        if (v[i] < 0 || v[i] >= limit) {
+          return invalid(fmt::format("{} {} at element {} is outside [0, {})", what, v[i], i, limit));
+        }
+      }
+      return Status::ok();
+    };
+    if (model->vocab() > 0) {
+      TROUPE_RETURN_IF_ERROR(inRange(batch.inputs, model->vocab(), "token id"));
+      if (options.loss == "cross_entropy") TROUPE_RETURN_IF_ERROR(inRange(batch.targets, model->vocab(), "target"));
+    } else if (options.model == "mlp" && options.loss == "cross_entropy") {
+      TROUPE_RETURN_IF_ERROR(inRange(batch.targets, options.mlp_sizes.back(), "class label"));
+    }
+    return Status::ok();
+  }
+
+  // The sum over the rows of per-sample losses (each the mean over that sample's positions).
+  at::Tensor lossSum(const at::Tensor& logits, const at::Tensor& targets) const {
+    const int64_t rows = targets.size(0);
+    const double positions = static_cast<double>(targets.numel()) / static_cast<double>(rows);
+    if (options.loss == "cross_entropy") {
+      const int64_t classes = logits.size(-1);
+      TORCH_CHECK(logits.numel() == targets.numel() * classes, "cross_entropy: logits ", logits.sizes(),
+                  " do not match targets ", targets.sizes(), " (logits need one more, last dimension)");
+      return at::cross_entropy_loss(logits.reshape({-1, classes}), targets.reshape({-1}), c10::nullopt,
+                                    at::Reduction::Sum) /
+             positions;
+    }
+    TORCH_CHECK(logits.sizes() == targets.sizes(), "mse: logits ", logits.sizes(), " and targets ",
+                targets.sizes(), " differ");
+    return (logits - targets).square().sum() / positions;
+  }
+
+  // Forward and backward over this rank's rows in micro-batches; on the last micro-batch the
+  // buckets are all-reduced as their gradients become final, then the loss. Parameters are not
+  // touched.
+  Result<Pass> runPass(const at::Tensor& inputs, const at::Tensor& targets) {
+    Pass pass;
+    for (auto& b : buckets) {
+      b.flat.zero_();
+      b.pending = b.params.size();
+      b.work.reset();
+    }
+    next_bucket = 0;
+    const int64_t rows = inputs.size(0);
+    const int64_t micro = options.max_micro_batch;
+    pass.micro_batches = (rows + micro - 1) / micro;
+    const double global = static_cast<double>(options.global_batch);
+    try {
+      for (int64_t m = 0; m < pass.micro_batches; ++m) {
+        const int64_t begin = m * micro;
+        const int64_t size = std::min(micro, rows - begin);
+        collecting = distributed() && m + 1 == pass.micro_batches;
+        const at::Tensor sum = lossSum(model->forward(inputs.narrow(0, begin, size)),
+                                       targets.narrow(0, begin, size));
+        (sum / global).backward();
+        pass.loss_sum += sum.item<double>();
+      }
+    } catch (const std::exception& e) {
+      collecting = false;
+      // Launched all-reduces write into the buckets: wait for them before reporting.
+      (void)waitLaunched();
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      return invalid(fmt::format("forward/backward failed: {}",
+                                 c10_error ? c10_error->what_without_backtrace() : e.what()));
+    }
+    collecting = false;
+    if (!distributed()) return pass;
+    for (const auto& b : buckets) {
+      if (b.work && b.work->done()) pass.bytes_in_backward += b.bytes;
+    }
+    // Buckets of parameters that got no gradient this pass (or all of them, for an empty slice).
+    while (next_bucket < buckets.size()) launch(next_bucket++);
+    double loss = pass.loss_sum;
+    auto loss_work = comm->allreduceAsync(&loss, &loss, 1, collectives::DataType::kFloat64,
+                                          collectives::ReduceOp::kSum);
+    const auto wait_start = Clock::now();
+    Status status = waitLaunched();
+    Status loss_status = loss_work->wait();
+    pass.comm_s = secondsSince(wait_start);
+    if (status.isOk()) status = loss_status;
+    if (!status.isOk()) return status;
+    pass.loss_sum = loss;
+    for (const auto& b : buckets) pass.bytes += b.bytes;
+    pass.bytes += sizeof(double);
+    return pass;
+  }
+
+  Result<StepMetrics> step(const Batch& batch) {
+    const auto start = Clock::now();
+    if (comm) {
+      Status health = comm->health();
+      if (!health.isOk()) return health;
+    }
+    const RankSlice mine = rankSlice(options.global_batch, world, rank);
+    TROUPE_RETURN_IF_ERROR(checkBatch(batch, mine.size()));
+    auto input_type = scalarTypeOf(batch.inputs.dtype);
+    auto target_type = scalarTypeOf(batch.targets.dtype);
+    if (!input_type) return input_type.status();
+    if (!target_type) return target_type.status();
+    setThreads();
+    const at::Tensor inputs = viewOf(batch.inputs, *input_type);
+    const at::Tensor targets = viewOf(batch.targets, *target_type);
+
+    auto first = runPass(inputs, targets);
+    if (!first) return first.status();
+    StepMetrics metrics;
+    metrics.comm_s = first->comm_s;
+    metrics.bytes_allreduced = first->bytes;
+    metrics.bytes_reduced_in_backward = first->bytes_in_backward;
+    metrics.micro_batches = first->micro_batches;
+    try {
+      torch::NoGradGuard no_grad;
+      if (wsam) {
+        auto second = wsamStep(inputs, targets);
+        if (!second) return second.status();
+        metrics.comm_s += second->comm_s;
+        metrics.bytes_allreduced += second->bytes;
+        metrics.bytes_reduced_in_backward += second->bytes_in_backward;
+      } else {
+        rule->step(params, grads);
+      }
+    } catch (const c10::Error& e) {
+      return Status(StatusCode::kInternal,
+                    fmt::format("optimizer {} step failed: {}", options.optimizer, e.what_without_backtrace()));
+    }
+    ++steps;
+    metrics.step = steps;
+    metrics.loss = first->loss_sum / static_cast<double>(options.global_batch);
+    metrics.samples = options.global_batch;
+    metrics.local_samples = mine.size();
+    metrics.buckets = distributed() ? static_cast<int64_t>(buckets.size()) : 0;
+    metrics.compute_s = secondsSince(start) - metrics.comm_s;
+    return metrics;
+  }
+
+  // WSAM with the gradients already averaged over the global batch: e comes from the global
+  // gradient (so every rank perturbs identically), and the second pass's gradients are
+  // all-reduced too; the GradientReducer of the rule is the bucketed all-reduce itself. The
+  // parameters are copied before the perturbation so that a failed second pass restores them
+  // bit for bit (w + e - e need not equal w).
+  Result<Pass> wsamStep(const at::Tensor& inputs, const at::Tensor& targets) {
+    const int t = options.threads;
+    auto states = pointersTo(wsam_states);
+    for (size_t i = 0; i < params.size(); ++i) wsam_saved[i].copy_(params[i]);
+    const double norm = std::sqrt(optimizers::wsamGradSquaredNorm(params, grads, false, t));
+    optimizers::wsamPerturb(params, grads, states, false, options.wsam_rho / (norm + 1e-12), t);
+    optimizers::wsamSaveGrad(params, grads, states, t);
+    Result<Pass> second = [&] {
+      torch::AutoGradMode enable(true);
+      return runPass(inputs, targets);
+    }();
+    if (!second) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(wsam_saved[i]);
+      return second.status();
+    }
+    const double alpha = options.wsam_gamma / (1 - options.wsam_gamma);
+    optimizers::wsamRestore(params, grads, states, true, alpha, t);
+    rule->step(params, grads);
+    optimizers::wsamCorrect(params, states, rule->lr() * alpha, t);
+    return second;
+  }
+
+  Result<double> evaluate(const Batch& batch) {
+    TROUPE_RETURN_IF_ERROR(checkBatch(batch, -1));
+    if (batch.rows() == 0) return invalid("evaluate: the batch is empty");
+    auto input_type = scalarTypeOf(batch.inputs.dtype);
+    auto target_type = scalarTypeOf(batch.targets.dtype);
+    if (!input_type) return input_type.status();
+    if (!target_type) return target_type.status();
+    setThreads();
+    try {
+      torch::NoGradGuard no_grad;
+      const at::Tensor sum = lossSum(model->forward(viewOf(batch.inputs, *input_type)),
+                                     viewOf(batch.targets, *target_type));
+      return sum.item<double>() / static_cast<double>(batch.rows());
+    } catch (const c10::Error& e) {
+      return invalid(fmt::format("evaluate failed: {}", e.what_without_backtrace()));
+    }
+  }
+
+  std::string optimizerName() const {
+    return wsam ? "wsam/" + options.wsam_base : options.optimizer;
+  }
+
+  std::vector<HostTensor> state() const {
+    std::vector<HostTensor> out;
+    const std::string optimizer = optimizerName();
+    HostTensor meta;
+    meta.name = "meta/optimizer";
+    meta.dtype = "uint8";
+    meta.shape = {static_cast<int64_t>(optimizer.size())};
+    meta.bytes.assign(optimizer.begin(), optimizer.end());
+    out.push_back(std::move(meta));
+    out.push_back(scalarHost("engine/step", steps));
+    for (size_t i = 0; i < params.size(); ++i) out.push_back(toHost("param/" + names[i], params[i]));
+    for (const auto& [name, b] : buffers) out.push_back(toHost("buffer/" + name, b));
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (const auto& f : rule->fields(i)) {
+        const std::string name = fmt::format("optim/{}/{}", names[i], f.name);
+        if (f.counter != nullptr) {
+          out.push_back(scalarHost(name, *f.counter));
+        } else if (f.tensor->defined()) {
+          out.push_back(toHost(name, *f.tensor));
+        }
+      }
+    }
+    out.push_back(toHost("rng/engine", generator.get_state()));
+    return out;
+  }
+
+  Status loadState(const std::vector<HostTensor>& entries) {
+    std::map<std::string, const HostTensor*> by_name;
+    for (const auto& e : entries) {
+      TROUPE_RETURN_IF_ERROR(checkHost(e, "state entry " + e.name));
+      if (!by_name.emplace(e.name, &e).second) return invalid(fmt::format("state entry {} appears twice", e.name));
+    }
+    auto take = [&](const std::string& name) -> const HostTensor* {
+      auto it = by_name.find(name);
+      if (it == by_name.end()) return nullptr;
+      const HostTensor* e = it->second;
+      by_name.erase(it);
+      return e;
+    };
+    auto matches = [](const HostTensor& e, const at::Tensor& like) -> Status {
+      if (e.dtype != dtypeName(like.scalar_type()) ||
+          e.shape != std::vector<int64_t>(like.sizes().begin(), like.sizes().end())) {
+        return invalid(fmt::format("state entry {} is {} [{}] but this engine has {} [{}]", e.name, e.dtype,
+                                   fmt::join(e.shape, ", "), dtypeName(like.scalar_type()),
+                                   fmt::join(like.sizes(), ", ")));
+      }
+      return Status::ok();
+    };
+    auto isScalar = [](const HostTensor& e) {
+      return e.dtype == "int64" && e.shape.empty();
+    };
+
+    // Check everything first; nothing changes on error.
+    const HostTensor* meta = take("meta/optimizer");
+    const std::string optimizer = optimizerName();
+    if (meta == nullptr || std::string(meta->bytes.begin(), meta->bytes.end()) != optimizer) {
+      return invalid(fmt::format("the state is of optimizer '{}' but this engine runs '{}'",
+                                 meta ? std::string(meta->bytes.begin(), meta->bytes.end()) : "(none)",
+                                 optimizer));
+    }
+    const HostTensor* step_entry = take("engine/step");
+    if (step_entry == nullptr || !isScalar(*step_entry)) return invalid("state entry engine/step is missing or not an int64 scalar");
+    std::vector<const HostTensor*> param_entries, buffer_entries;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const HostTensor* e = take("param/" + names[i]);
+      if (e == nullptr) return invalid(fmt::format("state entry param/{} is missing", names[i]));
+      TROUPE_RETURN_IF_ERROR(matches(*e, params[i]));
+      param_entries.push_back(e);
+    }
+    for (const auto& [name, b] : buffers) {
+      const HostTensor* e = take("buffer/" + name);
+      if (e == nullptr) return invalid(fmt::format("state entry buffer/{} is missing", name));
+      TROUPE_RETURN_IF_ERROR(matches(*e, b));
+      buffer_entries.push_back(e);
+    }
+    std::vector<std::vector<const HostTensor*>> field_entries(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (const auto& f : rule->fields(i)) {
+        const HostTensor* e = take(fmt::format("optim/{}/{}", names[i], f.name));
+        if (e != nullptr) {
+          if (f.counter != nullptr && !isScalar(*e)) return invalid(fmt::format("state entry {} must be an int64 scalar", e->name));
+          if (f.tensor != nullptr) TROUPE_RETURN_IF_ERROR(matches(*e, params[i]));
+        }
+        field_entries[i].push_back(e);
+      }
+    }
+    const HostTensor* rng = take("rng/engine");
+    const at::Tensor rng_now = generator.get_state();
+    if (rng == nullptr) return invalid("state entry rng/engine is missing");
+    TROUPE_RETURN_IF_ERROR(matches(*rng, rng_now));
+    if (!by_name.empty()) {
+      return invalid(fmt::format("state entry {} is not part of this engine's state (another model?)",
+                                 by_name.begin()->first));
+    }
+
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(viewOf(*param_entries[i], at::kFloat));
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      buffers[i].second.copy_(viewOf(*buffer_entries[i], buffers[i].second.scalar_type()));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto fields = rule->fields(i);
+      for (size_t k = 0; k < fields.size(); ++k) {
+        const HostTensor* e = field_entries[i][k];
+        if (fields[k].counter != nullptr) {
+          int64_t v = 0;
+          if (e != nullptr) std::memcpy(&v, e->bytes.data(), 8);
+          *fields[k].counter = v;
+        } else {
+          *fields[k].tensor = e != nullptr ? viewOf(*e, at::kFloat).clone() : at::Tensor();
+        }
+      }
+    }
+    generator.set_state(viewOf(*rng, at::kByte).clone());
+    std::memcpy(&steps, step_entry->bytes.data(), 8);
+    return Status::ok();
+  }
+
+  uint64_t parameterHash() const {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (const auto& p : params) {
+      const auto* bytes = static_cast<const uint8_t*>(p.data_ptr());
+      const size_t n = static_cast<size_t>(p.numel()) * 4;
+      for (size_t i = 0; i < n; ++i) {
+        h ^= bytes[i];
+        h *= 0x100000001b3ULL;
+      }
+    }
+    return h;
+  }
+
+  TrainerEngineOptions options;
+  at::Generator generator;
+  std::unique_ptr<TrainModel> model;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> grads;  // views into the buckets
+  NamedTensors buffers;
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of;
+  size_t next_bucket = 0;
+  bool collecting = false;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  std::unique_ptr<UpdateRule> rule;
+  bool wsam = false;
+  std::vector<optimizers::WsamParamState> wsam_states;
+  std::vector<at::Tensor> wsam_saved;
+  std::shared_ptr<collectives::Communicator> comm;
+  int rank = 0;
+  int world = 1;
+  int64_t steps = 0;
+};
+
+namespace {
+torch::autograd::variable_list GradReadyHook::operator()(const torch::autograd::variable_list& outputs,
+                                                         const torch::autograd::variable_list&) {
+  engine_->gradReady(param_);
+  return outputs;
+}
+}  // namespace
+
+TrainerEngine::TrainerEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TrainerEngine::~TrainerEngine() = default;
+
+Result<std::unique_ptr<TrainerEngine>> TrainerEngine::create(const TrainerEngineOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  try {
+    TROUPE_RETURN_IF_ERROR(impl->init());
+  } catch (const c10::Error& e) {
+    return invalid(fmt::format("cannot build the trainer engine: {}", e.what_without_backtrace()));
+  }
+  return std::unique_ptr<TrainerEngine>(new TrainerEngine(std::move(impl)));
+}
+
+const TrainerEngineOptions& TrainerEngine::options() const { return impl_->options; }
+
+Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
+  if (comm) {
+    Status health = comm->health();
+    if (!health.isOk()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("join: the communicator is already unusable: {}", health.message()));
+    }
+    impl_->rank = comm->rank();
+    impl_->world = comm->worldSize();
+  } else {
+    impl_->rank = 0;
+    impl_->world = 1;
+  }
+  impl_->comm = std::move(comm);
+  return Status::ok();
+}
+
+int TrainerEngine::rank() const { return impl_->rank; }
+int TrainerEngine::worldSize() const { return impl_->world; }
+RankSlice TrainerEngine::slice() const {
+  return rankSlice(impl_->options.global_batch, impl_->world, impl_->rank);
+}
+Result<StepMetrics> TrainerEngine::step(const Batch& batch) { return impl_->step(batch); }
+Result<double> TrainerEngine::evaluate(const Batch& batch) { return impl_->evaluate(batch); }
+int64_t TrainerEngine::stepCount() const { return impl_->steps; }
+int64_t TrainerEngine::parameterCount() const {
+  int64_t n = 0;
+  for (const auto& p : impl_->params) n += p.numel();
+  return n;
+}
+uint64_t TrainerEngine::parameterHash() const { return impl_->parameterHash(); }
+std::vector<HostTensor> TrainerEngine::state() const { return impl_->state(); }
+Status TrainerEngine::loadState(const std::vector<HostTensor>& state) {
+  try {
+    return impl_->loadState(state);
+  } catch (const c10::Error& e) {
+    return invalid(fmt::format("loadState failed: {}", e.what_without_backtrace()));
+  }
+}
+
+}  // namespace troupe::actors
