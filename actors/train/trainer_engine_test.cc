@@ -254,6 +254,31 @@ TEST_CASE("three ranks with a remainder match one rank within float rounding") {
   CHECK(diff < 1e-4);
 }
 
+TEST_CASE("more ranks than samples: a rank with no rows still all-reduces (zeros)") {
+  TextData text(16);
+  TrainerEngineOptions o = tinyOptions();
+  o.global_batch = 1;
+  auto single = makeEngine(o);
+  auto comms = connectRanks(makeFakeClusterState(), "empty", 2);
+  std::vector<std::unique_ptr<TrainerEngine>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(makeEngine(o));
+    REQUIRE(ranks[r]->join(comms[r]).isOk());
+  }
+  CHECK(ranks[1]->slice().size() == 0);
+  for (int s = 0; s < 2; ++s) {
+    const Batch batch = text.step(s, 1);
+    auto one = single->step(batch);
+    REQUIRE(one.isOk());
+    auto two = stepAll(ranks, batch);
+    for (auto& m : two) REQUIRE_MESSAGE(m.isOk(), m.status().toString());
+    CHECK(two[1]->local_samples == 0);
+    CHECK(two[1]->micro_batches == 0);
+    CHECK(two[1]->loss == one->loss);
+  }
+  CHECK(firstDifference(ranks[1]->state(), single->state()) == "");
+}
+
 TEST_CASE("loss decreases on tinylm over a real English text") {
   TextData text(32);
   TrainerEngineOptions o;
