@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -331,7 +332,10 @@ class TrainerEngine::Impl {
     auto m = train::makeModel(o, generator);
     if (!m) return m.status();
     model = std::move(m).value();
+    // A parameter shared by two modules is listed under both names: train it once.
+    std::set<const void*> seen;
     for (auto& [name, p] : model->parameters()) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
       names.push_back(name);
       params.push_back(p);
     }
@@ -636,6 +640,29 @@ class TrainerEngine::Impl {
     }
   }
 
+  Status checkReplicas() {
+    if (!distributed()) return Status::ok();
+    const uint64_t hash = parameterHash();
+    int64_t range[2];
+    std::memcpy(&range[0], &hash, 8);
+    range[1] = range[0];
+    auto low = comm->allreduceAsync(&range[0], &range[0], 1, collectives::DataType::kInt64,
+                                    collectives::ReduceOp::kMin);
+    auto high = comm->allreduceAsync(&range[1], &range[1], 1, collectives::DataType::kInt64,
+                                     collectives::ReduceOp::kMax);
+    Status s1 = low->wait();
+    Status s2 = high->wait();
+    TROUPE_RETURN_IF_ERROR(s1);
+    TROUPE_RETURN_IF_ERROR(s2);
+    if (range[0] != range[1]) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("the ranks of the group hold different parameters (hash of rank {}: {:016x}); "
+                                "load the same checkpoint on every rank",
+                                rank, hash));
+    }
+    return Status::ok();
+  }
+
   std::string optimizerName() const {
     return wsam ? "wsam/" + options.wsam_base : options.optimizer;
   }
@@ -848,6 +875,7 @@ int64_t TrainerEngine::parameterCount() const {
   return n;
 }
 uint64_t TrainerEngine::parameterHash() const { return impl_->parameterHash(); }
+Status TrainerEngine::checkReplicas() { return impl_->checkReplicas(); }
 std::vector<HostTensor> TrainerEngine::state() const { return impl_->state(); }
 Status TrainerEngine::loadState(const std::vector<HostTensor>& state) {
   try {

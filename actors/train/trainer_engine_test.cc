@@ -189,6 +189,14 @@ TEST_CASE("two ranks over the CPU ring equal one rank with the whole global batc
   configs.push_back({"tinylm adamw, one bucket", tinyOptions()});
   {
     TrainerEngineOptions o = tinyOptions();
+    o.optimizer = "wsam";  // two passes, both all-reduced
+    o.wsam_base = "sgd";
+    o.momentum = 0.9;
+    o.lr = 0.05;
+    configs.push_back({"tinylm wsam(sgd)", o});
+  }
+  {
+    TrainerEngineOptions o = tinyOptions();
     o.bucket_bytes = 16 * 1024;  // many buckets, launched during backward
     o.optimizer = "lamb";
     configs.push_back({"tinylm lamb, 16 KiB buckets", o});
@@ -216,11 +224,26 @@ TEST_CASE("two ranks over the CPU ring equal one rank with the whole global batc
     }
     // Bitwise: each rank's micro-batch is one of the single rank's, and a two-term sum is the
     // same in either order (see trainer_engine.h).
+    // Every rank agrees (a collective check), and then one rank diverges.
+    {
+      std::vector<std::future<Status>> checks;
+      for (auto& e : ranks) checks.push_back(std::async(std::launch::async, [&e] { return e->checkReplicas(); }));
+      for (auto& c : checks) CHECK(c.get().isOk());
+    }
     const auto s1 = single->state();
     CHECK(firstDifference(ranks[0]->state(), s1) == "");
     CHECK(firstDifference(ranks[1]->state(), s1) == "");
     MESSAGE(config.name << ": max |difference| of parameters, 2 ranks vs 1: "
                         << maxParamDifference(ranks[0]->state(), s1));
+    auto fresh = makeEngine(config.options);
+    REQUIRE(ranks[1]->loadState(fresh->state()).isOk());
+    std::vector<std::future<Status>> checks;
+    for (auto& e : ranks) checks.push_back(std::async(std::launch::async, [&e] { return e->checkReplicas(); }));
+    for (auto& c : checks) {
+      Status status = c.get();
+      CHECK(status.code() == StatusCode::kFailedPrecondition);
+      CHECK(status.message().find("different parameters") != std::string::npos);
+    }
   }
 }
 
@@ -319,6 +342,56 @@ TEST_CASE("loss decreases on tinylm over a real English text") {
                                          << *after);
   CHECK(*after < *before - 2.0);
   CHECK(*after < 3.3);
+}
+
+TEST_CASE("mlp with mse on .npy features learns a linear map") {
+  TempDir dir;
+  const int64_t n = 256, f = 6, k = 2;
+  HostTensor x{"", "float32", {n, f}, std::vector<uint8_t>(n * f * 4)};
+  HostTensor y{"", "float32", {n, k}, std::vector<uint8_t>(n * k * 4)};
+  auto* xs = reinterpret_cast<float*>(x.bytes.data());
+  auto* ys = reinterpret_cast<float*>(y.bytes.data());
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < f; ++j) xs[i * f + j] = static_cast<float>(((i * 31 + j * 17) % 23) - 11) / 11.0f;
+    ys[i * k] = xs[i * f] - 0.5f * xs[i * f + 3];
+    ys[i * k + 1] = 0.25f * xs[i * f + 1] + xs[i * f + 5];
+  }
+  REQUIRE(writeNpy(dir.path() + "/x.npy", x).isOk());
+  REQUIRE(writeNpy(dir.path() + "/y.npy", y).isOk());
+  auto dataset = openNpyDataset(dir.path() + "/x.npy", dir.path() + "/y.npy");
+  REQUIRE_MESSAGE(dataset.isOk(), dataset.status().toString());
+  TrainerEngineOptions o;
+  o.model = "mlp";
+  o.mlp_sizes = {f, 32, k};
+  o.loss = "mse";
+  o.optimizer = "adamw";
+  o.lr = 1e-2;
+  o.global_batch = 64;
+  o.max_micro_batch = 16;
+  auto engine = makeEngine(o);
+  std::vector<uint64_t> all(n);
+  for (int64_t i = 0; i < n; ++i) all[i] = static_cast<uint64_t>(i);
+  auto everything = (*dataset)->batch(all);
+  REQUIRE(everything.isOk());
+  auto before = engine->evaluate(*everything);
+  REQUIRE(before.isOk());
+  for (int s = 0; s < 150; ++s) {
+    std::vector<uint64_t> ids;
+    for (int64_t i = 0; i < 64; ++i) ids.push_back(static_cast<uint64_t>((s * 64 + i) % n));
+    auto batch = (*dataset)->batch(ids);
+    REQUIRE(batch.isOk());
+    auto m = engine->step(*batch);
+    REQUIRE_MESSAGE(m.isOk(), m.status().toString());
+  }
+  auto after = engine->evaluate(*everything);
+  REQUIRE(after.isOk());
+  MESSAGE("mlp mse: " << *before << " -> " << *after);
+  CHECK(*after < *before * 0.1);
+  // Class labels are not mse targets.
+  Batch wrong = *everything;
+  wrong.targets.dtype = "int64";
+  wrong.targets.shape = {n};
+  CHECK(engine->evaluate(wrong).status().message().find("loss mse takes float32 targets") != std::string::npos);
 }
 
 TEST_CASE("bucketed all-reduce overlaps backward: bytes reduced before backward returned") {

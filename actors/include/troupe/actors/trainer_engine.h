@@ -134,6 +134,10 @@ class TrainerEngine {
   int64_t parameterCount() const;
   // FNV-1a over every parameter's bytes in order: equal on all ranks while they agree.
   uint64_t parameterHash() const;
+  // A collective (every rank calls it): Ok when every rank's parameterHash() is the same, e.g.
+  // after each rank loaded its checkpoint. kFailedPrecondition when they differ; the
+  // communicator's error when it fails. Ok at once without a group.
+  Status checkReplicas();
 
   // Everything that decides the next steps, as plain buffers: "param/<name>" and
   // "buffer/<name>" (the model), "optim/<param>/<field>" (optimizer state; counters are int64
