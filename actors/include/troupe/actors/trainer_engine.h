@@ -126,6 +126,9 @@ class TrainerEngine {
   // One training step on this rank's rows of the step (slice().size() rows; sample_ids may be
   // empty or one per row). Errors: kInvalidArgument (a batch of the wrong rows, dtype or shape,
   // token ids out of range: nothing changed), the communicator's error (nothing changed).
+  // A rank whose batch is refused issues no all-reduce, so its peers wait in theirs until the
+  // group's epoch moves on (or the communicator's operation timeout): report the error to the
+  // group rather than retrying alone.
   Result<StepMetrics> step(const Batch& batch);
   // The mean per-sample loss over `batch` (any number of rows) without changing anything; local,
   // no collectives. kInvalidArgument as step().
@@ -148,7 +151,7 @@ class TrainerEngine {
   // shapes, the optimizer) and changes nothing on error: kInvalidArgument naming the entry.
   Status loadState(const std::vector<HostTensor>& state);
 
-  class Impl;
+  class Impl;  // internal (trainer_engine.cc); public only for its gradient hooks
 
  private:
   explicit TrainerEngine(std::unique_ptr<Impl> impl);
