@@ -57,6 +57,17 @@ py::dict toDict(const ActorRecord& r) {
   return d;
 }
 
+py::dict toDict(const PlacementGroupRecord& g) {
+  py::dict d;
+  d["id"] = g.id.hex();
+  d["state"] = placementGroupStateName(g.state);
+  d["pending_reason"] = g.pendingReason;
+  py::list nodes;
+  for (const auto& b : g.bundles) nodes.append(b.nodeId.hex());
+  d["bundle_nodes"] = nodes;
+  return d;
+}
+
 class ErrorLog final : public kj::TaskSet::ErrorHandler {
  public:
   void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "runtime task: {}", e.getDescription().cStr()); }
@@ -367,6 +378,49 @@ class Runtime {
     std::vector<std::tuple<std::string, std::string, std::string>> lines;
     lines.swap(output_);
     return lines;
+  }
+
+  // ---- Placement groups and elastic group records (for troupe.train) ----
+  // Creates a placement group; returns (id, state, pending reason, node id per bundle).
+  py::dict createPlacementGroup(const std::string& strategy, const std::vector<std::map<std::string, double>>& bundles,
+                                const std::string& name) {
+    auto parsed = parsePlacementStrategy(strategy);
+    if (!parsed.isOk()) throw py::value_error(parsed.status().message());
+    std::vector<Resources> demands;
+    for (const auto& b : bundles) demands.emplace_back(b.begin(), b.end());
+    return toDict(onLoop([this, s = *parsed, demands, name]() { return client_->createPlacementGroup(s, demands, name); }));
+  }
+
+  py::dict placementGroup(const std::string& id) {
+    return toDict(onLoop([this, id]() { return client_->placementGroup(PlacementGroupId(id)); }));
+  }
+
+  void removePlacementGroup(const std::string& id) {
+    onLoop([this, id]() { return client_->removePlacementGroup(PlacementGroupId(id)); });
+  }
+
+  void putGroup(const std::string& id, const std::string& doc) {
+    onLoop([this, id, doc]() { return client_->putGroup(id, doc); });
+  }
+
+  void groupEvent(const std::string& id, const std::string& text) {
+    onLoop([this, id, text]() { return client_->groupEvent(id, text); });
+  }
+
+  void removeGroup(const std::string& id) {
+    onLoop([this, id]() { return client_->removeGroup(id); });
+  }
+
+  // The group's record as a dict ({} for an unknown group).
+  py::dict group(const std::string& id) {
+    auto record = onLoop([this, id]() { return client_->group(id); });
+    py::dict d;
+    if (!record) return d;
+    d["id"] = record->id;
+    d["doc"] = record->doc;
+    d["events"] = record->events;
+    d["epoch"] = record->epoch;
+    return d;
   }
 
   // {"actors": [...]} as plain dicts.
@@ -715,7 +769,14 @@ PYBIND11_MODULE(_core, m) {
       .def("status", &Runtime::status)
       .def("nodes", &Runtime::nodes)
       .def("poll_output", &Runtime::pollOutput)
-      .def("flush_output", &Runtime::flushOutput);
+      .def("flush_output", &Runtime::flushOutput)
+      .def("create_placement_group", &Runtime::createPlacementGroup)
+      .def("placement_group", &Runtime::placementGroup)
+      .def("remove_placement_group", &Runtime::removePlacementGroup)
+      .def("put_group", &Runtime::putGroup)
+      .def("group_event", &Runtime::groupEvent)
+      .def("remove_group", &Runtime::removeGroup)
+      .def("group", &Runtime::group);
   m.def("serve_actor", &troupe::serveActor);
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
 }

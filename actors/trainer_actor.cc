@@ -1,0 +1,349 @@
+// The "Trainer" actor (see train_actors.h): a TrainerEngine driven from a compute thread.
+// Threads: the worker's RPC thread receives calls and hands each to the compute thread, which
+// runs them one at a time in arrival order; the compute thread reaches other actors (the node's
+// dataloader and checkpoint actor) through the RPC thread's executor, and Redis (the
+// communicator's rendezvous) through a store it owns.
+#include <fmt/format.h>
+#include <kj/async.h>
+#include <kj/function.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "troupe/actors/train_actors.h"
+#include "troupe/actors/trainer_engine.h"
+#include "troupe/checkpoint/flash_segment.h"
+#include "troupe/checkpoint/image.h"
+#include "troupe/collectives/communicator.h"
+#include "troupe/runtime/client.h"
+#include "troupe/runtime/cluster_store.h"
+
+namespace troupe::actors {
+
+void registerDataloaderActor(ActorRegistry& registry);
+
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+Result<TrainerEngineOptions> engineOptions(const Json& e) {
+  TrainerEngineOptions o;
+  o.model = e.value("model", o.model);
+  o.loss = e.value("loss", o.loss);
+  o.optimizer = e.value("optimizer", o.optimizer);
+  o.lr = e.value("lr", o.lr);
+  o.weight_decay = e.value("weight_decay", o.weight_decay);
+  o.momentum = e.value("momentum", o.momentum);
+  o.seed = e.value("seed", o.seed);
+  o.threads = e.value("threads", o.threads);
+  o.global_batch = e.value("global_batch", o.global_batch);
+  o.max_micro_batch = e.value("max_micro_batch", o.max_micro_batch);
+  o.tinylm.context = e.value("context", o.tinylm.context);
+  if (e.contains("mlp_sizes")) o.mlp_sizes = e["mlp_sizes"].get<std::vector<int64_t>>();
+  return o;
+}
+
+class Trainer final : public Actor {
+ public:
+  static Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view args) {
+    Json j = Json::parse(args, nullptr, false);
+    if (!j.is_object()) return Status(StatusCode::kInvalidArgument, "Trainer init args are not a JSON object");
+    auto options = engineOptions(j.value("engine", Json::object()));
+    if (!options.isOk()) return options.status();
+    auto engine = TrainerEngine::create(*options);
+    if (!engine.isOk()) return engine.status();
+    auto redis = workerRedisOptions();
+    if (!redis.isOk()) return redis.status();
+    auto store = connectRedisStore(*redis);
+    if (!store.isOk()) return store.status();
+    auto self = std::unique_ptr<Trainer>(new Trainer(context, j, *options));
+    self->engine_ = std::move(*engine);
+    self->store_ = std::move(*store);
+    return std::unique_ptr<Actor>(std::move(self));
+  }
+
+  ~Trainer() noexcept override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (compute_.joinable()) compute_.join();
+  }
+
+  Result<std::string> call(const std::string& method, std::string_view) override {
+    return Status(StatusCode::kInternal, "Trainer::" + method + " runs through callAsync");
+  }
+
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+    Json j = Json::parse(payload.empty() ? std::string("{}") : payload, nullptr, false);
+    if (!j.is_object()) return Result<std::string>(Status(StatusCode::kInvalidArgument, "payload is not a JSON object"));
+    auto done = kj::newPromiseAndCrossThreadFulfiller<Result<std::string>>();
+    {
+      std::lock_guard lock(mutex_);
+      jobs_.push_back([this, method, j, fulfiller = kj::mv(done.fulfiller)]() mutable {
+        Result<std::string> r = Status(StatusCode::kInternal, "unreached");
+        try {
+          r = run(method, j);
+        } catch (const kj::Exception& e) {
+          r = Status(StatusCode::kUnavailable, e.getDescription().cStr());
+        } catch (const std::exception& e) {
+          r = Status(StatusCode::kInternal, e.what());
+        }
+        fulfiller->fulfill(kj::mv(r));
+      });
+    }
+    wake_.notify_all();
+    return kj::mv(done.promise);
+  }
+
+ private:
+  Trainer(const ActorContext& context, const Json& spec, TrainerEngineOptions options)
+      : context_(context),
+        executor_(kj::getCurrentThreadExecutor().addRef()),
+        group_(spec.value("group", "")),
+        dataloader_(spec.value("dataloader", "")),
+        checkpoint_(spec.value("checkpoint", "")),
+        snapshotEvery_(spec.value("snapshot_every", 1)),
+        slotRank_(spec.value("bundle", 0)),
+        options_(std::move(options)) {
+    compute_ = std::thread([this]() { computeLoop(); });
+  }
+
+  void computeLoop() {
+    for (;;) {
+      kj::Function<void()> job;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [this]() { return stopping_ || !jobs_.empty(); });
+        if (stopping_) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+
+  // Calls another actor from the compute thread (through the RPC thread).
+  Result<std::string> callActor(const std::string& id, const std::string& method, std::string payload) {
+    try {
+      return executor_->executeSync([this, &id, &method, &payload]() {
+        return context_.cluster->actor(ActorId(id)).call(method, kj::mv(payload));
+      });
+    } catch (const kj::Exception& e) {
+      return Status(StatusCode::kUnavailable, fmt::format("{} of actor {}: {}", method, id, e.getDescription().cStr()));
+    }
+  }
+
+  Result<std::string> run(const std::string& method, const Json& j) {
+    if (method == "join") return join(j);
+    if (method == "snapshots") return snapshots();
+    if (method == "restore") return restore(j.value("step", int64_t{0}));
+    if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
+    if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
+    return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
+  }
+
+  Result<std::string> join(const Json& j) {
+    collectives::CommunicatorOptions o;
+    o.group = group_;
+    o.epoch = j.value("epoch", int64_t{1});
+    o.rank = j.value("rank", 0);
+    o.worldSize = j.value("world", 1);
+    o.rendezvousTimeout = std::chrono::milliseconds(30'000);
+    comm_.reset();
+    std::shared_ptr<collectives::Communicator> comm;
+    if (o.worldSize > 1) {
+      auto c = collectives::connectCpuCommunicator(*store_, o);
+      if (!c.isOk()) return c.status();
+      comm = std::move(*c);
+    }
+    TROUPE_RETURN_IF_ERROR(engine_->join(comm));
+    comm_ = comm;
+    rank_ = o.rank;
+    world_ = o.worldSize;
+    return Json{{"rank", rank_}, {"world", world_}}.dump();
+  }
+
+  // The segment this trainer's bundle snapshots to (owned by the node's checkpoint actor).
+  Result<checkpoint::SegmentOptions> segmentOptions() {
+    if (segmentName_.empty()) {
+      auto reply = callActor(checkpoint_, "attach", Json{{"rank", slotRank_}}.dump());
+      if (!reply.isOk()) return reply.status();
+      Json r = Json::parse(*reply, nullptr, false);
+      segmentName_ = r.value("segment", "");
+      shmDir_ = r.value("shm_dir", "");
+    }
+    checkpoint::SegmentOptions o;
+    o.name = segmentName_;
+    o.dir = shmDir_;
+    return o;
+  }
+
+  Result<std::string> snapshots() {
+    Json steps = Json::array({0});  // the initial state is re-made from the seed
+    auto o = segmentOptions();
+    if (!o.isOk()) return o.status();
+    std::optional<checkpoint::FlashSegment> existing;
+    if (!segment_) {
+      auto opened = checkpoint::FlashSegment::openExisting(*o);
+      if (opened.isOk()) existing.emplace(std::move(*opened));
+    }
+    const checkpoint::FlashSegment* s = segment_ ? &*segment_ : existing ? &*existing : nullptr;
+    if (s) {
+      for (const auto& slot : s->slots()) {
+        if (slot.complete()) steps.push_back(slot.step);
+      }
+    }
+    return Json{{"steps", steps}}.dump();
+  }
+
+  Result<std::string> restore(int64_t step) {
+    std::string source;
+    if (step == 0) {
+      auto fresh = TrainerEngine::create(options_);
+      if (!fresh.isOk()) return fresh.status();
+      auto comm = comm_;
+      engine_ = std::move(*fresh);
+      TROUPE_RETURN_IF_ERROR(engine_->join(comm));
+      source = "seed";
+    } else {
+      auto o = segmentOptions();
+      if (!o.isOk()) return o.status();
+      std::optional<checkpoint::FlashSegment> existing;
+      if (!segment_) {
+        auto opened = checkpoint::FlashSegment::openExisting(*o);
+        if (!opened.isOk()) return opened.status();
+        existing.emplace(std::move(*opened));
+      }
+      const checkpoint::FlashSegment& s = segment_ ? *segment_ : *existing;
+      auto slot = s.completeAt(static_cast<uint64_t>(step));
+      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} in {}", step, s.path()));
+      // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
+      auto header = s.verify(*slot);
+      if (!header.isOk()) return header.status();
+      std::vector<HostTensor> state;
+      for (const auto& spec : header->layout.tensors()) {
+        HostTensor t;
+        t.name = spec.name;
+        t.dtype = spec.dtype;
+        t.shape = spec.shape;
+        t.bytes.resize(spec.bytes);
+        state.push_back(std::move(t));
+      }
+      std::vector<checkpoint::MutableBuffer> targets;
+      for (auto& t : state) targets.push_back({t.bytes.data(), t.bytes.size()});
+      auto restored = s.restoreInto(*slot, targets);
+      if (!restored.isOk()) return restored.status();
+      TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
+      source = "memory";
+    }
+    return Json{{"step", engine_->stepCount()}, {"source", source},
+                {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
+        .dump();
+  }
+
+  Status snapshot() {
+    auto state = engine_->state();
+    if (!layout_) {
+      std::vector<checkpoint::TensorSpec> specs;
+      for (const auto& t : state) {
+        auto spec = checkpoint::makeTensorSpec(t.name, t.dtype, t.shape);
+        if (!spec.isOk()) return spec.status();
+        specs.push_back(*spec);
+      }
+      auto layout = checkpoint::ImageLayout::plan(std::move(specs));
+      if (!layout.isOk()) return layout.status();
+      layout_.emplace(std::move(*layout));
+    }
+    if (!segment_) {
+      auto o = segmentOptions();
+      if (!o.isOk()) return o.status();
+      auto seg = checkpoint::FlashSegment::openForWrite(*o, layout_->imageBytes());
+      if (!seg.isOk()) return seg.status();
+      segment_.emplace(std::move(*seg));
+    }
+    std::vector<checkpoint::ConstBuffer> buffers;
+    for (const auto& t : state) buffers.push_back({t.bytes.data(), t.bytes.size()});
+    checkpoint::ImageStamp stamp{static_cast<uint64_t>(engine_->stepCount()), static_cast<uint32_t>(slotRank_),
+                                 static_cast<uint32_t>(world_)};
+    auto saved = segment_->save(*layout_, stamp, buffers, "");
+    if (!saved.isOk()) return saved.status();
+    // The checkpoint actor persists and replicates it in the background.
+    auto told = callActor(checkpoint_, "saved", Json{{"rank", slotRank_}, {"step", engine_->stepCount()}}.dump());
+    return told.isOk() ? Status::ok() : told.status();
+  }
+
+  Result<std::string> train(int64_t from, int64_t steps) {
+    if (engine_->stepCount() != from) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("trainer is at step {}, asked to run from step {}", engine_->stepCount(), from));
+    }
+    Json metrics = Json::array();
+    for (int64_t s = from; s < from + steps; ++s) {
+      auto t0 = Clock::now();
+      auto bytes = callActor(dataloader_, "take", Json{{"step", s}, {"rank", rank_}, {"world", world_}}.dump());
+      if (!bytes.isOk()) return bytes.status();
+      auto batch = decodeBatch(*bytes);
+      if (!batch.isOk()) return batch.status();
+      double wait = since(t0);
+      auto m = engine_->step(*batch);
+      if (!m.isOk()) return m.status();
+      auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", rank_}}.dump());
+      if (!done.isOk()) return done.status();
+      auto t1 = Clock::now();
+      if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) TROUPE_RETURN_IF_ERROR(snapshot());
+      metrics.push_back({{"step", m->step},
+                         {"loss", m->loss},
+                         {"compute_s", m->compute_s},
+                         {"comm_s", m->comm_s},
+                         {"wait_s", wait},
+                         {"snapshot_s", since(t1)},
+                         {"samples", m->samples},
+                         {"bytes_allreduced", m->bytes_allreduced}});
+    }
+    return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}}.dump();
+  }
+
+  ActorContext context_;
+  kj::Own<const kj::Executor> executor_;  // the RPC thread's
+  std::string group_;
+  std::string dataloader_;
+  std::string checkpoint_;
+  int64_t snapshotEvery_;
+  int slotRank_;
+  TrainerEngineOptions options_;
+  // Compute thread only:
+  std::unique_ptr<TrainerEngine> engine_;
+  std::unique_ptr<ClusterStore> store_;
+  std::shared_ptr<collectives::Communicator> comm_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::string segmentName_;
+  std::string shmDir_;
+  std::optional<checkpoint::ImageLayout> layout_;
+  std::optional<checkpoint::FlashSegment> segment_;
+  // The job queue (RPC thread -> compute thread):
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<kj::Function<void()>> jobs_;
+  bool stopping_ = false;
+  std::thread compute_;
+};
+
+}  // namespace
+
+void registerTrainActors(ActorRegistry& registry) {
+  registry.add("Trainer", &Trainer::create);
+  registerDataloaderActor(registry);
+}
+
+}  // namespace troupe::actors

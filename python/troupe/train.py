@@ -1,0 +1,341 @@
+"""Elastic training on a Troupe cluster: one group of C++ trainer, dataloader and checkpoint
+actors that keeps training through failures and resizes.
+
+    import troupe
+    from troupe.train import ElasticTrainer
+
+    troupe.init(num_cpus=2)
+    trainer = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3",
+                             optimizer={"name": "adamw", "lr": 3e-3}, global_batch_size=16,
+                             min_workers=1, max_workers=2)
+    history = trainer.fit(200)
+    trainer.close()
+
+The driver drives the group in chunks of steps: every trainer runs the same steps; a failure
+(a member killed, a node lost) ends the chunk on every rank, the controller advances the group's
+epoch, the driver waits for the replacement (or shrinks, never below min_workers), every rank
+restores the newest step that every rank holds in memory, the dataloader rewinds to it, and the
+next chunk starts. Membership, epoch, step, throughput and events are in the cluster (shown by
+`troupe status`).
+
+The actors' methods take and return JSON; the wire format is documented in
+actors/include/troupe/actors/trainer_actor.h.
+"""
+import json
+import os
+import tempfile
+import time
+import uuid
+
+from . import _api
+from ._api import ActorDiedError, ActorError, TroupeError
+
+__all__ = ["ElasticTrainer", "GroupPlacementError"]
+
+
+class GroupPlacementError(TroupeError):
+    """The group cannot be placed: not even min_workers trainers fit the cluster."""
+
+
+def _json_call(handle, method, payload=None):
+    return handle.__getattr__(method).remote(json.dumps(payload or {}).encode())
+
+
+def _load(reply):
+    return json.loads(reply.decode() if isinstance(reply, (bytes, bytearray)) else reply)
+
+
+def _model_path(model, workdir):
+    """A model name the trainer knows ("tinylm", "mlp"), a TorchScript file, or a torch.nn.Module
+    (scripted into `workdir`)."""
+    if isinstance(model, str):
+        if model in ("tinylm", "mlp") or os.path.exists(model):
+            return model
+        raise ValueError(f"model {model!r}: not 'tinylm', 'mlp' or an existing TorchScript file")
+    import torch
+
+    scripted = model if isinstance(model, torch.jit.ScriptModule) else torch.jit.script(model)
+    path = os.path.join(workdir, "model.pt")
+    scripted.save(path)
+    return path
+
+
+def _data_spec(data):
+    """A token file (.bin/.u16/.u32), a text file (its bytes are the tokens), or a dict with
+    'features' and 'labels' .npy paths."""
+    if isinstance(data, dict):
+        for key in ("features", "labels"):
+            if not os.path.exists(data.get(key, "")):
+                raise ValueError(f"data[{key!r}]: no such .npy file: {data.get(key)!r}")
+        return {"kind": "npy", "features": os.path.abspath(data["features"]), "labels": os.path.abspath(data["labels"])}
+    if not isinstance(data, str) or not os.path.exists(data):
+        raise ValueError(f"data {data!r}: no such file")
+    path = os.path.abspath(data)
+    if path.endswith(".u16"):
+        return {"kind": "tokens", "path": path, "dtype": "uint16"}
+    if path.endswith(".u32"):
+        return {"kind": "tokens", "path": path, "dtype": "uint32"}
+    return {"kind": "text", "path": path}
+
+
+class ElasticTrainer:
+    """A training job as one elastic group. See the module docstring."""
+
+    def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
+                 min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
+                 max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
+                 name=None):
+        if data is None:
+            raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
+        if not 1 <= min_workers <= max_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+        if global_batch_size < max_workers:
+            raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {max_workers}")
+        self._rt = _api._runtime()
+        self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
+        opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
+        checkpoint = {"dir": checkpoint} if isinstance(checkpoint, str) else dict(checkpoint or {})
+        self._engine = {
+            "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
+            "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": int(threads_per_worker),
+            "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
+            "context": int(context), **{k: v for k, v in opt.items()},
+        }
+        self._data = _data_spec(data)
+        self._checkpoint = {"dir": checkpoint.get("dir", ""), "snapshot_every": int(checkpoint.get("snapshot_every", 1)),
+                            "persist_every": int(checkpoint.get("persist_every", 0)),
+                            "keep": int(checkpoint.get("keep", 3))}
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.steps_per_call = steps_per_call
+        self.recovery_timeout = recovery_timeout
+        self.progress = progress
+        self.name = name or f"train-{uuid.uuid4().hex[:6]}"
+        self.step = 0
+        self.history = []
+        self.events = []
+        self._resize_to = None
+        self._closed = False
+        self._place(workers or max_workers)
+
+    # ---- Membership ----
+    def _place(self, workers):
+        """Reserves `workers` trainer bundles (fewer, down to min_workers, if they do not fit)."""
+        reasons = []
+        for n in range(workers, self.min_workers - 1, -1):
+            try:
+                pg = self._rt.create_placement_group("PACK", [{"CPU": 1.0}] * n, self.name)
+            except RuntimeError as e:  # infeasible: more CPUs than the cluster has
+                reasons.append(f"{n} trainer(s): {e}")
+                continue
+            if pg["state"] == "CREATED":
+                self._pg = pg
+                break
+            reasons.append(f"{n} trainer(s): {pg['pending_reason']}")
+            self._rt.remove_placement_group(pg["id"])
+        else:
+            raise GroupPlacementError(f"group {self.name} cannot be placed with at least {self.min_workers} "
+                                      f"trainer(s) of 1 CPU each: " + "; ".join(reasons))
+        self.group_id = self._pg["id"]
+        self._record({"state": "STARTING"})
+        self._event(f"placed {len(self._pg['bundle_nodes'])} trainer bundle(s) on node(s) "
+                    f"{sorted(set(self._pg['bundle_nodes']))}")
+        # One dataloader and one checkpoint actor per node, in the node's first bundle.
+        self._node_services = {}
+        for index, node in enumerate(self._pg["bundle_nodes"]):
+            if node in self._node_services:
+                continue
+            common = {"group": self.group_id, "node": node}
+            loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": self._data, "seed": self._engine["seed"],
+                                                              "global_batch": self._engine["global_batch"],
+                                                              "context": self._engine["context"]}).encode(),
+                                    num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
+            ckpt = _api.cpp_actor("Checkpoint", json.dumps({**common, **self._checkpoint}).encode(),
+                                  num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
+            self._node_services[node] = (loader, ckpt)
+        self.trainers = [self._spawn_trainer(i) for i in range(len(self._pg["bundle_nodes"]))]
+        self._join_all()
+
+    def _spawn_trainer(self, bundle):
+        node = self._pg["bundle_nodes"][bundle]
+        loader, ckpt = self._node_services[node]
+        spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader._id,
+                "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
+                "persist_every": self._checkpoint["persist_every"], "bundle": bundle}
+        return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
+                              placement_group=self.group_id, bundle_index=bundle)
+
+    def _epoch(self):
+        return int(self._rt.group(self.group_id).get("epoch", 0))
+
+    def _join_all(self, restore_step=None):
+        """Every trainer joins the group's current epoch (a new communicator), then restores
+        `restore_step` (None: the newest step every rank holds)."""
+        epoch = self._epoch() + 1
+        self._rt_advance(epoch)
+        world = len(self.trainers)
+        _api.get([_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world}) for r, t in enumerate(self.trainers)],
+                 timeout=self.recovery_timeout)
+        if restore_step is None:
+            held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in self.trainers])]
+            common = set.intersection(*held) if held else set()
+            restore_step = max(common) if common else 0
+        replies = _api.get([_json_call(t, "restore", {"step": restore_step}) for t in self.trainers],
+                           timeout=self.recovery_timeout)
+        restored = {_load(x)["step"] for x in replies}
+        if len(restored) != 1:
+            raise TroupeError(f"ranks restored different steps {sorted(restored)}")
+        self.step = restored.pop()
+        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        self._record({"state": "RUNNING"})
+        return epoch
+
+    def _rt_advance(self, epoch):
+        # The controller advances the epoch when a member dies; a resize or the first join
+        # advances it here. Joining an epoch ends every earlier one (collectives/README.md).
+        self._rt.put_group(self.group_id, json.dumps(self._doc({"state": "JOINING"})))
+
+    # ---- Records ----
+    def _doc(self, extra=None):
+        doc = {"name": self.name, "world_size": len(getattr(self, "trainers", [])), "step": self.step,
+               "members": [t._id for t in getattr(self, "trainers", [])],
+               "dataloaders": [l._id for l, _ in getattr(self, "_node_services", {}).values()],
+               "checkpoints": [c._id for _, c in getattr(self, "_node_services", {}).values()],
+               "min_workers": self.min_workers, "max_workers": self.max_workers,
+               "samples_per_s": self.history[-1]["samples_per_s"] if self.history else 0.0,
+               "loss": self.history[-1]["loss"] if self.history else None}
+        doc.update(extra or {})
+        return doc
+
+    def _record(self, extra=None):
+        self._rt.put_group(self.group_id, json.dumps(self._doc(extra)))
+
+    def _event(self, text):
+        self.events.append({"step": self.step, "time": time.time(), "text": text})
+        self._rt.group_event(self.group_id, text)
+
+    # ---- Training ----
+    def resize(self, workers):
+        """Grows or shrinks to `workers` trainers at the next chunk boundary."""
+        if not self.min_workers <= workers <= self.max_workers:
+            raise ValueError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
+        self._resize_to = workers
+
+    def fit(self, steps):
+        """Trains `steps` more steps; returns the history (one dict per step: step, loss, times,
+        samples/s, world size)."""
+        target = self.step + steps
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
+        start = self.step
+        try:
+            while self.step < target:
+                if self._resize_to is not None and self._resize_to != len(self.trainers):
+                    self._apply_resize(self._resize_to)
+                self._resize_to = None
+                chunk = min(self.steps_per_call, target - self.step)
+                t0 = time.monotonic()
+                refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
+                try:
+                    replies = [_load(x) for x in _api.get(refs)]
+                except (ActorDiedError, ActorError) as failure:
+                    self._recover(failure, refs)
+                    if bar is not None:
+                        bar.n = self.step - start
+                        bar.refresh()
+                    continue
+                wall = time.monotonic() - t0
+                self._absorb(replies, wall)
+                if bar is not None:
+                    last = self.history[-1]
+                    bar.update(chunk)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", sps=f"{last['samples_per_s']:.0f}",
+                                    world=len(self.trainers))
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history
+
+    def _absorb(self, replies, wall):
+        per_rank = [r["metrics"] for r in replies]
+        for i, m in enumerate(per_rank[0]):
+            row = {"step": m["step"], "loss": m["loss"], "world_size": len(self.trainers),
+                   "compute_s": max(r[i]["compute_s"] for r in per_rank),
+                   "comm_s": max(r[i]["comm_s"] for r in per_rank),
+                   "wait_s": max(r[i]["wait_s"] for r in per_rank),
+                   "samples": m["samples"]}
+            row["step_s"] = wall / len(per_rank[0])
+            row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
+            self.history.append(row)
+        self.step = per_rank[0][-1]["step"]
+        self._record({"state": "RUNNING"})
+
+    def _recover(self, failure, refs):
+        t0 = time.monotonic()
+        self._rt_state("RECOVERING")
+        # Every rank's run() has ended (the dead one with it, the others when their collectives
+        # failed); only then may they join a new epoch.
+        _api.wait(refs, num_returns=len(refs), timeout=self.recovery_timeout)
+        self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
+        survivors = []
+        for t in self.trainers:
+            try:
+                _api._call(self._rt.wait_ready, t._id)
+                survivors.append(t)
+            except Exception as e:  # dead for good (restarts exhausted, or no room)
+                self._event(f"trainer {t._id} is gone: {str(e)[:200]}")
+        if len(survivors) < self.min_workers:
+            raise TroupeError(f"group {self.name}: {len(survivors)} trainer(s) left, fewer than min_workers "
+                              f"{self.min_workers}") from failure
+        self.trainers = survivors
+        # Services restart in place too; wait for them before restoring.
+        for loader, ckpt in self._node_services.values():
+            _api._call(self._rt.wait_ready, loader._id)
+            _api._call(self._rt.wait_ready, ckpt._id)
+        self._join_all()
+        took = time.monotonic() - t0
+        self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
+        if self.history:
+            self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
+        self.recoveries = getattr(self, "recoveries", []) + [{"step": self.step, "recovery_s": took}]
+
+    def _rt_state(self, state):
+        self._record({"state": state})
+
+    def _apply_resize(self, workers):
+        current = len(self.trainers)
+        if workers > current:
+            raise TroupeError("growing a running group is not supported yet")
+        for t in self.trainers[workers:]:
+            _api.kill(t)
+        self.trainers = self.trainers[:workers]
+        self._join_all(restore_step=self.step)
+        self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
+
+    def parameter_hash(self):
+        return [_load(x)["hash"] for x in _api.get([_json_call(t, "hash") for t in self.trainers])]
+
+    def close(self):
+        """Ends the group: its actors, shared-memory segments and records."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _api.get([_json_call(c, "release") for _, c in self._node_services.values()], timeout=30)
+        except Exception:
+            pass
+        for t in self.trainers:
+            _api.kill(t)
+        for loader, ckpt in self._node_services.values():
+            _api.kill(loader)
+            _api.kill(ckpt)
+        self._rt.remove_placement_group(self.group_id)
+        self._rt.remove_group(self.group_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
