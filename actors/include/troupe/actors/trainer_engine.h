@@ -135,7 +135,7 @@ class TrainerEngine {
   Result<double> evaluate(const Batch& batch);
   int64_t stepCount() const;
   int64_t parameterCount() const;
-  // FNV-1a over every parameter's bytes in order: equal on all ranks while they agree.
+  // FNV-1a over every parameter's 32-bit words in order: equal on all ranks while they agree.
   uint64_t parameterHash() const;
   // A collective (every rank calls it): Ok when every rank's parameterHash() is the same, e.g.
   // after each rank loaded its checkpoint. kFailedPrecondition when they differ; the
