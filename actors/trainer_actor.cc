@@ -7,6 +7,8 @@
 #include <kj/async.h>
 #include <kj/function.h>
 
+#include <signal.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -114,6 +116,7 @@ class Trainer final : public Actor {
         checkpoint_(spec.value("checkpoint", "")),
         snapshotEvery_(spec.value("snapshot_every", 1)),
         slotRank_(spec.value("bundle", 0)),
+        killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
         options_(std::move(options)) {
     compute_ = std::thread([this]() { computeLoop(); });
   }
@@ -295,6 +298,7 @@ class Trainer final : public Actor {
       auto batch = decodeBatch(*bytes);
       if (!batch.isOk()) return batch.status();
       double wait = since(t0);
+      if (s == killAtStep_) ::raise(SIGKILL);  // holding a lease, before the all-reduce: the worst time
       auto m = engine_->step(*batch);
       if (!m.isOk()) return m.status();
       auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", rank_}}.dump());
@@ -308,7 +312,8 @@ class Trainer final : public Actor {
                          {"wait_s", wait},
                          {"snapshot_s", since(t1)},
                          {"samples", m->samples},
-                         {"bytes_allreduced", m->bytes_allreduced}});
+                         {"bytes_allreduced", m->bytes_allreduced},
+                         {"sample_ids", batch->sample_ids}});
     }
     return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}}.dump();
   }
@@ -320,6 +325,7 @@ class Trainer final : public Actor {
   std::string checkpoint_;
   int64_t snapshotEvery_;
   int slotRank_;
+  int64_t killAtStep_;  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   TrainerEngineOptions options_;
   // Compute thread only:
   std::unique_ptr<TrainerEngine> engine_;

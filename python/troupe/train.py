@@ -84,7 +84,7 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None):
+                 name=None, _fault=None):
         if data is None:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
         if not 1 <= min_workers <= max_workers:
@@ -115,6 +115,8 @@ class ElasticTrainer:
         self.events = []
         self._resize_to = None
         self._closed = False
+        self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s}
+        self.recoveries = []
         self._place(workers or max_workers)
 
     # ---- Membership ----
@@ -160,7 +162,8 @@ class ElasticTrainer:
         loader, ckpt = self._node_services[node]
         spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader._id,
                 "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
-                "persist_every": self._checkpoint["persist_every"], "bundle": bundle}
+                "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
+                "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1}
         return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
                               placement_group=self.group_id, bundle_index=bundle)
 
@@ -265,7 +268,8 @@ class ElasticTrainer:
                    "compute_s": max(r[i]["compute_s"] for r in per_rank),
                    "comm_s": max(r[i]["comm_s"] for r in per_rank),
                    "wait_s": max(r[i]["wait_s"] for r in per_rank),
-                   "samples": m["samples"]}
+                   "samples": m["samples"],
+                   "sample_ids": sorted(x for r in per_rank for x in r[i]["sample_ids"])}
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
@@ -299,7 +303,7 @@ class ElasticTrainer:
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         if self.history:
             self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
-        self.recoveries = getattr(self, "recoveries", []) + [{"step": self.step, "recovery_s": took}]
+        self.recoveries.append({"step": self.step, "recovery_s": took})
 
     def _rt_state(self, state):
         self._record({"state": state})
