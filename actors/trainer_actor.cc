@@ -149,7 +149,7 @@ class Trainer final : public Actor {
   Result<std::string> run(const std::string& method, const Json& j) {
     if (method == "join") return join(j);
     if (method == "snapshots") return snapshots();
-    if (method == "restore") return restore(j.value("step", int64_t{0}));
+    if (method == "restore") return restore(j.value("step", int64_t{0}), j.value("from_bundle", -1));
     if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
@@ -174,6 +174,17 @@ class Trainer final : public Actor {
     rank_ = o.rank;
     world_ = o.worldSize;
     return Json{{"rank", rank_}, {"world", world_}}.dump();
+  }
+
+  // The segment another bundle's trainer on this node snapshots to (a new member starts from it).
+  Result<checkpoint::SegmentOptions> peerSegmentOptions(int bundle) {
+    auto reply = callActor(checkpoint_, "attach", Json{{"rank", bundle}}.dump());
+    if (!reply.isOk()) return reply.status();
+    Json r = Json::parse(*reply, nullptr, false);
+    checkpoint::SegmentOptions o;
+    o.name = r.value("segment", "");
+    o.dir = r.value("shm_dir", "");
+    return o;
   }
 
   // The segment this trainer's bundle snapshots to (owned by the node's checkpoint actor).
@@ -209,7 +220,7 @@ class Trainer final : public Actor {
     return Json{{"steps", steps}}.dump();
   }
 
-  Result<std::string> restore(int64_t step) {
+  Result<std::string> restore(int64_t step, int fromBundle) {
     std::string source;
     if (step == 0) {
       auto fresh = TrainerEngine::create(options_);
@@ -219,15 +230,15 @@ class Trainer final : public Actor {
       TROUPE_RETURN_IF_ERROR(engine_->join(comm));
       source = "seed";
     } else {
-      auto o = segmentOptions();
+      auto o = fromBundle >= 0 ? peerSegmentOptions(fromBundle) : segmentOptions();
       if (!o.isOk()) return o.status();
       std::optional<checkpoint::FlashSegment> existing;
-      if (!segment_) {
+      if (!segment_ || fromBundle >= 0) {
         auto opened = checkpoint::FlashSegment::openExisting(*o);
         if (!opened.isOk()) return opened.status();
         existing.emplace(std::move(*opened));
       }
-      const checkpoint::FlashSegment& s = segment_ ? *segment_ : *existing;
+      const checkpoint::FlashSegment& s = existing ? *existing : *segment_;
       auto slot = s.completeAt(static_cast<uint64_t>(step));
       if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} in {}", step, s.path()));
       // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
@@ -247,7 +258,7 @@ class Trainer final : public Actor {
       auto restored = s.restoreInto(*slot, targets);
       if (!restored.isOk()) return restored.status();
       TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
-      source = "memory";
+      source = fromBundle >= 0 ? fmt::format("memory of bundle {}", fromBundle) : "memory";
     }
     return Json{{"step", engine_->stepCount()}, {"source", source},
                 {"hash", fmt::format("{:016x}", engine_->parameterHash())}}

@@ -395,6 +395,21 @@ class Runtime {
     return toDict(onLoop([this, id]() { return client_->placementGroup(PlacementGroupId(id)); }));
   }
 
+  // Appends bundles to a live group (all or nothing); returns the group as placePlacementGroup.
+  py::dict addBundles(const std::string& id, const std::vector<std::map<std::string, double>>& bundles) {
+    std::vector<Resources> demands;
+    for (const auto& b : bundles) demands.emplace_back(b.begin(), b.end());
+    return toDict(onLoop([this, id, demands]() {
+      return client_->placementGroup(PlacementGroupId(id)).then([this, demands](PlacementGroupRecord g) {
+        return client_->addBundles(g, demands);
+      });
+    }));
+  }
+
+  py::dict removeBundles(const std::string& id, const std::vector<uint32_t>& indices) {
+    return toDict(onLoop([this, id, indices]() { return client_->removeBundles(PlacementGroupId(id), indices); }));
+  }
+
   void removePlacementGroup(const std::string& id) {
     onLoop([this, id]() { return client_->removePlacementGroup(PlacementGroupId(id)); });
   }
@@ -773,6 +788,8 @@ PYBIND11_MODULE(_core, m) {
       .def("create_placement_group", &Runtime::createPlacementGroup)
       .def("placement_group", &Runtime::placementGroup)
       .def("remove_placement_group", &Runtime::removePlacementGroup)
+      .def("add_bundles", &Runtime::addBundles)
+      .def("remove_bundles", &Runtime::removeBundles)
       .def("put_group", &Runtime::putGroup)
       .def("group_event", &Runtime::groupEvent)
       .def("remove_group", &Runtime::removeGroup)

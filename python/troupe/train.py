@@ -141,10 +141,16 @@ class ElasticTrainer:
         self._record({"state": "STARTING"})
         self._event(f"placed {len(self._pg['bundle_nodes'])} trainer bundle(s) on node(s) "
                     f"{sorted(set(self._pg['bundle_nodes']))}")
-        # One dataloader and one checkpoint actor per node, in the node's first bundle.
         self._node_services = {}
+        self._ensure_node_services()
+        self._bundles = list(range(len(self._pg["bundle_nodes"])))
+        self.trainers = [self._spawn_trainer(b) for b in self._bundles]
+        self._join_all()
+
+    def _ensure_node_services(self):
+        """One dataloader and one checkpoint actor per node, in the node's first bundle."""
         for index, node in enumerate(self._pg["bundle_nodes"]):
-            if node in self._node_services:
+            if node in self._node_services or not node:
                 continue
             common = {"group": self.group_id, "node": node}
             loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": self._data, "seed": self._engine["seed"],
@@ -154,8 +160,6 @@ class ElasticTrainer:
             ckpt = _api.cpp_actor("Checkpoint", json.dumps({**common, **self._checkpoint}).encode(),
                                   num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
             self._node_services[node] = (loader, ckpt)
-        self.trainers = [self._spawn_trainer(i) for i in range(len(self._pg["bundle_nodes"]))]
-        self._join_all()
 
     def _spawn_trainer(self, bundle):
         node = self._pg["bundle_nodes"][bundle]
@@ -170,20 +174,29 @@ class ElasticTrainer:
     def _epoch(self):
         return int(self._rt.group(self.group_id).get("epoch", 0))
 
-    def _join_all(self, restore_step=None):
-        """Every trainer joins the group's current epoch (a new communicator), then restores
-        `restore_step` (None: the newest step every rank holds)."""
+    def _join_all(self, restore_step=None, fresh=()):
+        """Every trainer joins a new epoch of the group (a new communicator), then restores
+        `restore_step` (None: the newest step every rank holds in memory). Trainers in `fresh`
+        (new members) restore from the memory of the first other member on their node."""
         epoch = self._epoch() + 1
         self._rt_advance(epoch)
         world = len(self.trainers)
         _api.get([_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world}) for r, t in enumerate(self.trainers)],
                  timeout=self.recovery_timeout)
+        old = [t for t in self.trainers if t._id not in fresh]
         if restore_step is None:
-            held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in self.trainers])]
+            held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
             restore_step = max(common) if common else 0
-        replies = _api.get([_json_call(t, "restore", {"step": restore_step}) for t in self.trainers],
-                           timeout=self.recovery_timeout)
+        requests = []
+        for t, bundle in zip(self.trainers, self._bundles):
+            payload = {"step": restore_step}
+            if t._id in fresh and restore_step > 0:
+                node = self._pg["bundle_nodes"][bundle]
+                payload["from_bundle"] = next(b for o, b in zip(self.trainers, self._bundles)
+                                              if o._id not in fresh and self._pg["bundle_nodes"][b] == node)
+            requests.append(_json_call(t, "restore", payload))
+        replies = _api.get(requests, timeout=self.recovery_timeout)
         restored = {_load(x)["step"] for x in replies}
         if len(restored) != 1:
             raise TroupeError(f"ranks restored different steps {sorted(restored)}")
@@ -293,6 +306,7 @@ class ElasticTrainer:
         if len(survivors) < self.min_workers:
             raise TroupeError(f"group {self.name}: {len(survivors)} trainer(s) left, fewer than min_workers "
                               f"{self.min_workers}") from failure
+        self._bundles = [b for t, b in zip(self.trainers, self._bundles) if t in survivors]
         self.trainers = survivors
         # Services restart in place too; wait for them before restoring.
         for loader, ckpt in self._node_services.values():
@@ -309,14 +323,31 @@ class ElasticTrainer:
         self._record({"state": state})
 
     def _apply_resize(self, workers):
+        """Shrinks (the newest trainers leave and their bundles are freed) or grows (bundles are
+        added to the placement group, new trainers start from a member's memory snapshot) at
+        a step boundary; no step is lost either way."""
         current = len(self.trainers)
-        if workers > current:
-            raise TroupeError("growing a running group is not supported yet")
-        for t in self.trainers[workers:]:
-            _api.kill(t)
-        self.trainers = self.trainers[:workers]
-        self._join_all(restore_step=self.step)
+        if workers < current:
+            leaving = self._bundles[workers:]
+            for t in self.trainers[workers:]:
+                _api.kill(t)
+            self.trainers, self._bundles = self.trainers[:workers], self._bundles[:workers]
+            self._pg = self._rt.remove_bundles(self.group_id, leaving)
+            self._join_all(restore_step=self.step)
+        else:
+            try:
+                self._pg = self._rt.add_bundles(self.group_id, [{"CPU": 1.0}] * (workers - current))
+            except RuntimeError as e:
+                self._event(f"cannot grow from {current} to {workers} trainer(s): {e}")
+                return False
+            self._ensure_node_services()
+            added = list(range(len(self._pg["bundle_nodes"]) - (workers - current), len(self._pg["bundle_nodes"])))
+            fresh = [self._spawn_trainer(b) for b in added]
+            self.trainers += fresh
+            self._bundles += added
+            self._join_all(restore_step=self.step, fresh={t._id for t in fresh})
         self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
+        return True
 
     def parameter_hash(self):
         return [_load(x)["hash"] for x in _api.get([_json_call(t, "hash") for t in self.trainers])]

@@ -99,7 +99,7 @@ def test_killing_a_dataloader_or_checkpoint_actor_is_recovered(cluster, member):
         assert any(member in e for e in group_record(t)["events"])
 
 
-def test_resize_down_keeps_every_step_and_status_shows_the_group(cluster):
+def test_resize_down_and_up_keeps_every_step_and_the_group_record_follows(cluster):
     with make() as t:
         t.fit(3)
         t.resize(1)
@@ -107,12 +107,21 @@ def test_resize_down_keeps_every_step_and_status_shows_the_group(cluster):
         assert t.step == 6
         assert [row["world_size"] for row in t.history] == [2, 2, 2, 1, 1, 1]
         assert [row["step"] for row in t.history] == [1, 2, 3, 4, 5, 6]
+        assert len([a for a in troupe.actors() if a["type"] == "Trainer" and a["state"] == "ALIVE"]) == 1
         import json
 
         record = group_record(t)
         doc = json.loads(record["doc"])
         assert doc["world_size"] == 1 and doc["step"] == 6 and len(doc["members"]) == 1
         assert any("resized from 2 to 1" in e for e in record["events"])
+
+        t.resize(2)  # the freed CPU is taken again; the new trainer starts from rank 0's memory
+        t.fit(3)
+        assert [row["world_size"] for row in t.history][-3:] == [2, 2, 2]
+        assert [row["step"] for row in t.history] == list(range(1, 10))
+        hashes = t.parameter_hash()
+        assert len(hashes) == 2 and hashes[0] == hashes[1]
+        assert any("resized from 1 to 2" in e for e in group_record(t)["events"])
 
 
 def test_a_group_that_cannot_be_placed_says_why(cluster):
