@@ -490,6 +490,60 @@ Status RankFile::readImage(uint8_t* dst) const {
   return Status::ok();
 }
 
+Result<PersistOutcome> persistSnapshot(CheckpointDirectory& dir, const FlashSegment& segment, const SlotInfo& slot) {
+  if (!slot.complete()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("slot {} of {} holds no complete snapshot", slot.index, segment.path()));
+  }
+  const uint8_t* image = segment.slotData(slot.index);
+  auto header = parseImageHeader(image, std::min(slot.imageBytes, segment.slotCapacity()));
+  if (!segment.unchanged(slot)) {
+    return Status(StatusCode::kAborted, fmt::format("slot {} of {} was overwritten", slot.index, segment.path()));
+  }
+  if (!header.isOk()) return header.status();
+  PersistRequest request;
+  request.stamp = header->stamp;
+  request.headerCrc = header->headerCrc;
+  request.imageBytes = header->layout.imageBytes();
+  request.pieces = {ImagePiece{image, request.imageBytes}};
+  request.stillValid = [&segment, slot]() { return segment.unchanged(slot); };
+  return dir.persistRank(request);
+}
+
+Result<PersistOutcome> persistTensors(CheckpointDirectory& dir, const ImageLayout& layout, const ImageStamp& stamp,
+                                      std::span<const ConstBuffer> tensors, std::string_view meta) {
+  const auto& specs = layout.tensors();
+  if (tensors.size() != specs.size()) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{} tensors given for a layout of {}", tensors.size(), specs.size()));
+  }
+  std::vector<uint32_t> crcs(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (tensors[i].size != specs[i].bytes) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("tensor '{}' is {} bytes; the layout says {}", specs[i].name, tensors[i].size,
+                                specs[i].bytes));
+    }
+    crcs[i] = crc32c(tensors[i].data, tensors[i].size);
+  }
+  std::vector<uint8_t> header(layout.headerBytes());
+  TROUPE_RETURN_IF_ERROR(layout.encodeHeader(header.data(), stamp, crcs, meta));
+  static const std::vector<uint8_t> zeros(kPageBytes, 0);  // padding between and after tensors
+  PersistRequest request;
+  request.stamp = stamp;
+  request.headerCrc = peekImage(header.data(), header.size())->headerCrc;
+  request.imageBytes = layout.imageBytes();
+  request.pieces.push_back({header.data(), header.size()});
+  uint64_t at = layout.headerBytes();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (layout.tensorOffset(i) > at) request.pieces.push_back({zeros.data(), layout.tensorOffset(i) - at});
+    request.pieces.push_back({static_cast<const uint8_t*>(tensors[i].data), specs[i].bytes});
+    at = layout.tensorOffset(i) + specs[i].bytes;
+  }
+  if (layout.imageBytes() > at) request.pieces.push_back({zeros.data(), layout.imageBytes() - at});
+  return dir.persistRank(request);
+}
+
 Result<LoadedRank> loadRank(const CheckpointDirectory& dir, uint32_t rank, const TensorAllocator& allocate,
                             uint64_t maxStep) {
   auto steps = dir.completeSteps();

@@ -270,3 +270,43 @@ TEST_CASE("checkpoint dir: a full disk reports an error and loses nothing") {
 
 }  // namespace
 }  // namespace troupe::checkpoint
+
+namespace troupe::checkpoint {
+namespace {
+
+TEST_CASE("checkpoint dir: snapshots persist straight from shared memory; plain buffers give the same file") {
+  testing::ScratchDir scratch;
+  testing::ScratchDir shm("/dev/shm");
+  CheckpointDirectory dir(optionsFor(scratch.str() + "/a"));
+  CheckpointDirectory other(optionsFor(scratch.str() + "/b"));
+  REQUIRE(dir.open().isOk());
+  REQUIRE(other.open().isOk());
+  testing::TestState state;
+  auto layout = state.layout();
+  SegmentOptions o;
+  o.dir = shm.str();
+  o.name = "troupe_ckpt.g.n.r0";
+  o.fault = {};
+  auto segment = FlashSegment::openForWrite(o, layout.imageBytes());
+  REQUIRE(segment.isOk());
+  state.fill(7);
+  auto slot = segment->save(layout, {7, 0, 1}, state.buffers(), "m");
+  REQUIRE(slot.isOk());
+  auto persisted = persistSnapshot(dir, *segment, *slot);
+  REQUIRE(persisted.isOk());
+  CHECK(persisted->stepComplete);
+  REQUIRE(persistTensors(other, layout, {7, 0, 1}, state.buffers(), "m").isOk());
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  CHECK(read(dir.rankPath(7, 0)) == read(other.rankPath(7, 0)));
+  // A slot overwritten by newer saves is not persisted.
+  state.fill(8);
+  REQUIRE(segment->save(layout, {8, 0, 1}, state.buffers(), "").isOk());
+  REQUIRE(segment->save(layout, {9, 0, 1}, state.buffers(), "").isOk());
+  CHECK(persistSnapshot(dir, *segment, *slot).status().code() == StatusCode::kAborted);
+}
+
+}  // namespace
+}  // namespace troupe::checkpoint

@@ -31,6 +31,11 @@ constexpr uint32_t kSegmentVersion = 1;
 constexpr uint64_t kSegmentHeaderBytes = 4096;
 constexpr int kSlots = 2;
 constexpr const char* kDefaultShmDir = "/dev/shm";
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;
+#endif
 
 // The segment's first page. Fields other shared-memory users change are read and written through
 // std::atomic_ref.
@@ -154,7 +159,12 @@ Result<FlashSegment> FlashSegment::openForWrite(const SegmentOptions& options, u
                     fmt::format("checkpoint segment {} is being written by another process (pid {}); one writer per rank",
                                 existing->path_, pid));
     }
-    if (existing->slotBytes_ >= slotBytes) return std::move(*existing);
+    if (existing->slotBytes_ >= slotBytes) {
+      // Pre-fault the writer's mapping so its first save pays no page faults (best effort:
+      // MADV_POPULATE_WRITE needs Linux 5.14).
+      (void)madvise(existing->base_, existing->totalBytes_, kMadvPopulateWrite);
+      return std::move(*existing);
+    }
     TROUPE_LOG(kInfo, "checkpoint segment {} has {}-byte slots; re-creating it for {}-byte images", existing->path_,
                existing->slotBytes_, imageBytes);
   } else if (existing.status().code() != StatusCode::kNotFound &&
@@ -257,7 +267,9 @@ Status FlashSegment::mapAndCheck(bool writable) {
   if (size < kSegmentHeaderBytes) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{} is not a checkpoint segment ({} bytes)", path_, size));
   }
-  void* base = mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED | MAP_POPULATE, fd_, 0);
+  // Not pre-faulted: the pages exist already (a reader's faults only map them), and a reader that
+  // looks at one slot's header must not pay for mapping the whole segment.
+  void* base = mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd_, 0);
   if (base == MAP_FAILED) {
     int e = errno;
     return Status(StatusCode::kUnavailable, fmt::format("cannot map checkpoint segment {}: {}", path_, errnoText(e)));

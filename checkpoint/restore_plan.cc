@@ -10,8 +10,9 @@ namespace troupe::checkpoint {
 const char* sourceTierName(SourceTier tier) {
   switch (tier) {
     case SourceTier::kLocalMemory: return "memory";
+    case SourceTier::kLocalReplica: return "local replica";
     case SourceTier::kPeerMemory: return "peer memory";
-    case SourceTier::kReplica: return "replica";
+    case SourceTier::kPeerReplica: return "peer replica";
     case SourceTier::kDisk: return "disk";
   }
   return "?";

@@ -13,7 +13,7 @@ TEST_CASE("restore plan: the newest step held by every rank, sources best first"
   std::vector<Holding> holdings = {
       held(0, 30, SourceTier::kLocalMemory),                   // rank 1 has no step 30: not a candidate
       held(0, 20, SourceTier::kDisk),
-      held(0, 20, SourceTier::kReplica, "ckpt-b"),
+      held(0, 20, SourceTier::kPeerReplica, "ckpt-b"),
       held(0, 20, SourceTier::kLocalMemory),
       held(1, 20, SourceTier::kPeerMemory, "ckpt-b"),
       held(0, 10, SourceTier::kDisk),
@@ -24,7 +24,7 @@ TEST_CASE("restore plan: the newest step held by every rank, sources best first"
   CHECK(plan[0].step == 20);
   REQUIRE(plan[0].sources.size() == 3);
   CHECK(plan[0].sources[0].tier == SourceTier::kLocalMemory);
-  CHECK(plan[0].sources[1].tier == SourceTier::kReplica);
+  CHECK(plan[0].sources[1].tier == SourceTier::kPeerReplica);
   CHECK(plan[0].sources[2].tier == SourceTier::kDisk);
   CHECK(plan[1].step == 10);
 

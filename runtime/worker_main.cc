@@ -10,6 +10,7 @@
 
 #include "daemon.h"
 #include "troupe.capnp.h"
+#include "troupe/actors/checkpoint_actor.h"
 #include "troupe/actors/test_actors.h"
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/client.h"
@@ -150,6 +151,7 @@ int main(int argc, char** argv) {
   }
   ActorRegistry registry;
   actors::registerTestActors(registry);
+  actors::registerCheckpointActor(registry);
   ActorContext context{ActorId(actorId), type, incarnation, cluster.get()};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {

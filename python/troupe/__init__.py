@@ -11,7 +11,8 @@
     c = Counter.remote()
     print(troupe.get(c.add.remote(5)))
 
-`troupe.optim` (AGD, WSAM, LAMB, LARS, AdamW on fused C++ kernels) is imported on first use,
+`troupe.optim` (AGD, WSAM, LAMB, LARS, AdamW on fused C++ kernels) and `troupe.checkpoint`
+(Flash checkpoints: shared-memory snapshots, the persisted format) are imported on first use,
 so `import troupe` does not import torch.
 """
 
@@ -23,10 +24,10 @@ from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError
 
 __all__ = ["ActorClass", "ActorDiedError", "ActorError", "ActorHandle", "GetTimeoutError", "ObjectRef", "TroupeError",
            "actors", "cluster_resources", "cpp_actor", "get", "get_actor", "init", "is_initialized", "kill", "nodes",
-           "optim", "remote", "shutdown", "wait"]
+           "checkpoint", "optim", "remote", "shutdown", "wait"]
 
 
 def __getattr__(name):
-    if name == "optim":
-        return importlib.import_module(".optim", __name__)
+    if name in ("optim", "checkpoint"):
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'troupe' has no attribute {name!r}")

@@ -20,10 +20,13 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <string>
 #include <vector>
 
 #include "troupe/checkpoint/fault.h"
+#include "troupe/checkpoint/flash_segment.h"
 #include "troupe/checkpoint/image.h"
 #include "troupe/runtime/status.h"
 
@@ -133,6 +136,14 @@ class RankFile {
   int fd_ = -1;
   ImageHeader header_;
 };
+
+// Persists the snapshot in `slot` of `segment` (straight from shared memory; the slot's sequence
+// number is checked once written, so a snapshot overwritten meanwhile is discarded with kAborted).
+Result<PersistOutcome> persistSnapshot(CheckpointDirectory& dir, const FlashSegment& segment, const SlotInfo& slot);
+// Persists tensors from plain buffers (one per layout tensor, sizes equal): CRCs computed, then
+// written as the same image a snapshot would be. For saving without shared memory.
+Result<PersistOutcome> persistTensors(CheckpointDirectory& dir, const ImageLayout& layout, const ImageStamp& stamp,
+                                      std::span<const ConstBuffer> tensors, std::string_view meta);
 
 // Allocates the buffer tensor `index` is read into; an error stops the load.
 using TensorAllocator = std::function<Result<void*>(size_t index, const TensorSpec& spec)>;

@@ -1,6 +1,7 @@
 // Choosing what to restore: the newest step that every rank of that step's world holds in some
-// tier, and for the restoring rank the places that hold it, best first: this node's memory, the
-// memory of another node (the rank's old node), a peer's replica, then disk.
+// tier, and for the restoring rank the places that hold it, best first: this node's memory, a
+// replica kept on this node, the memory of another node (the rank's old node), a replica kept by
+// another node, then disk.
 // Thread-safety: pure functions over values.
 #pragma once
 
@@ -11,8 +12,9 @@
 
 namespace troupe::checkpoint {
 
-enum class SourceTier { kLocalMemory = 0, kPeerMemory = 1, kReplica = 2, kDisk = 3 };
-const char* sourceTierName(SourceTier tier);  // "memory", "peer memory", "replica", "disk"
+enum class SourceTier { kLocalMemory = 0, kLocalReplica = 1, kPeerMemory = 2, kPeerReplica = 3, kDisk = 4 };
+// "memory", "local replica", "peer memory", "peer replica", "disk"
+const char* sourceTierName(SourceTier tier);
 
 // One place that holds one rank's snapshot of one step.
 struct Holding {
@@ -20,7 +22,8 @@ struct Holding {
   uint64_t step = 0;
   uint32_t worldSize = 1;
   SourceTier tier = SourceTier::kDisk;
-  std::string holder;  // the checkpoint actor holding it (peer memory, replica); empty otherwise
+  std::string holder;       // the checkpoint actor holding it (memory and replica tiers)
+  uint64_t imageBytes = 0;  // the size of its image, when known
   bool operator==(const Holding&) const = default;
 };
 

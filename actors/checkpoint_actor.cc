@@ -1,0 +1,923 @@
+// The Checkpoint actor. Threads:
+//   RPC thread (the worker's KJ loop): every call; sending replicas to the peer and fetching
+//     snapshots from peers (chunked actor calls); bookkeeping (ranks_, replicas_, restores_).
+//   persist thread (an IoThread): writes snapshots to the directory; owns a Persister.
+//   restore thread (an IoThread): the blocking parts of a restore: verifying a snapshot, copying
+//     a local replica, reading a rank file.
+//   timer thread (an IoThread): deadlines for calls to peers.
+// The threads share nothing but what a job carries; results come back to the RPC thread as
+// promises (IoThread::call).
+#include "troupe/actors/checkpoint_actor.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <asio/steady_timer.hpp>
+#include <kj/debug.h>
+#include <kj/vector.h>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "troupe/checkpoint/checkpoint_dir.h"
+#include "troupe/checkpoint/flash_segment.h"
+#include "troupe/checkpoint/restore_plan.h"
+#include "troupe/runtime/client.h"
+#include "troupe/runtime/io_thread.h"
+#include "troupe/runtime/logging.h"
+
+namespace troupe::actors {
+namespace {
+
+namespace ck = troupe::checkpoint;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr uint64_t kChunkBytes = uint64_t(4) << 20;  // per replica / fetch call (messages stay small)
+constexpr uint64_t kMaxReadBytes = uint64_t(8) << 20;
+constexpr size_t kWindow = 4;                          // chunk calls in flight
+constexpr size_t kMaxErrors = 10;                      // recent errors kept for status
+constexpr auto kInventoryTimeout = std::chrono::seconds(5);
+constexpr auto kChunkTimeout = std::chrono::seconds(60);
+constexpr uint64_t kReplicaHeaderBytes = 24;
+
+struct Options {
+  std::string group;
+  std::string node;
+  std::string self;
+  std::vector<std::string> members;
+  std::string replicaTo;
+  std::string dir;
+  uint32_t keep = 3;
+  std::string shmDir;
+  ck::FaultInjection fault;
+
+  std::string primary(uint32_t rank) const { return *ck::segmentName(group, node, ck::SegmentKind::kPrimary, rank); }
+  std::string replica(uint32_t rank) const { return *ck::segmentName(group, node, ck::SegmentKind::kReplica, rank); }
+  ck::SegmentOptions segment(const std::string& name) const {
+    ck::SegmentOptions o;
+    o.dir = shmDir;
+    o.name = name;
+    o.fault = fault;
+    return o;
+  }
+  ck::DirectoryOptions directory(const std::atomic<bool>* stop) const {
+    ck::DirectoryOptions o;
+    o.path = dir;
+    o.keep = keep;
+    o.fault = fault;
+    o.stop = stop;
+    return o;
+  }
+};
+
+Status badArgs(const std::string& what) {
+  return Status(StatusCode::kInvalidArgument, "Checkpoint actor: " + what);
+}
+
+Result<Options> parseOptions(std::string_view initArgs) {
+  Options o;
+  try {
+    auto j = json::parse(initArgs.empty() ? std::string_view("{}") : initArgs);
+    if (!j.is_object()) return badArgs("init args must be a JSON object");
+    o.group = j.value("group", "");
+    o.node = j.value("node", "");
+    o.self = j.value("self", "");
+    o.members = j.value("members", std::vector<std::string>{});
+    o.dir = j.value("dir", "");
+    o.keep = j.value("keep", 3u);
+    o.shmDir = j.value("shm_dir", ck::defaultShmDir());
+    if (j.contains("replica_to")) {
+      o.replicaTo = j.at("replica_to").get<std::string>();
+    } else if (o.members.size() > 1) {
+      auto it = std::find(o.members.begin(), o.members.end(), o.self);
+      if (it == o.members.end()) return badArgs("\"self\" must be one of \"members\" to pick a replica target");
+      o.replicaTo = *(++it == o.members.end() ? o.members.begin() : it);
+    }
+    auto fault = ck::FaultInjection::parse(j.value("fault", ""));
+    if (!fault.isOk()) return fault.status();
+    o.fault = *fault;
+  } catch (const std::exception& e) {
+    return badArgs(fmt::format("bad init args: {}", e.what()));
+  }
+  auto name = ck::segmentName(o.group, o.node, ck::SegmentKind::kPrimary, 0);
+  if (!name.isOk()) return name.status();
+  if (o.replicaTo == o.self && !o.replicaTo.empty()) return badArgs("an actor cannot keep its own replicas");
+  return o;
+}
+
+Result<json> parsePayload(std::string_view payload, const char* method) {
+  try {
+    auto j = json::parse(payload.empty() ? std::string_view("{}") : payload);
+    if (!j.is_object()) throw std::runtime_error("not a JSON object");
+    return j;
+  } catch (const std::exception& e) {
+    return badArgs(fmt::format("{}: bad payload: {}", method, e.what()));
+  }
+}
+
+template <typename T>
+Result<T> field(const json& j, const char* name, const char* method) {
+  try {
+    if (!j.contains(name)) return badArgs(fmt::format("{}: missing \"{}\"", method, name));
+    return j.at(name).get<T>();
+  } catch (const std::exception& e) {
+    return badArgs(fmt::format("{}: \"{}\": {}", method, name, e.what()));
+  }
+}
+
+void remember(std::vector<std::string>& errors, std::string error) {
+  TROUPE_LOG(kWarning, "{}", error);
+  errors.push_back(std::move(error));
+  if (errors.size() > kMaxErrors) errors.erase(errors.begin());
+}
+
+Status statusOf(const kj::Exception& e) { return Status(StatusCode::kUnavailable, e.getDescription().cStr()); }
+
+// Mappings of segments by name, reopened when the file was replaced (a writer re-created it for
+// a new layout). Entries are shared so a transfer in progress keeps its mapping.
+// Thread-safety: belongs to one thread.
+class SegmentCache {
+ public:
+  explicit SegmentCache(const Options& options) : options_(options) {}
+
+  Result<std::shared_ptr<ck::FlashSegment>> get(const std::string& name) {
+    struct stat st {};
+    std::string path = (options_.shmDir.empty() ? ck::defaultShmDir() : options_.shmDir) + "/" + name;
+    if (::stat(path.c_str(), &st) != 0) {
+      entries_.erase(name);
+      return Status(StatusCode::kNotFound, fmt::format("no checkpoint segment {}", path));
+    }
+    auto it = entries_.find(name);
+    if (it != entries_.end() && it->second.ino == st.st_ino && it->second.dev == st.st_dev) return it->second.segment;
+    auto segment = ck::FlashSegment::openExisting(options_.segment(name));
+    if (!segment.isOk()) return segment.status();
+    auto shared = std::make_shared<ck::FlashSegment>(std::move(*segment));
+    entries_[name] = Entry{shared, st.st_dev, st.st_ino};
+    return shared;
+  }
+  void clear() { entries_.clear(); }
+
+ private:
+  struct Entry {
+    std::shared_ptr<ck::FlashSegment> segment;
+    dev_t dev = 0;
+    ino_t ino = 0;
+  };
+  const Options& options_;
+  std::map<std::string, Entry> entries_;
+};
+
+// Which snapshot was last handled: a slot and its sequence number identify one save.
+struct SnapshotId {
+  int slot = -1;
+  uint64_t seq = 0;
+  bool operator==(const SnapshotId&) const = default;
+};
+
+struct PersistReport {
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  bool persisted = false;
+  bool stepComplete = false;
+  Status error;
+};
+
+// The persist thread's state: the directory and the segment mappings it reads.
+class Persister {
+ public:
+  Persister(const Options& options, const std::atomic<bool>* stop)
+      : options_(options), cache_(options_), dir_(options_.directory(stop)) {}
+
+  Status open() { return dir_.open(); }
+
+  // Persists rank's newest complete snapshot unless it is the one persisted last.
+  PersistReport run(uint32_t rank) {
+    PersistReport report;
+    report.rank = rank;
+    auto segment = cache_.get(options_.primary(rank));
+    if (!segment.isOk()) {
+      report.error = segment.status();
+      return report;
+    }
+    auto slot = (*segment)->newestComplete();
+    if (!slot) return report;
+    report.step = slot->step;
+    SnapshotId id{slot->index, slot->seq};
+    if (last_[rank] == id) return report;
+    auto outcome = ck::persistSnapshot(dir_, **segment, *slot);
+    if (!outcome.isOk()) {
+      report.error = outcome.status();
+      return report;
+    }
+    last_[rank] = id;
+    report.persisted = true;
+    report.stepComplete = outcome->stepComplete;
+    TROUPE_LOG(kInfo, "persisted rank {} step {} ({} bytes in {:.3f} s{})", rank, slot->step, outcome->bytes,
+               outcome->seconds, outcome->stepComplete ? ", step complete" : "");
+    return report;
+  }
+  void dropMappings() { cache_.clear(); }
+
+ private:
+  Options options_;
+  SegmentCache cache_;
+  ck::CheckpointDirectory dir_;
+  std::map<uint32_t, SnapshotId> last_;
+};
+
+// The blocking parts of a restore, run on the restore thread. Each stages step `step` of rank
+// `rank` into the rank's segment on this node, or says why it could not.
+Status stageFromLocalMemory(const Options& o, uint32_t rank, uint64_t step) {
+  auto segment = ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true);
+  if (!segment.isOk()) return segment.status();
+  auto slot = segment->completeAt(step);
+  if (!slot) return Status(StatusCode::kNotFound, fmt::format("step {} is no longer in {}", step, segment->path()));
+  auto verified = segment->verify(*slot);
+  if (!verified.isOk()) {
+    (void)segment->markSlot(*slot, ck::SlotState::kCorrupt);
+    return verified.status();
+  }
+  return Status::ok();
+}
+
+Status stageFromLocalReplica(const Options& o, uint32_t rank, uint64_t step) {
+  auto replica = ck::FlashSegment::openExisting(o.segment(o.replica(rank)), /*writable=*/true);
+  if (!replica.isOk()) return replica.status();
+  auto slot = replica->completeAt(step);
+  if (!slot) return Status(StatusCode::kNotFound, fmt::format("step {} is no longer in {}", step, replica->path()));
+  auto verified = replica->verify(*slot);
+  if (!verified.isOk()) {
+    (void)replica->markSlot(*slot, ck::SlotState::kCorrupt);
+    return verified.status();
+  }
+  auto primary = ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), slot->imageBytes);
+  if (!primary.isOk()) return primary.status();
+  auto target = primary->beginImage(slot->imageBytes);
+  if (!target.isOk()) return target.status();
+  std::memcpy(primary->mutableSlotData(target->index), replica->slotData(slot->index), slot->imageBytes);
+  if (!replica->unchanged(*slot)) {
+    return Status(StatusCode::kAborted, fmt::format("the replica of step {} changed while being copied", step));
+  }
+  return primary->commitImage(target->index, /*verifyData=*/false).status();
+}
+
+Status stageFromDisk(const Options& o, uint32_t rank, uint64_t step) {
+  ck::CheckpointDirectory dir(o.directory(nullptr));
+  auto manifest = dir.readManifest(step);
+  if (!manifest.isOk()) return manifest.status();
+  if (rank >= manifest->worldSize) {
+    return Status(StatusCode::kNotFound, fmt::format("step {} on disk has no rank {}", step, rank));
+  }
+  auto file = ck::RankFile::open(dir.rankPath(step, rank), &manifest->ranks[rank]);
+  Status status = file.status();
+  if (file.isOk()) {
+    uint64_t bytes = file->header().layout.imageBytes();
+    auto primary = ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), bytes);
+    if (!primary.isOk()) return primary.status();
+    auto target = primary->beginImage(bytes);
+    if (!target.isOk()) return target.status();
+    status = file->readImage(primary->mutableSlotData(target->index));
+    if (status.isOk()) return primary->commitImage(target->index, /*verifyData=*/false).status();
+  }
+  // A rank file that fails its checks makes the whole step unusable, for every rank.
+  if (status.code() == StatusCode::kFailedPrecondition) (void)dir.quarantine(step);
+  return status;
+}
+
+// After step `step` is staged: snapshots of later steps in this rank's segment and partial later
+// steps on disk belong to a timeline the group abandoned.
+Status finishStaging(const Options& o, uint32_t rank, uint64_t step) {
+  auto segment = ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true);
+  if (!segment.isOk()) return segment.status();
+  for (const auto& slot : segment->slots()) {
+    if (slot.complete() && slot.step > step) (void)segment->markSlot(slot, ck::SlotState::kEmpty);
+  }
+  if (!o.dir.empty()) return ck::CheckpointDirectory(o.directory(nullptr)).dropIncompleteAfter(step);
+  return Status::ok();
+}
+
+// The disk tier's holdings: every rank of every step with a manifest.
+std::vector<ck::Holding> diskHoldings(const Options& o, std::vector<std::string>& skipped) {
+  std::vector<ck::Holding> out;
+  if (o.dir.empty()) return out;
+  ck::CheckpointDirectory dir(o.directory(nullptr));
+  auto steps = dir.completeSteps();
+  if (!steps.isOk()) {
+    if (steps.status().code() != StatusCode::kNotFound) skipped.push_back("disk: " + steps.status().message());
+    return out;
+  }
+  for (uint64_t step : *steps) {
+    auto manifest = dir.readManifest(step);
+    if (!manifest.isOk()) {
+      skipped.push_back(fmt::format("step {} on disk: {}", step, manifest.status().message()));
+      continue;
+    }
+    for (const auto& r : manifest->ranks) {
+      out.push_back(ck::Holding{r.rank, step, manifest->worldSize, ck::SourceTier::kDisk, "", r.bytes});
+    }
+  }
+  return out;
+}
+
+struct RestoreJob {
+  uint32_t rank = 0;
+  uint64_t maxStep = UINT64_MAX;
+  std::vector<ck::Holding> holdings;
+  std::vector<std::string> skipped;
+  std::vector<ck::RestoreCandidate> candidates;
+  size_t candidate = 0;
+  size_t source = 0;
+  enum class State { kRunning, kDone, kNone, kFailed } state = State::kRunning;
+  uint64_t step = 0;
+  std::string sourceText;
+  Status error;
+};
+
+class CheckpointActor final : public Actor {
+ public:
+  CheckpointActor(ActorContext context, Options options)
+      : context_(std::move(context)),
+        options_(std::move(options)),
+        rpcCache_(options_),
+        tasks_(std::make_unique<kj::TaskSet>(errorHandler_)) {
+    // A file size limit must make a write fail with EFBIG (reported), not kill the worker.
+    signal(SIGXFSZ, SIG_IGN);
+    persister_ = std::make_shared<Persister>(options_, &stop_);
+    if (!options_.dir.empty()) {
+      // Creates the directory and removes what dead writers of this host left.
+      tasks_->add(persistThread_.call([p = persister_]() { return p->open(); }).then([this](Status s) {
+        if (!s.isOk()) remember(persistErrors_, s.toString());
+      }));
+    }
+    TROUPE_LOG(kInfo, "checkpoint actor for group {} node {}: dir '{}', replicas to '{}', shm {}", options_.group,
+               options_.node, options_.dir, options_.replicaTo, options_.shmDir);
+  }
+
+  ~CheckpointActor() override {
+    stop_ = true;
+    tasks_.reset();  // cancels transfers and waits on the threads before they are joined
+    auto removed = removeSegments();
+    TROUPE_LOG(kInfo, "checkpoint actor exiting: removed {} segment(s)", removed.size());
+  }
+
+  Result<std::string> call(const std::string& method, std::string_view payload) override {
+    if (method == "replicaWrite") return replicaWrite(payload);
+    if (method == "status") return status();
+    if (method == "inventory") return inventory().dump();
+    if (method == "release") return release();
+    using Handler = Result<std::string> (CheckpointActor::*)(const json&);
+    static const std::map<std::string, Handler> kJsonMethods = {
+        {"attach", &CheckpointActor::attach},           {"saved", &CheckpointActor::saved},
+        {"read", &CheckpointActor::read},               {"restore", &CheckpointActor::restore},
+        {"replicaBegin", &CheckpointActor::replicaBegin}, {"replicaCommit", &CheckpointActor::replicaCommit}};
+    auto handler = kJsonMethods.find(method);
+    if (handler == kJsonMethods.end()) {
+      return badArgs(fmt::format("no method '{}' (attach, saved, status, inventory, read, restore, release, "
+                                 "replicaBegin, replicaWrite, replicaCommit)",
+                                 method));
+    }
+    auto args = parsePayload(payload, method.c_str());
+    if (!args.isOk()) return args.status();
+    return (this->*handler->second)(*args);
+  }
+
+ private:
+  struct RankState {
+    std::shared_ptr<std::atomic<bool>> persistQueued = std::make_shared<std::atomic<bool>>(false);
+    std::optional<uint64_t> persisted;
+    bool replicating = false;
+    bool replicateAgain = false;
+    SnapshotId replicatedId;
+    std::optional<uint64_t> replicated;
+  };
+  struct IncomingReplica {
+    std::optional<ck::FlashSegment> segment;
+    int slot = -1;
+    uint64_t step = 0;
+    uint64_t imageBytes = 0;
+    std::optional<uint64_t> held;
+  };
+  class ErrorHandler final : public kj::TaskSet::ErrorHandler {
+   public:
+    void taskFailed(kj::Exception&& e) override {
+      TROUPE_LOG(kWarning, "checkpoint actor task failed: {}", e.getDescription().cStr());
+    }
+  };
+
+  Result<std::string> attach(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "attach");
+    if (!rank.isOk()) return rank.status();
+    ranks_[*rank];
+    return json{{"segment", options_.primary(*rank)}, {"shm_dir", options_.shmDir}}.dump();
+  }
+
+  Result<std::string> saved(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "saved");
+    if (!rank.isOk()) return rank.status();
+    requestPersist(*rank);
+    requestReplica(*rank);
+    return std::string(R"({"queued": true})");
+  }
+
+  void requestPersist(uint32_t rank) {
+    if (options_.dir.empty()) return;
+    auto queued = ranks_[rank].persistQueued;
+    if (queued->exchange(true)) return;  // a job that has not started yet will take the newest
+    tasks_->add(persistThread_
+                   .call([p = persister_, queued, rank]() {
+                     queued->store(false);
+                     return p->run(rank);
+                   })
+                   .then([this](PersistReport r) {
+                     if (!r.error.isOk()) {
+                       // A snapshot overwritten during its persist: the newer one is queued already.
+                       if (r.error.code() != StatusCode::kAborted) {
+                         remember(persistErrors_, fmt::format("persisting rank {} step {}: {}", r.rank, r.step,
+                                                              r.error.toString()));
+                       }
+                     } else if (r.persisted) {
+                       ranks_[r.rank].persisted = r.step;
+                     }
+                   }));
+  }
+
+  // Sends rank's newest snapshot to the replica target, one transfer per rank at a time.
+  void requestReplica(uint32_t rank) {
+    if (options_.replicaTo.empty() || context_.cluster == nullptr) return;
+    RankState& state = ranks_[rank];
+    if (state.replicating) {
+      state.replicateAgain = true;
+      return;
+    }
+    state.replicating = true;
+    tasks_->add(sendReplica(rank)
+                   .catch_([this, rank](kj::Exception&& e) {
+                     remember(replicaErrors_, fmt::format("replica of rank {} to {}: {}", rank, options_.replicaTo,
+                                                          e.getDescription().cStr()));
+                   })
+                   .then([this, rank]() {
+                     RankState& s = ranks_[rank];
+                     s.replicating = false;
+                     if (s.replicateAgain) {
+                       s.replicateAgain = false;
+                       requestReplica(rank);
+                     }
+                   }));
+  }
+
+  kj::Promise<void> sendReplica(uint32_t rank) {
+    auto segment = rpcCache_.get(options_.primary(rank));
+    if (!segment.isOk()) return KJ_EXCEPTION(FAILED, segment.status().message());
+    auto slot = (*segment)->newestComplete();
+    if (!slot || ranks_[rank].replicatedId == SnapshotId{slot->index, slot->seq}) return kj::READY_NOW;
+    auto seg = *segment;
+    ck::SlotInfo info = *slot;
+    return peer(options_.replicaTo)
+        .then([this, rank, info](ActorHandle handle) {
+          json begin{{"rank", rank}, {"step", info.step}, {"image_bytes", info.imageBytes}, {"from", options_.self}};
+          return handle.call("replicaBegin", begin.dump()).then([handle](std::string reply) mutable {
+            return std::make_pair(handle, json::parse(reply).at("slot").get<uint32_t>());
+          });
+        })
+        .then([this, rank, seg, info](std::pair<ActorHandle, uint32_t> begun) {
+          return sendChunks(begun.first, seg, info, rank, begun.second, 0).then([this, rank, seg, info, begun]() mutable {
+            if (!seg->unchanged(info)) {
+              return kj::Promise<void>(KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent; "
+                                                            "the newer one follows"));
+            }
+            json commit{{"rank", rank}, {"slot", begun.second}, {"step", info.step}};
+            return begun.first.call("replicaCommit", commit.dump()).then([this, rank, info](std::string) {
+              RankState& s = ranks_[rank];
+              s.replicatedId = SnapshotId{info.index, info.seq};
+              s.replicated = info.step;
+            });
+          });
+        });
+  }
+
+  // Sends chunks [first, first + kWindow) of the image at once, then the next window.
+  kj::Promise<void> sendChunks(ActorHandle handle, std::shared_ptr<ck::FlashSegment> seg, ck::SlotInfo info,
+                               uint32_t rank, uint32_t peerSlot, uint64_t offset) {
+    if (offset >= info.imageBytes) return kj::READY_NOW;
+    if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent");
+    kj::Vector<kj::Promise<std::string>> calls(kWindow);
+    uint64_t at = offset;
+    for (size_t i = 0; i < kWindow && at < info.imageBytes; ++i) {
+      uint64_t n = std::min(kChunkBytes, info.imageBytes - at);
+      if (options_.fault.armed(ck::FaultStage::kReplica, info.step) && at + n > options_.fault.afterBytes) {
+        options_.fault.pauseHere(info.step, at, &kStopped);  // returns at once: a send just stops here
+        return KJ_EXCEPTION(FAILED, "replica stopped by the fault-injection seam");
+      }
+      std::string payload(kReplicaHeaderBytes + n, '\0');
+      uint32_t fields32[2] = {rank, peerSlot};
+      uint64_t fields64[2] = {info.step, at};
+      std::memcpy(payload.data(), fields32, 8);
+      std::memcpy(payload.data() + 8, fields64, 16);
+      std::memcpy(payload.data() + kReplicaHeaderBytes, seg->slotData(info.index) + at, n);
+      calls.add(withTimeout(handle.call("replicaWrite", std::move(payload)), kChunkTimeout, "replicaWrite"));
+      at += n;
+    }
+    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, seg, info, rank, peerSlot, at](auto) mutable {
+      return sendChunks(handle, seg, info, rank, peerSlot, at);
+    });
+  }
+
+  Result<std::string> replicaBegin(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "replicaBegin");
+    auto step = field<uint64_t>(args, "step", "replicaBegin");
+    auto bytes = field<uint64_t>(args, "image_bytes", "replicaBegin");
+    if (!rank.isOk()) return rank.status();
+    if (!step.isOk()) return step.status();
+    if (!bytes.isOk()) return bytes.status();
+    IncomingReplica& in = replicas_[*rank];
+    if (!in.segment || in.segment->slotCapacity() < *bytes) {
+      in.segment.reset();
+      // TODO(perf): the first replica of a rank allocates its segment on the RPC thread.
+      auto segment = ck::FlashSegment::openForWrite(options_.segment(options_.replica(*rank)), *bytes);
+      if (!segment.isOk()) return segment.status();
+      in.segment.emplace(std::move(*segment));
+    }
+    auto slot = in.segment->beginImage(*bytes);
+    if (!slot.isOk()) return slot.status();
+    in.slot = slot->index;
+    in.step = *step;
+    in.imageBytes = *bytes;
+    return json{{"slot", slot->index}}.dump();
+  }
+
+  Result<std::string> replicaWrite(std::string_view payload) {
+    if (payload.size() < kReplicaHeaderBytes) return badArgs("replicaWrite: payload shorter than its header");
+    uint32_t fields32[2];
+    uint64_t fields64[2];
+    std::memcpy(fields32, payload.data(), 8);
+    std::memcpy(fields64, payload.data() + 8, 16);
+    auto [rank, slot] = std::pair(fields32[0], fields32[1]);
+    auto [step, offset] = std::pair(fields64[0], fields64[1]);
+    uint64_t n = payload.size() - kReplicaHeaderBytes;
+    auto it = replicas_.find(rank);
+    if (it == replicas_.end() || !it->second.segment || it->second.slot != static_cast<int>(slot) ||
+        it->second.step != step) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("replicaWrite: no replica of rank {} step {} in progress (slot {})", rank, step, slot));
+    }
+    IncomingReplica& in = it->second;
+    if (offset > in.imageBytes || n > in.imageBytes - offset) {
+      return badArgs(fmt::format("replicaWrite: bytes [{}, {}) outside the {}-byte image", offset, offset + n,
+                                 in.imageBytes));
+    }
+    std::memcpy(in.segment->mutableSlotData(in.slot) + offset, payload.data() + kReplicaHeaderBytes, n);
+    return std::string();
+  }
+
+  Result<std::string> replicaCommit(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "replicaCommit");
+    auto step = field<uint64_t>(args, "step", "replicaCommit");
+    if (!rank.isOk()) return rank.status();
+    if (!step.isOk()) return step.status();
+    auto it = replicas_.find(*rank);
+    if (it == replicas_.end() || it->second.slot < 0 || it->second.step != *step) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("replicaCommit: no replica of rank {} step {} in progress", *rank, *step));
+    }
+    IncomingReplica& in = it->second;
+    // TODO(perf): verifying a large replica's checksums holds the RPC thread (about 0.1 s/GiB).
+    auto committed = in.segment->commitImage(in.slot, /*verifyData=*/true);
+    in.slot = -1;
+    if (!committed.isOk()) return committed.status();
+    if (committed->step != *step) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("replicaCommit: image holds step {}, not {}", committed->step, *step));
+    }
+    in.held = *step;
+    return json{{"step", *step}}.dump();
+  }
+
+  // Complete snapshots in this node's segments of the group.
+  json inventory() {
+    json holdings = json::array();
+    std::string prefix = ck::segmentPrefix(options_.group, options_.node);
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(options_.shmDir, ec)) {
+      std::string name = entry.path().filename().string();
+      if (name.rfind(prefix, 0) != 0 || name.find(".tmp.") != std::string::npos) continue;
+      std::string rest = name.substr(prefix.size());
+      bool replica = rest.rfind("replica.", 0) == 0;
+      auto segment = rpcCache_.get(name);
+      if (!segment.isOk()) continue;
+      for (const auto& slot : (*segment)->slots()) {
+        if (!slot.complete()) continue;
+        const uint8_t* image = (*segment)->slotData(slot.index);
+        auto header = ck::parseImageHeader(image, std::min(slot.imageBytes, (*segment)->slotCapacity()));
+        if (!header.isOk() || !(*segment)->unchanged(slot)) continue;
+        holdings.push_back({{"rank", header->stamp.rank},
+                            {"step", slot.step},
+                            {"world_size", header->stamp.worldSize},
+                            {"kind", replica ? "replica" : "memory"},
+                            {"image_bytes", slot.imageBytes}});
+      }
+    }
+    return json{{"actor", options_.self}, {"node", options_.node}, {"holdings", holdings}};
+  }
+
+  Result<std::string> read(const json& args) {
+    auto kind = field<std::string>(args, "kind", "read");
+    auto rank = field<uint32_t>(args, "rank", "read");
+    auto step = field<uint64_t>(args, "step", "read");
+    auto offset = field<uint64_t>(args, "offset", "read");
+    auto length = field<uint64_t>(args, "length", "read");
+    for (const Status* s : {&kind.status(), &rank.status(), &step.status(), &offset.status(), &length.status()}) {
+      if (!s->isOk()) return *s;
+    }
+    if (*length > kMaxReadBytes) return badArgs(fmt::format("read: at most {} bytes per call", kMaxReadBytes));
+    auto segment = rpcCache_.get(*kind == "replica" ? options_.replica(*rank) : options_.primary(*rank));
+    if (!segment.isOk()) return segment.status();
+    auto slot = (*segment)->completeAt(*step);
+    if (!slot) {
+      return Status(StatusCode::kNotFound, fmt::format("read: {} of rank {} step {} is no longer held", *kind, *rank, *step));
+    }
+    if (*offset > slot->imageBytes || *length > slot->imageBytes - *offset) {
+      return badArgs(fmt::format("read: bytes [{}, {}) outside the {}-byte image", *offset, *offset + *length,
+                                 slot->imageBytes));
+    }
+    std::string out(reinterpret_cast<const char*>((*segment)->slotData(slot->index) + *offset), *length);
+    if (!(*segment)->unchanged(*slot)) {
+      return Status(StatusCode::kAborted, fmt::format("read: rank {} step {} changed while being read", *rank, *step));
+    }
+    return out;
+  }
+
+  Result<std::string> restore(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "restore");
+    if (!rank.isOk()) return rank.status();
+    auto it = restores_.find(*rank);
+    if (it != restores_.end()) {
+      auto job = it->second;
+      if (job->state == RestoreJob::State::kRunning) return std::string(R"({"state": "running"})");
+      restores_.erase(it);
+      if (job->state == RestoreJob::State::kFailed) return job->error;
+      json reply{{"state", job->state == RestoreJob::State::kDone ? "done" : "none"}, {"skipped", job->skipped}};
+      if (job->state == RestoreJob::State::kDone) {
+        reply["step"] = job->step;
+        reply["source"] = job->sourceText;
+        reply["segment"] = options_.primary(*rank);
+      }
+      return reply.dump();
+    }
+    auto job = std::make_shared<RestoreJob>();
+    job->rank = *rank;
+    job->maxStep = args.value("max_step", UINT64_MAX);
+    restores_[*rank] = job;
+    tasks_->add(runRestore(job).catch_([job](kj::Exception&& e) {
+      job->state = RestoreJob::State::kFailed;
+      job->error = Status(StatusCode::kInternal, fmt::format("restore of rank {} failed: {}", job->rank,
+                                                              e.getDescription().cStr()));
+    }));
+    return std::string(R"({"state": "running"})");
+  }
+
+  kj::Promise<void> runRestore(std::shared_ptr<RestoreJob> job) {
+    // Holdings: this node's segments, every other member's, and the disk.
+    json local = inventory();
+    for (const auto& h : local["holdings"]) {
+      bool replica = h["kind"] == "replica";
+      job->holdings.push_back(ck::Holding{h["rank"], h["step"], h["world_size"],
+                                          replica ? ck::SourceTier::kLocalReplica : ck::SourceTier::kLocalMemory,
+                                          options_.self, h["image_bytes"]});
+    }
+    kj::Vector<kj::Promise<void>> asks;
+    for (const auto& member : options_.members) {
+      if (member == options_.self || context_.cluster == nullptr) continue;
+      asks.add(withTimeout(peer(member).then([](ActorHandle h) { return h.call("inventory"); }), kInventoryTimeout,
+                           "inventory")
+                   .then(
+                       [job, member](std::string reply) {
+                         json inventory = json::parse(reply);
+                         for (const auto& h : inventory.at("holdings")) {
+                           bool replica = h["kind"] == "replica";
+                           job->holdings.push_back(
+                               ck::Holding{h["rank"], h["step"], h["world_size"],
+                                           replica ? ck::SourceTier::kPeerReplica : ck::SourceTier::kPeerMemory, member,
+                                           h["image_bytes"]});
+                         }
+                       },
+                       [job, member](kj::Exception&& e) {
+                         job->skipped.push_back(fmt::format("member {}: {}", member, e.getDescription().cStr()));
+                       }));
+    }
+    asks.add(restoreThread_.call([o = options_]() {
+                               std::vector<std::string> skipped;
+                               auto holdings = diskHoldings(o, skipped);
+                               return std::make_pair(std::move(holdings), std::move(skipped));
+                             })
+                 .then([job](std::pair<std::vector<ck::Holding>, std::vector<std::string>> disk) {
+                   job->holdings.insert(job->holdings.end(), disk.first.begin(), disk.first.end());
+                   job->skipped.insert(job->skipped.end(), disk.second.begin(), disk.second.end());
+                 }));
+    return kj::joinPromises(asks.releaseAsArray()).then([this, job]() {
+      job->candidates = ck::planRestore(job->holdings, job->rank, job->maxStep);
+      TROUPE_LOG(kInfo, "restore of rank {}: {} holdings, {} candidate steps", job->rank, job->holdings.size(),
+                 job->candidates.size());
+      return tryNext(job);
+    });
+  }
+
+  kj::Promise<void> tryNext(std::shared_ptr<RestoreJob> job) {
+    while (job->candidate < job->candidates.size() &&
+           job->source >= job->candidates[job->candidate].sources.size()) {
+      ++job->candidate;
+      job->source = 0;
+    }
+    if (job->candidate >= job->candidates.size()) {
+      job->state = RestoreJob::State::kNone;
+      TROUPE_LOG(kInfo, "restore of rank {}: nothing complete on every rank", job->rank);
+      return kj::READY_NOW;
+    }
+    const auto& c = job->candidates[job->candidate];
+    ck::Holding source = c.sources[job->source];
+    return trySource(job->rank, c.step, source).then([this, job, source, step = c.step](Status status) {
+      std::string where = ck::sourceTierName(source.tier);
+      if (source.tier == ck::SourceTier::kPeerMemory || source.tier == ck::SourceTier::kPeerReplica) {
+        where += " of " + source.holder;
+      }
+      if (!status.isOk()) {
+        std::string why = fmt::format("step {} from {}: {}", step, where, status.toString());
+        TROUPE_LOG(kWarning, "restore of rank {} skipped {}", job->rank, why);
+        job->skipped.push_back(std::move(why));
+        ++job->source;
+        return tryNext(job);
+      }
+      return restoreThread_.call([o = options_, rank = job->rank, step]() { return finishStaging(o, rank, step); })
+          .then([this, job, step, where](Status finished) {
+            if (!finished.isOk()) job->skipped.push_back("cleaning up after the restore: " + finished.toString());
+            job->step = step;
+            job->sourceText = where;
+            job->state = RestoreJob::State::kDone;
+            TROUPE_LOG(kInfo, "restore of rank {}: step {} from {}", job->rank, step, where);
+          });
+    });
+  }
+
+  kj::Promise<Status> trySource(uint32_t rank, uint64_t step, const ck::Holding& source) {
+    switch (source.tier) {
+      case ck::SourceTier::kLocalMemory:
+        return restoreThread_.call([o = options_, rank, step]() { return stageFromLocalMemory(o, rank, step); });
+      case ck::SourceTier::kLocalReplica:
+        return restoreThread_.call([o = options_, rank, step]() { return stageFromLocalReplica(o, rank, step); });
+      case ck::SourceTier::kDisk:
+        return restoreThread_.call([o = options_, rank, step]() { return stageFromDisk(o, rank, step); });
+      case ck::SourceTier::kPeerMemory:
+      case ck::SourceTier::kPeerReplica:
+        return fetchFromPeer(rank, step, source).catch_([](kj::Exception&& e) { return statusOf(e); });
+    }
+    return Status(StatusCode::kInternal, "unknown tier");
+  }
+
+  // Copies a snapshot another node's actor holds into this node's segment for the rank.
+  kj::Promise<Status> fetchFromPeer(uint32_t rank, uint64_t step, const ck::Holding& source) {
+    if (context_.cluster == nullptr) return Status(StatusCode::kUnavailable, "no cluster connection");
+    // TODO(perf): a first restore on this node allocates the segment on the RPC thread.
+    auto opened = ck::FlashSegment::openForWrite(options_.segment(options_.primary(rank)), source.imageBytes);
+    if (!opened.isOk()) return opened.status();
+    auto segment = std::make_shared<ck::FlashSegment>(std::move(*opened));
+    auto slot = segment->beginImage(source.imageBytes);
+    if (!slot.isOk()) return slot.status();
+    std::string kind = source.tier == ck::SourceTier::kPeerReplica ? "replica" : "memory";
+    return peer(source.holder)
+        .then([this, segment, slot = *slot, rank, step, kind, bytes = source.imageBytes](ActorHandle handle) {
+          return fetchChunks(handle, segment, slot.index, rank, step, kind, bytes, 0);
+        })
+        .then([this, segment, index = slot->index]() {
+          return restoreThread_.call([segment, index]() { return segment->commitImage(index, true).status(); });
+        });
+  }
+
+  kj::Promise<void> fetchChunks(ActorHandle handle, std::shared_ptr<ck::FlashSegment> segment, int slot, uint32_t rank,
+                                uint64_t step, std::string kind, uint64_t bytes, uint64_t offset) {
+    if (offset >= bytes) return kj::READY_NOW;
+    kj::Vector<kj::Promise<void>> calls(kWindow);
+    uint64_t at = offset;
+    for (size_t i = 0; i < kWindow && at < bytes; ++i) {
+      uint64_t n = std::min(kChunkBytes, bytes - at);
+      json request{{"kind", kind}, {"rank", rank}, {"step", step}, {"offset", at}, {"length", n}};
+      calls.add(withTimeout(handle.call("read", request.dump()), kChunkTimeout, "read")
+                    .then([segment, slot, at, n](std::string data) {
+                      KJ_REQUIRE(data.size() == n, "short read from the peer");
+                      std::memcpy(segment->mutableSlotData(slot) + at, data.data(), n);
+                    }));
+      at += n;
+    }
+    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, segment, slot, rank, step, kind, bytes, at]() mutable {
+      return fetchChunks(handle, segment, slot, rank, step, kind, bytes, at);
+    });
+  }
+
+  Result<std::string> release() {
+    auto removed = removeSegments();
+    return json{{"removed", removed}}.dump();
+  }
+
+  // Removes this node's segments of the group and dead writers' temporary files.
+  std::vector<std::string> removeSegments() {
+    rpcCache_.clear();
+    replicas_.clear();
+    if (!stop_) {
+      tasks_->add(persistThread_.call([p = persister_]() {
+        p->dropMappings();
+        return 0;
+      }).ignoreResult());
+    }
+    std::vector<std::string> names;
+    auto removed = ck::removeSegments(options_.shmDir, ck::segmentPrefix(options_.group, options_.node));
+    if (removed.isOk()) names = *removed;
+    if (!options_.dir.empty()) {
+      for (auto& path : ck::CheckpointDirectory(options_.directory(nullptr)).removeTemporaryFiles()) {
+        names.push_back(std::move(path));
+      }
+    }
+    return names;
+  }
+
+  Result<std::string> status() {
+    json persisted = json::object(), replicated = json::object(), held = json::object();
+    for (const auto& [rank, s] : ranks_) {
+      if (s.persisted) persisted[std::to_string(rank)] = *s.persisted;
+      if (s.replicated) replicated[std::to_string(rank)] = *s.replicated;
+    }
+    for (const auto& [rank, in] : replicas_) {
+      if (in.held) held[std::to_string(rank)] = *in.held;
+    }
+    return json{{"pid", getpid()},
+                {"group", options_.group},
+                {"node", options_.node},
+                {"dir", options_.dir},
+                {"persisted", persisted},
+                {"persist_errors", persistErrors_},
+                {"replicated", replicated},
+                {"replica_errors", replicaErrors_},
+                {"replicas_held", held}}
+        .dump();
+  }
+
+  kj::Promise<ActorHandle> peer(const std::string& name) {
+    auto it = peers_.find(name);
+    if (it != peers_.end()) return it->second;
+    if (context_.cluster == nullptr) return KJ_EXCEPTION(FAILED, "no cluster connection");
+    return context_.cluster->getActor(name).then([this, name](ActorHandle handle) {
+      peers_.emplace(name, handle);
+      return handle;
+    });
+  }
+
+  // Rejects with "<what> timed out" unless `promise` resolves within `limit`.
+  template <typename T>
+  kj::Promise<T> withTimeout(kj::Promise<T> promise, std::chrono::milliseconds limit, const char* what) {
+    auto paf = kj::newPromiseAndCrossThreadFulfiller<void>();
+    auto timer = std::make_shared<asio::steady_timer>(timerThread_.context(), limit);
+    timer->async_wait([timer, fulfiller = kj::mv(paf.fulfiller)](const asio::error_code&) mutable {
+      fulfiller->fulfill();
+    });
+    return promise.exclusiveJoin(paf.promise.then([what, limit]() -> T {
+      kj::throwFatalException(KJ_EXCEPTION(FAILED, kj::str(what, " timed out after ", limit.count(), " ms")));
+    }));
+  }
+
+  ActorContext context_;
+  Options options_;
+  std::atomic<bool> stop_{false};
+  static inline const std::atomic<bool> kStopped{true};
+  // Declared before the tasks so they outlive them: a task's promise may wait on their work.
+  IoThread persistThread_;
+  IoThread restoreThread_;
+  IoThread timerThread_;
+  std::shared_ptr<Persister> persister_;
+  SegmentCache rpcCache_;
+  std::map<uint32_t, RankState> ranks_;
+  std::map<uint32_t, IncomingReplica> replicas_;
+  std::map<uint32_t, std::shared_ptr<RestoreJob>> restores_;
+  std::map<std::string, ActorHandle> peers_;
+  std::vector<std::string> persistErrors_;
+  std::vector<std::string> replicaErrors_;
+  ErrorHandler errorHandler_;
+  // Held by pointer: kj::TaskSet's destructor may throw, an Actor's may not.
+  std::unique_ptr<kj::TaskSet> tasks_;
+};
+
+}  // namespace
+
+void registerCheckpointActor(ActorRegistry& registry) {
+  registry.add("Checkpoint", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
+    auto options = parseOptions(args);
+    if (!options.isOk()) return options.status();
+    return std::unique_ptr<Actor>(std::make_unique<CheckpointActor>(context, std::move(*options)));
+  });
+}
+
+}  // namespace troupe::actors

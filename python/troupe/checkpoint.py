@@ -1,0 +1,367 @@
+"""troupe.checkpoint: Flash checkpoints from Python.
+
+Files (the persisted format, docs/checkpoint_format.md), usable outside any cluster:
+
+    troupe.checkpoint.save({"w": torch.randn(3, 4)}, "/ckpt", step=100)
+    state = troupe.checkpoint.load("/ckpt")               # the newest complete step
+    state, info = troupe.checkpoint.load("/ckpt", with_metadata=True)   # info["step"], ...
+
+A checkpoint whose files fail their checksums is skipped with a warning and the next older one
+is loaded.
+
+Shared-memory snapshots (what a trainer does every N steps), with the node's checkpoint actor
+persisting them in the background, keeping a replica on another node and serving restores:
+
+    ckpt = troupe.cpp_actor("Checkpoint", init_args=json.dumps({"group": "job", "node": "a",
+                                                                 "dir": "/ckpt"}))
+    flash = troupe.checkpoint.FlashCheckpoint(rank=0, world_size=1, actor=ckpt)
+    flash.save(step, model.state_dict())                  # a memory copy; returns at once after
+    restored = flash.restore(model.state_dict())          # in place; None when nothing to restore
+
+Values are torch tensors or numpy arrays (CPU; others are copied to the CPU first); anything else
+belongs in `metadata` (bytes). Importing this module does not import torch.
+"""
+import json
+import time
+import warnings
+from collections import namedtuple
+
+from . import _checkpoint
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
+           "FlashCheckpoint", "Restored", "load", "save", "steps"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint operation failed; `code` is the library's status code (e.g. "UNAVAILABLE")."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No usable checkpoint (or segment) where one was expected."""
+
+
+class CheckpointSpaceError(CheckpointError, OSError):
+    """The disk, the file size limit or the shared-memory filesystem has no room."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint failed its checks (checksum, header), or changed while being read."""
+
+
+_ERRORS = {"NOT_FOUND": CheckpointNotFoundError, "RESOURCE_EXHAUSTED": CheckpointSpaceError,
+           "FAILED_PRECONDITION": CheckpointCorruptError}
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except _checkpoint.Error as e:
+        code, message = e.args
+        raise _ERRORS.get(code, CheckpointError)(code, message) from None
+
+
+Restored = namedtuple("Restored", ["step", "state_dict", "metadata"])
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _as_bytes(name, value):
+    """(spec, a 1-D uint8 view of the value's bytes) without copying when it is contiguous on the CPU."""
+    import numpy as np
+
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        dtype = str(t.dtype).replace("torch.", "")
+        flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        return (name, dtype, list(t.shape)), flat
+    if isinstance(value, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(value)
+        dtype = a.dtype.name
+        if a.dtype.byteorder == ">" or not _checkpoint.dtype_size(dtype):
+            raise TypeError(f"tensor {name!r} has dtype {a.dtype}, which a checkpoint cannot hold "
+                            "(numeric and bool dtypes in native byte order)")
+        return (name, dtype, list(a.shape)), a.reshape(-1).view(np.uint8)
+    raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}; checkpoints hold torch tensors and numpy "
+                    "arrays (put other values in `metadata`)")
+
+
+def _specs_and_buffers(state_dict):
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of tensors, not {type(state_dict).__name__}")
+    specs, buffers = [], []
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state_dict keys must be str, not {type(name).__name__}")
+        spec, flat = _as_bytes(name, value)
+        specs.append(spec)
+        buffers.append(flat)
+    return specs, buffers
+
+
+_NUMPY_STAND_IN = {"bfloat16": "uint16", "complex32": "uint32", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
+                   "bytes": "uint8"}
+
+
+def _from_bytes(array, dtype, shape, as_numpy):
+    """A tensor of `dtype` and `shape` over the uint8 array (no copy)."""
+    import numpy as np
+
+    torch = None if as_numpy else _torch_or_none()
+    if torch is not None:
+        if array.size == 0:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        return torch.frombuffer(array, dtype=getattr(torch, dtype)).reshape(shape)
+    return array.view(np.dtype(_NUMPY_STAND_IN.get(dtype, dtype))).reshape(shape)
+
+
+def _torch_or_none():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+def _allocate(nbytes):
+    import numpy as np
+
+    return np.empty(nbytes, np.uint8)
+
+
+def save(state_dict, path, step=0, *, rank=0, world_size=1, metadata=b"", keep=3):
+    """Writes `state_dict` as rank `rank` of `step` in checkpoint directory `path`: the rank file is
+    written under a temporary name, fsynced and renamed; once every rank of the step is there the
+    manifest and `latest` are written and steps beyond the newest `keep` removed. Returns the rank
+    file's path. Raises CheckpointSpaceError on a full disk (earlier steps stay intact)."""
+    specs, buffers = _specs_and_buffers(state_dict)
+    result = _call(_checkpoint.save_files, str(path), int(step), int(rank), int(world_size), specs, buffers,
+                   bytes(metadata), int(keep))
+    return result["path"]
+
+
+def load(path, *, step=None, rank=0, as_numpy=False, with_metadata=False):
+    """Loads rank `rank` of the newest complete step in `path` (at most `step` when given). A step
+    whose files fail their checks is skipped with a warning and the next older one is used. Returns
+    a dict of torch tensors (numpy arrays with as_numpy=True, or when torch is missing); with
+    with_metadata=True, (dict, info) where info has step, world_size, metadata and skipped."""
+    header, arrays, skipped = _call(_checkpoint.load_files, str(path), int(rank), step, _allocate)
+    for reason in skipped:
+        warnings.warn(f"troupe.checkpoint: skipped a checkpoint in {path}: {reason}", RuntimeWarning, stacklevel=2)
+    state = {}
+    it = iter(arrays)
+    for name, dtype, shape in header["tensors"]:
+        state[name] = _from_bytes(next(it), dtype, shape, as_numpy)
+    if with_metadata:
+        info = {"step": header["step"], "world_size": header["world_size"], "metadata": header["metadata"],
+                "skipped": list(skipped)}
+        return state, info
+    return state
+
+
+def steps(path):
+    """The complete steps in checkpoint directory `path`, newest first."""
+    return _call(_checkpoint.complete_steps, str(path))
+
+
+class FlashCheckpoint:
+    """One rank's snapshots in a shared-memory segment on this node: save() is a memory copy (the
+    previous snapshot stays intact until the new one is complete), restore() copies back, with
+    every tensor's CRC32C checked.
+
+    With `actor` (the node's "Checkpoint" actor), the segment is the one the actor owns: save()
+    then asks it to persist the snapshot and send a replica to its peer (in the background, off
+    the caller's path), and restore() first asks it for the newest step complete on every rank
+    (from this node's memory, another node's memory or replica, or disk). Without an actor the
+    segment is named by `segment` (or `group` and `node`) in `shm_dir` (default /dev/shm, or
+    $TROUPE_SHM_DIR), and restore() reads the newest complete snapshot in it.
+    """
+
+    def __init__(self, segment=None, *, rank=0, world_size=1, actor=None, group=None, node=None, shm_dir=None,
+                 metadata_capacity=64 * 1024, copy_threads=2):
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.actor = actor
+        self.shm_dir = str(shm_dir or _checkpoint.default_shm_dir())
+        if actor is not None:
+            reply = self._actor_call("attach", {"rank": self.rank, "world_size": self.world_size})
+            segment, self.shm_dir = reply["segment"], reply["shm_dir"]
+        elif segment is None:
+            if group is None or node is None:
+                raise ValueError("FlashCheckpoint needs an actor, a segment name, or group and node")
+            segment = _checkpoint.segment_name(group, node, self.rank)
+        self.segment_name = segment
+        self.metadata_capacity = int(metadata_capacity)
+        self.copy_threads = int(copy_threads)
+        self._writer = None
+        self._specs = None
+        self._pending = []
+
+    def _actor_call(self, method, payload):
+        from . import _api
+
+        ref = getattr(self.actor, method).remote(json.dumps(payload).encode())
+        return json.loads(_api.get(ref))
+
+    def save(self, step, state_dict, metadata=b""):
+        """Snapshots `state_dict` as `step` into shared memory and returns once it is complete there
+        (persisting and replicating continue in the actor). The segment is laid out by the first save
+        and re-laid out only when the tensors' names, dtypes or shapes change."""
+        specs, buffers = _specs_and_buffers(state_dict)
+        metadata = bytes(metadata)
+        if self._writer is None or specs != self._specs or len(metadata) > self.metadata_capacity:
+            if self._writer is not None:
+                self._writer.close()
+            self.metadata_capacity = max(self.metadata_capacity, 2 * len(metadata))
+            self._writer = _call(_checkpoint.Segment.open_for_write, self.shm_dir, self.segment_name, specs,
+                                 self.metadata_capacity, self.copy_threads)
+            self._specs = specs
+        slot = _call(self._writer.save, int(step), self.rank, self.world_size, buffers, metadata)
+        if self.actor is not None:
+            self._reap()
+            self._pending.append(self.actor.saved.remote(
+                json.dumps({"rank": self.rank, "step": int(step)}).encode()))
+        return slot
+
+    def _reap(self):
+        """Raises the error of a finished notification, and forgets finished ones."""
+        from . import _api
+
+        if not self._pending:
+            return
+        ready, self._pending = _api.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        _api.get(ready)
+
+    def restore(self, state_dict=None, *, max_step=None, as_numpy=False, timeout=600):
+        """Restores the newest snapshot (at most `max_step`): into `state_dict`'s tensors in place when
+        given (names, dtypes and shapes must match), else into new tensors. Returns
+        Restored(step, state_dict, metadata), or None when there is nothing to restore."""
+        step = None
+        if self.actor is not None:
+            step = self._restore_through_actor(max_step, timeout)
+            if step is None:
+                return None
+        reader = self._writer
+        if reader is None:
+            try:
+                reader = _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name, self.copy_threads)
+            except CheckpointNotFoundError:
+                return None  # never saved on this node
+        try:
+            header = reader.peek(step, max_step)
+            if header is None:
+                return None
+            if state_dict is not None:
+                targets, copies = self._targets(state_dict, header)
+            else:
+                targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
+            header = _call(reader.restore_into, header["step"], None, targets)
+            if state_dict is None:
+                state_dict = {name: _from_bytes(t, dtype, shape, as_numpy)
+                              for t, (name, dtype, shape) in zip(targets, header["tensors"])}
+            else:
+                for name, tmp in copies:
+                    _copy_back(state_dict, name, tmp)
+            return Restored(header["step"], state_dict, header["metadata"])
+        finally:
+            if reader is not self._writer:
+                reader.close()
+
+    def _restore_through_actor(self, max_step, timeout):
+        request = {"rank": self.rank, "world_size": self.world_size}
+        if max_step is not None:
+            request["max_step"] = int(max_step)
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            reply = self._actor_call("restore", request)
+            if reply["state"] == "done":
+                for reason in reply.get("skipped", []):
+                    warnings.warn(f"troupe.checkpoint: restore skipped {reason}", RuntimeWarning, stacklevel=3)
+                return reply.get("step")
+            if reply["state"] == "none":
+                return None
+            if time.monotonic() > deadline:
+                raise CheckpointError("DEADLINE_EXCEEDED", f"restore of rank {self.rank} did not finish in {timeout} s")
+            time.sleep(delay)  # the actor is fetching from a peer or disk: poll with a short back-off
+            delay = min(delay * 2, 0.05)
+
+    def _targets(self, state_dict, header):
+        import numpy as np
+
+        targets, copies = [], []
+        for name, dtype, shape in header["tensors"]:
+            if name not in state_dict:
+                raise KeyError(f"the snapshot of step {header['step']} has tensor {name!r}; state_dict has not")
+            spec, flat = _as_bytes(name, state_dict[name])
+            if spec != (name, dtype, shape):
+                raise ValueError(f"tensor {name!r} is {spec[1]} {spec[2]} here but {dtype} {shape} in the snapshot")
+            value = state_dict[name]
+            if _shares_memory(value, flat):
+                targets.append(flat)
+            else:
+                tmp = np.empty(flat.size, np.uint8)
+                targets.append(tmp)
+                copies.append((name, tmp))
+        return targets, copies
+
+    def close(self):
+        """Closes the segment (it stays in shared memory: the actor owns it)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _nbytes(dtype, shape):
+    n = _checkpoint.dtype_size(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shares_memory(value, flat):
+    """True when writing `flat` writes `value` (a contiguous CPU tensor or a writable array)."""
+    import numpy as np
+
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.device.type == "cpu" and value.is_contiguous() and (value.numel() == 0 or
+                                                                          flat.ctypes.data == value.data_ptr())
+    return isinstance(value, np.ndarray) and value.flags.writeable and np.shares_memory(value, flat)
+
+
+def _copy_back(state_dict, name, tmp):
+    """Copies restored bytes into a value that could not be written directly (not contiguous, not on
+    the CPU); immutable values (numpy scalars, read-only arrays) are replaced in the dict."""
+    import numpy as np
+
+    value = state_dict[name]
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        if tmp.size:
+            with torch.no_grad():
+                value.copy_(torch.frombuffer(tmp, dtype=value.dtype).reshape(value.shape))
+    elif isinstance(value, np.ndarray) and value.flags.writeable:
+        np.copyto(value, tmp.view(value.dtype).reshape(value.shape))
+    else:
+        dtype = np.asarray(value).dtype
+        restored = tmp.view(dtype).reshape(np.shape(value))
+        state_dict[name] = restored[()] if isinstance(value, np.generic) else restored

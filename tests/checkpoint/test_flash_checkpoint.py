@@ -1,0 +1,165 @@
+"""troupe.checkpoint.FlashCheckpoint: a rank's snapshots in shared memory from Python, alone and with
+the node's Checkpoint actors in a real cluster (two node agents on this machine are two nodes)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint_testing import assert_state, make_state, needs_mount_namespace, run_python
+from troupe_testing import PYTHON_PACKAGE, eventually, free_port, import_troupe, run_driver
+
+troupe_api = import_troupe()
+ckpt = troupe_api.checkpoint
+
+
+@pytest.fixture
+def shm_dir():
+    d = Path(tempfile.mkdtemp(prefix="troupe_ckpt_test_", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_snapshots_round_trip_in_place_and_keep_the_previous_one(shm_dir):
+    flash = ckpt.FlashCheckpoint("troupe_ckpt.t.n.r0", shm_dir=shm_dir)
+    assert flash.restore() is None  # nothing saved yet
+    flash.save(10, make_state(10), metadata=b"ten")
+    flash.save(20, make_state(20))
+    # In place, into a model of the same shapes (tensors keep their identity).
+    model = make_state(0)
+    weight = model["linear.weight"]
+    restored = flash.restore(model)
+    assert restored.step == 20 and restored.metadata == b""
+    assert restored.state_dict is model and model["linear.weight"] is weight
+    assert_state(model, make_state(20))
+    # The previous snapshot is intact next to the newest.
+    older = flash.restore(max_step=19)
+    assert older.step == 10 and older.metadata == b"ten"
+    assert_state(older.state_dict, make_state(10))
+    flash.close()
+    # Another reader (as after a restart) sees the same.
+    again = ckpt.FlashCheckpoint("troupe_ckpt.t.n.r0", shm_dir=shm_dir).restore(as_numpy=True)
+    assert again.step == 20 and np.array_equal(again.state_dict["np.f32"], make_state(20)["np.f32"])
+    # A model of other shapes is refused, not half-filled.
+    wrong = make_state(0)
+    wrong["linear.weight"] = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="linear.weight"):
+        ckpt.FlashCheckpoint("troupe_ckpt.t.n.r0", shm_dir=shm_dir).restore(wrong)
+
+
+WRITER = """
+import sys, torch, troupe.checkpoint as ckpt
+sys.path[:0] = sys.argv[2:4]
+from checkpoint_testing import make_state
+flash = ckpt.FlashCheckpoint("troupe_ckpt.t.n.r0", shm_dir=sys.argv[1])
+flash.save(10, make_state(10, large=8 << 20))
+print("saved 10", flush=True)
+flash.save(20, make_state(20, large=8 << 20))   # stopped half-way by TROUPE_CHECKPOINT_FAULT
+print("saved 20", flush=True)
+"""
+
+
+def test_kill_9_of_the_writer_in_the_middle_of_a_snapshot_restores_the_previous_step(shm_dir, tmp_path):
+    log = tmp_path / "writer.err"
+    env = dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE), TROUPE_CHECKPOINT_FAULT="snapshot:step=20:after=4194304")
+    with open(log, "w") as err:
+        here = Path(__file__).parent
+        writer = subprocess.Popen(["/usr/bin/python3", "-c", WRITER, str(shm_dir), str(here), str(here.parent)],
+                                  env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def paused():
+        assert writer.poll() is None, f"the writer exited ({writer.returncode}): {log.read_text()}"
+        return "snapshot of step 20 paused after" in log.read_text()
+
+    try:
+        eventually(paused, 60, "the writer to stop mid-save")
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    with writer.stdout:
+        assert "saved 10" in writer.stdout.read()
+    restored = ckpt.FlashCheckpoint("troupe_ckpt.t.n.r0", shm_dir=shm_dir).restore()
+    assert restored.step == 10
+    assert_state(restored.state_dict, make_state(10, large=8 << 20))
+
+
+TOO_SMALL = """
+import torch, troupe.checkpoint as ckpt
+try:
+    ckpt.FlashCheckpoint(group="g", node="n").save(1, {"w": torch.zeros(2 << 20)})  # 8 MiB x 2 slots
+except ckpt.CheckpointSpaceError as e:
+    print("space error:", e)
+"""
+
+
+@needs_mount_namespace
+def test_too_little_shared_memory_is_a_clear_error_not_a_sigbus(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    env_prefix = ["env", f"TROUPE_SHM_DIR={d}", "unshare", "-rm", "sh", "-c",
+                  f'mount -t tmpfs -o size=4m tmpfs "{d}" && exec "$0" "$@"']
+    child = run_python(TOO_SMALL, prefix=env_prefix)
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr)  # -7 would be SIGBUS
+    assert "space error: RESOURCE_EXHAUSTED: checkpoint segment" in child.stdout
+    assert "but only" in child.stdout and "TROUPE_SHM_DIR" in child.stdout
+
+
+DRIVER = """
+import json, os, sys, time, warnings, torch, troupe
+import troupe.checkpoint as ckpt
+shm, disk = sys.argv[1], sys.argv[2]
+troupe.init("auto")
+members = ["ck-a", "ck-b"]
+def actor(name, node):
+    args = {"group": "job", "node": node, "self": name, "members": members, "dir": disk, "shm_dir": shm}
+    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, num_cpus=0.5,
+                            resources={"ck" + node.upper(): 1})
+a, b = actor("ck-a", "a"), actor("ck-b", "b")
+def status(h):
+    return json.loads(troupe.get(h.status.remote(b"")))
+def until(cond, what):
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+state = {"w": torch.randn(256, 1024), "b": torch.arange(10), "h": torch.randn(7).to(torch.bfloat16)}
+flash = ckpt.FlashCheckpoint(rank=0, world_size=1, actor=a)
+flash.save(10, state, metadata=b"ten")
+until(lambda: status(a)["persisted"].get("0") == 10 and status(a)["replicated"].get("0") == 10,
+      "persisted and replicated")
+from_disk, info = ckpt.load(disk, with_metadata=True)            # what the actor wrote, read by Python
+assert info["step"] == 10 and info["metadata"] == b"ten"
+assert all(torch.equal(from_disk[k], v) for k, v in state.items())
+model = {k: torch.zeros_like(v) for k, v in state.items()}
+r = flash.restore(model)
+assert r.step == 10 and all(torch.equal(model[k], v) for k, v in state.items())
+os.remove(os.path.join(shm, flash.segment_name))                  # this node's memory is lost
+model = {k: torch.zeros_like(v) for k, v in state.items()}
+r = flash.restore(model)                                          # from ck-b's replica
+assert r.step == 10 and all(torch.equal(model[k], v) for k, v in state.items())
+removed = json.loads(troupe.get(a.release.remote(b"")))["removed"] + json.loads(troupe.get(b.release.remote(b"")))["removed"]
+print("OK", json.dumps(sorted(removed)))
+"""
+
+
+def test_checkpoint_actors_from_python(troupe, shm_dir, tmp_path):
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "2", "--resources", "ckA=1")
+    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
+    troupe.run("start", "--address", cluster["controller_address"], "--token", cluster["token"], "--num-cpus", "2",
+               "--resources", "ckB=1")
+    disk = tmp_path / "ckpt"
+    done = run_driver(DRIVER.replace("sys.argv[1], sys.argv[2]", f"{str(shm_dir)!r}, {str(disk)!r}"),
+                      env=troupe.env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    removed = json.loads(done.stdout.split("OK ", 1)[1])
+    # Rank 0's segment on node a (staged again from the replica) and node b's replica of it.
+    assert removed == ["troupe_ckpt.job.a.r0", "troupe_ckpt.job.b.replica.r0"]
+    assert sorted(p.name for p in shm_dir.iterdir()) == []  # the group ended: no segment left
+    assert ckpt.steps(disk) == [10]
