@@ -546,14 +546,20 @@ class Runtime {
     });
   }
 
+  // A connection per node agent, made again once the old one broke: bootstrapping on a broken
+  // connection makes capnp 0.9 throw while unwinding (std::terminate), so a broken one is never
+  // used again.
   kj::Promise<rpc::NodeAgent::Client> nodeAgent(const std::string& address) {
     auto it = nodeAgents_.find(address);
-    if (it != nodeAgents_.end()) return it->second->bootstrap<rpc::NodeAgent>();
+    if (it != nodeAgents_.end() && !*it->second.broken) return it->second.client->bootstrap<rpc::NodeAgent>();
+    if (it != nodeAgents_.end()) nodeAgents_.erase(it);
     auto hp = parseHostPort(address);
     if (!hp.isOk()) throwStatus(hp.status());
     return RpcClient::connect(*io_, *hp, token_, 3 * kj::SECONDS).then([this, address](kj::Own<RpcClient> c) {
       auto cap = c->bootstrap<rpc::NodeAgent>();
-      nodeAgents_[address] = kj::mv(c);
+      auto broken = std::make_shared<bool>(false);
+      tasks_->add(c->onDisconnect().then([broken]() { *broken = true; }, [broken](kj::Exception&&) { *broken = true; }));
+      nodeAgents_[address] = AgentConnection{kj::mv(c), broken};
       return cap;
     });
   }
@@ -691,7 +697,11 @@ class Runtime {
   std::string token_;
   std::map<std::string, Cursor> followed_;                  // loop_ only
   kj::Promise<void> lastRound_ = kj::READY_NOW;             // loop_ only
-  std::map<std::string, kj::Own<RpcClient>> nodeAgents_;    // loop_ only
+  struct AgentConnection {
+    kj::Own<RpcClient> client;
+    std::shared_ptr<bool> broken;  // set when the agent closes it (or dies)
+  };
+  std::map<std::string, AgentConnection> nodeAgents_;       // loop_ only
   std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
   bool closing_ = false;                                    // guarded by mutex_
 };
@@ -763,7 +773,7 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (auto e = std::current_exception()) std::rethrow_exception(e);
     } catch (const kj::Exception& e) {
-      fprintf(stderr, "troupe._core: fatal: %s\n", e.getDescription().cStr());
+      fprintf(stderr, "troupe._core: fatal: %s\n", kj::str(e).cStr());
     } catch (const std::exception& e) {
       fprintf(stderr, "troupe._core: fatal: %s\n", e.what());
     } catch (...) {

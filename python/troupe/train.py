@@ -84,7 +84,7 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, _fault=None):
+                 name=None, replace_timeout=10.0, _fault=None):
         if data is None:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
         if not 1 <= min_workers <= max_workers:
@@ -108,6 +108,7 @@ class ElasticTrainer:
         self.min_workers, self.max_workers = min_workers, max_workers
         self.steps_per_call = steps_per_call
         self.recovery_timeout = recovery_timeout
+        self.replace_timeout = replace_timeout
         self.progress = progress
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         self.step = 0
@@ -296,28 +297,66 @@ class ElasticTrainer:
         # failed); only then may they join a new epoch.
         _api.wait(refs, num_returns=len(refs), timeout=self.recovery_timeout)
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
-        survivors = []
-        for t in self.trainers:
-            try:
-                _api._call(self._rt.wait_ready, t._id)
-                survivors.append(t)
-            except Exception as e:  # dead for good (restarts exhausted, or no room)
-                self._event(f"trainer {t._id} is gone: {str(e)[:200]}")
+        # Members come back as new incarnations of the same actors; one that does not answer
+        # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
+        deadline = time.monotonic() + self.replace_timeout
+        answering = self._answering(self.trainers, "hash", deadline)
+        survivors = [t for t in self.trainers if t._id in answering]
+        for t, bundle in zip(self.trainers, self._bundles):
+            if t._id not in answering:
+                self._event(f"trainer {t._id} (bundle {bundle}) is not coming back (no room for a replacement "
+                            f"within {self.replace_timeout:.0f} s): the group shrinks")
+                _api.kill(t)
         if len(survivors) < self.min_workers:
             raise TroupeError(f"group {self.name}: {len(survivors)} trainer(s) left, fewer than min_workers "
                               f"{self.min_workers}") from failure
-        self._bundles = [b for t, b in zip(self.trainers, self._bundles) if t in survivors]
+        gone = [b for t, b in zip(self.trainers, self._bundles) if t._id not in answering]
+        self._bundles = [b for t, b in zip(self.trainers, self._bundles) if t._id in answering]
         self.trainers = survivors
-        # Services restart in place too; wait for them before restoring.
-        for loader, ckpt in self._node_services.values():
-            _api._call(self._rt.wait_ready, loader._id)
-            _api._call(self._rt.wait_ready, ckpt._id)
+        if gone:
+            self._pg = self._rt.remove_bundles(self.group_id, gone)
+        # The nodes' services restart in place too; a node with no trainer left loses them.
+        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles}
+        for node, (loader, ckpt) in list(self._node_services.items()):
+            if node not in live_nodes:
+                _api.kill(loader)
+                _api.kill(ckpt)
+                del self._node_services[node]
+        services = [s for pair in self._node_services.values() for s in pair]
+        answering = self._answering(services, None, deadline + self.replace_timeout)
+        if len(answering) != len(services):
+            raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
         self._join_all()
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         if self.history:
             self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
         self.recoveries.append({"step": self.step, "recovery_s": took})
+
+    def _answering(self, members, method, deadline):
+        """Ids of the members that answer a cheap call before the deadline."""
+        waiting = {m._id: m for m in members}
+        answered = set()
+        while waiting and time.monotonic() < deadline:
+            probes = {}
+            for mid, m in waiting.items():
+                probe = method or ("info" if m._type == "Dataloader" else "status")
+                probes[mid] = _json_call(m, probe)
+            for mid, ref in probes.items():
+                try:
+                    _api.get(ref, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                    answered.add(mid)
+                except Exception:
+                    pass
+            for mid in answered:
+                waiting.pop(mid, None)
+            for mid in list(waiting):  # a restart with no room anywhere will not answer: stop waiting
+                info = self._rt.actor_info(mid)
+                if info["state"] == "DEAD" or (info["state"] == "RESTARTING" and not info["node_id"]):
+                    waiting.pop(mid)
+            if waiting:
+                time.sleep(0.05)  # the controller restarts them; ask again
+        return answered
 
     def _rt_state(self, state):
         self._record({"state": state})

@@ -129,3 +129,31 @@ def test_a_group_that_cannot_be_placed_says_why(cluster):
 
     with pytest.raises(GroupPlacementError, match="at least 3 trainer"):
         make(min_workers=3, max_workers=3, global_batch_size=9)
+
+
+def test_losing_a_node_shrinks_the_group_and_training_goes_on(troupe):  # noqa: F811 (the CLI fixture)
+    import json
+
+    from troupe_testing import free_port
+
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
+    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
+    api = import_troupe()
+    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    try:
+        with make(replace_timeout=6.0) as t:
+            nodes = set(t._pg["bundle_nodes"])
+            assert len(nodes) == 2, "the two trainers should sit on the two nodes"
+            t.fit(3)
+            second = [n for n in troupe.status()["nodes"] if not n["is_head"]][0]
+            os.kill(second["pid"], signal.SIGKILL)  # the node agent; its workers die with it
+            t.fit(6)
+            assert t.step == 9 and len(t.trainers) == 1
+            assert [row["world_size"] for row in t.history][-3:] == [1, 1, 1]
+            assert len(t.recoveries) == 1
+            events = group_record(t)["events"]
+            assert any("the group shrinks" in e for e in events), events
+    finally:
+        api.shutdown()
