@@ -12,6 +12,9 @@
 #include "troupe.capnp.h"
 #include "troupe/actors/checkpoint_actor.h"
 #include "troupe/actors/test_actors.h"
+#ifdef TROUPE_WITH_TRAIN
+#include "troupe/actors/train_actors.h"
+#endif
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
@@ -152,6 +155,9 @@ int main(int argc, char** argv) {
   ActorRegistry registry;
   actors::registerTestActors(registry);
   actors::registerCheckpointActor(registry);
+#ifdef TROUPE_WITH_TRAIN
+  actors::registerTrainActors(registry);
+#endif
   ActorContext context{ActorId(actorId), type, incarnation, cluster.get()};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {

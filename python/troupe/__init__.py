@@ -24,10 +24,10 @@ from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError
 
 __all__ = ["ActorClass", "ActorDiedError", "ActorError", "ActorHandle", "GetTimeoutError", "ObjectRef", "TroupeError",
            "actors", "cluster_resources", "cpp_actor", "get", "get_actor", "init", "is_initialized", "kill", "nodes",
-           "checkpoint", "optim", "remote", "shutdown", "wait"]
+           "checkpoint", "optim", "remote", "shutdown", "train", "wait"]
 
 
 def __getattr__(name):
-    if name in ("optim", "checkpoint"):
+    if name in ("optim", "checkpoint", "train"):
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'troupe' has no attribute {name!r}")
