@@ -151,6 +151,10 @@ class Trainer final : public Actor {
     if (method == "snapshots") return snapshots();
     if (method == "restore") return restore(j.value("step", int64_t{0}), j.value("from_bundle", -1));
     if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
+    if (method == "configure") {
+      snapshotEvery_ = j.value("snapshot_every", snapshotEvery_);
+      return Json{{"snapshot_every", snapshotEvery_}}.dump();
+    }
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
   }

@@ -102,6 +102,7 @@ class ElasticTrainer:
             "context": int(context), **{k: v for k, v in opt.items()},
         }
         self._data = _data_spec(data)
+        self._snapshot_fixed = "snapshot_every" in checkpoint
         self._checkpoint = {"dir": checkpoint.get("dir", ""), "snapshot_every": int(checkpoint.get("snapshot_every", 1)),
                             "persist_every": int(checkpoint.get("persist_every", 0)),
                             "keep": int(checkpoint.get("keep", 3))}
@@ -219,7 +220,10 @@ class ElasticTrainer:
                "checkpoints": [c._id for _, c in getattr(self, "_node_services", {}).values()],
                "min_workers": self.min_workers, "max_workers": self.max_workers,
                "samples_per_s": self.history[-1]["samples_per_s"] if self.history else 0.0,
-               "loss": self.history[-1]["loss"] if self.history else None}
+               "loss": self.history[-1]["loss"] if self.history else None,
+               "snapshot_every": self._checkpoint["snapshot_every"]}
+        if self.history:  # the last step's time split, as the trainers measured it
+            doc.update({k: self.history[-1][k] for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")})
         doc.update(extra or {})
         return doc
 
@@ -260,6 +264,7 @@ class ElasticTrainer:
                 except (ActorDiedError, ActorError) as failure:
                     self._recover(failure, refs)
                     if bar is not None:
+                        bar.write(f"(troupe.train) {self.events[-1]['text']}")
                         bar.n = self.step - start
                         bar.refresh()
                     continue
@@ -282,13 +287,31 @@ class ElasticTrainer:
                    "compute_s": max(r[i]["compute_s"] for r in per_rank),
                    "comm_s": max(r[i]["comm_s"] for r in per_rank),
                    "wait_s": max(r[i]["wait_s"] for r in per_rank),
+                   "snapshot_s": max(r[i]["snapshot_s"] for r in per_rank),
                    "samples": m["samples"],
                    "sample_ids": sorted(x for r in per_rank for x in r[i]["sample_ids"])}
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
         self.step = per_rank[0][-1]["step"]
+        self._tune_snapshots()
         self._record({"state": "RUNNING"})
+
+    def _tune_snapshots(self):
+        """Unless the user chose an interval, snapshot every step while a snapshot costs under 5%
+        of a step, else every n steps so that it does."""
+        if self._snapshot_fixed or len(self.history) < 3:
+            return
+        recent = self.history[-3:]
+        step_s = sum(r["step_s"] for r in recent) / 3
+        cost = sum(r["snapshot_s"] for r in recent) / 3
+        every = max(1, int(-(-cost // (0.05 * step_s)))) if step_s > 0 else 1
+        every = min(every, 100)
+        if every != self._checkpoint["snapshot_every"]:
+            _api.get([_json_call(t, "configure", {"snapshot_every": every}) for t in self.trainers])
+            self._event(f"memory snapshots every {every} step(s): a snapshot takes {cost * 1e3:.1f} ms, "
+                        f"a step {step_s * 1e3:.1f} ms")
+            self._checkpoint["snapshot_every"] = every
 
     def _recover(self, failure, refs):
         t0 = time.monotonic()

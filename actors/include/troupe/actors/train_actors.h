@@ -20,6 +20,7 @@
 //            initial parameters, re-created from the seed)
 //   run     {"from", "steps"} -> {"metrics": [StepMetrics as JSON per step], "hash"}: trains
 //            steps [from, from + steps); a collective failure ends it with an error
+//   configure {"snapshot_every": n} -> {"snapshot_every": n}
 //   hash    {} -> {"hash", "step"}
 #pragma once
 
