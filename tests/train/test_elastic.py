@@ -174,3 +174,20 @@ def test_losing_a_node_shrinks_the_group_and_training_goes_on(troupe):  # noqa: 
             assert any("the group shrinks" in e for e in events), events
     finally:
         api.shutdown()
+
+
+def test_a_torchscript_model_on_npy_features_trains_in_the_group(cluster, tmp_path):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((256, 8)).astype(np.float32)
+    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64)  # a learnable rule
+    np.save(tmp_path / "x.npy", features)
+    np.save(tmp_path / "y.npy", labels)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    with make(model=model, data={"features": str(tmp_path / "x.npy"), "labels": str(tmp_path / "y.npy")},
+              optimizer={"name": "adamw", "lr": 0.05}, global_batch_size=32, max_micro_batch=16) as t:
+        history = t.fit(30)
+        assert len(set(t.parameter_hash())) == 1
+    first, last = history[0]["loss"], sum(r["loss"] for r in history[-5:]) / 5
+    assert last < 0.5 * first, f"loss went from {first} to {last}"
