@@ -30,6 +30,7 @@ constexpr const char* kManifest = "MANIFEST.json";
 constexpr const char* kLatest = "latest";
 constexpr uint64_t kWriteChunk = uint64_t(16) << 20;
 constexpr uint64_t kFaultChunk = uint64_t(1) << 20;
+constexpr uint64_t kWritebackChunk = uint64_t(64) << 20;
 
 std::string errnoText(int e) { return fmt::format("{} ({})", strerror(e), e); }
 
@@ -188,13 +189,20 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
     Status status;
     const bool faulty = options_.fault.armed(FaultStage::kPersist, step);
     bool paused = false;
-    uint64_t written = 0;
+    uint64_t written = 0, flushed = 0;
     for (const auto& piece : request.pieces) {
       for (uint64_t off = 0; off < piece.size && status.isOk();) {
         uint64_t n = std::min(piece.size - off, faulty ? kFaultChunk : kWriteChunk);
         status = writeAll(fd, piece.data + off, n, temp);
         off += n;
         written += n;
+        // Start writeback of what is written so far while the rest is copied, so the fsync at the
+        // end waits for the tail only (errors surface there).
+        if (written - flushed >= kWritebackChunk) {
+          (void)sync_file_range(fd, static_cast<off_t>(flushed), static_cast<off_t>(written - flushed),
+                                SYNC_FILE_RANGE_WRITE);
+          flushed = written;
+        }
         if (faulty && !paused && written >= options_.fault.afterBytes) {
           paused = true;
           options_.fault.pauseHere(step, written, options_.stop);

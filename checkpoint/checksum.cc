@@ -1,8 +1,16 @@
-// CRC32C with the SSE4.2 crc32 instruction. One crc32 has a latency of three cycles and a
-// throughput of one, so three independent streams (three blocks of one chunk) keep the unit
-// busy; their CRCs are joined with shift tables ("append B zero bytes" is linear in the CRC
-// state). Measured here for 1 GiB: one stream 0.16 s, three streams 0.085 s, memcpy 0.095 s;
-// CRC of a chunk then a non-temporal copy of it 0.14 s, against 0.23 s for memcpy then CRC.
+// CRC32C, three ways, all giving the same value:
+//  * AVX-512 + VPCLMULQDQ (this machine): the message is folded 256 bytes at a time with
+//    carry-less multiplies (four 512-bit accumulators, each 128-bit lane moved 2048 bits forward:
+//    lane' = lo64 * (x^2111 mod P) ^ hi64 * (x^2047 mod P), bit-reflected), then the last 256 bytes
+//    of accumulator are run through the crc32 instruction. Folding keeps the message's value mod P,
+//    and the CRC of a message depends only on that, so no Barrett reduction is needed. The copy is
+//    fused into the same loop (load, stream-store, fold), so copy + CRC runs at memcpy speed.
+//  * SSE4.2 crc32 on three interleaved streams (one has a latency of three cycles), joined with
+//    shift tables ("append B zero bytes" is linear in the CRC state).
+//  * a byte table, for CPUs without SSE4.2.
+// Measured here for 1 GiB: crc32 one stream 0.16 s, three streams 0.085 s, folding 0.082 s (all
+// limited by reading memory); copy + CRC: chunked CRC then non-temporal copy 0.14 s, fused folding
+// copy 0.113 s, plain memcpy (no CRC) 0.100 s.
 #include "troupe/checkpoint/checksum.h"
 
 #include <array>
@@ -160,6 +168,87 @@ __attribute__((target("avx2"))) void copyNonTemporal(uint8_t* dst, const uint8_t
 
 __attribute__((target("avx2"))) void storeFence() { _mm_sfence(); }
 
+// x^k mod P in the normal (not reflected) representation, then bit-reflected into the 64-bit form
+// carry-less multiplies take: the coefficient of x^j at bit 63 - j.
+uint64_t foldConstant(unsigned k) {
+  uint64_t r = 1;
+  for (unsigned i = 0; i < k; ++i) {
+    r <<= 1;
+    if (r & (uint64_t(1) << 32)) r ^= (uint64_t(1) << 32) | 0x1EDC6F41u;
+  }
+  uint64_t reflected = 0;
+  for (int j = 0; j < 32; ++j) {
+    if ((r >> j) & 1u) reflected |= uint64_t(1) << (63 - j);
+  }
+  return reflected;
+}
+
+constexpr size_t kFoldBlock = 256;  // four 512-bit accumulators
+constexpr size_t kFoldMin = 2 * kFoldBlock;
+
+#define TROUPE_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+
+// Each 128-bit lane of `a` moved forward and XORed with the next block's lane.
+TROUPE_FOLD_TARGET inline __m512i fold(__m512i a, __m512i k, __m512i next) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00), _mm512_clmulepi64_epi128(a, k, 0x11), next,
+                                   0x96);  // three-way XOR
+}
+
+// Raw CRC state after `size` (>= kFoldMin) more bytes of `src`, copying them to `dst` on the way
+// when dst is not null (with non-temporal stores when `stream`; dst then 64-byte aligned).
+TROUPE_FOLD_TARGET uint32_t foldCopy(uint32_t state, uint8_t* dst, const uint8_t* src, size_t size, bool stream) {
+  static const uint64_t kLo = foldConstant(2048 + 63), kHi = foldConstant(2048 - 1);
+  const __m512i k = _mm512_set_epi64(static_cast<long long>(kHi), static_cast<long long>(kLo),
+                                     static_cast<long long>(kHi), static_cast<long long>(kLo),
+                                     static_cast<long long>(kHi), static_cast<long long>(kLo),
+                                     static_cast<long long>(kHi), static_cast<long long>(kLo));
+  __m512i a0 = _mm512_loadu_si512(src), a1 = _mm512_loadu_si512(src + 64);
+  __m512i a2 = _mm512_loadu_si512(src + 128), a3 = _mm512_loadu_si512(src + 192);
+  if (dst != nullptr) {
+    _mm512_storeu_si512(dst, a0);
+    _mm512_storeu_si512(dst + 64, a1);
+    _mm512_storeu_si512(dst + 128, a2);
+    _mm512_storeu_si512(dst + 192, a3);
+  }
+  // The incoming state enters as the message's first four bytes XORed with it.
+  a0 = _mm512_xor_si512(a0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(state))));
+  size_t i = kFoldBlock;
+  for (; i + kFoldBlock <= size; i += kFoldBlock) {
+    __m512i b0 = _mm512_loadu_si512(src + i), b1 = _mm512_loadu_si512(src + i + 64);
+    __m512i b2 = _mm512_loadu_si512(src + i + 128), b3 = _mm512_loadu_si512(src + i + 192);
+    if (dst != nullptr && stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), b0);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b1);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), b2);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), b3);
+    } else if (dst != nullptr) {
+      _mm512_storeu_si512(dst + i, b0);
+      _mm512_storeu_si512(dst + i + 64, b1);
+      _mm512_storeu_si512(dst + i + 128, b2);
+      _mm512_storeu_si512(dst + i + 192, b3);
+    }
+    a0 = fold(a0, k, b0);
+    a1 = fold(a1, k, b1);
+    a2 = fold(a2, k, b2);
+    a3 = fold(a3, k, b3);
+  }
+  if (dst != nullptr && stream) _mm_sfence();
+  alignas(64) uint8_t window[kFoldBlock];
+  _mm512_store_si512(window, a0);
+  _mm512_store_si512(window + 64, a1);
+  _mm512_store_si512(window + 128, a2);
+  _mm512_store_si512(window + 192, a3);
+  uint32_t crc = static_cast<uint32_t>(rawHardwareStream(0, window, kFoldBlock));
+  if (dst != nullptr) std::memcpy(dst + i, src + i, size - i);
+  return static_cast<uint32_t>(rawHardwareStream(crc, src + i, size - i));
+}
+
+bool hasFold() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") &&
+                          __builtin_cpu_supports("sse4.2");
+  return yes;
+}
+
 bool hasSse42() {
   static const bool yes = __builtin_cpu_supports("sse4.2");
   return yes;
@@ -172,6 +261,7 @@ bool hasAvx2() {
 
 uint32_t rawUpdate(uint32_t state, const uint8_t* p, size_t size) {
 #if defined(__x86_64__)
+  if (size >= kFoldMin && hasFold()) return foldCopy(state, nullptr, p, size, false);
   if (hasSse42()) return rawHardware(state, p, size);
 #endif
   return rawSoftware(state, p, size);
@@ -193,6 +283,14 @@ uint32_t copyWithCrc32c(void* dst, const void* src, size_t size, uint32_t crc) {
   const auto* s = static_cast<const uint8_t*>(src);
   uint32_t state = ~crc;
 #if defined(__x86_64__)
+  if (size >= kFoldMin && hasFold()) {
+    // Non-temporal stores want a 64-byte aligned destination: the head goes the plain way.
+    bool stream = size >= kNonTemporalMin;
+    size_t head = stream ? (64 - (reinterpret_cast<uintptr_t>(d) & 63u)) & 63u : 0;
+    std::memcpy(d, s, head);
+    state = rawUpdate(state, s, head);
+    return ~foldCopy(state, d + head, s + head, size - head, stream);
+  }
   if (size >= kNonTemporalMin && hasAvx2()) {
     // The CRC reads the chunk into cache; the copy then reads it from there.
     for (size_t off = 0; off < size; off += kChunk) {

@@ -31,8 +31,10 @@ TEST_CASE("checksum: crc32c matches the published check value and the bitwise re
   CHECK(crc32c(check, 9) == 0xE3069283u);
   CHECK(crc32c(nullptr, 0) == 0u);
   auto data = randomBytes(300000, 1);
-  // Lengths around the three-stream chunk (3 x 8 KiB) and odd offsets.
-  for (size_t n : {size_t(1), size_t(7), size_t(8), size_t(63), size_t(24575), size_t(24576), size_t(24577),
+  // Lengths around the folding path's minimum and block (512, 256), the three-stream chunk
+  // (3 x 8 KiB), and odd offsets.
+  for (size_t n : {size_t(1), size_t(7), size_t(8), size_t(63), size_t(511), size_t(512), size_t(513), size_t(767),
+                   size_t(768), size_t(1029), size_t(24575), size_t(24576), size_t(24577),
                    size_t(49152 + 13), size_t(299990)}) {
     for (size_t off : {size_t(0), size_t(1), size_t(5)}) {
       CHECK(crc32c(data.data() + off, n) == referenceCrc32c(data.data() + off, n));
@@ -53,7 +55,7 @@ TEST_CASE("checksum: continuing and combining give the CRC of the concatenation"
 
 TEST_CASE("checksum: copyWithCrc32c copies exactly and checksums what it copied") {
   // Sizes below and above the non-temporal threshold (1 MiB), destinations at odd alignments.
-  for (size_t n : {size_t(0), size_t(100), size_t(1) << 20, (size_t(3) << 20) + 77}) {
+  for (size_t n : {size_t(0), size_t(100), size_t(600), size_t(1) << 20, (size_t(3) << 20) + 77}) {
     auto src = randomBytes(n + 64, static_cast<uint32_t>(n));
     for (size_t dstOff : {size_t(0), size_t(3), size_t(32)}) {
       std::vector<uint8_t> dst(n + 64, 0xEE);
