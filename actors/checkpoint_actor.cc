@@ -881,12 +881,19 @@ class CheckpointActor final : public Actor {
   kj::Promise<T> withTimeout(kj::Promise<T> promise, std::chrono::milliseconds limit, const char* what) {
     auto paf = kj::newPromiseAndCrossThreadFulfiller<void>();
     auto timer = std::make_shared<asio::steady_timer>(timerThread_.context(), limit);
-    timer->async_wait([timer, fulfiller = kj::mv(paf.fulfiller)](const asio::error_code&) mutable {
-      fulfiller->fulfill();
+    timer->async_wait([timer, fulfiller = kj::mv(paf.fulfiller)](const asio::error_code& e) mutable {
+      if (!e) fulfiller->fulfill();  // cancelled: the fulfiller goes, its promise is gone already
     });
-    return promise.exclusiveJoin(paf.promise.then([what, limit]() -> T {
-      kj::throwFatalException(KJ_EXCEPTION(FAILED, kj::str(what, " timed out after ", limit.count(), " ms")));
-    }));
+    // However the call ends, the timer is cancelled (on its own thread: asio timers are not
+    // thread-safe), so finished calls leave no timer behind.
+    auto cancel = kj::defer([timer, &context = timerThread_.context()]() {
+      asio::post(context, [timer]() { timer->cancel(); });
+    });
+    return promise
+        .exclusiveJoin(paf.promise.then([what, limit]() -> T {
+          kj::throwFatalException(KJ_EXCEPTION(FAILED, kj::str(what, " timed out after ", limit.count(), " ms")));
+        }))
+        .attach(kj::mv(cancel));
   }
 
   ActorContext context_;

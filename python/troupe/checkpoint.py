@@ -250,6 +250,8 @@ class FlashCheckpoint:
         Restored(step, state_dict, metadata), or None when there is nothing to restore."""
         step = None
         if self.actor is not None:
+            # The actor may stage the snapshot into this rank's segment: it needs the writer lock.
+            self.close()
             step = self._restore_through_actor(max_step, timeout)
             if step is None:
                 return None
