@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,6 +34,24 @@ constexpr uint64_t kFaultChunk = uint64_t(1) << 20;
 constexpr uint64_t kWritebackChunk = uint64_t(64) << 20;
 
 std::string errnoText(int e) { return fmt::format("{} ({})", strerror(e), e); }
+
+// Owns a file descriptor. close() reports the error a write-back may surface there.
+class UniqueFd {
+ public:
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // 0, or -1 with errno set.
+  int close() { return ::close(std::exchange(fd_, -1)); }
+
+ private:
+  int fd_;
+};
 
 std::string hostName() {
   char buf[256] = {0};
@@ -61,14 +80,13 @@ bool isDeadTemp(const std::string& name) {
 }
 
 Status fsyncPath(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) {
     int e = errno;
     return Status(StatusCode::kUnavailable, fmt::format("cannot open directory {} to sync it: {}", path, errnoText(e)));
   }
-  int rc = fsync(fd);
+  int rc = fsync(fd.get());
   int e = errno;
-  close(fd);
   if (rc != 0) return Status(StatusCode::kUnavailable, fmt::format("cannot sync directory {}: {}", path, errnoText(e)));
   return Status::ok();
 }
@@ -106,11 +124,11 @@ Status writeAll(int fd, const uint8_t* data, uint64_t size, const std::string& p
 Status writeFileAtomically(const std::string& dir, const std::string& name, const std::string& content) {
   std::string final = dir + "/" + name;
   std::string temp = tempPathFor(final);
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return writeError(errno, "creating", temp);
-  Status status = writeAll(fd, reinterpret_cast<const uint8_t*>(content.data()), content.size(), temp);
-  if (status.isOk() && fsync(fd) != 0) status = writeError(errno, "syncing", temp);
-  if (close(fd) != 0 && status.isOk()) status = writeError(errno, "closing", temp);
+  UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  if (!fd.valid()) return writeError(errno, "creating", temp);
+  Status status = writeAll(fd.get(), reinterpret_cast<const uint8_t*>(content.data()), content.size(), temp);
+  if (status.isOk() && fsync(fd.get()) != 0) status = writeError(errno, "syncing", temp);
+  if (fd.close() != 0 && status.isOk()) status = writeError(errno, "closing", temp);
   if (status.isOk() && rename(temp.c_str(), final.c_str()) != 0) status = writeError(errno, "renaming", temp);
   if (!status.isOk()) {
     unlink(temp.c_str());
@@ -184,8 +202,8 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
     outcome.alreadyPresent = true;
   } else {
     std::string temp = tempPathFor(final);
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) return writeError(errno, "creating", temp);
+    UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (!fd.valid()) return writeError(errno, "creating", temp);
     Status status;
     const bool faulty = options_.fault.armed(FaultStage::kPersist, step);
     bool paused = false;
@@ -193,13 +211,13 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
     for (const auto& piece : request.pieces) {
       for (uint64_t off = 0; off < piece.size && status.isOk();) {
         uint64_t n = std::min(piece.size - off, faulty ? kFaultChunk : kWriteChunk);
-        status = writeAll(fd, piece.data + off, n, temp);
+        status = writeAll(fd.get(), piece.data + off, n, temp);
         off += n;
         written += n;
         // Start writeback of what is written so far while the rest is copied, so the fsync at the
         // end waits for the tail only (errors surface there).
         if (written - flushed >= kWritebackChunk) {
-          (void)sync_file_range(fd, static_cast<off_t>(flushed), static_cast<off_t>(written - flushed),
+          (void)sync_file_range(fd.get(), static_cast<off_t>(flushed), static_cast<off_t>(written - flushed),
                                 SYNC_FILE_RANGE_WRITE);
           flushed = written;
         }
@@ -222,8 +240,8 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
                       fmt::format("the snapshot of step {} rank {} was overwritten by a newer save while being persisted",
                                   step, request.stamp.rank));
     }
-    if (status.isOk() && fsync(fd) != 0) status = writeError(errno, "syncing", temp);
-    if (close(fd) != 0 && status.isOk()) status = writeError(errno, "closing", temp);
+    if (status.isOk() && fsync(fd.get()) != 0) status = writeError(errno, "syncing", temp);
+    if (fd.close() != 0 && status.isOk()) status = writeError(errno, "closing", temp);
     if (status.isOk() && rename(temp.c_str(), final.c_str()) != 0) status = writeError(errno, "renaming", temp);
     if (!status.isOk()) {
       unlink(temp.c_str());

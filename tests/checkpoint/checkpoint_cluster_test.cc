@@ -306,6 +306,27 @@ TEST_CASE("checkpoint actors: restore from a peer's replica after the local segm
   CHECK(c.groupSegments().empty());
 }
 
+TEST_CASE("checkpoint actors: a rank moved to another node restores from its old node's memory") {
+  CheckpointCluster c;
+  json members = json::array({"ck-a", "ck-b"});
+  auto a = c.actor("ck-a", "a", {{"members", members}, {"replica_to", ""}});  // no replicas
+  auto b = c.actor("ck-b", "b", {{"members", members}, {"replica_to", ""}});
+  std::string seg = c.call(a, "attach", {{"rank", 0}})["segment"];
+  c.runWriter(seg, 0, 1, "10,20");
+  std::string segOnB = c.call(b, "attach", {{"rank", 0}})["segment"];
+  json moved = c.restore(b, 0);
+  CHECK(moved["state"] == "done");
+  CHECK(moved["step"] == 20);
+  CHECK(moved["source"] == "peer memory of ck-a");
+  CHECK(c.segmentHolds(segOnB, 0, 20));
+  // Asking for an older step (ranks that restored different steps agree on the smaller one).
+  json older = c.restore(b, 0, {{"max_step", 15}});
+  CHECK(older["step"] == 10);
+  c.call(a, "release");
+  c.call(b, "release");
+  CHECK(c.groupSegments().empty());
+}
+
 TEST_CASE("checkpoint actors: a flipped byte on disk is detected and the older checkpoint used") {
   CheckpointCluster c;
   auto a = c.actor("ck-a", "a", {{"dir", c.disk.str()}});
