@@ -535,7 +535,7 @@ class ResourceTuner:
         self._chunks_here += 1
         if obs.prefetch:
             self.prefetch = int(obs.prefetch)
-        warming = self._chunks_here <= self.warmup_chunks and len(self._decisions) > 0
+        warming = self._chunks_here <= self.warmup_chunks
         if not warming:
             self._record_outcome(obs)
             self.model.add_observation(obs, self.cpus_per_trainer)
@@ -581,8 +581,9 @@ class ResourceTuner:
             reason = f"world size {n} outside [{self.min_workers}, {self.max_workers}]: move to {target}"
         elif warming:
             reason = f"warm-up: chunk {self._chunks_here} of {self.warmup_chunks} at {n} trainer(s) not fitted"
-        elif self._chunks_here < self.cooldown:
-            reason = f"cool-down: {self._chunks_here} of {self.cooldown} chunk(s) measured at {n} trainer(s)"
+        elif self._chunks_here - self.warmup_chunks < self.cooldown:
+            reason = (f"cool-down: {self._chunks_here - self.warmup_chunks} of {self.cooldown} chunk(s) "
+                      f"measured at {n} trainer(s)")
         elif t_cur is None:
             reason = "no samples/s measured yet (unknown global batch)"
         else:

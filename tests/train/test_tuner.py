@@ -348,3 +348,39 @@ def test_rejects_bad_arguments():
         ResourceTuner(min_workers=1, max_workers=2, grow_gain=0.05, shrink_gain=0.1)
     with pytest.raises(ValueError, match="step_s"):
         Observation(world_size=1, step_s=0.0)
+
+
+def test_does_not_explore_when_even_the_best_case_cannot_pay():
+    # 90% of the step is fixed overhead: at N=1 the latency is unknown, but even without it a second
+    # trainer would add < 10%, so the tuner does not spend a chunk measuring it.
+    truth = dict(TRUTH, compute_s=0.02, overhead_s=0.2)
+    t = ResourceTuner(min_workers=1, max_workers=4)
+    assert set(drive(t, Cluster(cores=4, cpus=4, truth=truth), start=1, chunks=10)) == {1}
+    assert not t.model.predict(2)["supported"] and t.model.predict(2)["optimistic"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shrinks_on_contention_through_noise(seed):
+    cluster = Cluster(cores=2, cpus=4, noise=0.10, seed=seed)
+    t = ResourceTuner(min_workers=1, max_workers=4)
+    sizes = drive(t, cluster, start=4, chunks=30)
+    assert sizes[-10:] == [2] * 10 and changes(sizes) <= 2
+    assert sizes == sorted(sizes, reverse=True)  # only ever down: no back and forth
+
+
+def test_warmup_chunks_are_not_fitted_and_the_outcome_waits_for_them():
+    t = ResourceTuner(min_workers=1, max_workers=4, warmup_chunks=1)
+    cluster = Cluster(cores=2, cpus=4)
+    assert "warm-up" in t.observe(cluster.measure(4)).reason
+    assert "cool-down" in t.observe(cluster.measure(4)).reason
+    assert t.observe(cluster.measure(4)).target == 2
+    assert t.model.points == 2
+    slow = cluster.measure(2)
+    slow.step_s *= 3  # the first chunk after a resize pays for it
+    slow.samples_per_s /= 3
+    d = t.observe(slow)
+    assert "warm-up" in d.reason and t.model.points == 2
+    shrink = next(x for x in t._decisions if x.changed)
+    assert shrink.measured_samples_per_s is None
+    t.observe(cluster.measure(2))
+    assert shrink.measured_samples_per_s == pytest.approx(cluster.throughput(2))
