@@ -344,8 +344,8 @@ class ThroughputModel:
             return ["no observations"]
         why = {"compute_s": "compute: needs compute_s, or step times at two world sizes",
                "latency_s": "latency: needs a world size > 1 (with comm_s, or step times at three world sizes)",
-               "contention_s": "contention: needs runs with more trainer threads than cores, at two degrees "
-                               "of oversubscription or with comm_s",
+               "contention_s": "contention: needs runs at more sizes, at least one with more trainer threads "
+                               "than cores",
                "s_per_byte": "bandwidth: needs comm_s at two world sizes > 1 and bytes_allreduced "
                              "(charged to latency meanwhile)",
                "overhead_s": "overhead: not separable from the other terms"}
@@ -473,16 +473,21 @@ class ResourceTuner:
     """The policy: one observe() per chunk returns a Decision (world size, threads per trainer,
     dataloader prefetch depth, and why). See docs/design.md, "Resource tuner".
 
-    Objective: the most predicted samples/s, where trainers cost something. A grow must be
-    predicted to buy at least `grow_gain` (10%) more samples/s and needs free CPUs; when several
-    sizes qualify, the fewest trainers within `grow_gain` of the best one. A shrink happens when
-    the trainers above a smaller size add less than `shrink_gain` (5%, possibly negative:
-    contention); the target is the smaller size with the most predicted samples/s. Between the two
-    thresholds N stays (hysteresis). A change needs `cooldown` chunks measured at the current
-    size. Only world sizes the model supports (observed, or all relevant parameters identified)
-    are candidates; when the model decides nothing, an unsupported neighbour (N-1 or N+1) is
-    explored once, if it is in [min, max], fits the free CPUs and (up) the physical cores, and
-    might pay off."""
+    Objective: the most predicted samples/s, where trainers cost something. A grow needs the low
+    end of the predicted gain's 95% band (ThroughputModel.gain) to reach `grow_gain` (10%) and free
+    CPUs for the new trainers; when several sizes qualify, the fewest trainers within `grow_gain`
+    of the best one. A shrink happens when even the high end of what the trainers above a smaller
+    size add stays under `shrink_gain` (5%; negative under contention); the target is the best
+    smaller size (the fewest within `shrink_gain` of it). Between the two thresholds N stays
+    (hysteresis). A change needs `cooldown` fitted chunks at the current size; the first
+    `warmup_chunks` after a change are recorded but not fitted. Only sizes the model supports
+    (observed, or every relevant parameter identified) and the free CPUs allow are candidates.
+    When the model decides nothing, a never-measured neighbour (N+1, or N-1 when oversubscribed)
+    is explored once if it is in [min, max], fits the free CPUs and (up) the physical cores, and
+    the model knows nothing there or predicts a move there it cannot confirm.
+
+    Threads per trainer: threads_for(target, cores). Prefetch: doubled (up to max_prefetch) while
+    the data wait exceeds `wait_high` (5%) of the step."""
 
     def __init__(self, min_workers, max_workers, grow_gain=0.10, shrink_gain=0.05, cooldown=2,
                  cpus_per_trainer=1.0, max_threads=None, prefetch=2, max_prefetch=8, wait_high=0.05,
