@@ -84,7 +84,7 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, replace_timeout=10.0, _fault=None):
+                 name=None, replace_timeout=10.0, tuner=False, _fault=None):
         if data is None:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
         if not 1 <= min_workers <= max_workers:
@@ -120,6 +120,15 @@ class ElasticTrainer:
         self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s}
         self.recoveries = []
         self._place(workers or max_workers)
+        self._tuner = None
+        self.tuner_decisions = []
+        if tuner:
+            # The tuner is a member of the group (0 CPU, in the first bundle); it keeps the model
+            # and the decisions, and the driver applies what it decides at chunk boundaries.
+            options = {"warmup_chunks": 1, **(dict(tuner) if isinstance(tuner, dict) else {})}
+            self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id, bundle_index=self._bundles[0],
+                                              max_restarts=-1).remote(min_workers, max_workers, options)
+            self._record({"state": "RUNNING", "tuner": self._tuner._id})
 
     # ---- Membership ----
     def _place(self, workers):
@@ -270,6 +279,8 @@ class ElasticTrainer:
                     continue
                 wall = time.monotonic() - t0
                 self._absorb(replies, wall)
+                if self._tuner is not None:
+                    self._consult_tuner(chunk)
                 if bar is not None:
                     last = self.history[-1]
                     bar.update(chunk)
@@ -288,6 +299,7 @@ class ElasticTrainer:
                    "comm_s": max(r[i]["comm_s"] for r in per_rank),
                    "wait_s": max(r[i]["wait_s"] for r in per_rank),
                    "snapshot_s": max(r[i]["snapshot_s"] for r in per_rank),
+                   "bytes_allreduced": max(r[i]["bytes_allreduced"] for r in per_rank),
                    "samples": m["samples"],
                    "sample_ids": sorted(x for r in per_rank for x in r[i]["sample_ids"])}
             row["step_s"] = wall / len(per_rank[0])
@@ -355,6 +367,34 @@ class ElasticTrainer:
         if self.history:
             self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
         self.recoveries.append({"step": self.step, "recovery_s": took})
+
+    def _consult_tuner(self, chunk):
+        rows = self.history[-chunk:]
+        used = sum(n["used"].get("CPU", 0.0) for n in _api.nodes() if n["state"] == "ALIVE")
+        total = sum(n["resources"].get("CPU", 0.0) for n in _api.nodes() if n["state"] == "ALIVE")
+        obs = {"world_size": len(self.trainers), "rows": [{k: r[k] for k in ("world_size", "step_s", "samples",
+                                                                             "samples_per_s", "compute_s", "comm_s",
+                                                                             "wait_s", "step", "bytes_allreduced")}
+                                                  for r in rows],
+               "free_cpus": max(0.0, total - used), "cores": len(os.sched_getaffinity(0)),
+               "threads": self._engine["threads"]}
+        decision = _api.get(self._tuner.observe.remote(obs))
+        self.tuner_decisions.append(decision)
+        if self.history:
+            self.history[-1]["tuner"] = decision
+        if decision["action"] != "keep":
+            self._event(f"tuner: {decision['action']} {decision['world_size']} -> {decision['target']} trainer(s)"
+                        f"{' (exploring)' if decision['explore'] else ''}: {decision['reason']}; predicted "
+                        f"{(decision['predicted_samples_per_s'] or 0):.1f} samples/s at {decision['target']} vs "
+                        f"{(decision['predicted_current_samples_per_s'] or 0):.1f} now")
+            self.resize(decision["target"])
+        # The outcome of the previous change is measured now: its decision record is on the tuner.
+        self.tuner_decisions = _api.get(self._tuner.decisions.remote())
+        errors = [d for d in self.tuner_decisions if d.get("prediction_error") is not None]
+        self._record({"state": "RUNNING", "tuner": {"last": decision["action"], "target": decision["target"],
+                                                    "reason": decision["reason"],
+                                                    "prediction_errors": [round(d["prediction_error"], 3)
+                                                                          for d in errors]}})
 
     def _answering(self, members, method, deadline):
         """Ids of the members that answer a cheap call before the deadline."""
@@ -436,3 +476,23 @@ class ElasticTrainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@_api.remote(num_cpus=0)
+class _TunerActor:
+    """The group's resource tuner (troupe.tuner.ResourceTuner) as a member of the group."""
+
+    def __init__(self, min_workers, max_workers, options):
+        from .tuner import ResourceTuner
+
+        self.tuner = ResourceTuner(min_workers, max_workers, **options)
+
+    def observe(self, obs):
+        from .tuner import Observation
+
+        rows = obs.pop("rows")
+        decision = self.tuner.observe(Observation.from_history(rows, **obs))
+        return decision.as_dict()
+
+    def decisions(self):
+        return self.tuner.decisions
