@@ -1,5 +1,8 @@
 #include "copy_tensors.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -20,7 +23,35 @@ struct Piece {
   uint32_t crc = 0;
 };
 
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;
+#endif
+constexpr uint64_t kPrefaultMin = uint64_t(1) << 20;
+
+// True when the page holding `p` is resident.
+bool resident(const uint8_t* p, uintptr_t pageSize) {
+  auto page = reinterpret_cast<uintptr_t>(p) & ~(pageSize - 1);
+  unsigned char in = 0;
+  return mincore(reinterpret_cast<void*>(page), 1, &in) == 0 && (in & 1u);
+}
+
 }  // namespace
+
+void prefaultDestinations(std::span<const TensorTransfer> transfers) {
+  static const uintptr_t pageSize = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  for (const auto& t : transfers) {
+    if (t.size < kPrefaultMin) continue;
+    if (resident(t.dst, pageSize) && resident(t.dst + t.size / 2, pageSize) && resident(t.dst + t.size - 1, pageSize)) {
+      continue;
+    }
+    // The whole pages inside the buffer (its first and last may be shared with other data).
+    auto begin = (reinterpret_cast<uintptr_t>(t.dst) + pageSize - 1) & ~(pageSize - 1);
+    auto end = (reinterpret_cast<uintptr_t>(t.dst) + t.size) & ~(pageSize - 1);
+    if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, kMadvPopulateWrite);
+  }
+}
 
 std::vector<uint32_t> copyTensors(std::span<const TensorTransfer> transfers, unsigned threads,
                                   const std::function<void(uint64_t done)>& progress) {

@@ -487,6 +487,7 @@ Result<ImageHeader> FlashSegment::restoreInto(const SlotInfo& info, std::span<co
     }
     transfers[i] = {static_cast<uint8_t*>(targets[i].data), image + header->layout.tensorOffset(i), specs[i].bytes};
   }
+  prefaultDestinations(transfers);
   std::vector<uint32_t> crcs = copyTensors(transfers, options_.copyThreads);
   if (!unchanged(info)) {
     return Status(StatusCode::kFailedPrecondition,

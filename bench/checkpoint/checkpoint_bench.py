@@ -5,6 +5,8 @@ torch.save / torch.load of the same state, in the same run:
   torch_save_s   torch.save of the state to a file on disk, then fsync
   restore_s      shared-memory snapshot -> the model's tensors, in place, CRCs checked (median)
   torch_load_s   torch.load of that file (from the page cache: it was just written)
+  restart_*      the same two in a fresh process, as a restarted trainer does them: its model
+                 built first, the torch file evicted from the page cache (POSIX_FADV_DONTNEED)
   persist_gbps   the snapshot written from shared memory to the checkpoint directory, as the
                  checkpoint actor does it (rank file + manifest + latest, fsyncs, renames)
   disk_write_gbps  a plain sequential write of the same bytes to the same directory, then fsync
@@ -52,6 +54,40 @@ def plain_write(path, tensors):
         os.fsync(f.fileno())
 
 
+RESTART_RESTORE = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import troupe.checkpoint as ckpt
+numel, count = int(sys.argv[4]), int(sys.argv[5])
+model = {f"layer{i}.weight": torch.randn(numel) for i in range(count)}  # built before the restore
+start = time.perf_counter()
+restored = ckpt.FlashCheckpoint(sys.argv[3], shm_dir=sys.argv[2]).restore(model)
+print(json.dumps({"seconds": time.perf_counter() - start, "step": restored.step}))
+"""
+
+RESTART_TORCH_LOAD = """
+import json, sys, time, torch
+start = time.perf_counter()
+state = torch.load(sys.argv[1])
+print(json.dumps({"seconds": time.perf_counter() - start, "tensors": len(state)}))
+"""
+
+
+def in_fresh_process(code, *args):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -95,6 +131,8 @@ def main():
         torch_load_s = timed(lambda: loaded.update(torch.load(torch_file)))
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
         del loaded
+        evict(torch_file)
+        restart_torch_load_s = in_fresh_process(RESTART_TORCH_LOAD, torch_file)
         torch_file.unlink()
 
         # Snapshots: the first one allocates and pre-faults the segment; the later ones reuse it.
@@ -112,6 +150,9 @@ def main():
         fresh = []
         restore_new_s = timed(lambda: fresh.append(flash.restore()))
         del fresh, model
+        build_python = Path(ckpt.__file__).resolve().parents[1]
+        restart_restore_s = in_fresh_process(RESTART_RESTORE, build_python, shm, flash.segment_name, numel,
+                                             args.tensors)
 
         # Persist vs a plain write, alternating.
         reader = ckpt._checkpoint.Segment.open_existing(str(shm), flash.segment_name)
@@ -136,6 +177,8 @@ def main():
     rows = [
         ("blocking save, s", f"{snapshot_s:.3f}", f"{torch_save_s:.3f}", f"{snapshot_s / torch_save_s:.3f}", "< 0.05"),
         ("restore, s", f"{restore_s:.3f}", f"{torch_load_s:.3f}", f"{restore_s / torch_load_s:.3f}", "< 0.10"),
+        ("restore after a restart, s", f"{restart_restore_s:.3f}", f"{restart_torch_load_s:.3f}",
+         f"{restart_restore_s / restart_torch_load_s:.3f}", ""),
         ("persist, GB/s", f"{persist_gbps:.3f}", f"{disk_write_gbps:.3f}", f"{persist_gbps / disk_write_gbps:.2f}",
          ">= 0.8"),
     ]
@@ -152,6 +195,7 @@ def main():
             "bytes": nbytes, "snapshot_s": snapshot_s, "torch_save_s": torch_save_s, "restore_s": restore_s,
             "torch_load_s": torch_load_s, "persist_gbps": persist_gbps, "disk_write_gbps": disk_write_gbps,
             "first_snapshot_s": first_snapshot_s, "restore_new_s": restore_new_s,
+            "restart_restore_s": restart_restore_s, "restart_torch_load_s": restart_torch_load_s,
         }), flush=True)
 
 
