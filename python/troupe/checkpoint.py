@@ -212,6 +212,7 @@ class FlashCheckpoint:
         self.metadata_capacity = int(metadata_capacity)
         self.copy_threads = int(copy_threads)
         self._writer = None
+        self._reader = None
         self._specs = None
         self._pending = []
 
@@ -228,8 +229,7 @@ class FlashCheckpoint:
         specs, buffers = _specs_and_buffers(state_dict)
         metadata = bytes(metadata)
         if self._writer is None or specs != self._specs or len(metadata) > self.metadata_capacity:
-            if self._writer is not None:
-                self._writer.close()
+            self.close()
             self.metadata_capacity = max(self.metadata_capacity, 2 * len(metadata))
             self._writer = _call(_checkpoint.Segment.open_for_write, self.shm_dir, self.segment_name, specs,
                                  self.metadata_capacity, self.copy_threads)
@@ -261,31 +261,30 @@ class FlashCheckpoint:
             step = self._restore_through_actor(max_step, timeout)
             if step is None:
                 return None
-        reader = self._writer
+        reader = self._writer or self._reader
         if reader is None:
             try:
                 reader = _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name, self.copy_threads)
             except CheckpointNotFoundError:
                 return None  # never saved on this node
-        try:
-            header = reader.peek(step, max_step)
-            if header is None:
-                return None
-            if state_dict is not None:
-                targets, copies = self._targets(state_dict, header)
-            else:
-                targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
-            header = _call(reader.restore_into, header["step"], None, targets)
-            if state_dict is None:
-                state_dict = {name: _from_bytes(t, dtype, shape, as_numpy)
-                              for t, (name, dtype, shape) in zip(targets, header["tensors"])}
-            else:
-                for name, tmp in copies:
-                    _copy_back(state_dict, name, tmp)
-            return Restored(header["step"], state_dict, header["metadata"])
-        finally:
-            if reader is not self._writer:
-                reader.close()
+            # Kept for later restores (unmapping a large segment takes a while); an actor may
+            # re-create the segment, so restores through one open it afresh.
+            self._reader = reader
+        header = reader.peek(step, max_step)
+        if header is None:
+            return None
+        if state_dict is not None:
+            targets, copies = self._targets(state_dict, header)
+        else:
+            targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
+        header = _call(reader.restore_into, header["step"], None, targets)
+        if state_dict is None:
+            state_dict = {name: _from_bytes(t, dtype, shape, as_numpy)
+                          for t, (name, dtype, shape) in zip(targets, header["tensors"])}
+        else:
+            for name, tmp in copies:
+                _copy_back(state_dict, name, tmp)
+        return Restored(header["step"], state_dict, header["metadata"])
 
     def _restore_through_actor(self, max_step, timeout):
         request = {"rank": self.rank, "world_size": self.world_size}
@@ -326,10 +325,11 @@ class FlashCheckpoint:
         return targets, copies
 
     def close(self):
-        """Closes the segment (it stays in shared memory: the actor owns it)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Unmaps the segment (it stays in shared memory: the actor, or `troupe stop`, removes it)."""
+        for segment in (self._writer, self._reader):
+            if segment is not None:
+                segment.close()
+        self._writer = self._reader = None
 
     def __enter__(self):
         return self
