@@ -175,8 +175,10 @@ class SegmentCache {
   std::map<std::string, Entry> entries_;
 };
 
-// Which snapshot was last handled: a slot and its sequence number identify one save.
+// Which snapshot was last handled: the segment file, a slot and its sequence number identify one
+// save (a re-created segment starts its sequence numbers again).
 struct SnapshotId {
+  uint64_t file = 0;
   int slot = -1;
   uint64_t seq = 0;
   bool operator==(const SnapshotId&) const = default;
@@ -210,7 +212,7 @@ class Persister {
     auto slot = (*segment)->newestComplete();
     if (!slot) return report;
     report.step = slot->step;
-    SnapshotId id{slot->index, slot->seq};
+    SnapshotId id{(*segment)->fileId(), slot->index, slot->seq};
     if (last_[rank] == id) return report;
     auto outcome = ck::persistSnapshot(dir_, **segment, *slot);
     if (!outcome.isOk()) {
@@ -477,7 +479,9 @@ class CheckpointActor final : public Actor {
     auto segment = rpcCache_.get(options_.primary(rank));
     if (!segment.isOk()) return KJ_EXCEPTION(FAILED, segment.status().message());
     auto slot = (*segment)->newestComplete();
-    if (!slot || ranks_[rank].replicatedId == SnapshotId{slot->index, slot->seq}) return kj::READY_NOW;
+    if (!slot || ranks_[rank].replicatedId == SnapshotId{(*segment)->fileId(), slot->index, slot->seq}) {
+      return kj::READY_NOW;
+    }
     auto seg = *segment;
     ck::SlotInfo info = *slot;
     return peer(options_.replicaTo)
@@ -494,9 +498,9 @@ class CheckpointActor final : public Actor {
                                                             "the newer one follows"));
             }
             json commit{{"rank", rank}, {"slot", begun.second}, {"step", info.step}};
-            return begun.first.call("replicaCommit", commit.dump()).then([this, rank, info](std::string) {
+            return begun.first.call("replicaCommit", commit.dump()).then([this, rank, info, seg](std::string) {
               RankState& s = ranks_[rank];
-              s.replicatedId = SnapshotId{info.index, info.seq};
+              s.replicatedId = SnapshotId{seg->fileId(), info.index, info.seq};
               s.replicated = info.step;
             });
           });

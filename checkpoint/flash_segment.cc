@@ -132,6 +132,7 @@ FlashSegment& FlashSegment::operator=(FlashSegment&& other) noexcept {
     base_ = std::exchange(other.base_, nullptr);
     totalBytes_ = std::exchange(other.totalBytes_, 0);
     slotBytes_ = other.slotBytes_;
+    fileId_ = other.fileId_;
     writable_ = other.writable_;
   }
   return *this;
@@ -203,6 +204,8 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
     return Status(StatusCode::kUnavailable, fmt::format("cannot create checkpoint segment {}: {}", tmpPath, errnoText(e)));
   }
   segment.fd_ = fd;
+  struct stat st {};
+  if (fstat(fd, &st) == 0) segment.fileId_ = static_cast<uint64_t>(st.st_ino);
   auto fail = [&](Status status) {
     unlink(tmpPath.c_str());
     return status;
@@ -264,6 +267,7 @@ Status FlashSegment::mapAndCheck(bool writable) {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return Status(StatusCode::kUnavailable, fmt::format("cannot stat {}", path_));
   uint64_t size = static_cast<uint64_t>(st.st_size);
+  fileId_ = static_cast<uint64_t>(st.st_ino);
   if (size < kSegmentHeaderBytes) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{} is not a checkpoint segment ({} bytes)", path_, size));
   }

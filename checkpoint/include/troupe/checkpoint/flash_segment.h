@@ -124,6 +124,8 @@ class FlashSegment {
 
   const std::string& path() const { return path_; }
   uint64_t totalBytes() const { return totalBytes_; }
+  // The file's inode number: a segment re-created under the same name has another.
+  uint64_t fileId() const { return fileId_; }
   // Deletes the segment's file; the mapping stays usable until this object goes.
   Status remove();
 
@@ -143,6 +145,7 @@ class FlashSegment {
   uint8_t* base_ = nullptr;
   uint64_t totalBytes_ = 0;
   uint64_t slotBytes_ = 0;
+  uint64_t fileId_ = 0;
   bool writable_ = false;
 };
 
