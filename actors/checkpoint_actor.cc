@@ -349,7 +349,8 @@ class CheckpointActor final : public Actor {
       : context_(std::move(context)),
         options_(std::move(options)),
         rpcCache_(options_),
-        tasks_(std::make_unique<kj::TaskSet>(errorHandler_)) {
+        tasks_(std::make_unique<kj::TaskSet>(errorHandler_)),
+        restoreTasks_(std::make_unique<kj::TaskSet>(errorHandler_)) {
     // A file size limit must make a write fail with EFBIG (reported), not kill the worker.
     signal(SIGXFSZ, SIG_IGN);
     persister_ = std::make_shared<Persister>(options_, &stop_);
@@ -365,9 +366,20 @@ class CheckpointActor final : public Actor {
 
   ~CheckpointActor() override {
     stop_ = true;
-    tasks_.reset();  // cancels transfers and waits on the threads before they are joined
+    // Pending work first: its continuations use the members below (the threads are joined last).
+    restoreTasks_.reset();
+    tasks_.reset();
     auto removed = removeSegments();
     TROUPE_LOG(kInfo, "checkpoint actor exiting: removed {} segment(s)", removed.size());
+  }
+
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+    if (method != "release") return call(method, payload);
+    // Restores in progress are cancelled, and the one the restore thread may be staging is let
+    // finish, so none re-creates a segment after they are removed.
+    restoreTasks_ = std::make_unique<kj::TaskSet>(errorHandler_);
+    restores_.clear();
+    return restoreThread_.call([]() { return 0; }).then([this](int) { return release(); });
   }
 
   Result<std::string> call(const std::string& method, std::string_view payload) override {
@@ -679,7 +691,7 @@ class CheckpointActor final : public Actor {
     job->rank = *rank;
     job->maxStep = args.value("max_step", UINT64_MAX);
     restores_[*rank] = job;
-    tasks_->add(runRestore(job).catch_([job](kj::Exception&& e) {
+    restoreTasks_->add(runRestore(job).catch_([job](kj::Exception&& e) {
       job->state = RestoreJob::State::kFailed;
       job->error = Status(StatusCode::kInternal, fmt::format("restore of rank {} failed: {}", job->rank,
                                                               e.getDescription().cStr()));
@@ -919,6 +931,7 @@ class CheckpointActor final : public Actor {
   ErrorHandler errorHandler_;
   // Held by pointer: kj::TaskSet's destructor may throw, an Actor's may not.
   std::unique_ptr<kj::TaskSet> tasks_;
+  std::unique_ptr<kj::TaskSet> restoreTasks_;  // replaced (cancelled) by release
 };
 
 }  // namespace

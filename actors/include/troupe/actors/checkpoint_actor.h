@@ -48,10 +48,12 @@
 //                 rank (at most max_step) into rank r's segment on this node; the trainer then
 //                 reads it from there. Call again until the state is not "running". Trainers whose
 //                 restored steps differ restore again with max_step = the smallest.
-//   release       ""  ->  {"removed": [names]}: the group ended: removes this node's segments of
-//                 the group and temporary files of dead writers in the directory. Also done when
-//                 the actor exits cleanly (SIGTERM); a kill -9 leaves the segments (by design: a
-//                 new incarnation finds them) until release or `troupe stop`.
+//   release       ""  ->  {"removed": [names]}: the group ended: cancels restores in progress,
+//                 removes this node's segments of the group and temporary files of dead writers
+//                 in the directory. Call it once the group's trainers have stopped (a replica
+//                 arriving afterwards would create a segment again). Also done when the actor
+//                 exits cleanly (SIGTERM); a kill -9 leaves the segments (by design: a new
+//                 incarnation finds them) until release or `troupe stop`.
 // Errors are returned as the call's error with a message naming what failed.
 // Thread-safety: see troupe/runtime/actor.h; internal threads only touch what they own.
 #pragma once
