@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -153,7 +154,10 @@ class Trainer final : public Actor {
     if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
     if (method == "configure") {
       snapshotEvery_ = j.value("snapshot_every", snapshotEvery_);
-      return Json{{"snapshot_every", snapshotEvery_}}.dump();
+      if (j.contains("threads")) TROUPE_RETURN_IF_ERROR(engine_->setThreads(j["threads"].get<int>()));
+      if (j.contains("prefetch")) prefetch_ = std::max(0, j["prefetch"].get<int>());
+      return Json{{"snapshot_every", snapshotEvery_}, {"threads", engine_->options().threads}, {"prefetch", prefetch_}}
+          .dump();
     }
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
@@ -167,6 +171,7 @@ class Trainer final : public Actor {
     o.worldSize = j.value("world", 1);
     o.rendezvousTimeout = std::chrono::milliseconds(30'000);
     comm_.reset();
+    dropTakes();  // batches asked for as another rank or world are not ours any more
     std::shared_ptr<collectives::Communicator> comm;
     if (o.worldSize > 1) {
       auto c = collectives::connectCpuCommunicator(*store_, o);
@@ -300,7 +305,41 @@ class Trainer final : public Actor {
     return told.isOk() ? Status::ok() : told.status();
   }
 
+  // Batches are asked for up to prefetch_ steps ahead; the requests live on the RPC thread.
+  void startTakes(int64_t from, int64_t until) {
+    executor_->executeSync([this, from, until]() {
+      for (int64_t k = from; k < until; ++k) {
+        if (takes_.count(k)) continue;
+        std::string payload = Json{{"step", k}, {"rank", rank_}, {"world", world_}}.dump();
+        takes_.emplace(k, context_.cluster->actor(ActorId(dataloader_)).call("take", kj::mv(payload)).fork());
+      }
+    });
+  }
+
+  Result<std::string> finishTake(int64_t step) {
+    try {
+      return executor_->executeSync([this, step]() {
+        auto it = takes_.find(step);
+        auto branch = it->second.addBranch();
+        takes_.erase(it);
+        return branch;
+      });
+    } catch (const kj::Exception& e) {
+      return Status(StatusCode::kUnavailable, fmt::format("take of step {}: {}", step, e.getDescription().cStr()));
+    }
+  }
+
+  void dropTakes() {
+    executor_->executeSync([this]() { takes_.clear(); });
+  }
+
   Result<std::string> train(int64_t from, int64_t steps) {
+    auto result = trainSteps(from, steps);
+    if (!result.isOk()) dropTakes();  // the group rewinds; the leases are released there
+    return result;
+  }
+
+  Result<std::string> trainSteps(int64_t from, int64_t steps) {
     if (engine_->stepCount() != from) {
       return Status(StatusCode::kFailedPrecondition,
                     fmt::format("trainer is at step {}, asked to run from step {}", engine_->stepCount(), from));
@@ -308,7 +347,8 @@ class Trainer final : public Actor {
     Json metrics = Json::array();
     for (int64_t s = from; s < from + steps; ++s) {
       auto t0 = Clock::now();
-      auto bytes = callActor(dataloader_, "take", Json{{"step", s}, {"rank", rank_}, {"world", world_}}.dump());
+      startTakes(s, std::min(from + steps, s + 1 + prefetch_));
+      auto bytes = finishTake(s);
       if (!bytes.isOk()) return bytes.status();
       auto batch = decodeBatch(*bytes);
       if (!batch.isOk()) return batch.status();
@@ -340,7 +380,9 @@ class Trainer final : public Actor {
   std::string checkpoint_;
   int64_t snapshotEvery_;
   int slotRank_;
-  int64_t killAtStep_;  // tests: SIGKILL itself in the middle of this step (first incarnation only)
+  int64_t killAtStep_;
+  int prefetch_ = 2;                                             // batches asked for ahead
+  std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   TrainerEngineOptions options_;
   // Compute thread only:
   std::unique_ptr<TrainerEngine> engine_;

@@ -846,6 +846,12 @@ Result<std::unique_ptr<TrainerEngine>> TrainerEngine::create(const TrainerEngine
 
 const TrainerEngineOptions& TrainerEngine::options() const { return impl_->options; }
 
+Status TrainerEngine::setThreads(int threads) {
+  if (threads < 1) return Status(StatusCode::kInvalidArgument, fmt::format("threads must be >= 1, got {}", threads));
+  impl_->options.threads = threads;
+  return Status::ok();
+}
+
 Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
   if (comm) {
     Status health = comm->health();

@@ -121,6 +121,7 @@ class ElasticTrainer:
         self.recoveries = []
         self._place(workers or max_workers)
         self._tuner = None
+        self._settings = {"threads": int(threads_per_worker), "prefetch": 2}
         self.tuner_decisions = []
         if tuner:
             # The tuner is a member of the group (0 CPU, in the first bundle); it keeps the model
@@ -269,7 +270,7 @@ class ElasticTrainer:
                 t0 = time.monotonic()
                 refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
                 try:
-                    replies = [_load(x) for x in _api.get(refs)]
+                    replies = [_load(x) for x in self._gather(refs)]
                 except (ActorDiedError, ActorError) as failure:
                     self._recover(failure, refs)
                     if bar is not None:
@@ -328,9 +329,14 @@ class ElasticTrainer:
     def _recover(self, failure, refs):
         t0 = time.monotonic()
         self._rt_state("RECOVERING")
-        # Every rank's run() has ended (the dead one with it, the others when their collectives
-        # failed); only then may they join a new epoch.
-        _api.wait(refs, num_returns=len(refs), timeout=self.recovery_timeout)
+        # Every live rank's run() must have ended (the others' collectives failed) before they
+        # join a new epoch. A call to a member that died before it arrived waits for the member's
+        # restart, which may never come: such calls are not waited for.
+        deadline = time.monotonic() + self.recovery_timeout
+        while time.monotonic() < deadline:
+            _, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.25)
+            if all(self._rt.actor_info(self.trainers[refs.index(r)]._id)["state"] != "ALIVE" for r in not_ready):
+                break
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
@@ -368,6 +374,17 @@ class ElasticTrainer:
             self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
         self.recoveries.append({"step": self.step, "recovery_s": took})
 
+    def _gather(self, refs):
+        """The values of `refs`; raises the first failure as soon as it is known (a call to a
+        member that is gone may never end, while its peers' calls fail at once)."""
+        while True:
+            ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.5)
+            for r in ready:
+                if isinstance(r._value, BaseException):
+                    raise r._value
+            if not not_ready:
+                return [r._value for r in refs]
+
     def _consult_tuner(self, chunk):
         rows = self.history[-chunk:]
         used = sum(n["used"].get("CPU", 0.0) for n in _api.nodes() if n["state"] == "ALIVE")
@@ -388,6 +405,15 @@ class ElasticTrainer:
                         f"{(decision['predicted_samples_per_s'] or 0):.1f} samples/s at {decision['target']} vs "
                         f"{(decision['predicted_current_samples_per_s'] or 0):.1f} now")
             self.resize(decision["target"])
+        settings = {"threads": int(decision["threads"]), "prefetch": int(decision["prefetch"])}
+        if settings != self._settings:
+            # Applied now to the current trainers, and by _spawn_trainer to new ones.
+            self._settings = settings
+            self._engine["threads"] = settings["threads"]
+            if decision["action"] == "keep":
+                _api.get([_json_call(t, "configure", settings) for t in self.trainers])
+            self._event(f"tuner: {settings['threads']} intra-op thread(s) per trainer, prefetch depth "
+                        f"{settings['prefetch']}")
         # The outcome of the previous change is measured now: its decision record is on the tuner.
         self.tuner_decisions = _api.get(self._tuner.decisions.remote())
         errors = [d for d in self.tuner_decisions if d.get("prediction_error") is not None]
@@ -448,6 +474,7 @@ class ElasticTrainer:
             self.trainers += fresh
             self._bundles += added
             self._join_all(restore_step=self.step, fresh={t._id for t in fresh})
+        _api.get([_json_call(t, "configure", self._settings) for t in self.trainers])
         self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
         return True
 

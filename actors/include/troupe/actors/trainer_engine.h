@@ -112,6 +112,9 @@ class TrainerEngine {
   TrainerEngine& operator=(const TrainerEngine&) = delete;
 
   const TrainerEngineOptions& options() const;
+  // LibTorch's intra-op thread count from the next step on (the resource tuner's choice; the
+  // optimizer kernels keep theirs). kInvalidArgument below 1.
+  Status setThreads(int threads);
 
   // Joins a group epoch: rank and world size come from `comm` (shared: the trainer may also use
   // it); nullptr or a world of 1 trains alone without all-reduce. Parameters are not exchanged:
