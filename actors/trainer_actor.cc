@@ -116,6 +116,7 @@ class Trainer final : public Actor {
         dataloader_(spec.value("dataloader", "")),
         checkpoint_(spec.value("checkpoint", "")),
         snapshotEvery_(spec.value("snapshot_every", 1)),
+        persistEvery_(spec.value("persist_every", 0)),
         slotRank_(spec.value("bundle", 0)),
         killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
         options_(std::move(options)) {
@@ -172,6 +173,14 @@ class Trainer final : public Actor {
     o.rendezvousTimeout = std::chrono::milliseconds(30'000);
     comm_.reset();
     dropTakes();  // batches asked for as another rank or world are not ours any more
+    // A restarted trainer may be on another node now: the driver names that node's services.
+    if (j.contains("dataloader")) dataloader_ = j["dataloader"].get<std::string>();
+    if (j.contains("checkpoint") && j["checkpoint"].get<std::string>() != checkpoint_) {
+      checkpoint_ = j["checkpoint"].get<std::string>();
+      segmentName_.clear();
+      segment_.reset();
+      layout_.reset();
+    }
     std::shared_ptr<collectives::Communicator> comm;
     if (o.worldSize > 1) {
       auto c = collectives::connectCpuCommunicator(*store_, o);
@@ -229,6 +238,23 @@ class Trainer final : public Actor {
     return Json{{"steps", steps}}.dump();
   }
 
+  Status stageFromCheckpointActor(int64_t step) {
+    auto deadline = Clock::now() + std::chrono::seconds(60);
+    for (auto pause = std::chrono::milliseconds(2); Clock::now() < deadline; pause = std::min(pause * 2, std::chrono::milliseconds(50))) {
+      auto reply = callActor(checkpoint_, "restore", Json{{"rank", slotRank_}, {"max_step", step}}.dump());
+      if (!reply.isOk()) return reply.status();
+      Json r = Json::parse(*reply, nullptr, false);
+      std::string state = r.value("state", "");
+      if (state == "done") return Status::ok();
+      if (state != "running") {
+        return Status(StatusCode::kNotFound, fmt::format("the checkpoint actor has no step {} for bundle {}: {}", step,
+                                                         slotRank_, r.dump()));
+      }
+      std::this_thread::sleep_for(pause);  // staging runs on the actor's own threads; ask again
+    }
+    return Status(StatusCode::kDeadlineExceeded, fmt::format("staging step {} for bundle {} took over 60 s", step, slotRank_));
+  }
+
   Result<std::string> restore(int64_t step, int fromBundle) {
     std::string source;
     if (step == 0) {
@@ -242,14 +268,27 @@ class Trainer final : public Actor {
       auto o = fromBundle >= 0 ? peerSegmentOptions(fromBundle) : segmentOptions();
       if (!o.isOk()) return o.status();
       std::optional<checkpoint::FlashSegment> existing;
-      if (!segment_ || fromBundle >= 0) {
-        auto opened = checkpoint::FlashSegment::openExisting(*o);
-        if (!opened.isOk()) return opened.status();
-        existing.emplace(std::move(*opened));
+      auto openAndFind = [&]() -> std::optional<checkpoint::SlotInfo> {
+        existing.reset();
+        if (!segment_ || fromBundle >= 0) {
+          auto opened = checkpoint::FlashSegment::openExisting(*o);
+          if (!opened.isOk()) return std::nullopt;
+          existing.emplace(std::move(*opened));
+        }
+        return (existing ? *existing : *segment_).completeAt(static_cast<uint64_t>(step));
+      };
+      auto slot = openAndFind();
+      if (!slot && fromBundle < 0) {
+        // Not in this node's memory (the trainer moved here with its node lost): the node's
+        // checkpoint actor stages it from a peer's memory or replica, or from disk.
+        segment_.reset();
+        layout_.reset();
+        TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step));
+        source = "staged by the checkpoint actor: ";
+        slot = openAndFind();
       }
+      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, slotRank_));
       const checkpoint::FlashSegment& s = existing ? *existing : *segment_;
-      auto slot = s.completeAt(static_cast<uint64_t>(step));
-      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} in {}", step, s.path()));
       // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
       auto header = s.verify(*slot);
       if (!header.isOk()) return header.status();
@@ -267,7 +306,7 @@ class Trainer final : public Actor {
       auto restored = s.restoreInto(*slot, targets);
       if (!restored.isOk()) return restored.status();
       TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
-      source = fromBundle >= 0 ? fmt::format("memory of bundle {}", fromBundle) : "memory";
+      source += fromBundle >= 0 ? fmt::format("memory of bundle {}", fromBundle) : "memory";
     }
     return Json{{"step", engine_->stepCount()}, {"source", source},
                 {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
@@ -301,6 +340,7 @@ class Trainer final : public Actor {
     auto saved = segment_->save(*layout_, stamp, buffers, "");
     if (!saved.isOk()) return saved.status();
     // The checkpoint actor persists and replicates it in the background.
+    if (persistEvery_ > 0 && engine_->stepCount() % persistEvery_ != 0) return Status::ok();
     auto told = callActor(checkpoint_, "saved", Json{{"rank", slotRank_}, {"step", engine_->stepCount()}}.dump());
     return told.isOk() ? Status::ok() : told.status();
   }
@@ -379,6 +419,7 @@ class Trainer final : public Actor {
   std::string dataloader_;
   std::string checkpoint_;
   int64_t snapshotEvery_;
+  int64_t persistEvery_;  // tell the checkpoint actor (persist, replicate) every n snapshots' steps
   int slotRank_;
   int64_t killAtStep_;
   int prefetch_ = 2;                                             // batches asked for ahead

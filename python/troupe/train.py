@@ -154,13 +154,21 @@ class ElasticTrainer:
         self._event(f"placed {len(self._pg['bundle_nodes'])} trainer bundle(s) on node(s) "
                     f"{sorted(set(self._pg['bundle_nodes']))}")
         self._node_services = {}
+        self._trainer_nodes = {}
         self._ensure_node_services()
         self._bundles = list(range(len(self._pg["bundle_nodes"])))
         self.trainers = [self._spawn_trainer(b) for b in self._bundles]
         self._join_all()
 
+    def _ckpt_name(self, node):
+        return f"ckpt-{self.group_id}-{node}"
+
     def _ensure_node_services(self):
-        """One dataloader and one checkpoint actor per node, in the node's first bundle."""
+        """One dataloader and one checkpoint actor per node, in the node's first bundle. The
+        checkpoint actors know each other by name, so each node's snapshots are replicated to
+        the next node's actor and a trainer that moves to another node can be restored there."""
+        nodes = [n for n in dict.fromkeys(self._pg["bundle_nodes"]) if n]
+        members = sorted({self._ckpt_name(n) for n in nodes} | {self._ckpt_name(n) for n in self._node_services})
         for index, node in enumerate(self._pg["bundle_nodes"]):
             if node in self._node_services or not node:
                 continue
@@ -169,9 +177,17 @@ class ElasticTrainer:
                                                               "global_batch": self._engine["global_batch"],
                                                               "context": self._engine["context"]}).encode(),
                                     num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
-            ckpt = _api.cpp_actor("Checkpoint", json.dumps({**common, **self._checkpoint}).encode(),
-                                  num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
+            ckpt = _api.cpp_actor("Checkpoint", json.dumps({**common, **self._checkpoint, "self": self._ckpt_name(node),
+                                                            "members": members}).encode(),
+                                  num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
+                                  name=self._ckpt_name(node))
             self._node_services[node] = (loader, ckpt)
+
+    def _services_of(self, trainer):
+        """The dataloader and checkpoint actor of the node the trainer runs on now."""
+        node = self._rt.actor_info(trainer._id)["node_id"]
+        loader, ckpt = self._node_services.get(node) or next(iter(self._node_services.values()))
+        return {"dataloader": loader._id, "checkpoint": ckpt._id}
 
     def _spawn_trainer(self, bundle):
         node = self._pg["bundle_nodes"][bundle]
@@ -193,9 +209,17 @@ class ElasticTrainer:
         epoch = self._epoch() + 1
         self._rt_advance(epoch)
         world = len(self.trainers)
-        _api.get([_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world}) for r, t in enumerate(self.trainers)],
-                 timeout=self.recovery_timeout)
-        old = [t for t in self.trainers if t._id not in fresh]
+        nodes = {t._id: self._rt.actor_info(t._id)["node_id"] for t in self.trainers}
+        # A trainer restarted on another node (its node was lost) has no memory snapshot there:
+        # it does not vote on the step, and its node's checkpoint actor stages the step for it.
+        moved = {tid for tid, node in nodes.items() if self._trainer_nodes.get(tid, node) != node}
+        self._trainer_nodes.update(nodes)
+        _api.get([_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world, **self._services_of(t)})
+                  for r, t in enumerate(self.trainers)], timeout=self.recovery_timeout)
+        old = [t for t in self.trainers if t._id not in fresh and t._id not in moved]
+        if moved:
+            self._event(f"trainer(s) {sorted(moved)} moved to another node; their state comes from a peer's "
+                        f"replica or memory, or from disk")
         if restore_step is None:
             held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
@@ -356,6 +380,9 @@ class ElasticTrainer:
         self.trainers = survivors
         if gone:
             self._pg = self._rt.remove_bundles(self.group_id, gone)
+        # Bundles of a lost node may have been placed again elsewhere; members restarted there.
+        self._pg = self._rt.placement_group(self.group_id)
+        self._ensure_node_services()
         # The nodes' services restart in place too; a node with no trainer left loses them.
         live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles}
         for node, (loader, ckpt) in list(self._node_services.items()):

@@ -229,3 +229,32 @@ def test_the_tuner_grows_one_trainer_when_cores_are_free(cluster):
         grow = [d for d in t.tuner_decisions if d["action"] == "grow"][0]
         assert grow["world_size"] == 1 and grow["target"] == 2
         assert _throughput_at(t.history, 2) > _throughput_at(t.history, 1)
+
+
+def test_a_trainer_whose_node_is_lost_is_replaced_on_another_node_from_the_peer_replica(troupe):  # noqa: F811
+    import json
+
+    from troupe_testing import free_port
+
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
+    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
+    api = import_troupe()
+    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    try:
+        with make(replace_timeout=20.0) as t:
+            t.fit(3)
+            before = {n["id"] for n in troupe.status()["nodes"]}
+            troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")  # a spare node
+            lost = [n for n in troupe.status()["nodes"] if not n["is_head"] and n["id"] in before][0]
+            os.kill(lost["pid"], signal.SIGKILL)
+            t.fit(6)
+            assert t.step == 9 and len(t.trainers) == 2, t.events
+            assert [row["world_size"] for row in t.history][-3:] == [2, 2, 2]
+            hashes = t.parameter_hash()
+            assert hashes[0] == hashes[1]
+            assert any("moved to another node" in e["text"] for e in t.events), t.events
+            assert lost["id"] not in set(t._pg["bundle_nodes"])
+    finally:
+        api.shutdown()
