@@ -434,6 +434,16 @@ def _collect(refs, timeout):
 
 def get(refs, timeout=None):
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
+    if type(refs) is ObjectRef:  # the common synchronous case, without the list handling
+        if not refs._done:
+            rt = _runtime()
+            if rt.wait([refs._ref], 1, -1.0 if timeout is None else float(timeout)):
+                refs._resolve(*rt.take(refs._ref))
+            else:
+                raise GetTimeoutError(f"get() timed out after {timeout} s with 1 of 1 result(s) missing")
+        if isinstance(refs._value, BaseException):
+            raise refs._value
+        return refs._value
     single = isinstance(refs, ObjectRef)
     batch = [refs] if single else list(refs)
     for r in batch:

@@ -29,13 +29,13 @@ def _plain(value, depth=0):
     return t.__module__.partition(".")[0] in _PLAIN_MODULES and t.__module__ != "__main__"
 
 
-def dumps(obj) -> bytes:
+def dumps(obj, tag=b"") -> bytes:
     buffers = []
     pickler = pickle.dumps if _plain(obj) else cloudpickle.dumps
     main = pickler(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
-    return b"".join([header, main, *raws])
+    return b"".join([tag, header, main, *raws])  # one copy of the bytes, tag included
 
 
 def loads(data: bytes):
@@ -55,14 +55,14 @@ def loads(data: bytes):
 
 
 def dump_reply(value) -> bytes:
-    return b"\x00" + dumps(value)
+    return dumps(value, b"\x00")
 
 
 def dump_exception(exc, traceback_text) -> bytes:
     try:
-        return b"\x01" + dumps((exc, traceback_text))
+        return dumps((exc, traceback_text), b"\x01")
     except Exception:  # an exception that cannot be pickled still reaches the caller
-        return b"\x01" + dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), traceback_text))
+        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), traceback_text), b"\x01")
 
 
 def load_reply(data: bytes):

@@ -38,6 +38,10 @@ def main():
         sys.stderr.flush()
         return 1
 
+    # Node agents start workers with PYTHONUNBUFFERED=1, so output reaches the log files as it is
+    # written; flushing after every call would only cost time (two calls per actor call).
+    buffered = not os.environ.get("PYTHONUNBUFFERED")
+
     def dispatch(method, payload):
         try:
             call_args, call_kwargs = _serialization.loads(payload)
@@ -46,8 +50,9 @@ def main():
         except BaseException as exc:  # the caller re-raises it
             return _serialization.dump_exception(exc, traceback.format_exc())
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            if buffered:
+                sys.stdout.flush()
+                sys.stderr.flush()
 
     _core.serve_actor(args.actor_id, args.incarnation, args.controller, args.node_ip_address,
                       os.environ["TROUPE_TOKEN"], dispatch)
