@@ -707,38 +707,48 @@ std::optional<ClusterEvent> parseEventMessage(const std::string& text) {
   }
 }
 
+// The payload of the next "message" on a subscribed connection; nullopt once `deadline` passes
+// or `wakeFd` (if >= 0) is readable. An error (its message says why) leaves the connection
+// unusable. poll() on the socket instead of a socket read timeout: hiredis 0.14 marks a context
+// unusable after any timed-out read, which would drop the subscription on every idle wait.
+Result<std::optional<std::string>> nextPubSubMessage(redisContext* context, const RedisOptions& options,
+                                                     std::chrono::steady_clock::time_point deadline, int wakeFd) {
+  auto broken = [](std::string why) { return Status(StatusCode::kUnavailable, std::move(why)); };
+  for (;;) {
+    // Replies read along with an earlier one wait in hiredis' buffer, invisible to poll().
+    void* raw = nullptr;
+    if (redisGetReplyFromReader(context, &raw) != REDIS_OK) return broken(contextError(context, options));
+    if (raw != nullptr) {
+      ReplyPtr reply(static_cast<redisReply*>(raw));
+      if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && replyText(*reply->element[0]) == "message") {
+        return std::optional<std::string>(replyText(*reply->element[2]));
+      }
+      continue;  // subscribe confirmations and the like
+    }
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::optional<std::string>();
+    pollfd pfds[2] = {{context->fd, POLLIN, 0}, {wakeFd, POLLIN, 0}};
+    int ready = ::poll(pfds, wakeFd >= 0 ? 2 : 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return broken(fmt::format("poll: {}", std::strerror(errno)));
+    if (ready == 0 || (wakeFd >= 0 && pfds[1].revents != 0)) return std::optional<std::string>();
+    if (redisBufferRead(context) != REDIS_OK) return broken(contextError(context, options));
+  }
+}
+
 class RedisEventSubscription final : public EventSubscription {
  public:
   RedisEventSubscription(RedisOptions options, ContextPtr context)
       : options_(std::move(options)), context_(std::move(context)) {}
 
-  // poll() on the socket instead of a socket read timeout: hiredis 0.14 marks a context
-  // unusable after any timed-out read, which would drop the subscription on every idle wait.
   Result<std::optional<ClusterEvent>> next(std::chrono::milliseconds timeout) override {
     if (!context_) return lost("the subscription failed earlier");
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      // Replies read along with an earlier one wait in hiredis' buffer, invisible to poll().
-      void* raw = nullptr;
-      if (redisGetReplyFromReader(context_.get(), &raw) != REDIS_OK) {
-        return lost(contextError(context_.get(), options_));
-      }
-      if (raw != nullptr) {
-        ReplyPtr reply(static_cast<redisReply*>(raw));
-        if (auto event = decode(*reply)) return event;
-        continue;
-      }
-      auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline -
-                                                               std::chrono::steady_clock::now());
-      if (left.count() <= 0) return std::optional<ClusterEvent>();
-      pollfd pfd{context_->fd, POLLIN, 0};
-      int ready = ::poll(&pfd, 1, static_cast<int>(left.count()));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready < 0) return lost(fmt::format("poll: {}", std::strerror(errno)));
-      if (ready == 0) return std::optional<ClusterEvent>();
-      if (redisBufferRead(context_.get()) != REDIS_OK) {
-        return lost(contextError(context_.get(), options_));
-      }
+      auto payload = nextPubSubMessage(context_.get(), options_, deadline, -1);
+      if (!payload.isOk()) return lost(payload.status().message());
+      if (!*payload) return std::optional<ClusterEvent>();
+      if (auto event = decode(**payload)) return event;
     }
   }
 
@@ -753,12 +763,7 @@ class RedisEventSubscription final : public EventSubscription {
                               addressOf(options_), reason));
   }
 
-  std::optional<ClusterEvent> decode(const redisReply& reply) {
-    if (reply.type != REDIS_REPLY_ARRAY || reply.elements != 3 ||
-        replyText(*reply.element[0]) != "message") {
-      return std::nullopt;  // subscribe confirmations and the like
-    }
-    const std::string payload = replyText(*reply.element[2]);
+  std::optional<ClusterEvent> decode(const std::string& payload) {
     auto event = parseEventMessage(payload);
     if (!event) {
       // Not actionable by the subscriber; the stream stays usable.
@@ -802,27 +807,10 @@ class RedisGroupEpochWatch final : public GroupEpochWatch {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
       if (interrupted_.load()) return std::optional<int64_t>();
-      void* raw = nullptr;
-      if (redisGetReplyFromReader(context_.get(), &raw) != REDIS_OK) {
-        return lost(contextError(context_.get(), options_));
-      }
-      if (raw != nullptr) {
-        ReplyPtr reply(static_cast<redisReply*>(raw));
-        if (auto epoch = decode(*reply)) return epoch;
-        continue;
-      }
-      auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline -
-                                                               std::chrono::steady_clock::now());
-      if (left.count() <= 0) return std::optional<int64_t>();
-      pollfd pfds[2] = {{context_->fd, POLLIN, 0}, {wakeFd_, POLLIN, 0}};
-      int ready = ::poll(pfds, wakeFd_ >= 0 ? 2 : 1, static_cast<int>(left.count()));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready < 0) return lost(fmt::format("poll: {}", std::strerror(errno)));
-      if (ready == 0) return std::optional<int64_t>();
-      if (pfds[1].revents != 0) return std::optional<int64_t>();
-      if (redisBufferRead(context_.get()) != REDIS_OK) {
-        return lost(contextError(context_.get(), options_));
-      }
+      auto payload = nextPubSubMessage(context_.get(), options_, deadline, wakeFd_);
+      if (!payload.isOk()) return lost(payload.status().message());
+      if (!*payload) return std::optional<int64_t>();
+      if (auto epoch = decode(**payload)) return epoch;
     }
   }
 
@@ -843,13 +831,8 @@ class RedisGroupEpochWatch final : public GroupEpochWatch {
                               group_, addressOf(options_), reason));
   }
 
-  std::optional<int64_t> decode(const redisReply& reply) {
-    if (reply.type != REDIS_REPLY_ARRAY || reply.elements != 3 ||
-        replyText(*reply.element[0]) != "message") {
-      return std::nullopt;  // the subscribe confirmation
-    }
+  std::optional<int64_t> decode(const std::string& payload) {
     int64_t epoch = 0;
-    const std::string payload = replyText(*reply.element[2]);
     if (!parseInteger(payload, epoch)) {
       TROUPE_LOG(kWarning, "ignoring a malformed epoch '{}' of group '{}' from Redis at {}",
                  payload, group_, addressOf(options_));
