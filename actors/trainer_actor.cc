@@ -177,7 +177,7 @@ class Trainer final : public Actor {
     if (j.contains("dataloader")) dataloader_ = j["dataloader"].get<std::string>();
     if (j.contains("checkpoint") && j["checkpoint"].get<std::string>() != checkpoint_) {
       checkpoint_ = j["checkpoint"].get<std::string>();
-      segmentName_.clear();
+      ownSegment_ = {};
       segment_.reset();
       layout_.reset();
     }
@@ -194,30 +194,33 @@ class Trainer final : public Actor {
     return Json{{"rank", rank_}, {"world", world_}}.dump();
   }
 
-  // The segment another bundle's trainer on this node snapshots to (a new member starts from it).
-  Result<checkpoint::SegmentOptions> peerSegmentOptions(int bundle) {
-    auto reply = callActor(checkpoint_, "attach", Json{{"rank", bundle}}.dump());
-    if (!reply.isOk()) return reply.status();
-    Json r = Json::parse(*reply, nullptr, false);
-    checkpoint::SegmentOptions o;
-    o.name = r.value("segment", "");
-    o.dir = r.value("shm_dir", "");
-    return o;
-  }
-
-  // The segment this trainer's bundle snapshots to (owned by the node's checkpoint actor).
-  Result<checkpoint::SegmentOptions> segmentOptions() {
-    if (segmentName_.empty()) {
-      auto reply = callActor(checkpoint_, "attach", Json{{"rank", slotRank_}}.dump());
+  // The segment a bundle's trainer on this node snapshots to (owned by the node's checkpoint
+  // actor); this trainer's own is asked for once.
+  Result<checkpoint::SegmentOptions> segmentOptions(int bundle) {
+    bool own = bundle == slotRank_;
+    if (!own || ownSegment_.name.empty()) {
+      auto reply = callActor(checkpoint_, "attach", Json{{"rank", bundle}}.dump());
       if (!reply.isOk()) return reply.status();
       Json r = Json::parse(*reply, nullptr, false);
-      segmentName_ = r.value("segment", "");
-      shmDir_ = r.value("shm_dir", "");
+      checkpoint::SegmentOptions o;
+      o.name = r.value("segment", "");
+      o.dir = r.value("shm_dir", "");
+      if (!own) return o;
+      ownSegment_ = o;
     }
-    checkpoint::SegmentOptions o;
-    o.name = segmentName_;
-    o.dir = shmDir_;
-    return o;
+    return ownSegment_;
+  }
+  Result<checkpoint::SegmentOptions> segmentOptions() { return segmentOptions(slotRank_); }
+
+  // The segment to read `bundle`'s snapshots from: this trainer's open writer, else the
+  // existing segment mapped read-only into `holder` (nullptr when there is none).
+  const checkpoint::FlashSegment* readableSegment(const checkpoint::SegmentOptions& o, int bundle,
+                                                  std::optional<checkpoint::FlashSegment>& holder) {
+    if (segment_ && bundle == slotRank_) return &*segment_;
+    auto opened = checkpoint::FlashSegment::openExisting(o);
+    if (!opened.isOk()) return nullptr;
+    holder.emplace(std::move(*opened));
+    return &*holder;
   }
 
   Result<std::string> snapshots() {
@@ -225,12 +228,7 @@ class Trainer final : public Actor {
     auto o = segmentOptions();
     if (!o.isOk()) return o.status();
     std::optional<checkpoint::FlashSegment> existing;
-    if (!segment_) {
-      auto opened = checkpoint::FlashSegment::openExisting(*o);
-      if (opened.isOk()) existing.emplace(std::move(*opened));
-    }
-    const checkpoint::FlashSegment* s = segment_ ? &*segment_ : existing ? &*existing : nullptr;
-    if (s) {
+    if (const auto* s = readableSegment(*o, slotRank_, existing)) {
       for (const auto& slot : s->slots()) {
         if (slot.complete()) steps.push_back(slot.step);
       }
@@ -265,19 +263,12 @@ class Trainer final : public Actor {
       TROUPE_RETURN_IF_ERROR(engine_->join(comm));
       source = "seed";
     } else {
-      auto o = fromBundle >= 0 ? peerSegmentOptions(fromBundle) : segmentOptions();
+      int bundle = fromBundle >= 0 ? fromBundle : slotRank_;
+      auto o = segmentOptions(bundle);
       if (!o.isOk()) return o.status();
       std::optional<checkpoint::FlashSegment> existing;
-      auto openAndFind = [&]() -> std::optional<checkpoint::SlotInfo> {
-        existing.reset();
-        if (!segment_ || fromBundle >= 0) {
-          auto opened = checkpoint::FlashSegment::openExisting(*o);
-          if (!opened.isOk()) return std::nullopt;
-          existing.emplace(std::move(*opened));
-        }
-        return (existing ? *existing : *segment_).completeAt(static_cast<uint64_t>(step));
-      };
-      auto slot = openAndFind();
+      const checkpoint::FlashSegment* seg = readableSegment(*o, bundle, existing);
+      auto slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
       if (!slot && fromBundle < 0) {
         // Not in this node's memory (the trainer moved here with its node lost): the node's
         // checkpoint actor stages it from a peer's memory or replica, or from disk.
@@ -285,10 +276,11 @@ class Trainer final : public Actor {
         layout_.reset();
         TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step));
         source = "staged by the checkpoint actor: ";
-        slot = openAndFind();
+        seg = readableSegment(*o, bundle, existing);
+        slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
       }
-      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, slotRank_));
-      const checkpoint::FlashSegment& s = existing ? *existing : *segment_;
+      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, bundle));
+      const checkpoint::FlashSegment& s = *seg;
       // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
       auto header = s.verify(*slot);
       if (!header.isOk()) return header.status();
@@ -431,8 +423,7 @@ class Trainer final : public Actor {
   std::shared_ptr<collectives::Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;
-  std::string segmentName_;
-  std::string shmDir_;
+  checkpoint::SegmentOptions ownSegment_;  // this bundle's segment; empty until asked for
   std::optional<checkpoint::ImageLayout> layout_;
   std::optional<checkpoint::FlashSegment> segment_;
   // The job queue (RPC thread -> compute thread):

@@ -183,9 +183,8 @@ class ElasticTrainer:
                                   name=self._ckpt_name(node))
             self._node_services[node] = (loader, ckpt)
 
-    def _services_of(self, trainer):
-        """The dataloader and checkpoint actor of the node the trainer runs on now."""
-        node = self._rt.actor_info(trainer._id)["node_id"]
+    def _services_of(self, node):
+        """The dataloader and checkpoint actor of `node` (a trainer's node now)."""
         loader, ckpt = self._node_services.get(node) or next(iter(self._node_services.values()))
         return {"dataloader": loader._id, "checkpoint": ckpt._id}
 
@@ -206,16 +205,19 @@ class ElasticTrainer:
         """Every trainer joins a new epoch of the group (a new communicator), then restores
         `restore_step` (None: the newest step every rank holds in memory). Trainers in `fresh`
         (new members) restore from the memory of the first other member on their node."""
+        # The controller advances the epoch when a member dies; the trainers' join advances it
+        # otherwise (joining an epoch ends every earlier one: collectives/README.md).
         epoch = self._epoch() + 1
-        self._rt_advance(epoch)
+        self._record({"state": "JOINING"})
         world = len(self.trainers)
         nodes = {t._id: self._rt.actor_info(t._id)["node_id"] for t in self.trainers}
         # A trainer restarted on another node (its node was lost) has no memory snapshot there:
         # it does not vote on the step, and its node's checkpoint actor stages the step for it.
         moved = {tid for tid, node in nodes.items() if self._trainer_nodes.get(tid, node) != node}
         self._trainer_nodes.update(nodes)
-        _api.get([_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world, **self._services_of(t)})
-                  for r, t in enumerate(self.trainers)], timeout=self.recovery_timeout)
+        joins = [_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world, **self._services_of(nodes[t._id])})
+                 for r, t in enumerate(self.trainers)]
+        _api.get(joins, timeout=self.recovery_timeout)
         old = [t for t in self.trainers if t._id not in fresh and t._id not in moved]
         if moved:
             self._event(f"trainer(s) {sorted(moved)} moved to another node; their state comes from a peer's "
@@ -239,12 +241,6 @@ class ElasticTrainer:
         self.step = restored.pop()
         _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
-        return epoch
-
-    def _rt_advance(self, epoch):
-        # The controller advances the epoch when a member dies; a resize or the first join
-        # advances it here. Joining an epoch ends every earlier one (collectives/README.md).
-        self._rt.put_group(self.group_id, json.dumps(self._doc({"state": "JOINING"})))
 
     # ---- Records ----
     def _doc(self, extra=None):
@@ -352,7 +348,7 @@ class ElasticTrainer:
 
     def _recover(self, failure, refs):
         t0 = time.monotonic()
-        self._rt_state("RECOVERING")
+        self._record({"state": "RECOVERING"})
         # Every live rank's run() must have ended (the others' collectives failed) before they
         # join a new epoch. A call to a member that died before it arrived waits for the member's
         # restart, which may never come: such calls are not waited for.
@@ -397,8 +393,6 @@ class ElasticTrainer:
         self._join_all()
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
-        if self.history:
-            self.history[-1].setdefault("events", []).append({"recovery_s": took, "resumed_at": self.step})
         self.recoveries.append({"step": self.step, "recovery_s": took})
 
     def _gather(self, refs):
@@ -414,8 +408,9 @@ class ElasticTrainer:
 
     def _consult_tuner(self, chunk):
         rows = self.history[-chunk:]
-        used = sum(n["used"].get("CPU", 0.0) for n in _api.nodes() if n["state"] == "ALIVE")
-        total = sum(n["resources"].get("CPU", 0.0) for n in _api.nodes() if n["state"] == "ALIVE")
+        alive = [n for n in _api.nodes() if n["state"] == "ALIVE"]
+        used = sum(n["used"].get("CPU", 0.0) for n in alive)
+        total = sum(n["resources"].get("CPU", 0.0) for n in alive)
         obs = {"world_size": len(self.trainers), "rows": [{k: r[k] for k in ("world_size", "step_s", "samples",
                                                                              "samples_per_s", "compute_s", "comm_s",
                                                                              "wait_s", "step", "bytes_allreduced")}
@@ -473,9 +468,6 @@ class ElasticTrainer:
             if waiting:
                 time.sleep(0.05)  # the controller restarts them; ask again
         return answered
-
-    def _rt_state(self, state):
-        self._record({"state": state})
 
     def _apply_resize(self, workers):
         """Shrinks (the newest trainers leave and their bundles are freed) or grows (bundles are
