@@ -39,6 +39,22 @@ def _check_threads(threads):
 class _Fused(Optimizer):
     """An Optimizer whose groups are validated by troupe._optim and whose kernels use `threads`."""
 
+    def _norm_scaled_step(self, closure, norms, apply):
+        """LAMB and LARS: per-group norms first (summed over the shard group by norm_reduce, when
+        set), then the update scaled by them."""
+        loss = _evaluate(closure)
+        work, sums = [], []
+        for group in self.param_groups:
+            params, grads, states = self._with_grads(group)
+            work.append((group, params, grads, states))
+            sums.append(norms(group, params, grads, states))
+        if self.norm_reduce is not None:
+            sums = _reduce_norms(self.norm_reduce, sums, type(self).__name__)
+        for (group, params, grads, states), s in zip(work, sums):
+            if params:
+                apply(group, params, grads, states, s)
+        return loss
+
     _validate = None  # troupe._optim.validate_<name>, set by each subclass
 
     def __init__(self, params, defaults, threads):
@@ -144,18 +160,9 @@ class LAMB(_Fused):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
-        work, sums = [], []
-        for group in self.param_groups:
-            params, grads, states = self._with_grads(group)
-            work.append((group, params, states))
-            sums.append(_optim.lamb_moments(group, params, grads, states, self.threads))
-        if self.norm_reduce is not None:
-            sums = _reduce_norms(self.norm_reduce, sums, "LAMB")
-        for (group, params, states), s in zip(work, sums):
-            if params:
-                _optim.lamb_apply(group, params, states, s, self.threads)
-        return loss
+        return self._norm_scaled_step(
+            closure, lambda group, params, grads, states: _optim.lamb_moments(group, params, grads, states, self.threads),
+            lambda group, params, grads, states, s: _optim.lamb_apply(group, params, states, s, self.threads))
 
 
 class LARS(_Fused):
@@ -175,18 +182,9 @@ class LARS(_Fused):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
-        work, sums = [], []
-        for group in self.param_groups:
-            params, grads, states = self._with_grads(group)
-            work.append((group, params, grads, states))
-            sums.append(_optim.lars_norms(params, grads, self.threads))
-        if self.norm_reduce is not None:
-            sums = _reduce_norms(self.norm_reduce, sums, "LARS")
-        for (group, params, grads, states), s in zip(work, sums):
-            if params:
-                _optim.lars_apply(group, params, grads, states, s, self.threads)
-        return loss
+        return self._norm_scaled_step(
+            closure, lambda group, params, grads, states: _optim.lars_norms(params, grads, self.threads),
+            lambda group, params, grads, states, s: _optim.lars_apply(group, params, grads, states, s, self.threads))
 
 
 class WSAM(Optimizer):
