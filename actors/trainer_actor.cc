@@ -167,6 +167,7 @@ class Trainer final : public Actor {
   Result<std::string> join(const Json& j) {
     collectives::CommunicatorOptions o;
     o.group = group_;
+    o.host = context_.nodeIp;  // peers on other hosts connect to it
     o.epoch = j.value("epoch", int64_t{1});
     o.rank = j.value("rank", 0);
     o.worldSize = j.value("world", 1);
@@ -236,21 +237,21 @@ class Trainer final : public Actor {
     return Json{{"steps", steps}}.dump();
   }
 
-  Status stageFromCheckpointActor(int64_t step) {
+  Status stageFromCheckpointActor(int64_t step, int bundle) {
     auto deadline = Clock::now() + std::chrono::seconds(60);
     for (auto pause = std::chrono::milliseconds(2); Clock::now() < deadline; pause = std::min(pause * 2, std::chrono::milliseconds(50))) {
-      auto reply = callActor(checkpoint_, "restore", Json{{"rank", slotRank_}, {"max_step", step}}.dump());
+      auto reply = callActor(checkpoint_, "restore", Json{{"rank", bundle}, {"max_step", step}}.dump());
       if (!reply.isOk()) return reply.status();
       Json r = Json::parse(*reply, nullptr, false);
       std::string state = r.value("state", "");
       if (state == "done") return Status::ok();
       if (state != "running") {
         return Status(StatusCode::kNotFound, fmt::format("the checkpoint actor has no step {} for bundle {}: {}", step,
-                                                         slotRank_, r.dump()));
+                                                         bundle, r.dump()));
       }
       std::this_thread::sleep_for(pause);  // staging runs on the actor's own threads; ask again
     }
-    return Status(StatusCode::kDeadlineExceeded, fmt::format("staging step {} for bundle {} took over 60 s", step, slotRank_));
+    return Status(StatusCode::kDeadlineExceeded, fmt::format("staging step {} for bundle {} took over 60 s", step, bundle));
   }
 
   Result<std::string> restore(int64_t step, int fromBundle) {
@@ -269,12 +270,15 @@ class Trainer final : public Actor {
       std::optional<checkpoint::FlashSegment> existing;
       const checkpoint::FlashSegment* seg = readableSegment(*o, bundle, existing);
       auto slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
-      if (!slot && fromBundle < 0) {
-        // Not in this node's memory (the trainer moved here with its node lost): the node's
-        // checkpoint actor stages it from a peer's memory or replica, or from disk.
-        segment_.reset();
-        layout_.reset();
-        TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step));
+      if (!slot) {
+        // Not in this node's memory (the trainer moved here with its node lost, or joined a
+        // grow on a host where no member runs): the node's checkpoint actor stages it over the
+        // network from a peer's memory or replica, or from disk.
+        if (fromBundle < 0) {
+          segment_.reset();
+          layout_.reset();
+        }
+        TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step, bundle));
         source = "staged by the checkpoint actor: ";
         seg = readableSegment(*o, bundle, existing);
         slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
@@ -298,7 +302,7 @@ class Trainer final : public Actor {
       auto restored = s.restoreInto(*slot, targets);
       if (!restored.isOk()) return restored.status();
       TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
-      source += fromBundle >= 0 ? fmt::format("memory of bundle {}", fromBundle) : "memory";
+      source += fromBundle >= 0 ? fmt::format("snapshot of bundle {}", fromBundle) : "memory";
     }
     return Json{{"step", engine_->stepCount()}, {"source", source},
                 {"hash", fmt::format("{:016x}", engine_->parameterHash())}}

@@ -96,7 +96,7 @@ TEST_CASE_TEMPLATE("meta round trip", Backend, TROUPE_STORE_BACKENDS) {
   REQUIRE(empty.isOk());
   CHECK_FALSE(empty->has_value());
 
-  ClusterMeta meta{"tok-" + randomHex(8), "10.0.0.5:6380", 4711, 1700000000123};
+  ClusterMeta meta{"tok-" + randomHex(8), "10.0.0.5:6380", 4711, 1700000000123, ""};
   REQUIRE(store->putMeta(meta).isOk());
   auto got = store->getMeta();
   REQUIRE(got.isOk());
@@ -109,6 +109,19 @@ TEST_CASE_TEMPLATE("meta round trip", Backend, TROUPE_STORE_BACKENDS) {
   meta.controllerPid = 4712;  // a restarted controller overwrites it
   REQUIRE(store->putMeta(meta).isOk());
   CHECK((*store->getMeta())->controllerPid == 4712);
+}
+
+TEST_CASE_TEMPLATE("the store gateway's address survives a controller rewriting the meta", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  ClusterMeta meta{"tok", "10.0.0.5:6380", 1, 2, ""};
+  REQUIRE(store->putMeta(meta).isOk());
+  CHECK((*store->getMeta())->storeGateway.empty());
+  REQUIRE(store->putStoreGateway("10.0.0.5:41000").isOk());
+  meta.controllerPid = 3;  // a restarted controller
+  REQUIRE(store->putMeta(meta).isOk());
+  CHECK((*store->getMeta())->storeGateway == "10.0.0.5:41000");
 }
 
 TEST_CASE_TEMPLATE("register, get and list nodes keep every field", Backend,
@@ -364,7 +377,7 @@ TEST_CASE_TEMPLATE("two stores on the same state see each other's writes", Backe
   checkSameNode(mustGet(*controller, node.id), node);
   CHECK(mustReceive(**subscription).nodeId == node.id);
 
-  REQUIRE(controller->putMeta(ClusterMeta{"shared-token", "127.0.0.1:1", 1, 2}).isOk());
+  REQUIRE(controller->putMeta(ClusterMeta{"shared-token", "127.0.0.1:1", 1, 2, ""}).isOk());
   auto meta = agent->getMeta();
   REQUIRE(meta.isOk());
   REQUIRE(meta->has_value());
@@ -1018,7 +1031,7 @@ TEST_CASE("redis store: Redis refuses a client without the password") {
   testing::RedisServerProcess server;
   auto store = connectRedisStore(server.options("test"));
   REQUIRE(store.isOk());
-  REQUIRE((*store)->putMeta(ClusterMeta{"secret-token", "127.0.0.1:1", 1, 2}).isOk());
+  REQUIRE((*store)->putMeta(ClusterMeta{"secret-token", "127.0.0.1:1", 1, 2, ""}).isOk());
 
   ContextPtr context = rawConnect(server);
   ReplyPtr ping = rawCommand(context.get(), {"PING"});

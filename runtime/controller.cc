@@ -75,15 +75,43 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
              TROUPE_RETURN_IF_ERROR(s.core.retryPending(actions));  // a new node may unblock work
              return actions;
            })
-        .then([this, context, node](Actions actions) mutable {
+        .then([this, node](Actions actions) {
           TROUPE_LOG(kInfo, "node {} registered from {} ({})", node.id.hex(), node.address, node.hostname);
           execute(kj::mv(actions));
-          auto redis = context.getResults().initRedis();
-          redis.setAddress(HostPort{redis_.host, redis_.port}.toString());
-          redis.setPassword(redis_.password);
-          redis.setCluster(redis_.cluster);
-          redis.setHeartbeatTtlMs(static_cast<uint32_t>(ttl_.count()));
+          return storeEndpointFor(node.isHead);
+        })
+        .then([this, context](std::pair<std::string, bool> endpoint) mutable {
+          fillEndpoint(endpoint, context.getResults().initRedis());
         });
+  }
+
+  kj::Promise<void> storeEndpoint(StoreEndpointContext context) override {
+    return storeEndpointFor(context.getParams().getHead()).then([this, context](std::pair<std::string, bool> e) mutable {
+      fillEndpoint(e, context.getResults().initRedis());
+    });
+  }
+
+  // Only the head reaches Redis directly; every other node goes through the head's store
+  // gateway, so the Redis password never leaves the head and Redis stays on its loopback.
+  // The head's agent reads the password from its run directory: it never crosses a wire.
+  kj::Promise<std::pair<std::string, bool>> storeEndpointFor(bool head) {
+    if (head) return std::make_pair(HostPort{redis_.host, redis_.port}.toString(), false);
+    return onIo([](Controller::IoState& s) -> Result<std::pair<std::string, bool>> {
+      auto meta = s.store->getMeta();
+      if (!meta.isOk()) return meta.status();
+      if (!meta->has_value() || (*meta)->storeGateway.empty()) {
+        return Status(StatusCode::kUnavailable,
+                      "the head's store gateway is not running (is the head node up? see its logs/gateway.log)");
+      }
+      return std::make_pair((*meta)->storeGateway, true);
+    });
+  }
+
+  void fillEndpoint(const std::pair<std::string, bool>& endpoint, rpc::RedisEndpoint::Builder redis) {
+    redis.setAddress(endpoint.first);
+    redis.setGateway(endpoint.second);
+    redis.setCluster(redis_.cluster);
+    redis.setHeartbeatTtlMs(static_cast<uint32_t>(ttl_.count()));
   }
 
   kj::Promise<void> status(StatusContext context) override {

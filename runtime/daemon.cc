@@ -27,13 +27,18 @@ kj::Promise<std::string> onStopSignal(kj::AsyncIoContext& io) {
 }
 
 DaemonFiles::DaemonFiles(const std::string& runDir, const std::string& name)
-    : pidPath_(fmt::format("{}/pids/{}.pid", runDir, name)) {
+    : pidPath_(fmt::format("{}/pids/{}.pid", runDir, name)), readyPath_(fmt::format("{}/pids/{}.ready", runDir, name)) {
   setLogProcessName(name);
   std::string logPath = fmt::format("{}/logs/{}.log", runDir, name);
   if (!openLogFile(logPath, false)) TROUPE_LOG(kWarning, "cannot open log file {}", logPath);
   std::ofstream(pidPath_) << getpid() << "\n";
 }
 
-DaemonFiles::~DaemonFiles() { std::remove(pidPath_.c_str()); }
+DaemonFiles::~DaemonFiles() {
+  std::remove(readyPath_.c_str());
+  std::remove(pidPath_.c_str());
+}
+
+void DaemonFiles::markReady() { std::ofstream(readyPath_) << getpid() << "\n"; }
 
 }  // namespace troupe

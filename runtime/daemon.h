@@ -19,11 +19,14 @@ class DaemonFiles {
  public:
   DaemonFiles(const std::string& runDir, const std::string& name);
   ~DaemonFiles();
+  // Writes <runDir>/pids/<name>.ready: the daemon serves (the CLI waits for it; removed with the pid file).
+  void markReady();
   DaemonFiles(const DaemonFiles&) = delete;
   DaemonFiles& operator=(const DaemonFiles&) = delete;
 
  private:
   std::string pidPath_;
+  std::string readyPath_;
 };
 
 }  // namespace troupe

@@ -40,6 +40,7 @@ struct FakeClusterState {
 
   std::mutex mutex;
   std::optional<ClusterMeta> meta;
+  std::string storeGateway;
   std::map<NodeId, Node> nodes;
   // Node -> holder -> claimed resources. A node without claims has no entry, as a Redis hash
   // with no fields does not exist.
@@ -162,7 +163,14 @@ class FakeClusterStore final : public ClusterStore {
 
   Result<std::optional<ClusterMeta>> getMeta() override {
     std::lock_guard lock(state_->mutex);
+    if (state_->meta) state_->meta->storeGateway = state_->storeGateway;
     return state_->meta;
+  }
+
+  Status putStoreGateway(const std::string& address) override {
+    std::lock_guard lock(state_->mutex);
+    state_->storeGateway = address;
+    return Status::ok();
   }
 
   Status registerNode(const NodeRecord& node, std::chrono::milliseconds ttl) override {

@@ -162,9 +162,47 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
   agent->server_ = kj::mv(*server);
 
   auto& a = *agent;
+  // Store first, then registration: a node that cannot reach the store never shows as ALIVE.
   return RpcClient::connect(io, a.options_.controller, a.options_.token, 10 * kj::SECONDS)
       .then([&a](kj::Own<RpcClient> client) {
         a.controller_ = kj::mv(client);
+        auto request = a.controller_->bootstrap<rpc::Controller>().storeEndpointRequest();
+        request.setHead(a.options_.isHead);
+        return request.send();
+      })
+      .then([&a](capnp::Response<rpc::Controller::StoreEndpointResults> response) {
+        auto endpoint = response.getRedis();
+        auto hp = parseHostPort(endpoint.getAddress().cStr());
+        if (!hp.isOk()) throwStatus(hp.status());
+        RedisOptions redis;
+        redis.host = hp->host;
+        redis.port = hp->port;
+        redis.cluster = endpoint.getCluster().cStr();
+        if (endpoint.getGateway()) {
+          redis.gatewayToken = a.options_.token;
+        } else if (a.options_.redisPassword.empty()) {
+          throwStatus(Status(StatusCode::kFailedPrecondition,
+                             "the controller handed this node Redis itself, which only the head's agent reaches (its "
+                             "run directory's cluster.json holds the password); pass --head only on the head"));
+        } else {
+          redis.password = a.options_.redisPassword;
+        }
+        a.workerRedisAddress_ = endpoint.getAddress().cStr();
+        a.workerRedisPassword_ = redis.password;
+        a.workerRedisGateway_ = endpoint.getGateway();
+        a.workerCluster_ = redis.cluster;
+        a.state_->ttl = std::chrono::milliseconds(endpoint.getHeartbeatTtlMs());
+        // The store is created on the I/O thread, which owns it from then on.
+        auto state = a.state_;
+        return a.ioThread_.call([state, redis]() {
+          auto store = connectRedisStore(redis);
+          if (!store.isOk()) return store.status();
+          state->store = std::move(*store);
+          return Status::ok();
+        });
+      })
+      .then([&a](Status connected) {
+        if (!connected.isOk()) throwStatus(connected);
         NodeRecord self;
         self.id = a.options_.id;
         self.address = HostPort{a.options_.ip, a.server_->port()}.toString();
@@ -176,27 +214,17 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
         self.labels = a.options_.labels;
         auto request = a.controller_->bootstrap<rpc::Controller>().registerNodeRequest();
         toNodeInfo(self, request.initNode());
-        return request.send();
+        return request.send().ignoreResult();
       })
-      .then([&a](capnp::Response<rpc::Controller::RegisterNodeResults> response) {
-        auto endpoint = response.getRedis();
-        auto hp = parseHostPort(endpoint.getAddress().cStr());
-        if (!hp.isOk()) throwStatus(hp.status());
-        RedisOptions redis;
-        redis.host = hp->host;
-        redis.port = hp->port;
-        redis.password = endpoint.getPassword().cStr();
-        redis.cluster = endpoint.getCluster().cStr();
-        a.workerRedisAddress_ = endpoint.getAddress().cStr();
-        a.workerRedisPassword_ = redis.password;
-        a.workerCluster_ = redis.cluster;
-        a.state_->ttl = std::chrono::milliseconds(endpoint.getHeartbeatTtlMs());
-        // The store is created on the I/O thread, which owns it from then on.
+      .then([&a]() {
+        // The first beat goes at once: `troupe start` reports a node only once it has beaten.
         auto state = a.state_;
-        return a.ioThread_.call([state, redis]() {
-          auto store = connectRedisStore(redis);
-          if (!store.isOk()) return store.status();
-          state->store = std::move(*store);
+        return a.ioThread_.call([state]() {
+          auto alive = state->store->heartbeat(state->id, state->ttl);
+          if (!alive.isOk()) return alive.status();
+          if (!*alive) {
+            return Status(StatusCode::kAborted, "the cluster declared this node dead right after it registered");
+          }
           scheduleHeartbeat(state);
           return Status::ok();
         });
@@ -249,6 +277,8 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
   spawn.env.push_back("TROUPE_REDIS_ADDRESS=" + workerRedisAddress_);
   spawn.env.push_back("TROUPE_REDIS_PASSWORD=" + workerRedisPassword_);
+  if (workerRedisGateway_) spawn.env.push_back("TROUPE_REDIS_GATEWAY=1");
+  spawn.env.push_back("TROUPE_NODE_IP=" + options_.ip);
   spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed

@@ -1,6 +1,8 @@
 // The node agent: one per machine. Serves the NodeAgent RPC interface, registers with the
-// controller (which hands it the Redis endpoint over the authenticated connection), and
-// heartbeats to Redis directly, so nodes stay alive while the controller restarts.
+// controller (which tells it where the store is), and heartbeats to Redis itself, so nodes stay
+// alive while the controller restarts. The head's agent reaches Redis directly (the password is
+// in its run directory); every other agent, and its workers, reach Redis through the head's
+// store gateway (store_gateway.h).
 // Thread-safety: created and destroyed on the KJ thread; its Redis store and heartbeat timer
 // live on the IoThread passed in.
 #pragma once
@@ -27,6 +29,7 @@ struct NodeAgentOptions {
   Resources resources;
   std::map<std::string, std::string> labels;
   bool isHead = false;
+  std::string redisPassword;  // the head's only (from its run directory's cluster.json)
   std::string runDir;        // actors' logs go to <runDir>/logs/actor-<id>.{out,err}
   std::string workerBinary;  // troupe-worker
   std::string pythonBinary = "/usr/bin/python3";  // runs Python actors (python -m troupe._worker)
@@ -80,6 +83,7 @@ class NodeAgent {
   // Handed to workers (TROUPE_REDIS_*): actors in elastic groups meet through the store.
   std::string workerRedisAddress_;
   std::string workerRedisPassword_;
+  bool workerRedisGateway_ = false;
   std::string workerCluster_;
   kj::Own<kj::TaskSet> tasks_;
 };

@@ -40,9 +40,15 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (token.empty()) {
-    auto cluster = readClusterFile(runDir);
-    if (cluster.isOk()) token = cluster->token;
+  auto cluster = readClusterFile(runDir);
+  if (token.empty() && cluster.isOk()) token = cluster->token;
+  if (head) {
+    if (!cluster.isOk() || cluster->redisPassword.empty()) {
+      TROUPE_LOG(kError, "the head node needs its run directory's cluster.json with the Redis password: {}",
+                 cluster.isOk() ? "no password in it" : cluster.status().message());
+      return 2;
+    }
+    options.redisPassword = cluster->redisPassword;
   }
   if (token.empty()) {
     TROUPE_LOG(kError, "no cluster token: pass --token or set TROUPE_TOKEN");
@@ -74,6 +80,7 @@ int main(int argc, char** argv) {
   kj::Own<NodeAgent> agent;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     agent = NodeAgent::start(io, ioThread, options).wait(io.waitScope);
+    files.markReady();
   })) {
     TROUPE_LOG(kError, "cannot join the cluster: {}", statusFromException(*e, "").message());
     return 1;

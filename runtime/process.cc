@@ -2,7 +2,10 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -179,6 +182,66 @@ bool portInUse(const std::string& host, int port) {
   bool inUse = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0;
   ::close(fd);
   return inUse;
+}
+
+Result<int> connectTcp(const HostPort& address, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(address.host.c_str(), std::to_string(address.port).c_str(), &hints, &found); rc != 0) {
+    return Status(StatusCode::kUnavailable, fmt::format("cannot resolve {}: {}", address.host, gai_strerror(rc)));
+  }
+  sockaddr_in target{};
+  memcpy(&target, found->ai_addr, sizeof(target));
+  ::freeaddrinfo(found);
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Status(StatusCode::kInternal, fmt::format("socket: {}", strerror(errno)));
+  auto fail = [&](const std::string& why) {
+    ::close(fd);
+    return Status(StatusCode::kUnavailable, fmt::format("cannot connect to {}: {}", address.toString(), why));
+  };
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&target), sizeof(target)) != 0) {
+    if (errno != EINPROGRESS) return fail(strerror(errno));
+    pollfd p{fd, POLLOUT, 0};
+    int ready;
+    do ready = ::poll(&p, 1, static_cast<int>(timeout.count())); while (ready < 0 && errno == EINTR);
+    if (ready == 0) return fail(fmt::format("no answer within {} ms", timeout.count()));
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (ready < 0 || err != 0) return fail(strerror(ready < 0 ? errno : err));
+  }
+  int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+Result<std::string> localAddressToward(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &found); rc != 0) {
+    return Status(StatusCode::kUnavailable, fmt::format("cannot resolve {}: {}", host, gai_strerror(rc)));
+  }
+  // Connecting a UDP socket only picks the route and source address; nothing is sent.
+  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  int rc = fd < 0 ? -1 : ::connect(fd, found->ai_addr, found->ai_addrlen);
+  int err = errno;
+  ::freeaddrinfo(found);
+  sockaddr_in local{};
+  socklen_t len = sizeof(local);
+  if (rc != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return Status(StatusCode::kUnavailable, fmt::format("no route to {}: {}", host, strerror(err)));
+  }
+  ::close(fd);
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text));
+  return std::string(text);
 }
 
 std::string executableDir() {

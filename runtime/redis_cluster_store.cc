@@ -51,9 +51,11 @@
 #include <fmt/format.h>
 
 #include "store_args.h"
+#include "handshake.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/process.h"
 
 namespace troupe {
 
@@ -193,6 +195,12 @@ bool startsWith(const std::string& text, std::string_view prefix) {
 }
 
 Status unreachable(const RedisOptions& options, const std::string& reason) {
+  if (!options.gatewayToken.empty()) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("cannot reach the cluster store through the head's store gateway at {}: {}; check "
+                              "that the head node is up and reachable from this host",
+                              addressOf(options), reason));
+  }
   return Status(StatusCode::kUnavailable,
                 fmt::format("cannot reach Redis at {}: {}; check --redis-address and that "
                             "redis-server is running there",
@@ -212,7 +220,27 @@ std::string contextError(const redisContext* context, const RedisOptions& option
 }
 
 // Connects, checks that the server demands a password, and authenticates.
+Result<ContextPtr> connectThroughGateway(const RedisOptions& options) {
+  auto fd = connectTcp(HostPort{options.host, options.port}, options.timeout);
+  if (!fd.isOk()) return unreachable(options, fd.status().message());
+  if (auto s = handshake::connectBlocking(*fd, options.gatewayToken, handshake::Purpose::kStore, options.timeout);
+      !s.isOk()) {
+    ::close(*fd);
+    if (s.code() == StatusCode::kUnauthenticated) {
+      return Status(s.code(), fmt::format("the store gateway at {}: {}", addressOf(options), s.message()));
+    }
+    return unreachable(options, s.message());
+  }
+  ContextPtr context(redisConnectFd(*fd));  // owns the descriptor from here on
+  if (!context || context->err) return unreachable(options, contextError(context.get(), options));
+  if (redisSetTimeout(context.get(), toTimeval(options.timeout)) != REDIS_OK) {
+    return unreachable(options, contextError(context.get(), options));
+  }
+  return context;
+}
+
 Result<ContextPtr> connectAndAuthenticate(const RedisOptions& options) {
+  if (!options.gatewayToken.empty()) return connectThroughGateway(options);
   const timeval tv = toTimeval(options.timeout);
   ContextPtr context(redisConnectWithTimeout(options.host.c_str(), options.port, tv));
   if (!context || context->err) return unreachable(options, contextError(context.get(), options));
@@ -864,6 +892,11 @@ class RedisClusterStore final : public ClusterStore {
     return reply ? Status::ok() : reply.status();
   }
 
+  Status putStoreGateway(const std::string& address) override {
+    auto reply = connection_.run({"HSET", metaKey(), "store_gateway", address}, "putStoreGateway");
+    return reply ? Status::ok() : reply.status();
+  }
+
   Result<std::optional<ClusterMeta>> getMeta() override {
     auto reply = connection_.run({"HGETALL", metaKey()}, "getMeta");
     if (!reply) return reply.status();
@@ -873,6 +906,7 @@ class RedisClusterStore final : public ClusterStore {
     ClusterMeta meta;
     meta.token = (*fields)["token"];
     meta.controllerAddress = (*fields)["controller_address"];
+    meta.storeGateway = (*fields)["store_gateway"];
     if (!parseInteger((*fields)["controller_pid"], meta.controllerPid) ||
         !parseInteger((*fields)["created_ms"], meta.createdMs)) {
       return malformed(metaKey(), "controller_pid or created_ms is not an integer");
@@ -1500,6 +1534,8 @@ Result<RedisOptions> workerRedisOptions() {
   const char* address = getenv("TROUPE_REDIS_ADDRESS");
   const char* password = getenv("TROUPE_REDIS_PASSWORD");
   const char* cluster = getenv("TROUPE_CLUSTER");
+  const char* gateway = getenv("TROUPE_REDIS_GATEWAY");
+  const char* token = getenv("TROUPE_TOKEN");
   if (!address || !*address || !password || !cluster) {
     return Status(StatusCode::kFailedPrecondition,
                   "TROUPE_REDIS_ADDRESS, TROUPE_REDIS_PASSWORD and TROUPE_CLUSTER are not set: this is not a worker "
@@ -1512,6 +1548,12 @@ Result<RedisOptions> workerRedisOptions() {
   options.port = hp->port;
   options.password = password;
   options.cluster = cluster;
+  if (gateway && std::string(gateway) == "1") {
+    if (!token || !*token) {
+      return Status(StatusCode::kFailedPrecondition, "TROUPE_REDIS_GATEWAY is set but TROUPE_TOKEN is not");
+    }
+    options.gatewayToken = token;
+  }
   return options;
 }
 

@@ -8,31 +8,20 @@
 
 #include <fmt/format.h>
 
+#include "handshake.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
 namespace {
 
-constexpr kj::byte kMagic[4] = {'T', 'R', 'P', 'E'};
-constexpr kj::byte kVersion = 1;
-constexpr kj::byte kAccepted = 'Y';
-constexpr kj::byte kRejected = 'N';
 constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 
-// Compares without an early exit so timing does not reveal a token prefix.
 // Small RPC messages must leave at once, not wait for Nagle's algorithm to coalesce them.
 void noDelay(kj::AsyncIoStream& stream) {
   int one = 1;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
     (void)e;  // not a TCP stream (tests may use pipes): nothing to tune
   }
-}
-
-bool tokensEqual(kj::ArrayPtr<const kj::byte> a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  kj::byte diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ static_cast<kj::byte>(b[i]);
-  return diff == 0;
 }
 
 class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
@@ -57,47 +46,24 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
   }
 
   kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) {
-    auto header = kj::heapArray<kj::byte>(6);
     auto& s = *stream;
-    auto handshake =
-        s.read(header.begin(), header.size())
-            .then([this, &s, header = kj::mv(header)]() mutable -> kj::Promise<kj::Maybe<bool>> {
-              if (memcmp(header.begin(), kMagic, 4) != 0 || header[4] != kVersion) {
-                return kj::Maybe<bool>(false);
-              }
-              auto token = kj::heapArray<kj::byte>(header[5]);
-              auto ptr = token.begin();
-              auto size = token.size();
-              return s.read(ptr, size).then([this, token = kj::mv(token)]() -> kj::Maybe<bool> {
-                return tokensEqual(token, token_);
-              });
-            });
     return io_.provider->getTimer()
-        .timeoutAfter(kHandshakeTimeout, kj::mv(handshake))
+        .timeoutAfter(kHandshakeTimeout, handshake::accept(s, token_, handshake::Purpose::kRpc))
         .then(
-            [this, stream = kj::mv(stream)](kj::Maybe<bool> ok) mutable -> kj::Promise<void> {
-              bool accepted = false;
-              KJ_IF_MAYBE(v, ok) { accepted = *v; }
-              if (!accepted) return refuse(kj::mv(stream));
-              auto& s = *stream;
-              return s.write(&kAccepted, 1).then([this, stream = kj::mv(stream)]() mutable {
-                twoParty_.accept(kj::mv(stream));
-              });
+            [this, stream = kj::mv(stream)](bool accepted) mutable {
+              if (!accepted) {
+                ++refused_;
+                TROUPE_LOG(kWarning, "refused an RPC connection that could not prove the cluster token");
+                return;
+              }
+              twoParty_.accept(kj::mv(stream));
             },
-            [this](kj::Exception&& e) -> kj::Promise<void> {
+            [this](kj::Exception&& e) {
               // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
               ++refused_;
               TROUPE_LOG(kWarning, "closed an RPC connection that did not complete the token handshake: {}",
                          e.getDescription().cStr());
-              return kj::READY_NOW;
             });
-  }
-
-  kj::Promise<void> refuse(kj::Own<kj::AsyncIoStream> stream) {
-    ++refused_;
-    TROUPE_LOG(kWarning, "refused an RPC connection that presented a wrong cluster token");
-    auto& s = *stream;
-    return s.write(&kRejected, 1).attach(kj::mv(stream)).catch_([](kj::Exception&&) {});
   }
 
   void taskFailed(kj::Exception&& e) override {
@@ -143,34 +109,19 @@ RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream) : stream_(kj::mv(stream)
 
 kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
                                                   std::string token, kj::Duration timeout) {
-  KJ_REQUIRE(token.size() <= 255, "cluster token too long");
   std::string where = address.toString();
-  auto hello = kj::heapArray<kj::byte>(6 + token.size());
-  memcpy(hello.begin(), kMagic, 4);
-  hello[4] = kVersion;
-  hello[5] = static_cast<kj::byte>(token.size());
-  memcpy(hello.begin() + 6, token.data(), token.size());
   auto connected =
       io.provider->getNetwork()
           .parseAddress(address.host, address.port)
           .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
-          .then([hello = kj::mv(hello)](kj::Own<kj::AsyncIoStream> stream) mutable {
+          .then([token = kj::mv(token)](kj::Own<kj::AsyncIoStream> stream) mutable {
             noDelay(*stream);
             auto& s = *stream;
-            auto ptr = hello.begin();
-            auto size = hello.size();
-            return s.write(ptr, size).attach(kj::mv(hello)).then([stream = kj::mv(stream)]() mutable {
-              auto reply = kj::heapArray<kj::byte>(1);
-              auto& s = *stream;
-              auto ptr = reply.begin();
-              return s.tryRead(ptr, 1, 1).then(
-                  [stream = kj::mv(stream), reply = kj::mv(reply)](size_t n) mutable {
-                    if (n != 1 || reply[0] != kAccepted) {
-                      kj::throwFatalException(KJ_EXCEPTION(DISCONNECTED, "the cluster token was rejected"));
-                    }
-                    return kj::heap<RpcClient>(kj::mv(stream));
-                  });
-            });
+            auto owned = kj::heap<std::string>(kj::mv(token));
+            auto& t = *owned;
+            return handshake::connect(s, t, handshake::Purpose::kRpc)
+                .attach(kj::mv(owned))
+                .then([stream = kj::mv(stream)]() mutable { return kj::heap<RpcClient>(kj::mv(stream)); });
           });
   return io.provider->getTimer()
       .timeoutAfter(timeout, kj::mv(connected))
@@ -180,8 +131,8 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
         if (desc.find("timed out") != std::string::npos) reason = "no answer in time";
         else if (desc.find("ECONNREFUSED") != std::string::npos || desc.find("refused") != std::string::npos)
           reason = "connection refused";
-        else if (desc.find("token was rejected") != std::string::npos)
-          reason = "the cluster token was rejected";
+        else if (auto at = desc.find("the cluster token was rejected"); at != std::string::npos)
+          reason = desc.substr(at);
         kj::throwFatalException(kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
                                               kj::str("cannot connect to ", where.c_str(), ": ", reason.c_str())));
       });

@@ -1,10 +1,16 @@
 // The token handshake in front of Cap'n Proto: a connection without the cluster token gets no
-// capability and is closed.
+// capability and is closed; a client never talks to a server that cannot prove the token; the
+// token itself never crosses the wire.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
 
+#include <atomic>
+#include <thread>
+
 #include "troupe.capnp.h"
+#include "handshake.h"
+#include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe {
@@ -49,6 +55,10 @@ TEST_CASE("rpc: a wrong token is refused before any capability is handed out") {
     error = e->getDescription().cStr();
   }
   CHECK(error.find("token was rejected") != std::string::npos);
+  // The client hangs up as soon as the server's proof fails; the server sees that next.
+  for (int i = 0; i < 400 && f.server->refusedConnections() == 0; ++i) {
+    f.io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(f.io.waitScope);
+  }
   CHECK(f.server->refusedConnections() == 1);
 }
 
@@ -77,6 +87,108 @@ TEST_CASE("rpc: a second server on a port in use gets a clear error") {
   REQUIRE_FALSE(second.isOk());
   CHECK(second.status().code() == StatusCode::kAlreadyExists);
   CHECK(second.status().message().find("already in use") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace troupe
+
+namespace troupe {
+namespace {
+
+// Everything a peer wrote until it closed or sent `limit` bytes.
+std::string readAll(kj::AsyncIoStream& stream, kj::WaitScope& ws, size_t limit) {
+  std::string out;
+  kj::byte buf[256];
+  while (out.size() < limit) {
+    size_t n = 0;
+    if (kj::runCatchingExceptions([&]() { n = stream.tryRead(buf, 1, sizeof(buf)).wait(ws); }) != nullptr || n == 0) break;
+    out.append(reinterpret_cast<char*>(buf), n);
+  }
+  return out;
+}
+
+TEST_CASE("rpc: a client refuses a server that cannot prove the cluster token, and sends it nothing secret") {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  // A stranger's server: it knows another token.
+  auto stranger = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, "other-token",
+                                    rpc::NodeAgent::Client(kj::heap<PingService>()));
+  REQUIRE(stranger.isOk());
+  std::string error;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    RpcClient::connect(io, HostPort{"127.0.0.1", (*stranger)->port()}, "secret-token", 5 * kj::SECONDS)
+        .wait(io.waitScope);
+  })) {
+    error = e->getDescription().cStr();
+  }
+  CHECK(error.find("proved a different token") != std::string::npos);
+}
+
+TEST_CASE("rpc: the token never crosses the wire, and a recorded proof cannot be replayed") {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  // A listener that records what a client sends and answers like a server with the token.
+  auto listener = io.provider->getNetwork().parseAddress("127.0.0.1", 0).wait(io.waitScope)->listen();
+  auto port = listener->getPort();
+  std::string token = "secret-token-0123456789abcdef";
+  auto accepted = listener->accept();
+  auto client = io.provider->getNetwork().parseAddress("127.0.0.1", port).wait(io.waitScope)->connect();
+  auto serverSide = accepted.wait(io.waitScope);
+  auto clientSide = client.wait(io.waitScope);
+  auto clientDone = handshake::connect(*clientSide, token, handshake::Purpose::kRpc).fork();
+  // Tee the server side: record the client's bytes while a real accept() answers.
+  auto ok = handshake::accept(*serverSide, token, handshake::Purpose::kRpc).wait(io.waitScope);
+  CHECK(ok);
+  clientDone.addBranch().wait(io.waitScope);
+
+  // Record a fresh exchange's client bytes with a raw reader, then replay them to a server.
+  auto l2 = io.provider->getNetwork().parseAddress("127.0.0.1", 0).wait(io.waitScope)->listen();
+  auto p2 = l2->getPort();
+  auto a2 = l2->accept();
+  auto c2 = io.provider->getNetwork().parseAddress("127.0.0.1", p2).wait(io.waitScope)->connect().wait(io.waitScope);
+  auto s2 = a2.wait(io.waitScope);
+  auto attempt = handshake::connect(*c2, token, handshake::Purpose::kRpc).then([]() {}, [](kj::Exception&&) {}).eagerlyEvaluate(nullptr);
+  kj::byte hello[38];
+  s2->read(hello, sizeof(hello)).wait(io.waitScope);
+  std::string sent(reinterpret_cast<char*>(hello), sizeof(hello));
+  CHECK(sent.find(token) == std::string::npos);
+  CHECK(sent.substr(0, 4) == "TRPE");
+
+  // Replaying that hello to a real server gets a new server nonce: an old client proof fails.
+  auto server = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, token, rpc::NodeAgent::Client(kj::heap<PingService>()));
+  REQUIRE(server.isOk());
+  auto replay = io.provider->getNetwork().parseAddress("127.0.0.1", (*server)->port()).wait(io.waitScope)->connect().wait(io.waitScope);
+  replay->write(hello, sizeof(hello)).wait(io.waitScope);
+  kj::byte challenge[64];
+  replay->read(challenge, sizeof(challenge)).wait(io.waitScope);
+  kj::byte staleProof[32] = {};  // anything not computed over this server's fresh nonce
+  replay->write(staleProof, sizeof(staleProof)).wait(io.waitScope);
+  std::string verdict = readAll(*replay, io.waitScope, 8);
+  CHECK(verdict == "N");
+  CHECK((*server)->refusedConnections() == 1);
+}
+
+TEST_CASE("rpc: the blocking client side of the handshake agrees with the server") {
+  Fixture f;
+  Status ok = Status(StatusCode::kInternal, "unset"), bad = ok;
+  std::atomic<bool> done{false};
+  std::thread t([&]() {
+    auto fd = connectTcp(f.address(), std::chrono::seconds(2));
+    if (fd.isOk()) {
+      ok = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      ::close(*fd);
+    }
+    fd = connectTcp(f.address(), std::chrono::seconds(2));
+    if (fd.isOk()) {
+      bad = handshake::connectBlocking(*fd, "wrong", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      ::close(*fd);
+    }
+    done = true;
+  });
+  // The server runs on this thread's loop until the other thread is done.
+  while (!done) f.io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(f.io.waitScope);
+  t.join();
+  CHECK(ok.isOk());
+  CHECK(bad.code() == StatusCode::kUnauthenticated);
+  CHECK(bad.message().find("token was rejected") != std::string::npos);
 }
 
 }  // namespace

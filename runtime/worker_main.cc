@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
 #ifdef TROUPE_WITH_TRAIN
   actors::registerTrainActors(registry);
 #endif
-  ActorContext context{ActorId(actorId), type, incarnation, cluster.get()};
+  ActorContext context{ActorId(actorId), type, incarnation, cluster.get(), ip};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {
     fprintf(stderr, "troupe-worker: cannot create actor %s: %s\n", type.c_str(), actor.status().message().c_str());

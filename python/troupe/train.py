@@ -230,9 +230,12 @@ class ElasticTrainer:
         for t, bundle in zip(self.trainers, self._bundles):
             payload = {"step": restore_step}
             if t._id in fresh and restore_step > 0:
+                # A member on the same node is copied from memory; on a host with no member,
+                # the node's checkpoint actor fetches a member's snapshot over the network.
                 node = self._pg["bundle_nodes"][bundle]
-                payload["from_bundle"] = next(b for o, b in zip(self.trainers, self._bundles)
-                                              if o._id not in fresh and self._pg["bundle_nodes"][b] == node)
+                members = [(self._pg["bundle_nodes"][b] != node, b) for o, b in zip(self.trainers, self._bundles)
+                           if o._id not in fresh]
+                payload["from_bundle"] = min(members)[1]
             requests.append(_json_call(t, "restore", payload))
         replies = _api.get(requests, timeout=self.recovery_timeout)
         restored = {_load(x)["step"] for x in replies}

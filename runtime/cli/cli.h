@@ -25,7 +25,7 @@ struct StartFlags {
   std::string clusterName = "default";
   double numCpus = -1;
   std::string resources;
-  std::string nodeIp = "127.0.0.1";
+  std::string nodeIp;           // "": loopback on a head, the route to the head when joining
   int heartbeatTtlMs = 3000;
   bool block = false;
   int watchPid = 0;             // --block: stop everything once this process is gone

@@ -71,7 +71,10 @@ void writePidFile(const std::string& runDir, const std::string& name, pid_t pid)
   std::ofstream(fmt::format("{}/pids/{}.pid", runDir, name)) << pid << "\n";
 }
 
-bool nodeAlive(kj::AsyncIoContext& io, const ClusterTarget& target, const NodeId& id) {
+// The agent has registered, reached the store and beaten once (its ready file), and the
+// controller shows it ALIVE.
+bool nodeReady(kj::AsyncIoContext& io, const ClusterTarget& target, const std::string& runDir, const NodeId& id) {
+  if (!std::filesystem::exists(fmt::format("{}/pids/node-{}.ready", runDir, id.hex()))) return false;
   auto nodes = fetchNodes(io, target, 1 * kj::SECONDS);
   if (!nodes.isOk()) return false;
   for (const auto& n : *nodes) {
@@ -118,7 +121,8 @@ int blockUntilStopped(Launch& launch, const std::string& runDir, pid_t watchPid)
   return rc;
 }
 
-int startHead(const StartFlags& f) {
+int startHead(StartFlags f) {
+  if (f.nodeIp.empty()) f.nodeIp = "127.0.0.1";  // a single-machine cluster unless told otherwise
   if (portInUse(f.nodeIp, f.port)) {
     return fail(Status(StatusCode::kAlreadyExists,
                        fmt::format("port {} on {} is already in use (a cluster may be running: 'troupe status'); "
@@ -186,16 +190,35 @@ int startHead(const StartFlags& f) {
                          [&]() { return fetchNodes(io, target, 1 * kj::SECONDS).isOk(); });
   if (!ready.isOk()) return fail(ready);
 
+  // The store gateway: how nodes on other hosts reach Redis, which stays on this host's loopback.
+  auto gatewayPort = pickFreePort(f.nodeIp);
+  if (!gatewayPort.isOk()) return fail(gatewayPort.status());
+  std::string gatewayAddress = HostPort{f.nodeIp, *gatewayPort}.toString();
+  std::string gatewayLog = runDir + "/logs/gateway.log";
+  auto gateway = launch.spawn({siblingExecutable("troupe-gateway"), "--run-dir", runDir, "--host", f.nodeIp, "--port",
+                               std::to_string(*gatewayPort)},
+                              gatewayLog);
+  if (!gateway.isOk()) return fail(gateway.status());
+  ready = waitReady("troupe-gateway", *gateway, gatewayLog, kStartLimit, [&]() {
+    auto store = connectRedisStore(redis);
+    if (!store.isOk()) return false;
+    auto meta = (*store)->getMeta();
+    return meta.isOk() && meta->has_value() && (*meta)->storeGateway == gatewayAddress;
+  });
+  if (!ready.isOk()) return fail(ready);
+
   NodeId nodeId = NodeId::generate();
   std::string nodeLog = fmt::format("{}/logs/node-{}.log", runDir, nodeId.hex());
   auto node = launch.spawn(nodeArgs(f, runDir, file.controllerAddress, nodeId), nodeLog);
   if (!node.isOk()) return fail(node.status());
-  ready = waitReady("troupe-node", *node, nodeLog, kStartLimit, [&]() { return nodeAlive(io, target, nodeId); });
+  ready = waitReady("troupe-node", *node, nodeLog, kStartLimit,
+                    [&]() { return nodeReady(io, target, runDir, nodeId); });
   if (!ready.isOk()) return fail(ready);
 
   std::cout << "Troupe head started.\n"
             << "  controller: " << file.controllerAddress << "\n"
             << "  redis:      " << file.redisAddress << (file.embeddedRedis ? " (embedded)" : "") << "\n"
+            << "  gateway:    " << gatewayAddress << " (how other nodes reach the store)\n"
             << "  head node:  " << nodeId.hex() << "\n"
             << "  run dir:    " << runDir << "\n\n"
             << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token
@@ -207,9 +230,25 @@ int startHead(const StartFlags& f) {
   return 0;
 }
 
-int joinCluster(const StartFlags& f) {
+int joinCluster(StartFlags f) {
   auto target = resolveCluster(f.address, f.token);
   if (!target.isOk()) return fail(target.status());
+  if (f.nodeIp.empty()) {
+    // As Ray does: the address of the interface that routes to the head, not loopback (unless
+    // the head itself is on loopback: a single-machine cluster).
+    const std::string& head = target->controller.host;
+    if (head.rfind("127.", 0) == 0 || head == "localhost") {
+      f.nodeIp = "127.0.0.1";
+    } else {
+      auto local = localAddressToward(head);
+      if (!local.isOk()) {
+        return fail(Status(local.status().code(),
+                           fmt::format("cannot reach the head at {}: {}; check the network, or pass --node-ip-address",
+                                       target->controller.toString(), local.status().message())));
+      }
+      f.nodeIp = *local;
+    }
+  }
   auto io = kj::setupAsyncIo();
   // Fail fast with a clear message before spawning anything.
   auto reachable = fetchNodes(io, *target, 3 * kj::SECONDS);
@@ -233,10 +272,11 @@ int joinCluster(const StartFlags& f) {
   auto node = launch.spawn(nodeArgs(f, runDir, target->controller.toString(), nodeId), nodeLog,
                            {"TROUPE_TOKEN=" + target->token});
   if (!node.isOk()) return fail(node.status());
-  auto ready = waitReady("troupe-node", *node, nodeLog, kStartLimit, [&]() { return nodeAlive(io, *target, nodeId); });
+  auto ready = waitReady("troupe-node", *node, nodeLog, kStartLimit,
+                         [&]() { return nodeReady(io, *target, runDir, nodeId); });
   if (!ready.isOk()) return fail(ready);
-  std::cout << "Node " << nodeId.hex() << " joined the cluster at " << target->controller.toString() << " (log: "
-            << nodeLog << ")" << std::endl;
+  std::cout << "Node " << nodeId.hex() << " (" << f.nodeIp << ") joined the cluster at "
+            << target->controller.toString() << " (log: " << nodeLog << ")" << std::endl;
   if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
   launch.commit();
   return 0;

@@ -21,10 +21,15 @@ int stopRunDir(const std::string& runDir, bool verbose) {
     fs::path pidFile;
     pid_t pid;
   };
-  // Node agents first (they record a clean stop in Redis), then the controller, then Redis.
+  // Node agents first (they record a clean stop in Redis), then the controller and the store
+  // gateway, then Redis.
   std::vector<Daemon> waves[3];
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(fs::path(runDir) / "pids", ec)) {
+    if (entry.path().extension() != ".pid") {
+      if (entry.path().extension() == ".ready") fs::remove(entry.path(), ec);
+      continue;
+    }
     std::string name = entry.path().stem().string();
     pid_t pid = 0;
     std::ifstream(entry.path()) >> pid;
@@ -36,7 +41,7 @@ int stopRunDir(const std::string& runDir, bool verbose) {
       fs::remove(entry.path(), ec);  // stale: the process is gone or the pid was reused
       continue;
     }
-    int wave = name.rfind("node-", 0) == 0 ? 0 : name == "controller" ? 1 : 2;
+    int wave = name.rfind("node-", 0) == 0 ? 0 : name == "controller" || name == "gateway" ? 1 : 2;
     waves[wave].push_back({name, entry.path(), pid});
   }
   int stopped = 0;

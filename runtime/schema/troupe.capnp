@@ -34,9 +34,10 @@ struct NodeInfo {
 # Where a node agent keeps its heartbeat; handed out only over an authenticated connection.
 struct RedisEndpoint {
   address @0 :Text;
-  password @1 :Text;
+  password @1 :Text;         # empty when `gateway`: the password never leaves the head
   cluster @2 :Text;
   heartbeatTtlMs @3 :UInt32;
+  gateway @4 :Bool;          # `address` is the head's store gateway (prove the token, speak RESP)
 }
 
 struct ActorSpec {
@@ -145,6 +146,10 @@ interface Controller {
   groupEvent @16 (id :Text, text :Text) -> ();
   removeGroup @17 (id :Text) -> ();
   getGroup @18 (id :Text) -> (group :ElasticGroupInfo, found :Bool);
+  # Where a node agent reaches the store: Redis for the head's (no password: it has it),
+  # the head's store gateway for every other node. Asked before registering, so a node that
+  # cannot reach the store never shows as ALIVE.
+  storeEndpoint @19 (head :Bool) -> (redis :RedisEndpoint);
 }
 
 interface Session {}

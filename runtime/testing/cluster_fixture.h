@@ -57,6 +57,7 @@ class Cluster {
   ~Cluster() {
     nodes_.clear();
     controller_ = ChildProcess();
+    gateway_ = ChildProcess();
     fs::remove_all(runDir_);
   }
 
@@ -67,6 +68,18 @@ class Cluster {
     o.outputPath = (runDir_ / "logs/controller.out").string();
     controller_ = ChildProcess(*spawnProcess(o));
     REQUIRE(eventually(std::chrono::seconds(10), [&]() { return nodes().isOk(); }));
+    if (!gateway_.pid()) startGateway();
+  }
+
+  // The store gateway, as `troupe start --head` runs it: the nodes started here reach Redis
+  // through it, as every node but the head's does.
+  void startGateway() {
+    int port = *pickFreePort("127.0.0.1");
+    SpawnOptions o;
+    o.argv = {binDir() + "/troupe-gateway", "--run-dir", runDir_.string(), "--port", std::to_string(port)};
+    o.outputPath = (runDir_ / "logs/gateway.out").string();
+    gateway_ = ChildProcess(*spawnProcess(o));
+    REQUIRE(eventually(std::chrono::seconds(10), [&]() { return fs::exists(runDir_ / "pids/gateway.ready"); }));
   }
 
   NodeId startNode(double cpus = 3, const std::string& resources = "ssd=1") {
@@ -118,6 +131,7 @@ class Cluster {
   int port_ = 0;
   kj::AsyncIoContext io_ = kj::setupAsyncIo();
   ChildProcess controller_;
+  ChildProcess gateway_;
   std::vector<ChildProcess> nodes_;
 };
 

@@ -31,6 +31,8 @@ struct ActorContext {
   // The worker's connection to its cluster: lets an actor call actors whose ids it was given.
   // Null in unit tests that construct actors directly. Owned by the worker; outlives the actor.
   ClusterClient* cluster = nullptr;
+  // The node's address: servers an actor opens (collective ranks) bind and advertise it.
+  std::string nodeIp = "127.0.0.1";
 };
 
 class Actor {

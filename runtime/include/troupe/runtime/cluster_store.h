@@ -47,6 +47,7 @@ struct ClusterMeta {
   std::string controllerAddress;  // HOST:PORT of the controller's RPC server
   int64_t controllerPid = 0;
   int64_t createdMs = 0;
+  std::string storeGateway;       // HOST:PORT of the head's store gateway (putStoreGateway); "" until it runs
 };
 
 
@@ -159,6 +160,9 @@ class ClusterStore {
   virtual Status putMeta(const ClusterMeta& meta) = 0;
   // nullopt when no cluster has been created under this prefix yet.
   virtual Result<std::optional<ClusterMeta>> getMeta() = 0;
+  // Records where the head's store gateway listens (kept apart from putMeta, which the
+  // controller rewrites at every start).
+  virtual Status putStoreGateway(const std::string& address) = 0;
 
   // Writes the node as ALIVE with a heartbeat that expires after `ttl`, and publishes
   // NODE_ADDED. Idempotent: registering the same id again refreshes it and publishes again.
@@ -255,6 +259,9 @@ struct RedisOptions {
   std::string password;        // required: a Redis that accepts clients without one is refused
   std::string cluster = "default";  // key prefix is "troupe:<cluster>:"
   std::chrono::milliseconds timeout{2000};  // connect and per-command timeout
+  // Non-empty: host:port is the head's store gateway (store_gateway.h), not Redis. The
+  // connection proves this cluster token and the gateway authenticates to Redis; no password.
+  std::string gatewayToken;
 };
 
 // Connects and authenticates. Errors: kUnavailable (cannot reach it), kUnauthenticated (wrong
@@ -262,7 +269,8 @@ struct RedisOptions {
 Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& options);
 
 // In a worker process: the cluster's Redis as its node agent handed it over (TROUPE_REDIS_ADDRESS,
-// TROUPE_REDIS_PASSWORD, TROUPE_CLUSTER). kFailedPrecondition naming what is missing.
+// TROUPE_REDIS_PASSWORD, TROUPE_CLUSTER; TROUPE_REDIS_GATEWAY=1 with TROUPE_TOKEN on a joined node,
+// whose address is then the store gateway's). kFailedPrecondition naming what is missing.
 Result<RedisOptions> workerRedisOptions();
 
 // An in-memory store with the same behaviour; instances made from the same `FakeClusterState`

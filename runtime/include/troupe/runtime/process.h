@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "troupe/runtime/config.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe {
@@ -61,6 +62,12 @@ std::string processCommandLine(pid_t pid);
 Result<int> pickFreePort(const std::string& host);
 // True when something already listens on host:port (a connect succeeds) or it cannot be bound.
 bool portInUse(const std::string& host, int port);
+// A blocking TCP connection to host:port (IPv4 literal or name), made within `timeout`, with
+// TCP_NODELAY set. kUnavailable naming the address and the reason otherwise.
+Result<int> connectTcp(const HostPort& address, std::chrono::milliseconds timeout);
+// This machine's address on the interface that routes to `host` (no packet is sent): what a
+// joining node advertises when no --node-ip-address is given. kUnavailable without a route.
+Result<std::string> localAddressToward(const std::string& host);
 // Directory holding the running executable (for finding troupe-controller next to troupe).
 std::string executableDir();
 

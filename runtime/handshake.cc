@@ -1,0 +1,175 @@
+#include "handshake.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <kj/debug.h>
+
+namespace troupe::handshake {
+namespace {
+
+constexpr kj::byte kMagic[4] = {'T', 'R', 'P', 'E'};
+constexpr kj::byte kVersion = 2;
+constexpr size_t kNonce = 32;
+constexpr size_t kMac = 32;
+constexpr size_t kHello = 6 + kNonce;
+constexpr kj::byte kAccepted = 'Y';
+constexpr kj::byte kRejected = 'N';
+// The server's proof did not match: from here a wrong token and a stranger look alike.
+constexpr const char* kNotShared =
+    "the cluster token was rejected: the server proved a different token (wrong --token, or not this cluster's "
+    "server)";
+
+using Nonce = std::array<kj::byte, kNonce>;
+using Mac = std::array<kj::byte, kMac>;
+
+Nonce freshNonce() {
+  Nonce n;
+  KJ_REQUIRE(RAND_bytes(n.data(), static_cast<int>(n.size())) == 1, "the system's random source failed");
+  return n;
+}
+
+// HMAC-SHA256(token, role | purpose | client nonce | server nonce).
+Mac proof(const std::string& token, const char* role, Purpose purpose, const kj::byte* cn, const kj::byte* sn) {
+  std::string message = role;
+  message.push_back(static_cast<char>(purpose));
+  message.append(reinterpret_cast<const char*>(cn), kNonce);
+  message.append(reinterpret_cast<const char*>(sn), kNonce);
+  Mac mac;
+  unsigned int size = 0;
+  KJ_REQUIRE(HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+                  reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac.data(), &size) != nullptr &&
+                 size == kMac,
+             "HMAC-SHA256 failed");
+  return mac;
+}
+
+bool same(const kj::byte* a, const Mac& b) { return CRYPTO_memcmp(a, b.data(), kMac) == 0; }
+
+kj::Exception refusedBy(const char* why) { return KJ_EXCEPTION(DISCONNECTED, why); }
+
+}  // namespace
+
+kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {
+  auto hello = kj::heapArray<kj::byte>(kHello);
+  auto* h = hello.begin();
+  // The fixed part first, so a stranger speaking another protocol is refused at once.
+  return stream.read(h, 6).then([&stream, &token, purpose, hello = kj::mv(hello)]() mutable -> kj::Promise<bool> {
+    if (memcmp(hello.begin(), kMagic, 4) != 0 || hello[4] != kVersion || hello[5] != static_cast<kj::byte>(purpose)) {
+      return stream.write(&kRejected, 1).then([]() { return false; });
+    }
+    auto* cnAt = hello.begin() + 6;
+    return stream.read(cnAt, kNonce).then([&stream, &token, purpose, hello = kj::mv(hello)]() {
+      Nonce sn = freshNonce();
+      Mac serverMac = proof(token, "troupe-server", purpose, hello.begin() + 6, sn.data());
+      Mac expected = proof(token, "troupe-client", purpose, hello.begin() + 6, sn.data());
+      auto reply = kj::heapArray<kj::byte>(kNonce + kMac);
+      memcpy(reply.begin(), sn.data(), kNonce);
+      memcpy(reply.begin() + kNonce, serverMac.data(), kMac);
+      auto* r = reply.begin();
+      return stream.write(r, reply.size()).attach(kj::mv(reply)).then([&stream, expected]() {
+        auto answer = kj::heapArray<kj::byte>(kMac);
+        auto* a = answer.begin();
+        return stream.read(a, kMac).then([&stream, expected, answer = kj::mv(answer)]() {
+          bool ok = same(answer.begin(), expected);
+          return stream.write(ok ? &kAccepted : &kRejected, 1).then([ok]() { return ok; });
+        });
+      });
+    });
+  });
+}
+
+kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {
+  auto hello = kj::heapArray<kj::byte>(kHello);
+  memcpy(hello.begin(), kMagic, 4);
+  hello[4] = kVersion;
+  hello[5] = static_cast<kj::byte>(purpose);
+  Nonce cn = freshNonce();
+  memcpy(hello.begin() + 6, cn.data(), kNonce);
+  auto* h = hello.begin();
+  return stream.write(h, kHello).attach(kj::mv(hello)).then([&stream, &token, purpose, cn]() {
+    // A server that refuses the hello answers 'N' and closes: the read comes up short.
+    auto reply = kj::heapArray<kj::byte>(kNonce + kMac);
+    auto* r = reply.begin();
+    return stream.tryRead(r, kNonce + kMac, kNonce + kMac)
+        .then([&stream, &token, purpose, cn, reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
+          if (got != kNonce + kMac) return refusedBy("the cluster token was rejected");
+          if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.begin()))) {
+            return refusedBy(kNotShared);
+          }
+          auto answer = kj::heapArray<kj::byte>(kMac + 1);
+          Mac clientMac = proof(token, "troupe-client", purpose, cn.data(), reply.begin());
+          memcpy(answer.begin(), clientMac.data(), kMac);
+          auto* a = answer.begin();
+          return stream.write(a, kMac).then([&stream, answer = kj::mv(answer)]() mutable {
+            auto* v = answer.begin() + kMac;
+            return stream.tryRead(v, 1, 1).then([answer = kj::mv(answer)](size_t n) -> kj::Promise<void> {
+              if (n != 1 || answer[kMac] != kAccepted) return refusedBy("the cluster token was rejected");
+              return kj::READY_NOW;
+            });
+          });
+        });
+  });
+}
+
+namespace {
+
+// Reads or writes exactly `size` bytes before `deadline`.
+Status transfer(int fd, kj::byte* data, size_t size, bool write, std::chrono::steady_clock::time_point deadline) {
+  size_t done = 0;
+  while (done < size) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return Status(StatusCode::kUnavailable, "no answer during the handshake in time");
+    pollfd p{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
+    int ready = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return Status(StatusCode::kUnavailable, "no answer during the handshake in time");
+    ssize_t n = write ? ::send(fd, data + done, size - done, MSG_NOSIGNAL) : ::recv(fd, data + done, size - done, 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) {
+      return Status(StatusCode::kUnavailable, n == 0 ? std::string("the server closed the connection during the handshake")
+                                                     : fmt::format("handshake I/O failed: {}", strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::array<kj::byte, kHello> hello;
+  memcpy(hello.data(), kMagic, 4);
+  hello[4] = kVersion;
+  hello[5] = static_cast<kj::byte>(purpose);
+  Nonce cn = freshNonce();
+  memcpy(hello.data() + 6, cn.data(), kNonce);
+  TROUPE_RETURN_IF_ERROR(transfer(fd, hello.data(), hello.size(), true, deadline));
+  std::array<kj::byte, kNonce + kMac> reply;
+  if (auto s = transfer(fd, reply.data(), reply.size(), false, deadline); !s.isOk()) {
+    return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
+  }
+  if (!same(reply.data() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.data()))) {
+    return Status(StatusCode::kUnauthenticated, kNotShared);
+  }
+  Mac clientMac = proof(token, "troupe-client", purpose, cn.data(), reply.data());
+  TROUPE_RETURN_IF_ERROR(transfer(fd, clientMac.data(), kMac, true, deadline));
+  kj::byte verdict = 0;
+  if (!transfer(fd, &verdict, 1, false, deadline).isOk() || verdict != kAccepted) {
+    return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
+  }
+  return Status::ok();
+}
+
+}  // namespace troupe::handshake

@@ -1,0 +1,41 @@
+// Mutual proof of the cluster token, before any other byte on a connection (RPC and the store
+// gateway). Challenge-response, so the token never crosses the wire and a client never talks
+// to a server that cannot prove it knows the token:
+//
+//   client -> "TRPE", version 2, purpose, client nonce (32 bytes)
+//   server -> server nonce (32), HMAC-SHA256(token, "troupe-server" purpose cn sn)
+//   client -> HMAC-SHA256(token, "troupe-client" purpose cn sn)   (only if the server's proof holds)
+//   server -> 'Y' (then the protocol starts) or 'N' and close
+//
+// The purpose byte keeps a proof for one service from being replayed to another; fresh nonces on
+// both sides keep any proof from being replayed at all. Without --tls the bytes after the
+// handshake are not protected (see docs/design.md, "Several hosts").
+// Thread-safety: the async functions belong to the KJ thread of their stream; the blocking one
+// may run on any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <kj/async-io.h>
+
+#include "troupe/runtime/status.h"
+
+namespace troupe::handshake {
+
+enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
+
+// Server side. Resolves true once the client proved the token (after writing 'Y'), false when it
+// did not (after writing 'N'). Rejects when the stream fails.
+kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
+
+// Client side. Rejects (DISCONNECTED) with a message starting "the cluster token was rejected"
+// (by the server, or because the server proved a different token).
+kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
+
+// Client side on a blocking socket (the store's hiredis connections through the gateway).
+// kUnauthenticated for either failed proof, kUnavailable for I/O errors or no answer in `timeout`.
+Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::chrono::milliseconds timeout);
+
+}  // namespace troupe::handshake

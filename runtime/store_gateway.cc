@@ -1,0 +1,156 @@
+#include "store_gateway.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
+#include <fmt/format.h>
+#include <kj/debug.h>
+
+#include "handshake.h"
+#include "troupe/runtime/logging.h"
+
+namespace troupe {
+namespace {
+
+constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
+constexpr auto kRedisTimeout = 5 * kj::SECONDS;
+
+void noDelay(kj::AsyncIoStream& stream) {
+  int one = 1;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
+    (void)e;
+  }
+}
+
+// RESP for AUTH <password>, sent on the client's behalf.
+std::string authCommand(const std::string& password) {
+  return fmt::format("*2\r\n$4\r\nAUTH\r\n${}\r\n{}\r\n", password.size(), password);
+}
+
+// Reads one line ("...\r\n") of at most 512 bytes: Redis's answer to AUTH.
+kj::Promise<std::string> readLine(kj::AsyncIoStream& stream, std::string sofar = {}) {
+  auto buf = kj::heapArray<char>(1);
+  auto* b = buf.begin();
+  return stream.tryRead(b, 1, 1).then([&stream, sofar = kj::mv(sofar), buf = kj::mv(buf)](size_t n) mutable
+                                       -> kj::Promise<std::string> {
+    if (n == 0) return KJ_EXCEPTION(DISCONNECTED, "Redis closed the connection");
+    sofar.push_back(buf[0]);
+    if (sofar.size() >= 2 && sofar.compare(sofar.size() - 2, 2, "\r\n") == 0) return kj::mv(sofar);
+    if (sofar.size() > 512) return KJ_EXCEPTION(FAILED, "Redis answered AUTH with an overlong line");
+    return readLine(stream, kj::mv(sofar));
+  });
+}
+
+// Copies `from` into `to` until `from` ends, then ends `to`'s write side.
+kj::Promise<void> relay(kj::AsyncIoStream& from, kj::AsyncIoStream& to) {
+  return from.pumpTo(to).ignoreResult().then([&to]() { to.shutdownWrite(); });
+}
+
+class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHandler {
+ public:
+  StoreGatewayImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
+                   RedisOptions redis)
+      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
+        redis_(kj::mv(redis)), tasks_(*this) {
+    tasks_.add(acceptLoop());
+  }
+
+  int port() const override { return port_; }
+  uint64_t refusedConnections() const override { return refused_; }
+
+ private:
+  kj::Promise<void> acceptLoop() {
+    return listener_->accept().then(
+        [this](kj::Own<kj::AsyncIoStream> stream) {
+          noDelay(*stream);
+          tasks_.add(serve(kj::mv(stream)));
+          return acceptLoop();
+        },
+        [this](kj::Exception&& e) -> kj::Promise<void> {
+          // Out of descriptors or a transient accept error: keep serving after a pause.
+          TROUPE_LOG(kWarning, "store gateway: accept failed ({}); retrying", e.getDescription().cStr());
+          return io_.provider->getTimer().afterDelay(100 * kj::MILLISECONDS).then([this]() { return acceptLoop(); });
+        });
+  }
+
+  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> client) {
+    auto& c = *client;
+    return io_.provider->getTimer()
+        .timeoutAfter(kHandshakeTimeout, handshake::accept(c, token_, handshake::Purpose::kStore))
+        .then(
+            [this, client = kj::mv(client)](bool accepted) mutable -> kj::Promise<void> {
+              if (!accepted) {
+                ++refused_;
+                TROUPE_LOG(kWarning, "store gateway: refused a connection that could not prove the cluster token");
+                return kj::READY_NOW;
+              }
+              return openRedis().then([client = kj::mv(client)](kj::Own<kj::AsyncIoStream> redis) mutable {
+                auto& c = *client;
+                auto& r = *redis;
+                return relay(c, r).exclusiveJoin(relay(r, c)).attach(kj::mv(client), kj::mv(redis));
+              });
+            },
+            [this](kj::Exception&& e) -> kj::Promise<void> {
+              ++refused_;
+              TROUPE_LOG(kWarning, "store gateway: closed a connection that did not complete the handshake: {}",
+                         e.getDescription().cStr());
+              return kj::READY_NOW;
+            });
+  }
+
+  // A connection to Redis, authenticated with the password on the client's behalf.
+  kj::Promise<kj::Own<kj::AsyncIoStream>> openRedis() {
+    auto opened = io_.provider->getNetwork()
+                      .parseAddress(redis_.host, redis_.port)
+                      .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
+                      .then([this](kj::Own<kj::AsyncIoStream> redis) {
+                        noDelay(*redis);
+                        auto command = kj::heap<std::string>(authCommand(redis_.password));
+                        auto& r = *redis;
+                        auto& cmd = *command;
+                        return r.write(cmd.data(), cmd.size())
+                            .attach(kj::mv(command))
+                            .then([&r]() { return readLine(r); })
+                            .then([redis = kj::mv(redis)](std::string line) mutable -> kj::Own<kj::AsyncIoStream> {
+                              if (line != "+OK\r\n") {
+                                kj::throwFatalException(KJ_EXCEPTION(
+                                    FAILED, "Redis refused the gateway's password", line.substr(0, line.size() - 2)));
+                              }
+                              return kj::mv(redis);
+                            });
+                      });
+    return io_.provider->getTimer().timeoutAfter(kRedisTimeout, kj::mv(opened));
+  }
+
+  void taskFailed(kj::Exception&& e) override {
+    if (e.getType() != kj::Exception::Type::DISCONNECTED) {
+      TROUPE_LOG(kWarning, "store gateway: a relayed connection ended with an error: {}", e.getDescription().cStr());
+    }
+  }
+
+  kj::AsyncIoContext& io_;
+  kj::Own<kj::ConnectionReceiver> listener_;
+  int port_;
+  std::string token_;
+  RedisOptions redis_;
+  uint64_t refused_ = 0;
+  kj::TaskSet tasks_;
+};
+
+}  // namespace
+
+Result<kj::Own<StoreGateway>> StoreGateway::listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
+                                                   RedisOptions redis) {
+  kj::Own<kj::ConnectionReceiver> listener;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
+    listener = addr->listen();
+  })) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("the store gateway cannot listen on {}: {}", bind.toString(), e->getDescription().cStr()));
+  }
+  kj::Own<StoreGateway> gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(redis));
+  return gateway;
+}
+
+}  // namespace troupe
