@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -151,7 +152,19 @@ class Trainer final : public Actor {
   Result<std::string> run(const std::string& method, const Json& j) {
     if (method == "join") return join(j);
     if (method == "snapshots") return snapshots();
-    if (method == "restore") return restore(j.value("step", int64_t{0}), j.value("from_bundle", -1));
+    if (method == "restore") {
+      // A member that joined a grow on a host with no other member gets its state by a broadcast
+      // from a live rank over the new communicator; every rank takes part.
+      int root = j.value("broadcast_from", -1);
+      if (!j.value("from_broadcast", false)) {
+        auto restored = restore(j.value("step", int64_t{0}), j.value("from_bundle", -1));
+        if (root < 0 || !restored.isOk()) return restored;
+      }
+      TROUPE_RETURN_IF_ERROR(broadcastState(root));
+      return Json{{"step", engine_->stepCount()}, {"source", fmt::format("broadcast from rank {}", root)},
+                  {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
+          .dump();
+    }
     if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
     if (method == "configure") {
       snapshotEvery_ = j.value("snapshot_every", snapshotEvery_);
@@ -309,6 +322,64 @@ class Trainer final : public Actor {
         .dump();
   }
 
+  // The engine's whole state as one blob: a JSON table (name, dtype, shape, bytes per tensor),
+  // its length first, then the tensors' bytes in order.
+  static std::string packState(const std::vector<HostTensor>& state) {
+    Json table = Json::array();
+    for (const auto& t : state) table.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"bytes", t.bytes.size()}});
+    std::string head = table.dump();
+    uint64_t headBytes = head.size();
+    std::string blob(reinterpret_cast<const char*>(&headBytes), sizeof(headBytes));
+    blob += head;
+    for (const auto& t : state) blob.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+    return blob;
+  }
+
+  // Every size in the blob is checked against the blob before it is used.
+  static Result<std::vector<HostTensor>> unpackState(std::string_view blob) {
+    auto bad = [](const std::string& why) { return Status(StatusCode::kInternal, "broadcast state: " + why); };
+    uint64_t headBytes = 0;
+    if (blob.size() < sizeof(headBytes)) return bad("shorter than its header length");
+    memcpy(&headBytes, blob.data(), sizeof(headBytes));
+    if (headBytes > blob.size() - sizeof(headBytes)) return bad("header length beyond the blob");
+    Json table = Json::parse(blob.substr(sizeof(headBytes), headBytes), nullptr, false);
+    if (!table.is_array()) return bad("the tensor table is not a JSON array");
+    size_t at = sizeof(headBytes) + headBytes;
+    std::vector<HostTensor> state;
+    for (const auto& e : table) {
+      if (!e.is_object() || !e.contains("bytes") || !e["bytes"].is_number_unsigned()) return bad("malformed tensor entry");
+      uint64_t n = e["bytes"].get<uint64_t>();
+      if (n > blob.size() - at) return bad(fmt::format("tensor '{}' runs past the blob", e.value("name", "?")));
+      HostTensor t;
+      t.name = e.value("name", "");
+      t.dtype = e.value("dtype", "");
+      t.shape = e.value("shape", std::vector<int64_t>{});
+      t.bytes.assign(blob.begin() + static_cast<std::ptrdiff_t>(at), blob.begin() + static_cast<std::ptrdiff_t>(at + n));
+      at += n;
+      state.push_back(std::move(t));
+    }
+    if (at != blob.size()) return bad("trailing bytes after the last tensor");
+    return state;
+  }
+
+  Status broadcastState(int root) {
+    if (!comm_ || root < 0 || root >= world_) {
+      return Status(StatusCode::kFailedPrecondition, fmt::format("cannot broadcast state from rank {} of world {}", root, world_));
+    }
+    std::string blob = rank_ == root ? packState(engine_->state()) : std::string();
+    int64_t size = static_cast<int64_t>(blob.size());
+    TROUPE_RETURN_IF_ERROR(comm_->broadcast(&size, 1, collectives::DataType::kInt64, root));
+    constexpr int64_t kMaxStateBytes = int64_t{1} << 40;
+    if (size < 0 || size > kMaxStateBytes) return Status(StatusCode::kInternal, fmt::format("broadcast state of {} bytes", size));
+    blob.resize(static_cast<size_t>((size + 7) / 8 * 8));
+    TROUPE_RETURN_IF_ERROR(comm_->broadcast(blob.data(), blob.size() / 8, collectives::DataType::kInt64, root));
+    if (rank_ == root) return Status::ok();
+    blob.resize(static_cast<size_t>(size));
+    auto state = unpackState(blob);
+    if (!state.isOk()) return state.status();
+    return engine_->loadState(*state);
+  }
+
   Status snapshot() {
     auto state = engine_->state();
     if (!layout_) {
@@ -331,8 +402,10 @@ class Trainer final : public Actor {
     }
     std::vector<checkpoint::ConstBuffer> buffers;
     for (const auto& t : state) buffers.push_back({t.bytes.data(), t.bytes.size()});
+    // Snapshots are keyed by bundle; after a shrink that removed a lower bundle, bundle indices
+    // reach past the world size, and an image's rank must stay below its world.
     checkpoint::ImageStamp stamp{static_cast<uint64_t>(engine_->stepCount()), static_cast<uint32_t>(slotRank_),
-                                 static_cast<uint32_t>(world_)};
+                                 static_cast<uint32_t>(std::max(world_, slotRank_ + 1))};
     auto saved = segment_->save(*layout_, stamp, buffers, "");
     if (!saved.isOk()) return saved.status();
     // The checkpoint actor persists and replicates it in the background.

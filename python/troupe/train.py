@@ -226,16 +226,20 @@ class ElasticTrainer:
             held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
             restore_step = max(common) if common else 0
+        # A new member copies the memory snapshot of a member on its node; on a host where no
+        # member runs, it gets the state by a broadcast from a live rank (every rank takes part).
+        held_on = {self._pg["bundle_nodes"][b]: b for o, b in zip(self.trainers, self._bundles) if o._id not in fresh}
+        remote = {t._id for t, b in zip(self.trainers, self._bundles)
+                  if t._id in fresh and restore_step > 0 and self._pg["bundle_nodes"][b] not in held_on}
+        root = next((r for r, t in enumerate(self.trainers) if t._id not in fresh), 0)
         requests = []
         for t, bundle in zip(self.trainers, self._bundles):
             payload = {"step": restore_step}
-            if t._id in fresh and restore_step > 0:
-                # A member on the same node is copied from memory; on a host with no member,
-                # the node's checkpoint actor fetches a member's snapshot over the network.
-                node = self._pg["bundle_nodes"][bundle]
-                members = [(self._pg["bundle_nodes"][b] != node, b) for o, b in zip(self.trainers, self._bundles)
-                           if o._id not in fresh]
-                payload["from_bundle"] = min(members)[1]
+            if t._id in fresh and t._id not in remote and restore_step > 0:
+                payload["from_bundle"] = held_on[self._pg["bundle_nodes"][bundle]]
+            if remote:
+                payload["broadcast_from"] = root
+                payload["from_broadcast"] = t._id in remote
             requests.append(_json_call(t, "restore", payload))
         replies = _api.get(requests, timeout=self.recovery_timeout)
         restored = {_load(x)["step"] for x in replies}

@@ -178,7 +178,7 @@ t = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3", opti
 rt = _api._runtime()
 
 def where():
-    nodes = {n["node_id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
+    nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
     return [nodes.get(rt.actor_info(x._id)["node_id"]) for x in t.trainers]
 
 def reply(**kw):
@@ -229,7 +229,7 @@ class Driver:
             self.proc.kill()
             raise AssertionError(f"driver gave no answer in {timeout}s; stderr:\n{self.proc.stderr.read()[-4000:]}")
         reply = json.loads(line)
-        assert "error" not in reply, reply
+        assert "error" not in reply, json.dumps(reply, indent=1)
         return reply
 
     def call(self, timeout=240, **cmd):
