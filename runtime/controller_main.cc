@@ -19,23 +19,14 @@ int main(int argc, char** argv) {
   setLogLevel(parseLogLevel(logLevelName));
 
   DaemonFiles files(runDir, "controller");
-  auto cluster = readClusterFile(runDir);
-  if (!cluster.isOk()) {
-    TROUPE_LOG(kError, "{}", cluster.status().message());
-    return 1;
-  }
-  auto redisAddr = parseHostPort(cluster->redisAddress);
-  if (!redisAddr.isOk()) {
-    TROUPE_LOG(kError, "{}", redisAddr.status().message());
+  auto head = headRedis(runDir);
+  if (!head.isOk()) {
+    TROUPE_LOG(kError, "{}", head.status().message());
     return 1;
   }
   ControllerOptions options;
   options.bind = HostPort{host, port};
-  options.redis.host = redisAddr->host;
-  options.redis.port = redisAddr->port;
-  options.redis.password = cluster->redisPassword;
-  options.redis.cluster = cluster->cluster;
-  options.token = cluster->token;
+  std::tie(options.redis, options.token) = *head;
   options.heartbeatTtl = std::chrono::milliseconds(ttlMs);
 
   captureStopSignals();

@@ -10,9 +10,23 @@
 
 #include <fmt/format.h>
 
+#include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
+
+Result<std::pair<RedisOptions, std::string>> headRedis(const std::string& runDir) {
+  auto cluster = readClusterFile(runDir);
+  if (!cluster.isOk()) return cluster.status();
+  auto address = parseHostPort(cluster->redisAddress);
+  if (!address.isOk()) return address.status();
+  RedisOptions redis;
+  redis.host = address->host;
+  redis.port = address->port;
+  redis.password = cluster->redisPassword;
+  redis.cluster = cluster->cluster;
+  return std::make_pair(redis, cluster->token);
+}
 
 void captureStopSignals() {
   kj::UnixEventPort::captureSignal(SIGTERM);

@@ -6,7 +6,14 @@
 
 #include <kj/async-io.h>
 
+#include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/status.h"
+
 namespace troupe {
+
+// The head's Redis as its run directory's cluster.json names it (address, password, cluster
+// name), and the cluster token. Errors: the file's, or an unparsable Redis address.
+Result<std::pair<RedisOptions, std::string>> headRedis(const std::string& runDir);
 
 // Call before kj::setupAsyncIo(): routes SIGTERM and SIGINT to the KJ event port.
 void captureStopSignals();

@@ -20,25 +20,16 @@ int main(int argc, char** argv) {
   setLogLevel(parseLogLevel(logLevelName));
 
   DaemonFiles files(runDir, "gateway");
-  auto cluster = readClusterFile(runDir);
-  if (!cluster.isOk()) {
-    TROUPE_LOG(kError, "{}", cluster.status().message());
+  auto head = headRedis(runDir);
+  if (!head.isOk()) {
+    TROUPE_LOG(kError, "{}", head.status().message());
     return 1;
   }
-  auto redisAddr = parseHostPort(cluster->redisAddress);
-  if (!redisAddr.isOk()) {
-    TROUPE_LOG(kError, "{}", redisAddr.status().message());
-    return 1;
-  }
-  RedisOptions redis;
-  redis.host = redisAddr->host;
-  redis.port = redisAddr->port;
-  redis.password = cluster->redisPassword;
-  redis.cluster = cluster->cluster;
+  const auto& [redis, token] = *head;
 
   captureStopSignals();
   auto io = kj::setupAsyncIo();
-  auto gateway = StoreGateway::listen(io, HostPort{host, port}, cluster->token, redis);
+  auto gateway = StoreGateway::listen(io, HostPort{host, port}, token, redis);
   if (!gateway.isOk()) {
     TROUPE_LOG(kError, "{}", gateway.status().message());
     return 1;
@@ -53,7 +44,7 @@ int main(int argc, char** argv) {
   }
   store->reset();  // one connection per relayed client from here on
   files.markReady();
-  TROUPE_LOG(kInfo, "store gateway listening on {}, relaying to Redis at {}", address, cluster->redisAddress);
+  TROUPE_LOG(kInfo, "store gateway listening on {}, relaying to Redis at {}:{}", address, redis.host, redis.port);
   std::string why = onStopSignal(io).wait(io.waitScope);
   TROUPE_LOG(kInfo, "stopping on {}", why);
   return 0;

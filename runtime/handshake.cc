@@ -1,5 +1,7 @@
 #include "handshake.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -59,6 +61,30 @@ bool same(const kj::byte* a, const Mac& b) { return CRYPTO_memcmp(a, b.data(), k
 kj::Exception refusedBy(const char* why) { return KJ_EXCEPTION(DISCONNECTED, why); }
 
 }  // namespace
+
+Result<kj::Own<kj::ConnectionReceiver>> listen(kj::AsyncIoContext& io, const HostPort& bind) {
+  kj::Own<kj::ConnectionReceiver> listener;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
+    listener = addr->listen();
+  })) {
+    std::string desc = e->getDescription().cStr();
+    if (desc.find("in use") != std::string::npos || desc.find("EADDRINUSE") != std::string::npos) {
+      return Status(StatusCode::kAlreadyExists,
+                    fmt::format("port {} on {} is already in use; pass another --port or stop the process using it",
+                                bind.port, bind.host));
+    }
+    return Status(StatusCode::kInvalidArgument, fmt::format("cannot listen on {}: {}", bind.toString(), desc));
+  }
+  return listener;
+}
+
+void setNoDelay(kj::AsyncIoStream& stream) {
+  int one = 1;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
+    (void)e;  // not a TCP stream (tests may use pipes): nothing to tune
+  }
+}
 
 kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {
   auto hello = kj::heapArray<kj::byte>(kHello);

@@ -20,9 +20,16 @@
 
 #include <kj/async-io.h>
 
+#include "troupe/runtime/config.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe::handshake {
+
+// Binds host:port (port 0: a free one) for a server that runs this handshake. kAlreadyExists
+// when the port is taken, kInvalidArgument for an address that cannot be bound.
+Result<kj::Own<kj::ConnectionReceiver>> listen(kj::AsyncIoContext& io, const HostPort& bind);
+// Small messages must leave at once, not wait for Nagle's algorithm (no-op on non-TCP streams).
+void setNoDelay(kj::AsyncIoStream& stream);
 
 enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
 

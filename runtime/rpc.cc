@@ -16,14 +16,6 @@ namespace {
 
 constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 
-// Small RPC messages must leave at once, not wait for Nagle's algorithm to coalesce them.
-void noDelay(kj::AsyncIoStream& stream) {
-  int one = 1;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
-    (void)e;  // not a TCP stream (tests may use pipes): nothing to tune
-  }
-}
-
 class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
@@ -39,7 +31,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
  private:
   kj::Promise<void> acceptLoop() {
     return listener_->accept().then([this](kj::Own<kj::AsyncIoStream> stream) {
-      noDelay(*stream);
+      handshake::setNoDelay(*stream);
       tasks_.add(serve(kj::mv(stream)));
       return acceptLoop();
     });
@@ -85,23 +77,10 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
 
 Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
                                              std::string token, capnp::Capability::Client bootstrap) {
-  kj::Own<kj::ConnectionReceiver> listener;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-    auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
-    listener = addr->listen();
-  })) {
-    std::string desc = e->getDescription().cStr();
-    if (desc.find("in use") != std::string::npos || desc.find("EADDRINUSE") != std::string::npos) {
-      return Status(StatusCode::kAlreadyExists,
-                    fmt::format("port {} on {} is already in use; pass another --port or stop the "
-                                "process using it",
-                                bind.port, bind.host));
-    }
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("cannot listen on {}: {}", bind.toString(), desc));
-  }
+  auto listener = handshake::listen(io, bind);
+  if (!listener.isOk()) return listener.status();
   kj::Own<RpcServer> server =
-      kj::heap<RpcServerImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(bootstrap));
+      kj::heap<RpcServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(bootstrap));
   return server;
 }
 
@@ -115,7 +94,7 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
           .parseAddress(address.host, address.port)
           .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
           .then([token = kj::mv(token)](kj::Own<kj::AsyncIoStream> stream) mutable {
-            noDelay(*stream);
+            handshake::setNoDelay(*stream);
             auto& s = *stream;
             auto owned = kj::heap<std::string>(kj::mv(token));
             auto& t = *owned;

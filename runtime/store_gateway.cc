@@ -1,8 +1,5 @@
 #include "store_gateway.h"
 
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-
 #include <fmt/format.h>
 #include <kj/debug.h>
 
@@ -14,13 +11,6 @@ namespace {
 
 constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 constexpr auto kRedisTimeout = 5 * kj::SECONDS;
-
-void noDelay(kj::AsyncIoStream& stream) {
-  int one = 1;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.setsockopt(IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); })) {
-    (void)e;
-  }
-}
 
 // RESP for AUTH <password>, sent on the client's behalf.
 std::string authCommand(const std::string& password) {
@@ -62,7 +52,7 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
   kj::Promise<void> acceptLoop() {
     return listener_->accept().then(
         [this](kj::Own<kj::AsyncIoStream> stream) {
-          noDelay(*stream);
+          handshake::setNoDelay(*stream);
           tasks_.add(serve(kj::mv(stream)));
           return acceptLoop();
         },
@@ -104,7 +94,7 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
                       .parseAddress(redis_.host, redis_.port)
                       .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
                       .then([this](kj::Own<kj::AsyncIoStream> redis) {
-                        noDelay(*redis);
+                        handshake::setNoDelay(*redis);
                         auto command = kj::heap<std::string>(authCommand(redis_.password));
                         auto& r = *redis;
                         auto& cmd = *command;
@@ -141,15 +131,9 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
 
 Result<kj::Own<StoreGateway>> StoreGateway::listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
                                                    RedisOptions redis) {
-  kj::Own<kj::ConnectionReceiver> listener;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-    auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
-    listener = addr->listen();
-  })) {
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("the store gateway cannot listen on {}: {}", bind.toString(), e->getDescription().cStr()));
-  }
-  kj::Own<StoreGateway> gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(redis));
+  auto listener = handshake::listen(io, bind);
+  if (!listener.isOk()) return listener.status();
+  kj::Own<StoreGateway> gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(redis));
   return gateway;
 }
 
