@@ -26,6 +26,7 @@
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/tls.h"
 
 namespace troupe::actors {
 
@@ -181,6 +182,10 @@ class Trainer final : public Actor {
     collectives::CommunicatorOptions o;
     o.group = group_;
     o.host = context_.nodeIp;  // peers on other hosts connect to it
+    if (tls::required()) {
+      const char* token = std::getenv("TROUPE_TOKEN");
+      o.tlsToken = token ? token : "";
+    }
     o.epoch = j.value("epoch", int64_t{1});
     o.rank = j.value("rank", 0);
     o.worldSize = j.value("world", 1);

@@ -8,6 +8,8 @@
 // address reused by another process is refused instead of silently joined.
 #include "rendezvous.h"
 
+#include "troupe/runtime/tls.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -279,6 +281,13 @@ Result<Fd> connectTo(const Entry& entry, const CommunicatorOptions& options, Con
     if (err != 0) return Status(StatusCode::kUnavailable, fmt::format("connect: {}", errnoText(err)));
   }
   tuneSocket(fd.get(), kind);
+  if (!options.tlsToken.empty()) {
+    // TLS on a relay thread; the communicator keeps using a plain (socketpair) descriptor.
+    auto plain = tls::relay(fd.release(), options.tlsToken, false, std::chrono::milliseconds(millisLeft(deadline)));
+    if (!plain.isOk()) return plain.status();
+    fd = Fd(*plain);
+    TROUPE_RETURN_IF_ERROR(setNonBlocking(fd.get()));
+  }
   Hello hello;
   hello.kind = static_cast<uint8_t>(kind);
   hello.rank = options.rank;
@@ -453,6 +462,17 @@ Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptio
     if (!fd) continue;
     Hello hello;
     const auto helloDeadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+    if (!options.tlsToken.empty()) {
+      tuneSocket(fd.get(), ConnectionKind::kControl);  // the TCP side; the hello comes through TLS
+      auto plain = tls::relay(fd.release(), options.tlsToken, true, std::chrono::milliseconds(millisLeft(helloDeadline)));
+      if (!plain.isOk()) {
+        TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: refused a connection: {}", options.group, options.epoch,
+                   options.rank, plain.status().message());
+        continue;
+      }
+      fd = Fd(*plain);
+      if (!setNonBlocking(fd.get()).isOk()) continue;
+    }
     if (!recvAll(fd.get(), &hello, sizeof(hello), helloDeadline).isOk()) continue;
     const bool valid =
         hello.magic == kHelloMagic && hello.version == kHelloVersion &&

@@ -99,6 +99,7 @@ Status writeClusterFile(const std::string& runDir, const ClusterFile& file) {
                       {"redis_password", file.redisPassword},
                       {"cluster", file.cluster},
                       {"embedded_redis", file.embeddedRedis},
+                      {"tls", file.tls},
                       {"heartbeat_ttl_ms", file.heartbeatTtlMs}};
   std::string path = runDir + "/cluster.json";
   std::string tmp = path + ".tmp";
@@ -134,6 +135,7 @@ Result<ClusterFile> readClusterFile(const std::string& runDir) {
     f.redisPassword = j.value("redis_password", "");
     f.cluster = j.value("cluster", "default");
     f.embeddedRedis = j.value("embedded_redis", false);
+    f.tls = j.value("tls", false);
     f.heartbeatTtlMs = j.value("heartbeat_ttl_ms", 3000);
     return f;
   } catch (const std::exception& e) {

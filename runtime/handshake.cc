@@ -27,6 +27,8 @@ constexpr size_t kMac = 32;
 constexpr size_t kHello = 6 + kNonce;
 constexpr kj::byte kAccepted = 'Y';
 constexpr kj::byte kRejected = 'N';
+constexpr kj::byte kSpeakTls = 'S';
+constexpr kj::byte kTlsRecord = 0x16;  // the first byte of a TLS ClientHello
 // The server's proof did not match: from here a wrong token and a stranger look alike.
 constexpr const char* kNotShared =
     "the cluster token was rejected: the server proved a different token (wrong --token, or not this cluster's "
@@ -129,6 +131,7 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
     auto* r = reply.begin();
     return stream.tryRead(r, kNonce + kMac, kNonce + kMac)
         .then([&stream, &token, purpose, cn, reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
+          if (got == 1 && reply[0] == kSpeakTls) return refusedBy(kTlsRequired);
           if (got != kNonce + kMac) return refusedBy("the cluster token was rejected");
           if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.begin()))) {
             return refusedBy(kNotShared);
@@ -145,6 +148,48 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
             });
           });
         });
+  });
+}
+
+kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::AsyncIoStream> stream,
+                                                                 const std::string& token, Purpose purpose,
+                                                                 tls::Streams* tls) {
+  using Served = kj::Maybe<kj::Own<kj::AsyncIoStream>>;
+  auto first = kj::heapArray<kj::byte>(1);
+  auto* f = first.begin();
+  auto& s = *stream;
+  return s.read(f, 1).then([stream = kj::mv(stream), first = kj::mv(first), &token, purpose,
+                            tls]() mutable -> kj::Promise<Served> {
+    bool hello = first[0] == kTlsRecord;
+    if (!hello && tls != nullptr) {
+      // Read the rest of the plaintext hello first: closing with unread bytes would reset the
+      // connection, and the client might never see the answer.
+      auto rest = kj::heapArray<kj::byte>(kHello - 1);
+      auto& s = *stream;
+      auto* r = rest.begin();
+      return s.tryRead(r, rest.size(), rest.size())
+          .then([&s](size_t) { return s.write(&kSpeakTls, 1); })
+          .attach(kj::mv(stream), kj::mv(rest))
+          .then([]() { return Served(nullptr); });
+    }
+    if (hello && tls == nullptr) return Served(nullptr);  // a TLS client of a plaintext cluster
+    auto whole = tls::prefixed(kj::mv(stream), kj::mv(first));
+    auto secured = hello ? tls->server(kj::mv(whole)) : kj::Promise<kj::Own<kj::AsyncIoStream>>(kj::mv(whole));
+    return secured.then([&token, purpose](kj::Own<kj::AsyncIoStream> ready) {
+      auto& r = *ready;
+      return accept(r, token, purpose).then([ready = kj::mv(ready)](bool ok) mutable {
+        return ok ? Served(kj::mv(ready)) : Served(nullptr);
+      });
+    });
+  });
+}
+
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectStream(kj::Own<kj::AsyncIoStream> stream, const std::string& token,
+                                                      Purpose purpose, tls::Streams* tls) {
+  auto secured = tls ? tls->client(kj::mv(stream)) : kj::Promise<kj::Own<kj::AsyncIoStream>>(kj::mv(stream));
+  return secured.then([&token, purpose](kj::Own<kj::AsyncIoStream> ready) {
+    auto& r = *ready;
+    return connect(r, token, purpose).then([ready = kj::mv(ready)]() mutable { return kj::mv(ready); });
   });
 }
 
@@ -183,7 +228,11 @@ Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::c
   memcpy(hello.data() + 6, cn.data(), kNonce);
   TROUPE_RETURN_IF_ERROR(transfer(fd, hello.data(), hello.size(), true, deadline));
   std::array<kj::byte, kNonce + kMac> reply;
-  if (auto s = transfer(fd, reply.data(), reply.size(), false, deadline); !s.isOk()) {
+  if (auto s = transfer(fd, reply.data(), 1, false, deadline); !s.isOk()) {
+    return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
+  }
+  if (reply[0] == kSpeakTls) return Status(StatusCode::kFailedPrecondition, kTlsRequired);
+  if (auto s = transfer(fd, reply.data() + 1, reply.size() - 1, false, deadline); !s.isOk()) {
     return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
   }
   if (!same(reply.data() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.data()))) {

@@ -22,6 +22,7 @@
 
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/status.h"
+#include "troupe/runtime/tls.h"
 
 namespace troupe::handshake {
 
@@ -33,6 +34,20 @@ void setNoDelay(kj::AsyncIoStream& stream);
 
 enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
 
+// A server's whole accept path: a first byte of 0x16 (a TLS ClientHello) is answered with TLS
+// through `tls` (null: TLS is refused), anything else with the plaintext handshake, unless `tls`
+// is given, which means the cluster requires TLS: then the client is told so ('S') and closed.
+// Resolves with the stream to serve (TLS-wrapped or not), or null when the client was refused.
+kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::AsyncIoStream> stream,
+                                                                 const std::string& token, Purpose purpose,
+                                                                 tls::Streams* tls);
+// A client's whole connect path: TLS first when `tls` is given, then the handshake. Rejects like
+// connect(); a plaintext client of a TLS cluster gets a DISCONNECTED exception whose message
+// contains kTlsRequired (it should call tls::require() and connect again).
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectStream(kj::Own<kj::AsyncIoStream> stream, const std::string& token,
+                                                      Purpose purpose, tls::Streams* tls);
+constexpr const char* kTlsRequired = "the cluster requires TLS";
+
 // Server side. Resolves true once the client proved the token (after writing 'Y'), false when it
 // did not (after writing 'N'). Rejects when the stream fails.
 kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
@@ -42,7 +57,8 @@ kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Pu
 kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
 
 // Client side on a blocking socket (the store's hiredis connections through the gateway).
-// kUnauthenticated for either failed proof, kUnavailable for I/O errors or no answer in `timeout`.
+// kUnauthenticated for either failed proof, kUnavailable for I/O errors or no answer in `timeout`,
+// kFailedPrecondition (message kTlsRequired) when the server requires TLS.
 Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::chrono::milliseconds timeout);
 
 }  // namespace troupe::handshake

@@ -14,6 +14,7 @@
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/tls.h"
 
 namespace troupe {
 
@@ -279,6 +280,7 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   spawn.env.push_back("TROUPE_REDIS_PASSWORD=" + workerRedisPassword_);
   if (workerRedisGateway_) spawn.env.push_back("TROUPE_REDIS_GATEWAY=1");
   spawn.env.push_back("TROUPE_NODE_IP=" + options_.ip);
+  if (tls::required()) spawn.env.push_back("TROUPE_TLS=1");
   spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed

@@ -52,6 +52,7 @@
 
 #include "store_args.h"
 #include "handshake.h"
+#include "troupe/runtime/tls.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
@@ -223,9 +224,19 @@ std::string contextError(const redisContext* context, const RedisOptions& option
 Result<ContextPtr> connectThroughGateway(const RedisOptions& options) {
   auto fd = connectTcp(HostPort{options.host, options.port}, options.timeout);
   if (!fd.isOk()) return unreachable(options, fd.status().message());
+  bool secure = tls::required();
+  if (secure) {
+    // hiredis 0.14 has no TLS: a relay thread speaks it; hiredis gets the plaintext end.
+    fd = tls::relay(*fd, options.gatewayToken, false, options.timeout);
+    if (!fd.isOk()) return unreachable(options, fd.status().message());
+  }
   if (auto s = handshake::connectBlocking(*fd, options.gatewayToken, handshake::Purpose::kStore, options.timeout);
       !s.isOk()) {
     ::close(*fd);
+    if (!secure && s.message() == handshake::kTlsRequired) {
+      tls::require();  // a --tls cluster: this process speaks TLS from now on
+      return connectThroughGateway(options);
+    }
     if (s.code() == StatusCode::kUnauthenticated) {
       return Status(s.code(), fmt::format("the store gateway at {}: {}", addressOf(options), s.message()));
     }

@@ -3,6 +3,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 
+#include <cstring>
+#include <memory>
+
 #include <capnp/rpc.h>
 #include <kj/debug.h>
 
@@ -22,6 +25,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
                 capnp::Capability::Client bootstrap)
       : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
         twoParty_(kj::mv(bootstrap)), tasks_(*this) {
+    if (tls::required()) tls_ = kj::heap<tls::Streams>(token_);
     tasks_.add(acceptLoop());
   }
 
@@ -38,17 +42,18 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
   }
 
   kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) {
-    auto& s = *stream;
     return io_.provider->getTimer()
-        .timeoutAfter(kHandshakeTimeout, handshake::accept(s, token_, handshake::Purpose::kRpc))
+        .timeoutAfter(kHandshakeTimeout,
+                      handshake::acceptStream(kj::mv(stream), token_, handshake::Purpose::kRpc, tls_.get()))
         .then(
-            [this, stream = kj::mv(stream)](bool accepted) mutable {
-              if (!accepted) {
-                ++refused_;
-                TROUPE_LOG(kWarning, "refused an RPC connection that could not prove the cluster token");
+            [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) {
+              KJ_IF_MAYBE(s, served) {
+                twoParty_.accept(kj::mv(*s));
                 return;
               }
-              twoParty_.accept(kj::mv(stream));
+              ++refused_;
+              TROUPE_LOG(kWarning, "refused an RPC connection that could not prove the cluster token{}",
+                         tls_ ? " or did not speak TLS" : "");
             },
             [this](kj::Exception&& e) {
               // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
@@ -68,6 +73,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
   kj::Own<kj::ConnectionReceiver> listener_;
   int port_;
   std::string token_;
+  kj::Own<tls::Streams> tls_;  // set when this process serves a --tls cluster
   capnp::TwoPartyServer twoParty_;  // owns the authenticated connections
   uint64_t refused_ = 0;
   kj::TaskSet tasks_;
@@ -86,22 +92,42 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
 
 RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream) : stream_(kj::mv(stream)), client_(*stream_) {}
 
+namespace {
+
+// One attempt: TCP, then TLS when `secure`, then the token handshake.
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectOnce(kj::AsyncIoContext& io, const HostPort& address,
+                                                    std::shared_ptr<const std::string> token, bool secure) {
+  return io.provider->getNetwork()
+      .parseAddress(address.host, address.port)
+      .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
+      .then([token, secure](kj::Own<kj::AsyncIoStream> stream) {
+        handshake::setNoDelay(*stream);
+        auto streams = secure ? kj::heap<tls::Streams>(*token) : kj::Own<tls::Streams>();
+        auto* tls = streams.get();
+        return handshake::connectStream(kj::mv(stream), *token, handshake::Purpose::kRpc, tls)
+            .then([streams = kj::mv(streams), token](kj::Own<kj::AsyncIoStream> ready) mutable {
+              return ready.attach(kj::mv(streams));
+            });
+      });
+}
+
+}  // namespace
+
 kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
                                                   std::string token, kj::Duration timeout) {
   std::string where = address.toString();
+  auto shared = std::make_shared<const std::string>(kj::mv(token));
   auto connected =
-      io.provider->getNetwork()
-          .parseAddress(address.host, address.port)
-          .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
-          .then([token = kj::mv(token)](kj::Own<kj::AsyncIoStream> stream) mutable {
-            handshake::setNoDelay(*stream);
-            auto& s = *stream;
-            auto owned = kj::heap<std::string>(kj::mv(token));
-            auto& t = *owned;
-            return handshake::connect(s, t, handshake::Purpose::kRpc)
-                .attach(kj::mv(owned))
-                .then([stream = kj::mv(stream)]() mutable { return kj::heap<RpcClient>(kj::mv(stream)); });
-          });
+      connectOnce(io, address, shared, tls::required())
+          .catch_([&io, address, shared](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
+            // A --tls cluster said so: speak TLS from now on in this process.
+            if (tls::required() || strstr(e.getDescription().cStr(), handshake::kTlsRequired) == nullptr) {
+              return kj::mv(e);
+            }
+            tls::require();
+            return connectOnce(io, address, shared, true);
+          })
+          .then([](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream)); });
   return io.provider->getTimer()
       .timeoutAfter(timeout, kj::mv(connected))
       .catch_([where](kj::Exception&& e) -> kj::Own<RpcClient> {
@@ -112,6 +138,8 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
           reason = "connection refused";
         else if (auto at = desc.find("the cluster token was rejected"); at != std::string::npos)
           reason = desc.substr(at);
+        else if (desc.find("certificate") != std::string::npos || desc.find("TLS") != std::string::npos)
+          reason = "TLS failed (not this cluster's certificate): " + desc;
         kj::throwFatalException(kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
                                               kj::str("cannot connect to ", where.c_str(), ": ", reason.c_str())));
       });

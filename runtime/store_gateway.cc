@@ -42,6 +42,7 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
                    RedisOptions redis)
       : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
         redis_(kj::mv(redis)), tasks_(*this) {
+    if (tls::required()) tls_ = kj::heap<tls::Streams>(token_);
     tasks_.add(acceptLoop());
   }
 
@@ -64,21 +65,22 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
   }
 
   kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> client) {
-    auto& c = *client;
     return io_.provider->getTimer()
-        .timeoutAfter(kHandshakeTimeout, handshake::accept(c, token_, handshake::Purpose::kStore))
+        .timeoutAfter(kHandshakeTimeout,
+                      handshake::acceptStream(kj::mv(client), token_, handshake::Purpose::kStore, tls_.get()))
         .then(
-            [this, client = kj::mv(client)](bool accepted) mutable -> kj::Promise<void> {
-              if (!accepted) {
-                ++refused_;
-                TROUPE_LOG(kWarning, "store gateway: refused a connection that could not prove the cluster token");
-                return kj::READY_NOW;
+            [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) -> kj::Promise<void> {
+              KJ_IF_MAYBE(c, served) {
+                return openRedis().then([client = kj::mv(*c)](kj::Own<kj::AsyncIoStream> redis) mutable {
+                  auto& c = *client;
+                  auto& r = *redis;
+                  return relay(c, r).exclusiveJoin(relay(r, c)).attach(kj::mv(client), kj::mv(redis));
+                });
               }
-              return openRedis().then([client = kj::mv(client)](kj::Own<kj::AsyncIoStream> redis) mutable {
-                auto& c = *client;
-                auto& r = *redis;
-                return relay(c, r).exclusiveJoin(relay(r, c)).attach(kj::mv(client), kj::mv(redis));
-              });
+              ++refused_;
+              TROUPE_LOG(kWarning, "store gateway: refused a connection that could not prove the cluster token{}",
+                         tls_ ? " or did not speak TLS" : "");
+              return kj::READY_NOW;
             },
             [this](kj::Exception&& e) -> kj::Promise<void> {
               ++refused_;
@@ -123,6 +125,7 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
   int port_;
   std::string token_;
   RedisOptions redis_;
+  kj::Own<tls::Streams> tls_;  // set when the cluster runs with --tls
   uint64_t refused_ = 0;
   kj::TaskSet tasks_;
 };

@@ -28,6 +28,7 @@ struct StartFlags {
   std::string nodeIp;           // "": loopback on a head, the route to the head when joining
   int heartbeatTtlMs = 3000;
   bool block = false;
+  bool tls = false;             // --tls (head): encrypt RPC, the store gateway and collectives
   int watchPid = 0;             // --block: stop everything once this process is gone
 };
 

@@ -11,6 +11,7 @@
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/resources.h"
+#include "troupe/runtime/tls.h"
 
 namespace troupe::cli {
 namespace {
@@ -129,8 +130,14 @@ int startHead(StartFlags f) {
                                    "pass --port or run 'troupe stop'",
                                    f.port, f.nodeIp)));
   }
+  if (f.tls) {
+    // The daemons inherit it; this process's own connections speak TLS too.
+    ::setenv("TROUPE_TLS", "1", 1);
+    tls::require();
+  }
   Launch launch(f.block);
   ClusterFile file;
+  file.tls = f.tls;
   file.cluster = f.clusterName;
   file.heartbeatTtlMs = f.heartbeatTtlMs;
   RedisOptions redis;
@@ -219,6 +226,7 @@ int startHead(StartFlags f) {
             << "  controller: " << file.controllerAddress << "\n"
             << "  redis:      " << file.redisAddress << (file.embeddedRedis ? " (embedded)" : "") << "\n"
             << "  gateway:    " << gatewayAddress << " (how other nodes reach the store)\n"
+            << "  tls:        " << (f.tls ? "on (every connection encrypted)" : "off") << "\n"
             << "  head node:  " << nodeId.hex() << "\n"
             << "  run dir:    " << runDir << "\n\n"
             << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token
@@ -268,9 +276,11 @@ int joinCluster(StartFlags f) {
   Launch launch(f.block);
   NodeId nodeId = NodeId::generate();
   std::string nodeLog = fmt::format("{}/logs/node-{}.log", runDir, nodeId.hex());
-  // The token travels in the environment, not argv, so `ps` does not show it.
-  auto node = launch.spawn(nodeArgs(f, runDir, target->controller.toString(), nodeId), nodeLog,
-                           {"TROUPE_TOKEN=" + target->token});
+  // The token travels in the environment, not argv, so `ps` does not show it. A --tls cluster
+  // told this process so while it checked the controller above.
+  std::vector<std::string> env = {"TROUPE_TOKEN=" + target->token};
+  if (tls::required()) env.push_back("TROUPE_TLS=1");
+  auto node = launch.spawn(nodeArgs(f, runDir, target->controller.toString(), nodeId), nodeLog, env);
   if (!node.isOk()) return fail(node.status());
   auto ready = waitReady("troupe-node", *node, nodeLog, kStartLimit,
                          [&]() { return nodeReady(io, *target, runDir, nodeId); });
@@ -307,6 +317,10 @@ int restartControllerCommand() {
   if (!file.isOk()) return fail(file.status());
   auto hp = parseHostPort(file->controllerAddress);
   if (!hp.isOk()) return fail(hp.status());
+  if (file->tls) {
+    ::setenv("TROUPE_TLS", "1", 1);
+    tls::require();
+  }
   std::ifstream pidFile(*runDir + "/pids/controller.pid");
   pid_t old = 0;
   if (pidFile >> old && processAlive(old) && processCommandLine(old).find(*runDir) != std::string::npos) {

@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
   startCmd->add_option("--node-ip-address", start.nodeIp, "Address this machine's servers bind and advertise (default: 127.0.0.1 on a head; when joining, this machine's address on the route to the head)");
   startCmd->add_option("--heartbeat-ttl-ms", start.heartbeatTtlMs, "A node silent this long is dead (head)")
       ->check(CLI::Range(300, 600000));
+  startCmd->add_flag("--tls", start.tls,
+                     "Head: encrypt every connection of the cluster (TLS keyed by the cluster token); joining "
+                     "nodes and drivers learn it from the cluster");
   startCmd->add_flag("--block", start.block, "Stay in the foreground; Ctrl-C stops what was started");
   startCmd->add_option("--watch-pid", start.watchPid, "With --block: stop when this process exits (embedded clusters)")
       ->group("");

@@ -126,6 +126,9 @@ struct CommunicatorOptions {
   int worldSize = 1;
   // The address this rank listens on and publishes for its peers.
   std::string host = "127.0.0.1";
+  // Non-empty: every connection speaks TLS keyed by this cluster token (troupe/runtime/tls.h),
+  // as in a cluster started with --tls. Every rank must agree.
+  std::string tlsToken;
   // How long connect waits for every rank to publish and connect.
   std::chrono::milliseconds rendezvousTimeout{60'000};
   // An operation not finished within this time fails (kDeadlineExceeded) and breaks the

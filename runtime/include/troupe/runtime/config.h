@@ -32,6 +32,7 @@ struct ClusterFile {
   std::string redisPassword;
   std::string cluster = "default";
   bool embeddedRedis = false;
+  bool tls = false;               // --tls: every RPC, gateway and collective connection speaks TLS
   int heartbeatTtlMs = 3000;      // the controller's, kept so a restart uses the same
 };
 Status writeClusterFile(const std::string& runDir, const ClusterFile& file);
