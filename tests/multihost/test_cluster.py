@@ -85,6 +85,13 @@ def test_three_hosts_join_with_the_heads_defaults_and_stay_alive(testbed3):
     for host in bed.hosts[1:]:
         joined = json.loads((Path(host.env["TROUPE_TEMP_DIR"]) / "latest" / "cluster.json").read_text())
         assert not joined.get("redis_password"), joined
+    # A controller restart on the head: the joined nodes never miss a beat (the gateway is a
+    # daemon of its own) and are not registered again.
+    before = {n["id"]: n for n in status(bed.hosts[0], controller, token)["nodes"]}
+    bed.hosts[0].troupe("restart-controller")
+    after = {n["id"]: n for n in status(bed.hosts[2], controller, token)["nodes"]}
+    assert {k: v["state"] for k, v in after.items()} == {k: "ALIVE" for k in before}
+    assert all(after[k]["registered_ms"] == before[k]["registered_ms"] for k in before)
     # Every server of a joined host listens on its own address, none on a wildcard.
     listening = bed.hosts[1].run(["ss", "-Htlnp"]).stdout
     assert listening and all(bed.hosts[1].address in line for line in listening.splitlines()), listening
