@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -81,8 +83,19 @@ struct Relay {
 
 // Moves bytes both ways until either side ends; one thread, non-blocking I/O, because one SSL
 // object must not be used by two threads at once.
+// A write to a peer that has gone raises SIGPIPE, which would kill the process; on this thread the
+// write should just fail (EPIPE), so the signal stays blocked here and is never delivered.
+void blockSigpipe() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
 void pump(std::unique_ptr<Relay> r) {
-  std::vector<char> out(64 << 10), in(64 << 10);
+  blockSigpipe();
+  // Large reads: every pass through the loop costs wake-ups, which cost more here than the crypto.
+  std::vector<char> out(1 << 20), in(1 << 20);
   size_t outLen = 0, outOff = 0, inLen = 0, inOff = 0;
   for (;;) {
     bool progress = false, netRead = false, netWrite = false, localRead = false, localWrite = false;
@@ -106,14 +119,20 @@ void pump(std::unique_ptr<Relay> r) {
       }
     }
     if (inLen == 0) {
-      int n = SSL_read(r->ssl.get(), in.data(), static_cast<int>(in.size()));
-      if (n > 0) {
-        inLen = static_cast<size_t>(n), inOff = 0, progress = true;
-      } else {
+      // Decrypt every record already here before handing them on: one write, one wake-up.
+      inOff = 0;
+      while (inLen < in.size()) {
+        int n = SSL_read(r->ssl.get(), in.data() + inLen, static_cast<int>(in.size() - inLen));
+        if (n > 0) {
+          inLen += static_cast<size_t>(n);
+          progress = true;
+          continue;
+        }
         int e = SSL_get_error(r->ssl.get(), n);
-        if (e == SSL_ERROR_WANT_READ) netRead = true;
-        else if (e == SSL_ERROR_WANT_WRITE) netWrite = true;
-        else return;  // closed (close_notify or EOF) or broken
+        if (e == SSL_ERROR_WANT_READ) netRead = inLen == 0;
+        else if (e == SSL_ERROR_WANT_WRITE) netWrite = inLen == 0;
+        else if (inLen == 0) return;  // closed (close_notify or EOF) or broken
+        break;
       }
     }
     if (inLen > 0) {
@@ -262,6 +281,7 @@ Result<int> relay(int fd, const std::string& token, bool server, std::chrono::mi
   r->ctx.reset(SSL_CTX_new(server ? TLS_server_method() : TLS_client_method()));
   if (!r->ctx) return fail(StatusCode::kInternal, sslError());
   SSL_CTX_set_min_proto_version(r->ctx.get(), TLS1_3_VERSION);
+  SSL_CTX_set_ciphersuites(r->ctx.get(), "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384");
   BioPtr certBio(BIO_new_mem_buf(id.certPem.data(), static_cast<int>(id.certPem.size())));
   X509Ptr cert(PEM_read_bio_X509(certBio.get(), nullptr, nullptr, nullptr));
   if (!cert) return fail(StatusCode::kInternal, sslError());
@@ -287,6 +307,19 @@ Result<int> relay(int fd, const std::string& token, bool server, std::chrono::mi
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
   SSL_set_fd(r->ssl.get(), fd);
   auto deadline = std::chrono::steady_clock::now() + timeout;
+  sigset_t pipe, previous;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe, &previous);
+  struct RestoreMask {
+    sigset_t pipe, previous;
+    ~RestoreMask() {
+      timespec zero{0, 0};
+      while (sigtimedwait(&pipe, nullptr, &zero) > 0) {
+      }  // a SIGPIPE this handshake raised
+      pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    }
+  } restoreMask{pipe, previous};
   for (;;) {
     int rc = server ? SSL_accept(r->ssl.get()) : SSL_connect(r->ssl.get());
     if (rc == 1) break;
@@ -309,6 +342,11 @@ Result<int> relay(int fd, const std::string& token, bool server, std::chrono::mi
     return fail(StatusCode::kInternal, fmt::format("socketpair: {}", strerror(errno)));
   }
   r->local = pair[0];
+  for (int end : pair) {
+    int bytes = 4 << 20;  // room for several chunks each way, as a TCP socket would have
+    ::setsockopt(end, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+    ::setsockopt(end, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+  }
   ::fcntl(pair[0], F_SETFL, ::fcntl(pair[0], F_GETFL) | O_NONBLOCK);
   std::thread(pump, std::move(r)).detach();
   return pair[1];

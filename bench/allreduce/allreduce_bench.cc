@@ -94,6 +94,9 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
     return 1;
   }
   CommunicatorOptions options;
+  // bench/multihost runs ranks on several hosts, each binding its own address, with or without TLS.
+  if (const char* host = std::getenv("TROUPE_BENCH_HOST")) options.host = host;
+  if (const char* token = std::getenv("TROUPE_BENCH_TLS_TOKEN")) options.tlsToken = token;
   options.group = group;
   options.epoch = 1;
   options.rank = rank;
