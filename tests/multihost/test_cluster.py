@@ -278,6 +278,7 @@ def test_an_elastic_group_trains_across_hosts_through_a_kill_a_cut_link_and_a_gr
     r = d.read(300)
     assert r["world"] == 2 and hosts[2].address not in r["where"], r
     assert len(r["recoveries"]) == 2 and max(x["recovery_s"] for x in r["recoveries"]) < 30, r
+    print("host cut: recoveries", r["recoveries"], "events", [e for e in r["events"] if "recovered" in e or "failure" in e])
     assert len(set(r["hashes"])) == 1 and r["step"] == step_before + 40, r
     assert not set(stale) & set(r["members"]), r
     # The link returns: the stale agent and its workers exit; nothing of theirs rejoins the group.
