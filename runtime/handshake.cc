@@ -17,6 +17,8 @@
 #include <fmt/format.h>
 #include <kj/debug.h>
 
+#include "troupe/runtime/logging.h"
+
 namespace troupe::handshake {
 namespace {
 
@@ -29,6 +31,7 @@ constexpr kj::byte kAccepted = 'Y';
 constexpr kj::byte kRejected = 'N';
 constexpr kj::byte kSpeakTls = 'S';
 constexpr kj::byte kTlsRecord = 0x16;  // the first byte of a TLS ClientHello
+constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 // The server's proof did not match: from here a wrong token and a stranger look alike.
 constexpr const char* kNotShared =
     "the cluster token was rejected: the server proved a different token (wrong --token, or not this cluster's "
@@ -115,6 +118,56 @@ kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Pu
       });
     });
   });
+}
+
+Acceptor::Acceptor(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
+                   Purpose purpose, std::string what, Serve serve)
+    : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
+      purpose_(purpose), what_(kj::mv(what)), serve_(kj::mv(serve)), tasks_(*this) {
+  if (tls::required()) tls_ = kj::heap<tls::Streams>(token_);
+  tasks_.add(acceptLoop());
+}
+
+Acceptor::~Acceptor() noexcept(false) = default;
+
+kj::Promise<void> Acceptor::acceptLoop() {
+  return listener_->accept().then(
+      [this](kj::Own<kj::AsyncIoStream> stream) {
+        setNoDelay(*stream);
+        tasks_.add(admit(kj::mv(stream)));
+        return acceptLoop();
+      },
+      [this](kj::Exception&& e) -> kj::Promise<void> {
+        // Out of descriptors, or a transient error: serving stops only with this object.
+        TROUPE_LOG(kWarning, "{}: accept failed ({}); retrying in 100 ms", what_, e.getDescription().cStr());
+        return io_.provider->getTimer().afterDelay(100 * kj::MILLISECONDS).then([this]() { return acceptLoop(); });
+      });
+}
+
+kj::Promise<void> Acceptor::admit(kj::Own<kj::AsyncIoStream> stream) {
+  return io_.provider->getTimer()
+      .timeoutAfter(kHandshakeTimeout, acceptStream(kj::mv(stream), token_, purpose_, tls_.get()))
+      .then(
+          [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) -> kj::Promise<void> {
+            KJ_IF_MAYBE(s, served) { return serve_(kj::mv(*s)); }
+            ++refused_;
+            TROUPE_LOG(kWarning, "{}: refused a connection that could not prove the cluster token{}", what_,
+                       tls_ ? " or did not speak TLS" : "");
+            return kj::READY_NOW;
+          },
+          [this](kj::Exception&& e) -> kj::Promise<void> {
+            // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
+            ++refused_;
+            TROUPE_LOG(kWarning, "{}: closed a connection that did not complete the token handshake: {}", what_,
+                       e.getDescription().cStr());
+            return kj::READY_NOW;
+          });
+}
+
+void Acceptor::taskFailed(kj::Exception&& e) {
+  if (e.getType() != kj::Exception::Type::DISCONNECTED) {
+    TROUPE_LOG(kWarning, "{}: a connection ended with an error: {}", what_, e.getDescription().cStr());
+  }
 }
 
 kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {

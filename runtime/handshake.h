@@ -19,6 +19,7 @@
 #include <string>
 
 #include <kj/async-io.h>
+#include <kj/function.h>
 
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/status.h"
@@ -47,6 +48,36 @@ kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::Asyn
 kj::Promise<kj::Own<kj::AsyncIoStream>> connectStream(kj::Own<kj::AsyncIoStream> stream, const std::string& token,
                                                       Purpose purpose, tls::Streams* tls);
 constexpr const char* kTlsRequired = "the cluster requires TLS";
+
+// A listener whose every connection must pass acceptStream() within 5 s before `serve` gets it.
+// It keeps accepting after accept() fails (out of descriptors: it retries after 100 ms).
+// `what` names the server in log lines. Owned by the KJ thread of `io`.
+class Acceptor final : private kj::TaskSet::ErrorHandler {
+ public:
+  using Serve = kj::Function<kj::Promise<void>(kj::Own<kj::AsyncIoStream>)>;
+  Acceptor(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token, Purpose purpose,
+           std::string what, Serve serve);
+  ~Acceptor() noexcept(false);
+  int port() const { return port_; }
+  // Connections closed without passing the handshake (tests check it).
+  uint64_t refused() const { return refused_; }
+
+ private:
+  kj::Promise<void> acceptLoop();
+  kj::Promise<void> admit(kj::Own<kj::AsyncIoStream> stream);
+  void taskFailed(kj::Exception&& e) override;
+
+  kj::AsyncIoContext& io_;
+  kj::Own<kj::ConnectionReceiver> listener_;
+  int port_;
+  std::string token_;
+  Purpose purpose_;
+  std::string what_;
+  Serve serve_;
+  kj::Own<tls::Streams> tls_;  // set when this process serves a --tls cluster
+  uint64_t refused_ = 0;
+  kj::TaskSet tasks_;
+};
 
 // Server side. Resolves true once the client proved the token (after writing 'Y'), false when it
 // did not (after writing 'N'). Rejects when the stream fails.

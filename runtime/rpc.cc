@@ -17,66 +17,24 @@
 namespace troupe {
 namespace {
 
-constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 
-class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
+class RpcServerImpl final : public RpcServer {
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                 capnp::Capability::Client bootstrap)
-      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
-        twoParty_(kj::mv(bootstrap)), tasks_(*this) {
-    if (tls::required()) tls_ = kj::heap<tls::Streams>(token_);
-    tasks_.add(acceptLoop());
-  }
+      : twoParty_(kj::mv(bootstrap)),
+        acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
+                  [this](kj::Own<kj::AsyncIoStream> stream) {
+                    twoParty_.accept(kj::mv(stream));
+                    return kj::READY_NOW;
+                  }) {}
 
-  int port() const override { return port_; }
-  uint64_t refusedConnections() const override { return refused_; }
+  int port() const override { return acceptor_.port(); }
+  uint64_t refusedConnections() const override { return acceptor_.refused(); }
 
  private:
-  kj::Promise<void> acceptLoop() {
-    return listener_->accept().then([this](kj::Own<kj::AsyncIoStream> stream) {
-      handshake::setNoDelay(*stream);
-      tasks_.add(serve(kj::mv(stream)));
-      return acceptLoop();
-    });
-  }
-
-  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) {
-    return io_.provider->getTimer()
-        .timeoutAfter(kHandshakeTimeout,
-                      handshake::acceptStream(kj::mv(stream), token_, handshake::Purpose::kRpc, tls_.get()))
-        .then(
-            [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) {
-              KJ_IF_MAYBE(s, served) {
-                twoParty_.accept(kj::mv(*s));
-                return;
-              }
-              ++refused_;
-              TROUPE_LOG(kWarning, "refused an RPC connection that could not prove the cluster token{}",
-                         tls_ ? " or did not speak TLS" : "");
-            },
-            [this](kj::Exception&& e) {
-              // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
-              ++refused_;
-              TROUPE_LOG(kWarning, "closed an RPC connection that did not complete the token handshake: {}",
-                         e.getDescription().cStr());
-            });
-  }
-
-  void taskFailed(kj::Exception&& e) override {
-    if (e.getType() != kj::Exception::Type::DISCONNECTED) {
-      TROUPE_LOG(kWarning, "RPC connection ended with an error: {}", e.getDescription().cStr());
-    }
-  }
-
-  kj::AsyncIoContext& io_;
-  kj::Own<kj::ConnectionReceiver> listener_;
-  int port_;
-  std::string token_;
-  kj::Own<tls::Streams> tls_;  // set when this process serves a --tls cluster
   capnp::TwoPartyServer twoParty_;  // owns the authenticated connections
-  uint64_t refused_ = 0;
-  kj::TaskSet tasks_;
+  handshake::Acceptor acceptor_;
 };
 
 }  // namespace

@@ -9,7 +9,6 @@
 namespace troupe {
 namespace {
 
-constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 constexpr auto kRedisTimeout = 5 * kj::SECONDS;
 
 // RESP for AUTH <password>, sent on the client's behalf.
@@ -36,60 +35,24 @@ kj::Promise<void> relay(kj::AsyncIoStream& from, kj::AsyncIoStream& to) {
   return from.pumpTo(to).ignoreResult().then([&to]() { to.shutdownWrite(); });
 }
 
-class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHandler {
+class StoreGatewayImpl final : public StoreGateway {
  public:
   StoreGatewayImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                    RedisOptions redis)
-      : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
-        redis_(kj::mv(redis)), tasks_(*this) {
-    if (tls::required()) tls_ = kj::heap<tls::Streams>(token_);
-    tasks_.add(acceptLoop());
-  }
+      : io_(io), redis_(kj::mv(redis)),
+        acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kStore, "store gateway",
+                  [this](kj::Own<kj::AsyncIoStream> client) {
+                    return openRedis().then([client = kj::mv(client)](kj::Own<kj::AsyncIoStream> redis) mutable {
+                      auto& c = *client;
+                      auto& r = *redis;
+                      return relay(c, r).exclusiveJoin(relay(r, c)).attach(kj::mv(client), kj::mv(redis));
+                    });
+                  }) {}
 
-  int port() const override { return port_; }
-  uint64_t refusedConnections() const override { return refused_; }
+  int port() const override { return acceptor_.port(); }
+  uint64_t refusedConnections() const override { return acceptor_.refused(); }
 
  private:
-  kj::Promise<void> acceptLoop() {
-    return listener_->accept().then(
-        [this](kj::Own<kj::AsyncIoStream> stream) {
-          handshake::setNoDelay(*stream);
-          tasks_.add(serve(kj::mv(stream)));
-          return acceptLoop();
-        },
-        [this](kj::Exception&& e) -> kj::Promise<void> {
-          // Out of descriptors or a transient accept error: keep serving after a pause.
-          TROUPE_LOG(kWarning, "store gateway: accept failed ({}); retrying", e.getDescription().cStr());
-          return io_.provider->getTimer().afterDelay(100 * kj::MILLISECONDS).then([this]() { return acceptLoop(); });
-        });
-  }
-
-  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> client) {
-    return io_.provider->getTimer()
-        .timeoutAfter(kHandshakeTimeout,
-                      handshake::acceptStream(kj::mv(client), token_, handshake::Purpose::kStore, tls_.get()))
-        .then(
-            [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) -> kj::Promise<void> {
-              KJ_IF_MAYBE(c, served) {
-                return openRedis().then([client = kj::mv(*c)](kj::Own<kj::AsyncIoStream> redis) mutable {
-                  auto& c = *client;
-                  auto& r = *redis;
-                  return relay(c, r).exclusiveJoin(relay(r, c)).attach(kj::mv(client), kj::mv(redis));
-                });
-              }
-              ++refused_;
-              TROUPE_LOG(kWarning, "store gateway: refused a connection that could not prove the cluster token{}",
-                         tls_ ? " or did not speak TLS" : "");
-              return kj::READY_NOW;
-            },
-            [this](kj::Exception&& e) -> kj::Promise<void> {
-              ++refused_;
-              TROUPE_LOG(kWarning, "store gateway: closed a connection that did not complete the handshake: {}",
-                         e.getDescription().cStr());
-              return kj::READY_NOW;
-            });
-  }
-
   // A connection to Redis, authenticated with the password on the client's behalf.
   kj::Promise<kj::Own<kj::AsyncIoStream>> openRedis() {
     auto opened = io_.provider->getNetwork()
@@ -114,20 +77,9 @@ class StoreGatewayImpl final : public StoreGateway, private kj::TaskSet::ErrorHa
     return io_.provider->getTimer().timeoutAfter(kRedisTimeout, kj::mv(opened));
   }
 
-  void taskFailed(kj::Exception&& e) override {
-    if (e.getType() != kj::Exception::Type::DISCONNECTED) {
-      TROUPE_LOG(kWarning, "store gateway: a relayed connection ended with an error: {}", e.getDescription().cStr());
-    }
-  }
-
   kj::AsyncIoContext& io_;
-  kj::Own<kj::ConnectionReceiver> listener_;
-  int port_;
-  std::string token_;
   RedisOptions redis_;
-  kj::Own<tls::Streams> tls_;  // set when the cluster runs with --tls
-  uint64_t refused_ = 0;
-  kj::TaskSet tasks_;
+  handshake::Acceptor acceptor_;
 };
 
 }  // namespace
