@@ -328,7 +328,8 @@ kj::Promise<void> NodeAgent::watchWorker(ActorId id, uint32_t incarnation, pid_t
 }
 
 kj::Promise<rpc::Controller::Client> NodeAgent::controller() {
-  if (controller_) return controller_->bootstrap<rpc::Controller>();
+  // A restarted controller is a new connection: the old one is never asked again.
+  if (controller_ && !controller_->disconnected()) return controller_->bootstrap<rpc::Controller>();
   return RpcClient::connect(io_, options_.controller, options_.token, 5 * kj::SECONDS)
       .then([this](kj::Own<RpcClient> client) {
         controller_ = kj::mv(client);
@@ -349,8 +350,8 @@ kj::Promise<void> NodeAgent::reportExit(ActorId id, uint32_t incarnation, int st
         return request.send().ignoreResult();
       })
       .catch_([this, id, incarnation, status, attempt](kj::Exception&& e) -> kj::Promise<void> {
-        // The controller may be restarting: the report must not be lost, so retry.
-        controller_ = nullptr;
+        // The controller may be restarting: the report must not be lost, so retry (on a new
+        // connection once this one is known to be gone).
         if (attempt >= 60) {
           TROUPE_LOG(kError, "giving up reporting the exit of actor {}: {}", id.hex(), e.getDescription().cStr());
           return kj::READY_NOW;

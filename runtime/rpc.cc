@@ -48,7 +48,15 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
   return server;
 }
 
-RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream) : stream_(kj::mv(stream)), client_(*stream_) {}
+RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream)
+    : stream_(kj::mv(stream)),
+      client_(*stream_),
+      bootstrap_(client_.bootstrap()),
+      disconnected_(kj::heap<bool>(false)),
+      watch_(client_.onDisconnect()
+                 .then([flag = disconnected_.get()]() { *flag = true; },
+                       [flag = disconnected_.get()](kj::Exception&&) { *flag = true; })
+                 .eagerlyEvaluate(nullptr)) {}
 
 namespace {
 

@@ -38,16 +38,24 @@ class RpcClient {
                                                  std::string token, kj::Duration timeout);
   RpcClient(kj::Own<kj::AsyncIoStream> stream);
 
+  // The server's bootstrap capability, taken once at connect: once the connection is gone
+  // its calls reject with DISCONNECTED (asking capnp for a new bootstrap on a dead
+  // connection would end the process).
   template <typename T>
   typename T::Client bootstrap() {
-    return client_.bootstrap().castAs<T>();
+    return bootstrap_.castAs<T>();
   }
   // Resolves when the server closes the connection.
   kj::Promise<void> onDisconnect() { return client_.onDisconnect(); }
+  // True once the connection is gone: make a new RpcClient to go on.
+  bool disconnected() const { return *disconnected_; }
 
  private:
   kj::Own<kj::AsyncIoStream> stream_;
   capnp::TwoPartyClient client_;
+  capnp::Capability::Client bootstrap_;
+  kj::Own<bool> disconnected_;
+  kj::Promise<void> watch_;
 };
 
 // Turns a KJ exception from an RPC into a Status with a readable message.
