@@ -4,6 +4,7 @@
 #include <kj/async-unix.h>
 
 #include "daemon.h"
+#include "head_supervisor.h"
 #include "node_agent.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/resources.h"
@@ -85,6 +86,12 @@ int main(int argc, char** argv) {
     TROUPE_LOG(kError, "cannot join the cluster: {}", statusFromException(*e, "").message());
     return 1;
   }
+  // The head's agent keeps the head's daemons running (Redis, controller, gateway).
+  kj::Promise<void> supervision = head ? supervisor::superviseHeadDaemons(io, runDir, 200 * kj::MILLISECONDS)
+                                             .eagerlyEvaluate([](kj::Exception&& e) {
+                                               TROUPE_LOG(kError, "supervision ended: {}", e.getDescription().cStr());
+                                             })
+                                       : kj::Promise<void>(kj::READY_NOW);
   auto stop = onStopSignal(io).then([](std::string why) { return std::make_pair(why, true); });
   auto fatal = agent->onFatal().then([](std::string why) { return std::make_pair(why, false); });
   auto [why, clean] = stop.exclusiveJoin(kj::mv(fatal)).wait(io.waitScope);

@@ -4,11 +4,13 @@
 //   P meta             hash  {token, controller_address, controller_pid, created_ms}
 //   P nodes            zset  node ids scored by registered_ms
 //   P node:<id>        hash  {id, address, hostname, pid, is_head, state, total, used, labels,
-//                             registered_ms, last_heartbeat_ms, death_reason}; total, used and
+//                             registered_ms, last_heartbeat_ms, heartbeat_ttl_ms, death_reason}; total, used and
 //                             labels are JSON objects. While the node has claims, `used` is their
 //                             sum (every name in total, 0 if unclaimed), rewritten by each script
 //                             that changes the claims or re-registers the node.
 //   P node_hb:<id>     string with a PX ttl: the heartbeat; its absence means the node missed it
+//   P store_run        hash  {run_id, since_ms}: the Redis process that serves, and since when (its
+//                             clock): nodes are not judged until it has served one heartbeat TTL
 //   P node_res:<id>    hash  holder -> JSON resources: the claims on the node (reserve/release)
 //   P actors           zset  actor ids scored by created_ms
 //   P actor:<id>       hash  {id, type, name, node_id, pid, address, state, incarnation,
@@ -424,11 +426,12 @@ local function recomputeUsed(nodeKey, claimsKey)
 end
 )lua";
 
-// KEYS: node hash, nodes zset, heartbeat key, claims hash.
+// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash.
 // ARGV: ttl ms, registered ms, node id, events channel, NODE_ADDED message, then the hash's
 // field/value pairs. Re-registering overwrites every field, so it is idempotent. A node that
 // still holds claims (re-registered without restarting) keeps `used` equal to their sum.
 constexpr const char* kRegisterBody = R"lua(
+storeUpMs(KEYS[5])
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 if redis.call('EXISTS', KEYS[4]) == 1 then recomputeUsed(KEYS[1], KEYS[4]) end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
@@ -437,27 +440,61 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 )lua";
 
-// KEYS: node hash, heartbeat key. ARGV: ttl ms, now ms.
+// How long this Redis process has served, as its clients saw it: each run of the server has
+// its own run_id, and the first script to see a new one records when. (uptime_in_seconds is
+// too coarse, and a restart from the AOF brings back the keys, so they cannot tell.)
+constexpr const char* kStoreUpLua = R"lua(
+local function storeUpMs(runKey)
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  local seen = redis.call('HMGET', runKey, 'run_id', 'since_ms')
+  if seen[1] ~= run then
+    redis.call('HSET', runKey, 'run_id', run, 'since_ms', now)
+    return 0
+  end
+  return now - tonumber(seen[2])
+end
+)lua";
+
+// KEYS: node hash, heartbeat key, store-run hash. ARGV: ttl ms, now ms.
 // A node that is unknown or DEAD must not be revived by a late heartbeat: return 0, write nothing.
-constexpr const char* kHeartbeatScript = R"lua(
+constexpr const char* kHeartbeatBody = R"lua(
+storeUpMs(KEYS[3])
 if redis.call('HGET', KEYS[1], 'state') ~= 'ALIVE' then return 0 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
-redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2])
+redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2], 'heartbeat_ttl_ms', ARGV[1])
 return 1
 )lua";
 
-// KEYS: nodes zset. ARGV: node hash prefix, heartbeat key prefix, events channel, now ms.
+// KEYS: nodes zset, store-run hash. ARGV: node hash prefix, heartbeat key prefix, events
+// channel, now ms.
 // The keys it touches depend on the zset's contents, so they cannot all be declared in KEYS;
 // fine for a single Redis (not Redis Cluster).
+// Missed heartbeats are deaths only while the store could take them: a node is judged only
+// once this Redis process has served, and reaps have run without a gap of more than 1.5 s,
+// for a whole heartbeat TTL. So a Redis restarted from its AOF (expired heartbeat keys come
+// back), a stalled Redis (a reap that waited in its queue) and a controller that was away
+// leave every node a TTL to beat again.
 // TODO(perf): walks every node ever registered; keep a set of ALIVE ids once clusters see
 // thousands of node restarts.
-constexpr const char* kReapScript = R"lua(
+constexpr const char* kReapBody = R"lua(
 local now = tonumber(ARGV[4])
+local up = storeUpMs(KEYS[2])
+local clock = redis.call('TIME')
+local serverNow = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local last = tonumber(redis.call('HGET', KEYS[2], 'last_reap_ms'))
+local since = tonumber(redis.call('HGET', KEYS[2], 'reaping_since_ms'))
+if last == nil or since == nil then since = serverNow - up
+elseif serverNow - last > 1500 then since = serverNow end
+redis.call('HSET', KEYS[2], 'last_reap_ms', serverNow, 'reaping_since_ms', since)
+local judged = math.min(up, serverNow - since)
 local dead = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local nodeKey = ARGV[1] .. id
   if redis.call('HGET', nodeKey, 'state') == 'ALIVE' and
-     redis.call('EXISTS', ARGV[2] .. id) == 0 then
+     redis.call('EXISTS', ARGV[2] .. id) == 0 and
+     judged >= (tonumber(redis.call('HGET', nodeKey, 'heartbeat_ttl_ms')) or 0) then
     local last = tonumber(redis.call('HGET', nodeKey, 'last_heartbeat_ms')) or now
     local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
                    ' ms (heartbeat TTL expired)'
@@ -639,7 +676,15 @@ return 1
 )lua";
 
 const std::string& registerScript() {
-  static const std::string script = std::string(kRecomputeUsedLua) + kRegisterBody;
+  static const std::string script = std::string(kRecomputeUsedLua) + kStoreUpLua + kRegisterBody;
+  return script;
+}
+const std::string& heartbeatScript() {
+  static const std::string script = std::string(kStoreUpLua) + kHeartbeatBody;
+  return script;
+}
+const std::string& reapScript() {
+  static const std::string script = std::string(kStoreUpLua) + kReapBody;
   return script;
 }
 const std::string& reserveScript() {
@@ -932,11 +977,12 @@ class RedisClusterStore final : public ClusterStore {
     std::vector<std::string> args = {
         "EVAL",
         registerScript(),
-        "4",
+        "5",
         nodeKey(node.id),
         nodesKey(),
         heartbeatKey(node.id),
         claimsKey(node.id),
+        storeRunKey(),
         std::to_string(ttl.count()),
         std::to_string(registeredMs),
         node.id.hex(),
@@ -954,6 +1000,7 @@ class RedisClusterStore final : public ClusterStore {
         "registered_ms", std::to_string(registeredMs),
         // The store, not the caller, records when it last heard from the node.
         "last_heartbeat_ms", std::to_string(now),
+        "heartbeat_ttl_ms", std::to_string(ttl.count()),
         "death_reason", "",
     };
     auto reply = connection_.run(args, "registerNode");
@@ -962,7 +1009,7 @@ class RedisClusterStore final : public ClusterStore {
 
   Result<bool> heartbeat(const NodeId& id, std::chrono::milliseconds ttl) override {
     TROUPE_RETURN_IF_ERROR(checkNodeArgs(id, ttl));
-    auto reply = connection_.run({"EVAL", kHeartbeatScript, "2", nodeKey(id), heartbeatKey(id),
+    auto reply = connection_.run({"EVAL", heartbeatScript(), "3", nodeKey(id), heartbeatKey(id), storeRunKey(),
                                   std::to_string(ttl.count()), std::to_string(wallClockMs())},
                                  "heartbeat");
     if (!reply) return reply.status();
@@ -1000,7 +1047,7 @@ class RedisClusterStore final : public ClusterStore {
   }
 
   Result<std::vector<NodeId>> reapExpiredNodes() override {
-    auto reply = connection_.run({"EVAL", kReapScript, "1", nodesKey(), nodeKeyPrefix(),
+    auto reply = connection_.run({"EVAL", reapScript(), "2", nodesKey(), storeRunKey(), nodeKeyPrefix(),
                                   heartbeatKeyPrefix(), eventsChannel(),
                                   std::to_string(wallClockMs())},
                                  "reapExpiredNodes");
@@ -1404,6 +1451,7 @@ class RedisClusterStore final : public ClusterStore {
   }
 
   std::string metaKey() const { return prefix_ + "meta"; }
+  std::string storeRunKey() const { return prefix_ + "store_run"; }
   std::string nodesKey() const { return prefix_ + "nodes"; }
   std::string nodeKeyPrefix() const { return prefix_ + "node:"; }
   std::string nodeKey(const NodeId& id) const { return nodeKeyPrefix() + id.hex(); }

@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "cli.h"
+#include "head_supervisor.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/resources.h"
@@ -136,6 +137,14 @@ int startHead(StartFlags f) {
     tls::require();
   }
   Launch launch(f.block);
+  // What the head's agent starts again should one of them exit (not under --block, where the
+  // cluster lives and dies with this process).
+  struct Daemon {
+    std::string name;
+    std::vector<std::string> argv;
+    std::string log;
+  };
+  std::vector<Daemon> supervised;
   ClusterFile file;
   file.tls = f.tls;
   file.cluster = f.clusterName;
@@ -170,7 +179,8 @@ int startHead(StartFlags f) {
     std::string conf = runDir + "/redis.conf";
     if (auto s = writeRedisConfig(conf, runDir + "/redis", redis.port, redis.password); !s.isOk()) return fail(s);
     std::string log = runDir + "/logs/redis.log";
-    auto pid = launch.spawn({"redis-server", conf}, log);
+    supervised.push_back({"redis", {"redis-server", conf}, log});
+    auto pid = launch.spawn(supervised.back().argv, log);
     if (!pid.isOk()) return fail(Status(StatusCode::kNotFound, "redis-server not found: run scripts/setup"));
     writePidFile(runDir, "redis", *pid);
     auto ready = waitReady("the embedded redis-server", *pid, log, kStartLimit,
@@ -188,10 +198,11 @@ int startHead(StartFlags f) {
   auto io = kj::setupAsyncIo();
   ClusterTarget target{HostPort{f.nodeIp, f.port}, file.token, runDir};
   std::string controllerLog = runDir + "/logs/controller.log";
-  auto controller = launch.spawn({siblingExecutable("troupe-controller"), "--run-dir", runDir, "--host", f.nodeIp,
-                                  "--port", std::to_string(f.port), "--heartbeat-ttl-ms",
-                                  std::to_string(f.heartbeatTtlMs)},
-                                 controllerLog);
+  supervised.push_back({"controller",
+                        {siblingExecutable("troupe-controller"), "--run-dir", runDir, "--host", f.nodeIp, "--port",
+                         std::to_string(f.port), "--heartbeat-ttl-ms", std::to_string(f.heartbeatTtlMs)},
+                        controllerLog});
+  auto controller = launch.spawn(supervised.back().argv, controllerLog);
   if (!controller.isOk()) return fail(controller.status());
   auto ready = waitReady("troupe-controller", *controller, controllerLog, kStartLimit,
                          [&]() { return fetchNodes(io, target, 1 * kj::SECONDS).isOk(); });
@@ -202,9 +213,11 @@ int startHead(StartFlags f) {
   if (!gatewayPort.isOk()) return fail(gatewayPort.status());
   std::string gatewayAddress = HostPort{f.nodeIp, *gatewayPort}.toString();
   std::string gatewayLog = runDir + "/logs/gateway.log";
-  auto gateway = launch.spawn({siblingExecutable("troupe-gateway"), "--run-dir", runDir, "--host", f.nodeIp, "--port",
-                               std::to_string(*gatewayPort)},
-                              gatewayLog);
+  supervised.push_back({"gateway",
+                        {siblingExecutable("troupe-gateway"), "--run-dir", runDir, "--host", f.nodeIp, "--port",
+                         std::to_string(*gatewayPort)},
+                        gatewayLog});
+  auto gateway = launch.spawn(supervised.back().argv, gatewayLog);
   if (!gateway.isOk()) return fail(gateway.status());
   ready = waitReady("troupe-gateway", *gateway, gatewayLog, kStartLimit, [&]() {
     auto store = connectRedisStore(redis);
@@ -234,6 +247,9 @@ int startHead(StartFlags f) {
             << "To see the cluster: troupe status\n"
             << "To stop this machine's processes: troupe stop" << std::endl;
   if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
+  for (const auto& d : supervised) {
+    if (auto s = supervisor::record(runDir, d.name, d.argv, d.log); !s.isOk()) return fail(s);
+  }
   launch.commit();
   return 0;
 }
@@ -321,6 +337,8 @@ int restartControllerCommand() {
     ::setenv("TROUPE_TLS", "1", 1);
     tls::require();
   }
+  // The head's agent would start one too: it waits while we replace it.
+  supervisor::ReplaceLock replacing(*runDir);
   std::ifstream pidFile(*runDir + "/pids/controller.pid");
   pid_t old = 0;
   if (pidFile >> old && processAlive(old) && processCommandLine(old).find(*runDir) != std::string::npos) {

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "cli.h"
+#include "head_supervisor.h"
 
 namespace troupe::cli {
 
@@ -25,6 +26,8 @@ int stopRunDir(const std::string& runDir, bool verbose) {
   // gateway, then Redis.
   std::vector<Daemon> waves[3];
   std::error_code ec;
+  // The head's agent must not start again what we stop.
+  supervisor::markStopping(runDir);
   for (const auto& entry : fs::directory_iterator(fs::path(runDir) / "pids", ec)) {
     if (entry.path().extension() != ".pid") {
       if (entry.path().extension() == ".ready") fs::remove(entry.path(), ec);

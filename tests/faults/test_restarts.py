@@ -54,3 +54,92 @@ def test_agent_survives_restart_controller_actor_exit_and_controller_kill(troupe
     exit_one_actor(troupe)
     for pid in agents:
         assert alive(pid)
+
+
+def redis_pid(t):
+    return int((t.run_dir() / "pids" / "redis.pid").read_text())
+
+
+def stays_alive(t, seconds):
+    """Every node reads ALIVE at every look during `seconds` (a window, not a wait)."""
+    import time
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        states = node_states(t)
+        assert set(states.values()) == {"ALIVE"}, states
+        time.sleep(0.1)
+
+
+def start_two_nodes(t, ttl_ms=1000):
+    port = free_port()
+    t.run("start", "--head", "--port", str(port), "--num-cpus", "2", "--heartbeat-ttl-ms", str(ttl_ms))
+    t.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+    return [n["pid"] for n in t.status()["nodes"]]
+
+
+def test_a_stalled_redis_longer_than_the_ttl_is_not_a_death(troupe):
+    agents = start_two_nodes(troupe, ttl_ms=1000)
+    pid = redis_pid(troupe)
+    os.kill(pid, signal.SIGSTOP)  # the store is unreachable for three heartbeat TTLs
+    try:
+        import time
+        time.sleep(3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    eventually(lambda: troupe.run("status", check=False).returncode == 0, 10, "status to answer again")
+    stays_alive(troupe, 2.5)
+    for a in agents:
+        assert alive(a)
+
+
+def test_redis_kill9_comes_back_from_its_aof_and_nobody_dies(troupe):
+    agents = start_two_nodes(troupe, ttl_ms=1000)
+    code = textwrap.dedent("""
+        import troupe
+        troupe.init(address="auto")
+        @troupe.remote(num_cpus=1)
+        class Box:
+            def __init__(self): self.v = 0
+            def put(self, v): self.v = v; return v
+            def get(self): return self.v
+        b = Box.options(name="box", lifetime="detached").remote()
+        print(troupe.get(b.put.remote(41)))
+    """)
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0 and "41" in p.stdout, p.stderr
+    old = redis_pid(troupe)
+    os.kill(old, signal.SIGKILL)
+    eventually(lambda: redis_pid(troupe) != old and alive(redis_pid(troupe)), 10, "the head to restart Redis")
+    eventually(lambda: troupe.run("status", check=False).returncode == 0, 10, "status to answer again")
+    stays_alive(troupe, 2.5)
+    for a in agents:
+        assert alive(a)
+    # The detached actor's record came back from the AOF, and it still holds its state.
+    code = textwrap.dedent("""
+        import troupe
+        troupe.init(address="auto")
+        print("value", troupe.get(troupe.get_actor("box").get.remote()))
+    """)
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0 and "value 41" in p.stdout, p.stdout + p.stderr
+
+
+def pid_or_zero(t, name):
+    try:
+        return t.pid_of(name)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_the_head_restarts_its_controller_and_gateway(troupe):
+    agents = start_two_nodes(troupe, ttl_ms=1000)
+    for name in ("controller", "gateway"):
+        old = troupe.pid_of(name)
+        os.kill(old, signal.SIGKILL)
+        eventually(lambda: pid_or_zero(troupe, name) not in (0, old) and alive(pid_or_zero(troupe, name)), 10,
+                   f"the head to restart its {name}")
+        eventually(lambda: troupe.run("status", check=False).returncode == 0, 10, "status to answer again")
+    stays_alive(troupe, 1.5)
+    for a in agents:
+        assert alive(a)
+    exit_one_actor(troupe)
