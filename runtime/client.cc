@@ -33,14 +33,17 @@ class LogErrors final : public kj::TaskSet::ErrorHandler {
 LogErrors gLogErrors;
 }  // namespace
 
-struct ClusterClient::Shared {
-  Shared(kj::AsyncIoContext& io, std::string token, kj::Own<RpcClient> rpc)
-      : io(io), token(std::move(token)), rpc(kj::mv(rpc)), controller(this->rpc->bootstrap<rpc::Controller>()),
-        tasks(kj::heap<kj::TaskSet>(gLogErrors)) {}
+struct ClusterClient::Shared : std::enable_shared_from_this<ClusterClient::Shared> {
+  Shared(kj::AsyncIoContext& io, std::string token, HostPort address, kj::Own<RpcClient> rpc)
+      : io(io), token(std::move(token)), address(std::move(address)), rpc(kj::mv(rpc)),
+        controller(this->rpc->bootstrap<rpc::Controller>()), tasks(kj::heap<kj::TaskSet>(gLogErrors)) {}
   kj::AsyncIoContext& io;
   std::string token;
+  HostPort address;
   kj::Own<RpcClient> rpc;
   rpc::Controller::Client controller;
+  uint64_t generation = 0;  // of `rpc`: each reconnect makes a new one
+  kj::Maybe<kj::ForkedPromise<void>> reconnecting;
   // Background work of this client and its handles. Tasks hold handles, and handles hold this
   // object, so ~ClusterClient cancels them first: an object must never be destroyed from
   // inside one of its own tasks (KJ aborts).
@@ -50,12 +53,98 @@ struct ClusterClient::Shared {
   std::string sessionId;
 
   kj::Promise<ActorRecord> waitActor(const ActorId& id, uint32_t minIncarnation, bool requireAlive, uint32_t timeoutMs) {
-    auto request = controller.waitActorRequest();
-    request.setId(id.hex());
-    request.setMinIncarnation(minIncarnation);
-    request.setRequireAlive(requireAlive);
-    request.setTimeoutMs(timeoutMs);
-    return request.send().then([](auto response) { return fromActorInfo(response.getActor()); });
+    return withController([id, minIncarnation, requireAlive, timeoutMs](rpc::Controller::Client& c) {
+      auto request = c.waitActorRequest();
+      request.setId(id.hex());
+      request.setMinIncarnation(minIncarnation);
+      request.setRequireAlive(requireAlive);
+      request.setTimeoutMs(timeoutMs);
+      return request.send().then([](auto response) { return fromActorInfo(response.getActor()); });
+    });
+  }
+
+  // Opens this client's session, or resumes it (same id) on a new connection.
+  kj::Promise<void> openSession() {
+    auto request = controller.openSessionRequest();
+    request.setResume(sessionId);
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    request.setInfo(fmt::format("{} pid {}", host, getpid()));
+    auto self = shared_from_this();
+    return request.send().then([self](auto response) {
+      self->session = response.getSession();
+      self->sessionId = response.getId().cStr();
+      // Resume at once when the controller goes, not at the next call: a worker may not call
+      // it again for hours, and a session nobody resumes ends with its actors.
+      std::weak_ptr<Shared> weak = self;
+      self->tasks->add(self->rpc->onDisconnect().then([weak, used = self->generation]() -> kj::Promise<void> {
+        if (auto alive = weak.lock()) return alive->reconnect(used);
+        return kj::READY_NOW;
+      }));
+    });
+  }
+
+  // Runs `call` on the controller. When the connection is lost (the controller restarted), it
+  // reconnects, resumes the session and runs `call` once more: every controller RPC is
+  // idempotent (ids are chosen by the client), so a call that did reach the old one is safe.
+  template <typename Fn>
+  auto withController(Fn call) -> decltype(call(std::declval<rpc::Controller::Client&>())) {
+    using P = decltype(call(std::declval<rpc::Controller::Client&>()));
+    auto self = shared_from_this();
+    uint64_t used = generation;
+    return kj::evalNow([&]() { return call(controller); })
+        .catch_([self, used, call](kj::Exception&& e) mutable -> P {
+          if (e.getType() != kj::Exception::Type::DISCONNECTED) return kj::mv(e);
+          return self->reconnect(used).then([self, call]() mutable { return call(self->controller); });
+        });
+  }
+
+  // One reconnect at a time, shared by every call that saw generation `failed` fail.
+  kj::Promise<void> reconnect(uint64_t failed) {
+    if (generation != failed) return kj::READY_NOW;
+    if (reconnecting == nullptr) {
+      auto self = shared_from_this();
+      auto deadline = kj::systemPreciseMonotonicClock().now() + kReconnectFor;
+      reconnecting = reconnectUntil(deadline)
+                         .then([self]() { self->reconnecting = nullptr; },
+                               [self](kj::Exception&& e) {
+                                 self->reconnecting = nullptr;
+                                 kj::throwFatalException(kj::mv(e));
+                               })
+                         .fork();
+    }
+    KJ_IF_MAYBE(r, reconnecting) { return r->addBranch(); }
+    KJ_UNREACHABLE;
+  }
+
+  static constexpr kj::Duration kReconnectFor = 60 * kj::SECONDS;
+
+  kj::Promise<void> reconnectUntil(kj::TimePoint deadline) {
+    auto self = shared_from_this();
+    return RpcClient::connect(io, address, token, 2 * kj::SECONDS)
+        .then([self](kj::Own<RpcClient> fresh) {
+          // Destroyed on a later turn: we may be inside one of its own callbacks.
+          self->tasks->add(kj::evalLater([old = kj::mv(self->rpc)]() {}));
+          self->rpc = kj::mv(fresh);
+          self->controller = self->rpc->bootstrap<rpc::Controller>();
+          ++self->generation;
+          return self->openSession();
+        })
+        .catch_([self, deadline](kj::Exception&& e) -> kj::Promise<void> {
+          // Only an unreachable controller is worth waiting for; a session the restarted
+          // controller already ended (NOT_FOUND) cannot come back: say so now.
+          if (e.getType() != kj::Exception::Type::DISCONNECTED && e.getType() != kj::Exception::Type::OVERLOADED) {
+            return kj::mv(e);
+          }
+          if (kj::systemPreciseMonotonicClock().now() >= deadline) {
+            return kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
+                                 kj::str("lost the connection to the controller at ", self->address.toString().c_str(),
+                                         " and could not reconnect within 60 s: ", e.getDescription()));
+          }
+          return self->io.provider->getTimer().afterDelay(200 * kj::MILLISECONDS).then([self, deadline]() {
+            return self->reconnectUntil(deadline);
+          });
+        });
   }
 };
 
@@ -328,14 +417,13 @@ kj::Promise<ActorRecord> ActorHandle::ready() {
 
 kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& io, const HostPort& controller,
                                                           std::string token) {
-  return RpcClient::connect(io, controller, token, 10 * kj::SECONDS).then([&io, token](kj::Own<RpcClient> rpc) {
-    auto shared = std::make_shared<Shared>(io, token, kj::mv(rpc));
-    return shared->controller.openSessionRequest().send().then([shared](auto response) {
-      shared->session = response.getSession();
-      shared->sessionId = response.getId().cStr();
-      return kj::Own<ClusterClient>(new ClusterClient(shared), kj::_::HeapDisposer<ClusterClient>::instance);
-    });
-  });
+  return RpcClient::connect(io, controller, token, 10 * kj::SECONDS)
+      .then([&io, token, controller](kj::Own<RpcClient> rpc) {
+        auto shared = std::make_shared<Shared>(io, token, controller, kj::mv(rpc));
+        return shared->openSession().then([shared]() {
+          return kj::Own<ClusterClient>(new ClusterClient(shared), kj::_::HeapDisposer<ClusterClient>::instance);
+        });
+      });
 }
 
 // Ends the session now (handles may keep `shared_` alive longer), so this client's
@@ -350,13 +438,16 @@ ClusterClient::~ClusterClient() {
 }
 
 kj::Promise<ActorHandle> ClusterClient::submitActor(ActorOptions options) {
-  auto request = shared_->controller.createActorRequest();
-  request.setId(ActorId::generate().hex());
-  toSpec(options, request.initSpec());
-  request.getSpec().setOwner(shared_->sessionId);
   auto shared = shared_;
-  return request.send().then([shared](auto response) {
-    return ActorHandle(connectionFor(shared, fromActorInfo(response.getActor())));
+  // The id is chosen once, so a retry after a reconnect finds the actor the first try made.
+  return shared_->withController([shared, id = ActorId::generate(), options](rpc::Controller::Client& c) {
+    auto request = c.createActorRequest();
+    request.setId(id.hex());
+    toSpec(options, request.initSpec());
+    request.getSpec().setOwner(shared->sessionId);
+    return request.send().then([shared](auto response) {
+      return ActorHandle(connectionFor(shared, fromActorInfo(response.getActor())));
+    });
   });
 }
 
@@ -367,11 +458,13 @@ kj::Promise<ActorHandle> ClusterClient::createActor(ActorOptions options) {
 }
 
 kj::Promise<ActorHandle> ClusterClient::getActor(const std::string& name) {
-  auto request = shared_->controller.getActorByNameRequest();
-  request.setName(name);
   auto shared = shared_;
-  return request.send().then([shared](auto response) {
-    return ActorHandle(connectionFor(shared, fromActorInfo(response.getActor())));
+  return shared_->withController([shared, name](rpc::Controller::Client& c) {
+    auto request = c.getActorByNameRequest();
+    request.setName(name);
+    return request.send().then([shared](auto response) {
+      return ActorHandle(connectionFor(shared, fromActorInfo(response.getActor())));
+    });
   });
 }
 
@@ -383,109 +476,136 @@ ActorHandle ClusterClient::actor(const ActorId& id) {
 
 kj::Promise<void> ClusterClient::reportActorReady(const ActorId& actor, uint32_t incarnation,
                                                  const std::string& address) {
-  auto request = shared_->controller.actorReadyRequest();
-  request.setId(actor.hex());
-  request.setIncarnation(incarnation);
-  request.setAddress(address);
-  request.setPid(getpid());
-  return request.send().ignoreResult();
+  return shared_->withController([actor, incarnation, address](rpc::Controller::Client& c) {
+    auto request = c.actorReadyRequest();
+    request.setId(actor.hex());
+    request.setIncarnation(incarnation);
+    request.setAddress(address);
+    request.setPid(getpid());
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<void> ClusterClient::kill(const ActorHandle& actor, bool noRestart) {
-  auto request = shared_->controller.killActorRequest();
-  request.setId(actor.id().hex());
-  request.setNoRestart(noRestart);
-  return request.send().ignoreResult();
+  return shared_->withController([id = actor.id(), noRestart](rpc::Controller::Client& c) {
+    auto request = c.killActorRequest();
+    request.setId(id.hex());
+    request.setNoRestart(noRestart);
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<ActorRecord> ClusterClient::actorInfo(const ActorId& id) { return shared_->waitActor(id, 0, false, 0); }
 
 kj::Promise<std::vector<ActorRecord>> ClusterClient::listActors() {
-  return shared_->controller.statusRequest().send().then([](auto response) {
-    std::vector<ActorRecord> out;
-    for (auto a : response.getActors()) out.push_back(fromActorInfo(a));
-    return out;
+  return shared_->withController([](rpc::Controller::Client& c) {
+    return c.statusRequest().send().then([](auto response) {
+      std::vector<ActorRecord> out;
+      for (auto a : response.getActors()) out.push_back(fromActorInfo(a));
+      return out;
+    });
   });
 }
 
 kj::Promise<std::vector<NodeRecord>> ClusterClient::listNodes() {
-  return shared_->controller.statusRequest().send().then([](auto response) {
-    std::vector<NodeRecord> out;
-    for (auto n : response.getNodes()) out.push_back(fromNodeInfo(n));
-    return out;
+  return shared_->withController([](rpc::Controller::Client& c) {
+    return c.statusRequest().send().then([](auto response) {
+      std::vector<NodeRecord> out;
+      for (auto n : response.getNodes()) out.push_back(fromNodeInfo(n));
+      return out;
+    });
   });
 }
 
 kj::Promise<PlacementGroupRecord> ClusterClient::createPlacementGroup(PlacementStrategy strategy,
                                                                       std::vector<Resources> bundles, std::string name) {
-  auto request = shared_->controller.createPlacementGroupRequest();
-  request.setId(PlacementGroupId::generate().hex());
-  request.setName(name);
-  request.setStrategy(placementStrategyName(strategy));
-  toBundles(bundles, request.initBundles(static_cast<unsigned>(bundles.size())));
-  return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  // The id is chosen once, so a retry after a reconnect cannot create a second group.
+  return shared_->withController([id = PlacementGroupId::generate(), strategy, bundles, name](rpc::Controller::Client& c) {
+    auto request = c.createPlacementGroupRequest();
+    request.setId(id.hex());
+    request.setName(name);
+    request.setStrategy(placementStrategyName(strategy));
+    toBundles(bundles, request.initBundles(static_cast<unsigned>(bundles.size())));
+    return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  });
 }
 
 kj::Promise<PlacementGroupRecord> ClusterClient::placementGroup(const PlacementGroupId& id) {
-  auto request = shared_->controller.getPlacementGroupRequest();
-  request.setId(id.hex());
-  return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  return shared_->withController([id](rpc::Controller::Client& c) {
+    auto request = c.getPlacementGroupRequest();
+    request.setId(id.hex());
+    return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  });
 }
 
 kj::Promise<void> ClusterClient::putGroup(const std::string& id, const std::string& doc) {
-  auto request = shared_->controller.putGroupRequest();
-  request.setId(id);
-  request.setDoc(doc);
-  return request.send().ignoreResult();
+  return shared_->withController([id, doc](rpc::Controller::Client& c) {
+    auto request = c.putGroupRequest();
+    request.setId(id);
+    request.setDoc(doc);
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<void> ClusterClient::groupEvent(const std::string& id, const std::string& text) {
-  auto request = shared_->controller.groupEventRequest();
-  request.setId(id);
-  request.setText(text);
-  return request.send().ignoreResult();
+  return shared_->withController([id, text](rpc::Controller::Client& c) {
+    auto request = c.groupEventRequest();
+    request.setId(id);
+    request.setText(text);
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<void> ClusterClient::removeGroup(const std::string& id) {
-  auto request = shared_->controller.removeGroupRequest();
-  request.setId(id);
-  return request.send().ignoreResult();
+  return shared_->withController([id](rpc::Controller::Client& c) {
+    auto request = c.removeGroupRequest();
+    request.setId(id);
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<std::optional<ElasticGroupRecord>> ClusterClient::group(const std::string& id) {
-  auto request = shared_->controller.getGroupRequest();
-  request.setId(id);
-  return request.send().then([](auto response) -> std::optional<ElasticGroupRecord> {
-    if (!response.getFound()) return std::nullopt;
-    auto g = response.getGroup();
-    ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
-    for (auto e : g.getEvents()) record.events.push_back(e.cStr());
-    return record;
+  return shared_->withController([id](rpc::Controller::Client& c) {
+    auto request = c.getGroupRequest();
+    request.setId(id);
+    return request.send().then([](auto response) -> std::optional<ElasticGroupRecord> {
+      if (!response.getFound()) return std::nullopt;
+      auto g = response.getGroup();
+      ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
+      for (auto e : g.getEvents()) record.events.push_back(e.cStr());
+      return record;
+    });
   });
 }
 
 kj::Promise<void> ClusterClient::removePlacementGroup(const PlacementGroupId& id) {
-  auto request = shared_->controller.removePlacementGroupRequest();
-  request.setId(id.hex());
-  return request.send().ignoreResult();
+  return shared_->withController([id](rpc::Controller::Client& c) {
+    auto request = c.removePlacementGroupRequest();
+    request.setId(id.hex());
+    return request.send().ignoreResult();
+  });
 }
 
 kj::Promise<PlacementGroupRecord> ClusterClient::addBundles(const PlacementGroupRecord& group,
                                                             std::vector<Resources> bundles) {
-  auto request = shared_->controller.addBundlesRequest();
-  request.setId(group.id.hex());
-  request.setFromIndex(static_cast<uint32_t>(group.bundles.size()));
-  toBundles(bundles, request.initBundles(static_cast<unsigned>(bundles.size())));
-  return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  return shared_->withController([group, bundles](rpc::Controller::Client& c) {
+    auto request = c.addBundlesRequest();
+    request.setId(group.id.hex());
+    request.setFromIndex(static_cast<uint32_t>(group.bundles.size()));
+    toBundles(bundles, request.initBundles(static_cast<unsigned>(bundles.size())));
+    return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  });
 }
 
 kj::Promise<PlacementGroupRecord> ClusterClient::removeBundles(const PlacementGroupId& id,
                                                                std::vector<uint32_t> indices) {
-  auto request = shared_->controller.removeBundlesRequest();
-  request.setId(id.hex());
-  auto list = request.initIndices(static_cast<unsigned>(indices.size()));
-  for (unsigned i = 0; i < indices.size(); ++i) list.set(i, indices[i]);
-  return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  return shared_->withController([id, indices](rpc::Controller::Client& c) {
+    auto request = c.removeBundlesRequest();
+    request.setId(id.hex());
+    auto list = request.initIndices(static_cast<unsigned>(indices.size()));
+    for (unsigned i = 0; i < indices.size(); ++i) list.set(i, indices[i]);
+    return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
+  });
 }
 
 }  // namespace troupe

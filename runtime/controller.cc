@@ -51,6 +51,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       : asyncIo_(asyncIo), io_(io), state_(std::move(state)), redis_(std::move(redis)), ttl_(ttl),
         reapInterval_(reapInterval), token_(std::move(token)), tasks_(*this) {
     tasks_.add(reapLoop());
+    tasks_.add(endUnresumedSessions());
   }
 
  protected:
@@ -327,18 +328,59 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   }
 
   kj::Promise<void> openSession(OpenSessionContext context) override {
-    std::string id = randomHex(8);
-    context.getResults().setId(id);
-    context.getResults().setSession(kj::heap<SessionImpl>(*this, id));
-    return kj::READY_NOW;
+    auto params = context.getParams();
+    std::string resume = params.getResume().cStr();
+    std::string info = params.getInfo().cStr();
+    std::string id = resume.empty() ? randomHex(8) : resume;
+    return onIo([id, resume, info](Controller::IoState& s) -> Result<bool> {
+             if (!resume.empty()) {
+               auto open = s.store->listSessions();
+               if (!open.isOk()) return open.status();
+               if (open->count(resume) == 0) {
+                 return Status(StatusCode::kNotFound,
+                               fmt::format("session {} has ended (it was not resumed in time after the controller "
+                                           "restarted): its actors were reclaimed; connect again",
+                                           resume));
+               }
+               return true;
+             }
+             TROUPE_RETURN_IF_ERROR(s.store->putSession(id, info));
+             return true;
+           })
+        .then([this, context, id](bool) mutable {
+          // A resume takes the session over from a connection the client has given up on.
+          uint64_t generation = ++sessionGeneration_;
+          attached_[id] = generation;
+          context.getResults().setId(id);
+          context.getResults().setSession(kj::heap<SessionImpl>(*this, id, generation));
+        });
+  }
+
+  // A restarted controller gives the drivers of the sessions in the store a grace period to
+  // resume them; then it ends the rest, as if their connections had broken.
+  kj::Promise<void> endUnresumedSessions() {
+    auto grace = std::max<int64_t>(10000, 3 * ttl_.count());
+    return asyncIo_.provider->getTimer().afterDelay(grace * kj::MILLISECONDS).then([this]() {
+      return onIo([](Controller::IoState& s) { return s.store->listSessions(); })
+          .then([this](std::map<std::string, std::string> open) {
+            for (const auto& [id, info] : open) {
+              if (attached_.count(id) != 0) continue;
+              TROUPE_LOG(kInfo, "session {} ({}) was not resumed after the restart: ending it", id, info);
+              sessionEnded(id);
+            }
+          });
+    });
   }
 
   // Called when a session's last reference is gone (dropped, or its connection broke).
   void sessionEnded(const std::string& owner) {
     if (!state_->serving) return;
+    attached_.erase(owner);
     tasks_.add(onIo([owner](Controller::IoState& s) -> Result<Actions> {
                  Actions actions;
                  TROUPE_RETURN_IF_ERROR(s.core.ownerGone(owner, actions));
+                 // Forgotten only once its actors are ended: a crash in between ends them again.
+                 TROUPE_RETURN_IF_ERROR(s.store->deleteSession(owner));
                  return actions;
                }).then([this](Actions actions) {
       notifyWaiters();
@@ -501,16 +543,19 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
 
   class SessionImpl final : public rpc::Session::Server {
    public:
-    SessionImpl(ControllerService& service, std::string id)
-        : service_(service), alive_(service.alive_), id_(std::move(id)) {}
+    SessionImpl(ControllerService& service, std::string id, uint64_t generation)
+        : service_(service), alive_(service.alive_), id_(std::move(id)), generation_(generation) {}
     ~SessionImpl() noexcept(false) {
-      if (*alive_) service_.sessionEnded(id_);
+      if (!*alive_) return;
+      auto it = service_.attached_.find(id_);
+      if (it != service_.attached_.end() && it->second == generation_) service_.sessionEnded(id_);
     }
 
    private:
     ControllerService& service_;
     std::shared_ptr<bool> alive_;  // false once the service is gone
     std::string id_;
+    uint64_t generation_;  // a resumed session's earlier connections end nothing
   };
 
   struct NodeConnection {
@@ -528,6 +573,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   std::map<NodeId, NodeConnection> nodes_;
   std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::map<std::string, uint64_t> attached_;  // sessions open on this controller -> generation
+  uint64_t sessionGeneration_ = 0;
   kj::TaskSet tasks_;
 
  public:

@@ -48,6 +48,7 @@ struct FakeClusterState {
   std::map<ActorId, ActorRecord> actors;
   std::map<std::string, ActorId> actorNames;
   std::map<PlacementGroupId, PlacementGroupRecord> placementGroups;
+  std::map<std::string, std::string> sessions;
   // Weak: a subscription that is destroyed simply stops receiving, like a closed connection.
   std::vector<std::weak_ptr<EventQueue>> subscribers;
 
@@ -384,6 +385,24 @@ class FakeClusterStore final : public ClusterStore {
     auto it = state_->placementGroups.find(id);
     if (it == state_->placementGroups.end()) return std::optional<PlacementGroupRecord>();
     return std::optional<PlacementGroupRecord>(it->second);
+  }
+
+  Status putSession(const std::string& id, const std::string& info) override {
+    if (id.empty()) return emptyArgument("session id");
+    std::lock_guard lock(state_->mutex);
+    state_->sessions[id] = info;
+    return Status::ok();
+  }
+
+  Status deleteSession(const std::string& id) override {
+    std::lock_guard lock(state_->mutex);
+    state_->sessions.erase(id);
+    return Status::ok();
+  }
+
+  Result<std::map<std::string, std::string>> listSessions() override {
+    std::lock_guard lock(state_->mutex);
+    return state_->sessions;
   }
 
   Status deletePlacementGroup(const PlacementGroupId& id) override {

@@ -9,6 +9,7 @@
 //                             sum (every name in total, 0 if unclaimed), rewritten by each script
 //                             that changes the claims or re-registers the node.
 //   P node_hb:<id>     string with a PX ttl: the heartbeat; its absence means the node missed it
+//   P sessions         hash  session id -> "host pid": drivers' open sessions (owners of actors)
 //   P store_run        hash  {run_id, since_ms}: the Redis process that serves, and since when (its
 //                             clock): nodes are not judged until it has served one heartbeat TTL
 //   P node_res:<id>    hash  holder -> JSON resources: the claims on the node (reserve/release)
@@ -1253,6 +1254,28 @@ class RedisClusterStore final : public ClusterStore {
     return std::optional<PlacementGroupRecord>(std::move(group).value());
   }
 
+  Status putSession(const std::string& id, const std::string& info) override {
+    if (id.empty()) return emptyArgument("session id");
+    auto reply = connection_.run({"HSET", sessionsKey(), id, info}, "putSession");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Status deleteSession(const std::string& id) override {
+    auto reply = connection_.run({"HDEL", sessionsKey(), id}, "deleteSession");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::map<std::string, std::string>> listSessions() override {
+    auto reply = connection_.run({"HGETALL", sessionsKey()}, "listSessions");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY || (*reply)->elements % 2 != 0) return unexpected("listSessions", **reply);
+    std::map<std::string, std::string> out;
+    for (size_t i = 0; i + 1 < (*reply)->elements; i += 2) {
+      out[replyText(*(*reply)->element[i])] = replyText(*(*reply)->element[i + 1]);
+    }
+    return out;
+  }
+
   Status deletePlacementGroup(const PlacementGroupId& id) override {
     if (id.empty()) return emptyArgument("placement group id");
     auto reply = connection_.run({"EVAL", kDeleteRecordScript, "2", placementGroupKey(id), placementGroupsKey(), id.hex()},
@@ -1452,6 +1475,7 @@ class RedisClusterStore final : public ClusterStore {
 
   std::string metaKey() const { return prefix_ + "meta"; }
   std::string storeRunKey() const { return prefix_ + "store_run"; }
+  std::string sessionsKey() const { return prefix_ + "sessions"; }
   std::string nodesKey() const { return prefix_ + "nodes"; }
   std::string nodeKeyPrefix() const { return prefix_ + "node:"; }
   std::string nodeKey(const NodeId& id) const { return nodeKeyPrefix() + id.hex(); }

@@ -136,8 +136,11 @@ interface Controller {
   getPlacementGroup @13 (id :Text) -> (group :PlacementGroupInfo);
 
   # A driver's session: its non-detached actors end when the session does (the client drops
-  # it or its connection breaks). The id goes into ActorSpec.owner.
-  openSession @14 () -> (session :Session, id :Text);
+  # it or its connection breaks). The id goes into ActorSpec.owner. Sessions are kept in the
+  # store: a client whose controller restarted resumes its session by id (`resume`), and a
+  # restarted controller ends the sessions nobody resumed within its grace period. `info`
+  # (host and pid) is shown by status. Resuming an ended session fails with NOT_FOUND.
+  openSession @14 (resume :Text, info :Text) -> (session :Session, id :Text);
 
   # Elastic groups: the driver records the group's document (replacing it) and events; a member's
   # death advances the group's epoch (done by the controller itself). removeGroup forgets the

@@ -213,6 +213,15 @@ class ClusterStore {
   // Removed groups are deleted rather than kept, so lists stay as short as the live groups.
   virtual Status deletePlacementGroup(const PlacementGroupId& id) = 0;
 
+  // ---- Driver sessions (the owners of non-detached actors) ----
+  // Records an open session, so a restarted controller knows whom to wait for; `info` is a
+  // short description for status (host, pid). Idempotent.
+  virtual Status putSession(const std::string& id, const std::string& info) = 0;
+  // Forgets an ended session; unknown ids are ignored.
+  virtual Status deleteSession(const std::string& id) = 0;
+  // The open sessions: id -> info.
+  virtual Result<std::map<std::string, std::string>> listSessions() = 0;
+
   // Opens a subscription to membership events (its own connection for Redis).
   virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
 
