@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -1329,6 +1330,88 @@ TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced an
         StatusCode::kInvalidArgument);
   CHECK(store->putRendezvousEntry("g", 1, 0, "x", 0ms).code() == StatusCode::kInvalidArgument);
   CHECK(store->getRendezvous("", 1).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE_TEMPLATE("listLiveActors skips DEAD actors; listActors shows them", Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  ActorRecord alive = sampleActor();
+  alive.state = ActorState::kAlive;
+  ActorRecord dead = sampleActor();
+  dead.state = ActorState::kDead;
+  REQUIRE(store->putActor(alive).isOk());
+  REQUIRE(store->putActor(dead).isOk());
+  auto live = store->listLiveActors();
+  REQUIRE(live.isOk());
+  REQUIRE(live->size() == 1);
+  CHECK((*live)[0].id == alive.id);
+  CHECK(store->listActors()->size() == 2);
+  // An actor that dies leaves the live index.
+  alive.state = ActorState::kDead;
+  REQUIRE(store->putActor(alive).isOk());
+  CHECK(store->listLiveActors()->empty());
+}
+
+TEST_CASE("Redis keeps only the newest DEAD actor records") {
+  testing::RedisServerProcess server;
+  auto options = server.options("test");
+  options.keepDeadActors = 3;
+  auto store = connectRedisStore(options);
+  REQUIRE(store.isOk());
+  ActorRecord keeper = sampleActor();
+  keeper.state = ActorState::kAlive;
+  REQUIRE((*store)->putActor(keeper).isOk());
+  std::vector<ActorId> dead;
+  for (int i = 0; i < 8; ++i) {
+    ActorRecord a = sampleActor();
+    a.state = ActorState::kDead;
+    a.updatedMs = 1000 + i;
+    dead.push_back(a.id);
+    REQUIRE((*store)->putActor(a).isOk());
+  }
+  auto all = (*store)->listActors();
+  REQUIRE(all.isOk());
+  REQUIRE(all->size() == 4);  // the live one and the newest three DEAD
+  std::set<ActorId> shown;
+  for (const auto& a : *all) shown.insert(a.id);
+  CHECK(shown.count(keeper.id) == 1);
+  for (int i = 5; i < 8; ++i) CHECK(shown.count(dead[i]) == 1);
+  for (int i = 0; i < 5; ++i) CHECK(!(*(*store)->getActor(dead[i])).has_value());
+  CHECK((*store)->listLiveActors()->size() == 1);
+}
+
+
+TEST_CASE("Redis keeps only the newest DEAD node records, and a node that comes back is kept") {
+  testing::RedisServerProcess server;
+  auto options = server.options("test");
+  options.keepDeadNodes = 2;
+  auto store = connectRedisStore(options);
+  REQUIRE(store.isOk());
+  std::vector<NodeRecord> nodes;
+  for (int i = 0; i < 5; ++i) {
+    nodes.push_back(sampleNode(fmt::format("w{}", i)));
+    REQUIRE((*store)->registerNode(nodes.back(), std::chrono::seconds(30)).isOk());
+  }
+  auto counts = [&]() {
+    std::map<NodeState, int> n;
+    auto listed = (*store)->listNodes();
+    REQUIRE(listed.isOk());
+    for (const auto& node : *listed) n[node.state]++;
+    return n;
+  };
+  for (int i = 0; i < 3; ++i) REQUIRE((*store)->markNodeDead(nodes[i].id, "test").isOk());
+  CHECK(counts()[NodeState::kDead] == 2);  // one of the three records is gone
+  CHECK(counts()[NodeState::kAlive] == 2);
+  // Node 3 dies and comes back: once ALIVE again it is not counted (or deleted) as DEAD.
+  REQUIRE((*store)->markNodeDead(nodes[3].id, "test").isOk());
+  REQUIRE((*store)->registerNode(nodes[3], std::chrono::seconds(30)).isOk());
+  REQUIRE((*store)->markNodeDead(nodes[4].id, "test").isOk());
+  CHECK(counts()[NodeState::kDead] == 2);
+  CHECK(counts()[NodeState::kAlive] == 1);
+  auto back = (*store)->getNode(nodes[3].id);
+  REQUIRE(back.isOk());
+  REQUIRE(back->has_value());
+  CHECK((*back)->state == NodeState::kAlive);
 }
 
 }  // namespace

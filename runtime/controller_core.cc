@@ -56,7 +56,7 @@ Status ControllerCore::place(ActorRecord& actor) {
       return Status(StatusCode::kUnavailable, fmt::format("pending: bundle {} of group {} is not placed yet", actor.bundleIndex, pg.id.hex()));
     }
     // The bundle's claim covers every actor in it; check what the others already use.
-    auto all = store_.listActors();
+    auto all = store_.listLiveActors();
     if (!all.isOk()) return all.status();
     Resources used;
     for (const auto& other : *all) {
@@ -238,7 +238,7 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
       TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
     }
   }
-  auto actors = store_.listActors();
+  auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
   for (const auto& actor : *actors) {
     if (actor.state == ActorState::kDead || actor.nodeId.empty() || !dead.count(actor.nodeId)) continue;
@@ -249,7 +249,7 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
 
 Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAction>& actions) {
   if (owner.empty()) return Status::ok();
-  auto actors = store_.listActors();
+  auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
   for (const auto& actor : *actors) {
     if (actor.owner != owner || actor.detached || actor.state == ActorState::kDead) continue;
@@ -270,7 +270,7 @@ Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
   }
   if (dead.empty()) return Status::ok();
   std::set<NodeId> affected;
-  auto actors = store_.listActors();
+  auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
   for (const auto& a : *actors) {
     if (a.state != ActorState::kDead && dead.count(a.nodeId)) affected.insert(a.nodeId);
@@ -397,7 +397,7 @@ Status ControllerCore::releaseBundles(PlacementGroupRecord& group, const std::ve
   }
   if (removing.empty()) return Status::ok();
   // Actors in removed bundles end first (no restart: their bundle is gone).
-  auto actors = store_.listActors();
+  auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
   for (const auto& actor : *actors) {
     if (actor.placementGroup == group.id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
@@ -440,7 +440,7 @@ Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
     }
     TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
   }
-  auto actors = store_.listActors();
+  auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
   for (auto actor : *actors) {
     bool waiting = (actor.state == ActorState::kPending || actor.state == ActorState::kRestarting) && actor.nodeId.empty();

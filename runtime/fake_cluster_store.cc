@@ -348,6 +348,16 @@ class FakeClusterStore final : public ClusterStore {
     return actors;
   }
 
+  Result<std::vector<ActorRecord>> listLiveActors() override {
+    auto all = listActors();
+    if (!all.isOk()) return all;
+    std::vector<ActorRecord> live;
+    for (auto& a : *all) {
+      if (a.state != ActorState::kDead) live.push_back(std::move(a));
+    }
+    return live;
+  }
+
   Result<bool> claimActorName(const std::string& name, const ActorId& id) override {
     TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
     std::lock_guard lock(state_->mutex);

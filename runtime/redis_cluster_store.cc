@@ -18,6 +18,11 @@
 //                             restarts, max_restarts, max_task_retries, detached, owner, resources (JSON),
 //                             init_args (raw bytes), placement_group, bundle_index, death_reason,
 //                             created_ms, updated_ms}
+//   P dead_nodes       zset  the ids of DEAD nodes scored by death time: the newest
+//                             RedisOptions::keepDeadNodes are kept, older records deleted
+//   P live_actors      zset  the ids of actors not DEAD, scored by created_ms (what scans read)
+//   P dead_actors      zset  the ids of DEAD actors scored by updated_ms: the newest
+//                             RedisOptions::keepDeadActors are kept, older records deleted
 //   P actor_name:<name> string: the id of the actor holding the name
 //   P pgs              zset  placement group ids scored by created_ms
 //   P pg:<id>          hash  {id, name, strategy, state, pending_reason, created_ms,
@@ -427,12 +432,13 @@ local function recomputeUsed(nodeKey, claimsKey)
 end
 )lua";
 
-// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash.
+// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash, dead-nodes zset.
 // ARGV: ttl ms, registered ms, node id, events channel, NODE_ADDED message, then the hash's
 // field/value pairs. Re-registering overwrites every field, so it is idempotent. A node that
 // still holds claims (re-registered without restarting) keeps `used` equal to their sum.
 constexpr const char* kRegisterBody = R"lua(
 storeUpMs(KEYS[5])
+redis.call('ZREM', KEYS[6], ARGV[3])
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 if redis.call('EXISTS', KEYS[4]) == 1 then recomputeUsed(KEYS[1], KEYS[4]) end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
@@ -458,6 +464,22 @@ local function storeUpMs(runKey)
 end
 )lua";
 
+// Records that node `id` died, and deletes the oldest DEAD nodes beyond `keep` (their hash and
+// claims), so listings and reaps cost what is alive plus a bounded history.
+constexpr const char* kBuryNodeLua = R"lua(
+local function buryNode(deadKey, nodesKey, nodePrefix, claimsPrefix, id, now, keep)
+  redis.call('ZADD', deadKey, now, id)
+  local extra = redis.call('ZCARD', deadKey) - keep
+  if extra > 0 then
+    for _, old in ipairs(redis.call('ZRANGE', deadKey, 0, extra - 1)) do
+      redis.call('DEL', nodePrefix .. old, claimsPrefix .. old)
+      redis.call('ZREM', nodesKey, old)
+    end
+    redis.call('ZREMRANGEBYRANK', deadKey, 0, extra - 1)
+  end
+end
+)lua";
+
 // KEYS: node hash, heartbeat key, store-run hash. ARGV: ttl ms, now ms.
 // A node that is unknown or DEAD must not be revived by a late heartbeat: return 0, write nothing.
 constexpr const char* kHeartbeatBody = R"lua(
@@ -468,8 +490,8 @@ redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2], 'heartbeat_ttl_ms', AR
 return 1
 )lua";
 
-// KEYS: nodes zset, store-run hash. ARGV: node hash prefix, heartbeat key prefix, events
-// channel, now ms.
+// KEYS: nodes zset, store-run hash, dead-nodes zset. ARGV: node hash prefix, heartbeat key
+// prefix, events channel, now ms, claims prefix, DEAD nodes to keep.
 // The keys it touches depend on the zset's contents, so they cannot all be declared in KEYS;
 // fine for a single Redis (not Redis Cluster).
 // Missed heartbeats are deaths only while the store could take them: a node is judged only
@@ -477,8 +499,6 @@ return 1
 // for a whole heartbeat TTL. So a Redis restarted from its AOF (expired heartbeat keys come
 // back), a stalled Redis (a reap that waited in its queue) and a controller that was away
 // leave every node a TTL to beat again.
-// TODO(perf): walks every node ever registered; keep a set of ALIVE ids once clusters see
-// thousands of node restarts.
 constexpr const char* kReapBody = R"lua(
 local now = tonumber(ARGV[4])
 local up = storeUpMs(KEYS[2])
@@ -505,17 +525,22 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     table.insert(dead, id)
   end
 end
+for _, id in ipairs(dead) do
+  buryNode(KEYS[3], KEYS[1], ARGV[1], ARGV[5], id, now, tonumber(ARGV[6]))
+end
 return dead
 )lua";
 
-// KEYS: node hash, heartbeat key. ARGV: events channel, node id, reason, now ms.
+// KEYS: node hash, heartbeat key, nodes zset, dead-nodes zset. ARGV: events channel, node id,
+// reason, now ms, node hash prefix, claims prefix, DEAD nodes to keep.
 // Returns -1 for an unknown node, 0 when it was already DEAD (nothing written or published).
-constexpr const char* kMarkDeadScript = R"lua(
+constexpr const char* kMarkDeadBody = R"lua(
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return -1 end
 if state ~= 'ALIVE' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'DEAD', 'death_reason', ARGV[3])
 redis.call('DEL', KEYS[2])
+buryNode(KEYS[4], KEYS[3], ARGV[5], ARGV[6], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[7]))
 redis.call('PUBLISH', ARGV[1], cjson.encode({type = 'NODE_DEAD', node_id = ARGV[2],
                                              reason = ARGV[3], time_ms = tonumber(ARGV[4])}))
 return 1
@@ -613,6 +638,31 @@ redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 return 1
 )lua";
 
+// KEYS: actor hash, actors zset, live-actors zset, dead-actors zset.
+// ARGV: created ms, id, state, keep, updated ms, actor hash prefix, then the hash's field/value
+// pairs. Live actors are indexed on their own, so the controller's scans cost what is alive,
+// not the history; only the newest `keep` DEAD actors are kept (for status), older ones deleted.
+constexpr const char* kPutActorScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[3] ~= 'DEAD' then
+  redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
+  return 1
+end
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[2])
+local extra = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[4])
+if extra > 0 then
+  for _, old in ipairs(redis.call('ZRANGE', KEYS[4], 0, extra - 1)) do
+    redis.call('DEL', ARGV[6] .. old)
+    redis.call('ZREM', KEYS[2], old)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, extra - 1)
+end
+return 1
+)lua";
+
 // KEYS: name key. ARGV: actor id. 1 when the name was free or already this actor's, so a
 // retried claim whose first reply was lost still reports success.
 constexpr const char* kClaimNameScript = R"lua(
@@ -685,7 +735,11 @@ const std::string& heartbeatScript() {
   return script;
 }
 const std::string& reapScript() {
-  static const std::string script = std::string(kStoreUpLua) + kReapBody;
+  static const std::string script = std::string(kStoreUpLua) + kBuryNodeLua + kReapBody;
+  return script;
+}
+const std::string& markDeadScript() {
+  static const std::string script = std::string(kBuryNodeLua) + kMarkDeadBody;
   return script;
 }
 const std::string& reserveScript() {
@@ -978,12 +1032,13 @@ class RedisClusterStore final : public ClusterStore {
     std::vector<std::string> args = {
         "EVAL",
         registerScript(),
-        "5",
+        "6",
         nodeKey(node.id),
         nodesKey(),
         heartbeatKey(node.id),
         claimsKey(node.id),
         storeRunKey(),
+        deadNodesKey(),
         std::to_string(ttl.count()),
         std::to_string(registeredMs),
         node.id.hex(),
@@ -1048,9 +1103,9 @@ class RedisClusterStore final : public ClusterStore {
   }
 
   Result<std::vector<NodeId>> reapExpiredNodes() override {
-    auto reply = connection_.run({"EVAL", reapScript(), "2", nodesKey(), storeRunKey(), nodeKeyPrefix(),
-                                  heartbeatKeyPrefix(), eventsChannel(),
-                                  std::to_string(wallClockMs())},
+    auto reply = connection_.run({"EVAL", reapScript(), "3", nodesKey(), storeRunKey(), deadNodesKey(), nodeKeyPrefix(),
+                                  heartbeatKeyPrefix(), eventsChannel(), std::to_string(wallClockMs()),
+                                  claimsKeyPrefix(), std::to_string(options_.keepDeadNodes)},
                                  "reapExpiredNodes");
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("reapExpiredNodes", **reply);
@@ -1063,9 +1118,9 @@ class RedisClusterStore final : public ClusterStore {
 
   Status markNodeDead(const NodeId& id, const std::string& reason) override {
     if (id.empty()) return emptyId();
-    auto reply = connection_.run({"EVAL", kMarkDeadScript, "2", nodeKey(id), heartbeatKey(id),
-                                  eventsChannel(), id.hex(), reason,
-                                  std::to_string(wallClockMs())},
+    auto reply = connection_.run({"EVAL", markDeadScript(), "4", nodeKey(id), heartbeatKey(id), nodesKey(),
+                                  deadNodesKey(), eventsChannel(), id.hex(), reason, std::to_string(wallClockMs()),
+                                  nodeKeyPrefix(), claimsKeyPrefix(), std::to_string(options_.keepDeadNodes)},
                                  "markNodeDead");
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("markNodeDead", **reply);
@@ -1133,12 +1188,18 @@ class RedisClusterStore final : public ClusterStore {
     if (actor.id.empty()) return emptyArgument("actor id");
     std::vector<std::string> args = {
         "EVAL",
-        kPutRecordScript,
-        "2",
+        kPutActorScript,
+        "4",
         actorKey(actor.id),
         actorsKey(),
+        liveActorsKey(),
+        deadActorsKey(),
         std::to_string(actor.createdMs),
         actor.id.hex(),
+        actorStateName(actor.state),
+        std::to_string(options_.keepDeadActors),
+        std::to_string(actor.updatedMs != 0 ? actor.updatedMs : wallClockMs()),
+        actorKeyPrefix(),
         "id", actor.id.hex(),
         "type", actor.type,
         "name", actor.name,
@@ -1176,9 +1237,13 @@ class RedisClusterStore final : public ClusterStore {
     return std::optional<ActorRecord>(std::move(actor).value());
   }
 
-  Result<std::vector<ActorRecord>> listActors() override {
-    auto reply = connection_.run({"EVAL", kListScript, "1", actorsKey(), actorKeyPrefix()},
-                                 "listActors");
+  Result<std::vector<ActorRecord>> listActors() override { return listActorsIn(actorsKey(), "listActors"); }
+  Result<std::vector<ActorRecord>> listLiveActors() override {
+    return listActorsIn(liveActorsKey(), "listLiveActors");
+  }
+
+  Result<std::vector<ActorRecord>> listActorsIn(const std::string& index, const char* what) {
+    auto reply = connection_.run({"EVAL", kListScript, "1", index, actorKeyPrefix()}, what);
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listActors", **reply);
     std::vector<ActorRecord> actors;
@@ -1476,6 +1541,10 @@ class RedisClusterStore final : public ClusterStore {
   std::string metaKey() const { return prefix_ + "meta"; }
   std::string storeRunKey() const { return prefix_ + "store_run"; }
   std::string sessionsKey() const { return prefix_ + "sessions"; }
+  std::string liveActorsKey() const { return prefix_ + "live_actors"; }
+  std::string deadNodesKey() const { return prefix_ + "dead_nodes"; }
+  std::string claimsKeyPrefix() const { return prefix_ + "node_res:"; }
+  std::string deadActorsKey() const { return prefix_ + "dead_actors"; }
   std::string nodesKey() const { return prefix_ + "nodes"; }
   std::string nodeKeyPrefix() const { return prefix_ + "node:"; }
   std::string nodeKey(const NodeId& id) const { return nodeKeyPrefix() + id.hex(); }

@@ -197,8 +197,12 @@ class ClusterStore {
   // Writes the whole record (the controller is the single writer).
   virtual Status putActor(const ActorRecord& actor) = 0;
   virtual Result<std::optional<ActorRecord>> getActor(const ActorId& id) = 0;
-  // Every actor ever created, sorted by creation time.
+  // The actors not DEAD and the newest DEAD ones (older DEAD records are deleted; Redis keeps
+  // RedisOptions::keepDeadActors), sorted by creation time: what status shows.
   virtual Result<std::vector<ActorRecord>> listActors() = 0;
+  // Only the actors not DEAD, sorted by creation time: what the controller scans, so its cost
+  // follows what is alive, not the cluster's history.
+  virtual Result<std::vector<ActorRecord>> listLiveActors() = 0;
   // Claims `name` for `id`: true if it was free or already `id`'s, false if another actor has it.
   virtual Result<bool> claimActorName(const std::string& name, const ActorId& id) = 0;
   // Frees `name` if `id` holds it.
@@ -271,6 +275,10 @@ struct RedisOptions {
   // Non-empty: host:port is the head's store gateway (store_gateway.h), not Redis. The
   // connection proves this cluster token and the gateway authenticates to Redis; no password.
   std::string gatewayToken;
+  // DEAD actor records kept for status (the newest); older ones are deleted.
+  size_t keepDeadActors = 1000;
+  // The same for DEAD nodes.
+  size_t keepDeadNodes = 1000;
 };
 
 // Connects and authenticates. Errors: kUnavailable (cannot reach it), kUnauthenticated (wrong
