@@ -1,5 +1,6 @@
 #include "handshake.h"
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -120,6 +121,24 @@ kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Pu
   });
 }
 
+namespace {
+// The peer's address without its port ("?" if unknown), as per-source limits count it.
+std::string peerHost(kj::AsyncIoStream& stream) {
+  sockaddr_storage addr{};
+  uint length = sizeof addr;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.getpeername(reinterpret_cast<sockaddr*>(&addr), &length); })) {
+    return "?";
+  }
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, text, sizeof text);
+  } else if (addr.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr, text, sizeof text);
+  }
+  return text;
+}
+}  // namespace
+
 Acceptor::Acceptor(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                    Purpose purpose, std::string what, Serve serve)
     : io_(io), listener_(kj::mv(listener)), port_(static_cast<int>(listener_->getPort())), token_(kj::mv(token)),
@@ -131,37 +150,84 @@ Acceptor::Acceptor(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> liste
 Acceptor::~Acceptor() noexcept(false) = default;
 
 kj::Promise<void> Acceptor::acceptLoop() {
-  return listener_->accept().then(
+  // accept() may throw at once (EMFILE when a descriptor is at hand): that must reach the
+  // handler below too, or the loop would end.
+  return kj::evalNow([this]() { return listener_->accept(); }).then(
       [this](kj::Own<kj::AsyncIoStream> stream) {
         setNoDelay(*stream);
-        tasks_.add(admit(kj::mv(stream)));
+        std::string source = peerHost(*stream);
+        if (pending_[source] >= kMaxPendingPerSource) {
+          noteRefused(fmt::format("closed a connection from {}: it already has {} connections in the handshake",
+                                  source, kMaxPendingPerSource));
+        } else {
+          ++pending_[source];
+          tasks_.add(admit(kj::mv(stream), source));
+        }
         return acceptLoop();
       },
       [this](kj::Exception&& e) -> kj::Promise<void> {
         // Out of descriptors, or a transient error: serving stops only with this object.
-        TROUPE_LOG(kWarning, "{}: accept failed ({}); retrying in 100 ms", what_, e.getDescription().cStr());
+        auto now = std::chrono::steady_clock::now();
+        if (now - lastAcceptFailureLog_ >= std::chrono::seconds(10)) {
+          TROUPE_LOG(kWarning, "{}: accept failed ({}); retrying every 100 ms", what_, e.getDescription().cStr());
+          lastAcceptFailureLog_ = now;
+        }
         return io_.provider->getTimer().afterDelay(100 * kj::MILLISECONDS).then([this]() { return acceptLoop(); });
       });
 }
 
-kj::Promise<void> Acceptor::admit(kj::Own<kj::AsyncIoStream> stream) {
+kj::Promise<void> Acceptor::admit(kj::Own<kj::AsyncIoStream> stream, std::string source) {
+  // The source's handshake slot: given back when the handshake ends, however it ends.
+  struct Slot {
+    Slot(std::map<std::string, int>& p, std::string s) : pending(p), source(std::move(s)) {}
+    Slot(const Slot&) = delete;
+    std::map<std::string, int>& pending;
+    std::string source;
+    bool held = true;
+    void release() {
+      if (held && --pending[source] <= 0) pending.erase(source);
+      held = false;
+    }
+    ~Slot() { release(); }
+  };
+  auto slot = kj::heap<Slot>(pending_, source);
+  auto* held = slot.get();
   return io_.provider->getTimer()
       .timeoutAfter(kHandshakeTimeout, acceptStream(kj::mv(stream), token_, purpose_, tls_.get()))
       .then(
-          [this](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) -> kj::Promise<void> {
+          [this, source, held](kj::Maybe<kj::Own<kj::AsyncIoStream>> served) -> kj::Promise<void> {
+            held->release();  // authenticated or refused, it no longer counts against its source
             KJ_IF_MAYBE(s, served) { return serve_(kj::mv(*s)); }
-            ++refused_;
-            TROUPE_LOG(kWarning, "{}: refused a connection that could not prove the cluster token{}", what_,
-                       tls_ ? " or did not speak TLS" : "");
+            noteRefused(fmt::format("refused a connection from {} that could not prove the cluster token{}", source,
+                                    tls_ ? " or did not speak TLS" : ""));
             return kj::READY_NOW;
           },
-          [this](kj::Exception&& e) -> kj::Promise<void> {
+          [this, source](kj::Exception&& e) -> kj::Promise<void> {
             // Timed out or the peer closed mid-handshake: the stream is dropped (closed).
-            ++refused_;
-            TROUPE_LOG(kWarning, "{}: closed a connection that did not complete the token handshake: {}", what_,
-                       e.getDescription().cStr());
+            noteRefused(fmt::format("closed a connection from {} that did not complete the token handshake: {}",
+                                    source, e.getDescription().cStr()));
             return kj::READY_NOW;
-          });
+          })
+      .attach(kj::mv(slot));
+}
+
+void Acceptor::noteRefused(const std::string& why) {
+  ++refused_;
+  constexpr uint64_t kLogFirst = 5;
+  constexpr auto kInterval = std::chrono::seconds(10);
+  auto now = std::chrono::steady_clock::now();
+  if (refused_ <= kLogFirst) {
+    TROUPE_LOG(kWarning, "{}: {}", what_, why);
+    lastRefusalLog_ = now;
+    return;
+  }
+  ++unloggedRefusals_;
+  if (now - lastRefusalLog_ >= kInterval) {
+    TROUPE_LOG(kWarning, "{}: refused {} more connections in the last {} s (latest: {})", what_, unloggedRefusals_,
+               std::chrono::duration_cast<std::chrono::seconds>(now - lastRefusalLog_).count(), why);
+    unloggedRefusals_ = 0;
+    lastRefusalLog_ = now;
+  }
 }
 
 void Acceptor::taskFailed(kj::Exception&& e) {

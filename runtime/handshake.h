@@ -16,6 +16,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <chrono>
+#include <map>
 #include <string>
 
 #include <kj/async-io.h>
@@ -61,10 +63,16 @@ class Acceptor final : private kj::TaskSet::ErrorHandler {
   int port() const { return port_; }
   // Connections closed without passing the handshake (tests check it).
   uint64_t refused() const { return refused_; }
+  // At most this many connections from one address may be in the handshake at once (each has
+  // kHandshakeTimeout to finish); more are closed at once, so one host cannot take every
+  // descriptor of a server.
+  static constexpr int kMaxPendingPerSource = 16;
 
  private:
   kj::Promise<void> acceptLoop();
-  kj::Promise<void> admit(kj::Own<kj::AsyncIoStream> stream);
+  kj::Promise<void> admit(kj::Own<kj::AsyncIoStream> stream, std::string source);
+  // Counts a refusal; logs the first few, then one line per interval with how many more.
+  void noteRefused(const std::string& why);
   void taskFailed(kj::Exception&& e) override;
 
   kj::AsyncIoContext& io_;
@@ -76,6 +84,11 @@ class Acceptor final : private kj::TaskSet::ErrorHandler {
   Serve serve_;
   kj::Own<tls::Streams> tls_;  // set when this process serves a --tls cluster
   uint64_t refused_ = 0;
+  // Connections still in the handshake, per source address: one host cannot hold them all.
+  std::map<std::string, int> pending_;
+  uint64_t unloggedRefusals_ = 0;
+  std::chrono::steady_clock::time_point lastRefusalLog_{};
+  std::chrono::steady_clock::time_point lastAcceptFailureLog_{};
   kj::TaskSet tasks_;
 };
 

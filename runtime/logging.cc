@@ -1,6 +1,7 @@
 #include "troupe/runtime/logging.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@ struct Sink {
   std::mutex mutex;
   int fd = -1;
   bool alsoStderr = true;
+  bool stderrIsLog = false;  // a daemon's stderr is its log file: warnings are not written twice
   std::string processName = "troupe";
 };
 
@@ -72,6 +74,9 @@ bool openLogFile(const std::string& path, bool alsoStderr) {
   if (sink().fd >= 0) ::close(sink().fd);
   sink().fd = fd;
   sink().alsoStderr = alsoStderr;
+  struct stat logStat {}, errStat {};
+  sink().stderrIsLog = ::fstat(fd, &logStat) == 0 && ::fstat(2, &errStat) == 0 && logStat.st_dev == errStat.st_dev &&
+                       logStat.st_ino == errStat.st_ino;
   return true;
 }
 
@@ -89,7 +94,7 @@ void logLine(LogLevel level, const char* file, int line, std::string_view messag
                                  tm.tm_hour, tm.tm_min, tm.tm_sec, ms % 1000, s.processName,
                                  getpid(), static_cast<long>(syscall(SYS_gettid)), base, line, message);
   if (s.fd >= 0) writeAll(s.fd, text);
-  if (s.fd < 0 || s.alsoStderr || level >= LogLevel::kWarning) writeAll(2, text);
+  if (s.fd < 0 || ((s.alsoStderr || level >= LogLevel::kWarning) && !s.stderrIsLog)) writeAll(2, text);
 }
 
 }  // namespace troupe
