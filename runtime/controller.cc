@@ -9,6 +9,7 @@
 #include "troupe.capnp.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/resources.h"
 
 namespace troupe {
 
@@ -66,6 +67,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     if (node.id.empty() || node.address.empty()) {
       throwStatus(Status(StatusCode::kInvalidArgument, "registerNode needs a node id and an address"));
     }
+    if (auto s = checkResources(node.total, fmt::format("node {}", node.id.hex())); !s.isOk()) throwStatus(s);
     node.state = NodeState::kAlive;
     node.deathReason.clear();
     node.registeredMs = node.lastHeartbeatMs = wallClockMs();
@@ -189,6 +191,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     actor.type = spec.getType().cStr();
     actor.name = spec.getName().cStr();
     actor.resources = fromResources(spec.getResources());
+    if (auto s = checkResources(actor.resources, fmt::format("actor {}", actor.type)); !s.isOk()) throwStatus(s);
     actor.maxRestarts = spec.getMaxRestarts();
     actor.maxTaskRetries = spec.getMaxTaskRetries();
     actor.detached = spec.getDetached();
@@ -278,6 +281,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     group.name = p.getName().cStr();
     group.strategy = valueOrThrow(parsePlacementStrategy(p.getStrategy().cStr()));
     for (auto b : p.getBundles()) group.bundles.push_back(Bundle{fromResources(b.getResources()), NodeId()});
+    for (const auto& b : group.bundles) {
+      if (auto s = checkResources(b.resources, "placement group bundle"); !s.isOk()) throwStatus(s);
+    }
     return onIo([group](Controller::IoState& s) { return s.core.createPlacementGroup(group); })
         .then([context](PlacementGroupRecord created) mutable {
           toPlacementGroupInfo(created, context.getResults().initGroup());
@@ -302,6 +308,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     PlacementGroupId id(p.getId().cStr());
     std::vector<Resources> bundles;
     for (auto b : p.getBundles()) bundles.push_back(fromResources(b.getResources()));
+    for (const auto& b : bundles) {
+      if (auto s = checkResources(b, "placement group bundle"); !s.isOk()) throwStatus(s);
+    }
     uint32_t from = p.getFromIndex();
     return onIo([id, bundles, from](Controller::IoState& s) { return s.core.addBundles(id, bundles, from); })
         .then([context](PlacementGroupRecord group) mutable {

@@ -73,6 +73,10 @@ int main(int argc, char** argv) {
   options.resources = detectLocalResources();
   if (numCpus >= 0) options.resources["CPU"] = numCpus;
   for (const auto& [name, qty] : *custom) options.resources[name] = qty;
+  if (auto s = checkResources(options.resources, "--num-cpus/--resources"); !s.isOk()) {
+    TROUPE_LOG(kError, "{}", s.message());
+    return 2;
+  }
 
   captureStopSignals();
   kj::UnixEventPort::captureChildExit();

@@ -1094,9 +1094,12 @@ class RedisClusterStore final : public ClusterStore {
     nodes.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], nodeKeyPrefix() + "*");
-      if (!fields) return fields.status();
-      auto node = decodeNode(*fields, nodeKeyPrefix() + (*fields)["id"]);
-      if (!node) return node.status();
+      auto node = fields ? decodeNode(*fields, nodeKeyPrefix() + (*fields)["id"]) : Result<NodeRecord>(fields.status());
+      // One bad record must not hide the others (nor stop status and the controller).
+      if (!node) {
+        skipMalformed(node.status());
+        continue;
+      }
       nodes.push_back(std::move(node).value());
     }
     return nodes;
@@ -1250,9 +1253,11 @@ class RedisClusterStore final : public ClusterStore {
     actors.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], actorKeyPrefix() + "*");
-      if (!fields) return fields.status();
-      auto actor = decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]);
-      if (!actor) return actor.status();
+      auto actor = fields ? decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]) : Result<ActorRecord>(fields.status());
+      if (!actor) {
+        skipMalformed(actor.status());
+        continue;
+      }
       actors.push_back(std::move(actor).value());
     }
     return actors;
@@ -1358,9 +1363,12 @@ class RedisClusterStore final : public ClusterStore {
     groups.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], placementGroupKeyPrefix() + "*");
-      if (!fields) return fields.status();
-      auto group = decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"]);
-      if (!group) return group.status();
+      auto group = fields ? decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"])
+                          : Result<PlacementGroupRecord>(fields.status());
+      if (!group) {
+        skipMalformed(group.status());
+        continue;
+      }
       groups.push_back(std::move(group).value());
     }
     return groups;
@@ -1537,6 +1545,14 @@ class RedisClusterStore final : public ClusterStore {
     }
     return Status::ok();
   }
+
+  // Logs a record a listing skipped, once per distinct message (listings repeat every tick).
+  void skipMalformed(const Status& why) {
+    if (skipped_.insert(why.message()).second && skipped_.size() < 1000) {
+      TROUPE_LOG(kWarning, "skipping a record: {}", why.message());
+    }
+  }
+  std::set<std::string> skipped_;
 
   std::string metaKey() const { return prefix_ + "meta"; }
   std::string storeRunKey() const { return prefix_ + "store_run"; }

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <cmath>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -36,6 +37,17 @@ Resources detectLocalResources() {
   return r;
 }
 
+Status checkResources(const Resources& resources, const std::string& what) {
+  for (const auto& [name, qty] : resources) {
+    if (name.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: a resource has an empty name", what));
+    if (!std::isfinite(qty) || qty < 0 || qty > 1e18) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: quantity {} of resource '{}' is not a finite number in [0, 1e18]", what, qty, name));
+    }
+  }
+  return Status::ok();
+}
+
 Result<Resources> parseResources(const std::string& text) {
   Resources r;
   std::stringstream in(text);
@@ -52,11 +64,11 @@ Result<Resources> parseResources(const std::string& text) {
     try {
       size_t used = 0;
       double q = std::stod(qty, &used);
-      if (used != qty.size() || q < 0) throw std::invalid_argument(qty);
+      if (used != qty.size() || !std::isfinite(q) || q < 0 || q > 1e18) throw std::invalid_argument(qty);
       r[name] = q;
     } catch (const std::exception&) {
       return Status(StatusCode::kInvalidArgument,
-                    fmt::format("quantity '{}' of resource '{}' is not a non-negative number", qty, name));
+                    fmt::format("quantity '{}' of resource '{}' is not a finite number in [0, 1e18]", qty, name));
     }
   }
   return r;

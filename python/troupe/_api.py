@@ -1,6 +1,7 @@
 """The driver API: init/shutdown, @remote actors, get/wait/kill, named actors, cluster views."""
 import atexit
 import json
+import math
 import os
 import shutil
 import signal
@@ -125,6 +126,7 @@ def _start_embedded(num_cpus, resources):
                TROUPE_PYTHONPATH=os.path.dirname(_package_dir()))
     args = [_troupe_binary(), "start", "--head", "--block", "--port", str(_free_port()),
             "--watch-pid", str(os.getpid())]
+    _check_resources(dict(resources or {}, **({"CPU": float(num_cpus)} if num_cpus is not None else {})), "init")
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     if resources:
@@ -259,7 +261,15 @@ def _demand(options):
     if options.get("memory"):
         resources["memory"] = float(options["memory"])
     resources.update({k: float(v) for k, v in (options.get("resources") or {}).items()})
+    _check_resources(resources, "actor options")
     return resources
+
+
+def _check_resources(resources, what):
+    """Quantities must be finite and in [0, 1e18]: NaN or inf in a record breaks every reader."""
+    for name, qty in resources.items():
+        if not name or not math.isfinite(qty) or not 0 <= qty <= 1e18:
+            raise ValueError(f"{what}: quantity {qty!r} of resource {name!r} is not a finite number in [0, 1e18]")
 
 
 def _create(type_name, init_args, options):

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -316,6 +317,10 @@ int startCommand(const StartFlags& flags) {
                        "pass --head to start a new cluster or --address HOST:PORT to join one (exactly one)"));
   }
   if (auto r = parseResources(flags.resources); !r.isOk()) return fail(r.status());
+  if (flags.numCpus != -1 && !(std::isfinite(flags.numCpus) && flags.numCpus >= 0 && flags.numCpus <= 1e18)) {
+    return fail(Status(StatusCode::kInvalidArgument,
+                       fmt::format("--num-cpus {} is not a finite number in [0, 1e18]", flags.numCpus)));
+  }
   // Ctrl-C or SIGTERM during start-up must still run the clean-up that kills half-started
   // daemons, so those signals are held pending and checked while waiting (children unblock them).
   sigset_t set;
