@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -44,9 +46,44 @@ std::string runRoot() {
   return env && *env ? std::string(env) : std::string("/tmp/troupe");
 }
 
+namespace {
+
+// The run root holds tokens and passwords: it must be ours and closed to others.
+Status checkOwnDirectory(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    return Status(StatusCode::kNotFound, fmt::format("{} does not exist", path));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("{} is not a directory (a link?); remove it or set TROUPE_TEMP_DIR", path));
+  }
+  if (st.st_uid != ::geteuid()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("{} belongs to uid {}, not to you (uid {}): another user could read the cluster's "
+                              "secrets there; remove it or set TROUPE_TEMP_DIR to a directory of your own",
+                              path, st.st_uid, ::geteuid()));
+  }
+  if ((st.st_mode & 022) != 0) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("{} is writable by group or others (mode {:o}); run 'chmod go-w {}' or set "
+                              "TROUPE_TEMP_DIR",
+                              path, st.st_mode & 07777, path));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<std::string> latestRunDir() {
   fs::path latest = fs::path(runRoot()) / "latest";
   std::error_code ec;
+  if (auto own = checkOwnDirectory(runRoot()); !own.isOk() && own.code() != StatusCode::kNotFound) return own;
+  struct stat link {};
+  if (::lstat(latest.c_str(), &link) == 0 && link.st_uid != ::geteuid()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("{} belongs to uid {}, not to you: not following it", latest.string(), link.st_uid));
+  }
   fs::path target = fs::read_symlink(latest, ec);
   if (ec) {
     return Status(StatusCode::kNotFound,
@@ -54,18 +91,25 @@ Result<std::string> latestRunDir() {
                               "'troupe start --head' or pass --address",
                               latest.string()));
   }
-  if (target.is_relative()) target = fs::path(runRoot()) / target;
-  return target.string();
+  // Only a run directory of this root: "run_..." with no path in it.
+  if (target.has_parent_path() || target.string().rfind("run_", 0) != 0) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("{} points at '{}', not at a run directory of {}", latest.string(), target.string(),
+                              runRoot()));
+  }
+  return (fs::path(runRoot()) / target).string();
 }
 
 Result<std::string> createRunDir() {
   std::error_code ec;
-  fs::create_directories(runRoot(), ec);
-  if (ec) {
+  fs::path root(runRoot());
+  if (root.has_parent_path()) fs::create_directories(root.parent_path(), ec);
+  if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST) {
     return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("cannot create {}: {}; set TROUPE_TEMP_DIR to a writable directory",
-                              runRoot(), ec.message()));
+                  fmt::format("cannot create {}: {}; set TROUPE_TEMP_DIR to a writable directory", runRoot(),
+                              strerror(errno)));
   }
+  if (auto own = checkOwnDirectory(runRoot()); !own.isOk()) return own;
   auto now = std::chrono::system_clock::now();
   time_t secs = std::chrono::system_clock::to_time_t(now);
   struct tm tm;
@@ -73,23 +117,28 @@ Result<std::string> createRunDir() {
   std::string name = fmt::format("run_{:04}{:02}{:02}_{:02}{:02}{:02}_{}", tm.tm_year + 1900,
                                  tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, getpid());
   fs::path dir = fs::path(runRoot()) / name;
-  fs::create_directories(dir / "logs", ec);
-  if (!ec) fs::create_directories(dir / "pids", ec);
-  if (ec) {
-    return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("cannot create run directory {}: {}", dir.string(), ec.message()));
+  // mkdir, not create_directories: a directory that already exists (someone else's) is refused.
+  for (const fs::path& d : {dir, dir / "logs", dir / "pids"}) {
+    if (::mkdir(d.c_str(), 0700) != 0) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("cannot create run directory {}: {}", d.string(), strerror(errno)));
+    }
   }
-  ::chmod(dir.c_str(), 0700);
+  return dir.string();
+}
+
+Status markLatest(const std::string& runDir) {
+  std::error_code ec;
+  std::string name = fs::path(runDir).filename().string();
   // Swap the `latest` link atomically so readers never see it missing.
   fs::path tmp = fs::path(runRoot()) / fmt::format(".latest.{}", getpid());
   fs::remove(tmp, ec);
   fs::create_symlink(name, tmp, ec);
   if (!ec) fs::rename(tmp, fs::path(runRoot()) / "latest", ec);
   if (ec) {
-    return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("cannot update {}/latest: {}", runRoot(), ec.message()));
+    return Status(StatusCode::kFailedPrecondition, fmt::format("cannot update {}/latest: {}", runRoot(), ec.message()));
   }
-  return dir.string();
+  return Status::ok();
 }
 
 Status writeClusterFile(const std::string& runDir, const ClusterFile& file) {
@@ -103,7 +152,8 @@ Status writeClusterFile(const std::string& runDir, const ClusterFile& file) {
                       {"heartbeat_ttl_ms", file.heartbeatTtlMs}};
   std::string path = runDir + "/cluster.json";
   std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("cannot write {}: {}", tmp, strerror(errno)));
   }

@@ -188,6 +188,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     auto spec = params.getSpec();
     ActorRecord actor;
     actor.id = ActorId(params.getId().cStr());
+    if (!actor.id.valid()) {
+      throwStatus(Status(StatusCode::kInvalidArgument, "createActor: the actor id must be 1-64 lower-case hex digits"));
+    }
     actor.type = spec.getType().cStr();
     actor.name = spec.getName().cStr();
     actor.resources = fromResources(spec.getResources());
@@ -278,6 +281,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     auto p = context.getParams();
     PlacementGroupRecord group;
     group.id = PlacementGroupId(p.getId().cStr());
+    if (!group.id.valid()) {
+      throwStatus(Status(StatusCode::kInvalidArgument, "createPlacementGroup: the id must be 1-64 lower-case hex digits"));
+    }
     group.name = p.getName().cStr();
     group.strategy = valueOrThrow(parsePlacementStrategy(p.getStrategy().cStr()));
     for (auto b : p.getBundles()) group.bundles.push_back(Bundle{fromResources(b.getResources()), NodeId()});
@@ -340,6 +346,10 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     auto params = context.getParams();
     std::string resume = params.getResume().cStr();
     std::string info = params.getInfo().cStr();
+    if (!resume.empty() && !isValidIdText(resume)) {
+      throwStatus(Status(StatusCode::kInvalidArgument, "openSession: a session id is 1-64 lower-case hex digits"));
+    }
+    if (info.size() > 256) info.resize(256);
     std::string id = resume.empty() ? randomHex(8) : resume;
     return onIo([id, resume, info](Controller::IoState& s) -> Result<bool> {
              if (!resume.empty()) {

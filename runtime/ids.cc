@@ -24,4 +24,12 @@ std::string randomHex(size_t bytes) {
   return out;
 }
 
+bool isValidIdText(std::string_view text) {
+  if (text.empty() || text.size() > 64) return false;
+  for (char c : text) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
 }  // namespace troupe

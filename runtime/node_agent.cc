@@ -67,6 +67,8 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
   kj::Promise<void> spawnWorker(SpawnWorkerContext context) override {
     auto params = context.getParams();
     ActorRecord actor = fromActorInfo(params.getActor());
+    // The id names the worker's files: nothing but hex digits may get that far.
+    if (!actor.id.valid()) throwStatus(Status(StatusCode::kInvalidArgument, "spawnWorker: the actor id is not hex"));
     auto args = params.getInitArgs();
     auto pid = agent_.spawnWorker(actor, std::string_view(reinterpret_cast<const char*>(args.begin()), args.size()));
     if (!pid.isOk()) throwStatus(pid.status());
@@ -82,6 +84,7 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
   kj::Promise<void> readLogs(ReadLogsContext context) override {
     auto p = context.getParams();
     ActorId id(p.getId().cStr());
+    if (!id.valid()) throwStatus(Status(StatusCode::kInvalidArgument, "readLogs: the actor id is not hex"));
     auto [out, outEnd] = agent_.readLog(id, "out", p.getStdoutFrom(), p.getMaxBytes());
     auto [err, errEnd] = agent_.readLog(id, "err", p.getStderrFrom(), p.getMaxBytes());
     auto results = context.getResults();

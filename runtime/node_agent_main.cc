@@ -32,6 +32,10 @@ int main(int argc, char** argv) {
 
   NodeAgentOptions options;
   options.id = nodeId.empty() ? NodeId::generate() : NodeId(nodeId);
+  if (!options.id.valid()) {
+    std::fprintf(stderr, "troupe-node: --node-id must be 1-64 lower-case hex digits, not '%s'\n", nodeId.c_str());
+    return 2;
+  }
   DaemonFiles files(runDir, "node-" + options.id.hex());
   auto controller = parseHostPort(address);
   auto custom = parseResources(resourcesText);

@@ -247,6 +247,8 @@ int startHead(StartFlags f) {
             << "\n"
             << "To see the cluster: troupe status\n"
             << "To stop this machine's processes: troupe stop" << std::endl;
+  // Only now: a failed start must not redirect later commands to a dead cluster.
+  if (auto s = markLatest(runDir); !s.isOk()) return fail(s);
   if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
   for (const auto& d : supervised) {
     if (auto s = supervisor::record(runDir, d.name, d.argv, d.log); !s.isOk()) return fail(s);
@@ -280,6 +282,7 @@ int joinCluster(StartFlags f) {
   if (!reachable.isOk()) return fail(reachable.status());
 
   std::string runDir = target->runDir;
+  bool ownRunDir = runDir.empty();
   if (runDir.empty()) {
     auto dir = createRunDir();
     if (!dir.isOk()) return fail(dir.status());
@@ -304,6 +307,9 @@ int joinCluster(StartFlags f) {
   if (!ready.isOk()) return fail(ready);
   std::cout << "Node " << nodeId.hex() << " (" << f.nodeIp << ") joined the cluster at "
             << target->controller.toString() << " (log: " << nodeLog << ")" << std::endl;
+  if (ownRunDir) {
+    if (auto s = markLatest(runDir); !s.isOk()) return fail(s);
+  }
   if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
   launch.commit();
   return 0;

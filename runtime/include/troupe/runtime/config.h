@@ -19,10 +19,16 @@ Result<HostPort> parseHostPort(const std::string& text);
 
 // Root of all run directories: $TROUPE_TEMP_DIR, else /tmp/troupe.
 std::string runRoot();
-// The newest run directory (runRoot()/latest), if any.
+// The newest run directory (runRoot()/latest), if any. kFailedPrecondition when the run root
+// or the link is not this user's own (see createRunDir).
 Result<std::string> latestRunDir();
-// Creates runRoot()/run_<UTC time>_<pid> with logs/ and pids/, and points `latest` at it.
+// Creates runRoot()/run_<UTC time>_<pid> (0700) with logs/ and pids/. The run root is created
+// 0700 if missing; an existing one must be a directory (not a link) owned by this user and not
+// writable by group or others, else kFailedPrecondition: another user could read the token.
 Result<std::string> createRunDir();
+// Points runRoot()/latest at `runDir`: call once a start has succeeded, so a failed start
+// never redirects later commands to a dead cluster.
+Status markLatest(const std::string& runDir);
 
 // What a client needs to reach a cluster; stored as <run_dir>/cluster.json, mode 0600.
 struct ClusterFile {

@@ -13,6 +13,10 @@ namespace troupe {
 // from the OS entropy source. Used for ids, tokens and passwords.
 std::string randomHex(size_t bytes);
 
+// True for 1 to 64 lower-case hex digits: what every id is, and all an id read from a peer
+// or a flag may be before it becomes part of a file name or a Redis key.
+bool isValidIdText(std::string_view text);
+
 template <typename Tag>
 class Id {
  public:
@@ -22,6 +26,7 @@ class Id {
 
   const std::string& hex() const { return hex_; }
   bool empty() const { return hex_.empty(); }
+  bool valid() const { return isValidIdText(hex_); }
   auto operator<=>(const Id&) const = default;
 
  private:
