@@ -56,6 +56,7 @@ struct Options {
   std::string replicaTo;
   std::string dir;
   uint32_t keep = 3;
+  uint32_t fileMode = 0600;  // of persisted files (directories get x where files get r)
   std::string shmDir;
   ck::FaultInjection fault;
 
@@ -74,6 +75,7 @@ struct Options {
     o.keep = keep;
     o.fault = fault;
     o.stop = stop;
+    o.fileMode = fileMode;
     return o;
   }
 };
@@ -92,6 +94,11 @@ Result<Options> parseOptions(std::string_view initArgs) {
     o.self = j.value("self", "");
     o.members = j.value("members", std::vector<std::string>{});
     o.dir = j.value("dir", "");
+    o.fileMode = j.value("file_mode", 0600u);
+    if ((o.fileMode & ~0777u) != 0 || (o.fileMode & 0600u) != 0600u) {
+      return badArgs(fmt::format("\"file_mode\" {:o} must be a permission mode that lets its owner read and write",
+                                 o.fileMode));
+    }
     o.keep = j.value("keep", 3u);
     o.shmDir = j.value("shm_dir", ck::defaultShmDir());
     if (j.contains("replica_to")) {

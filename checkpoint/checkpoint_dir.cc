@@ -121,10 +121,11 @@ Status writeAll(int fd, const uint8_t* data, uint64_t size, const std::string& p
 }
 
 // Writes a small file under a temporary name, syncs it, renames it into place, syncs the directory.
-Status writeFileAtomically(const std::string& dir, const std::string& name, const std::string& content) {
+Status writeFileAtomically(const std::string& dir, const std::string& name, const std::string& content,
+                           uint32_t mode) {
   std::string final = dir + "/" + name;
   std::string temp = tempPathFor(final);
-  UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode));
   if (!fd.valid()) return writeError(errno, "creating", temp);
   Status status = writeAll(fd.get(), reinterpret_cast<const uint8_t*>(content.data()), content.size(), temp);
   if (status.isOk() && fsync(fd.get()) != 0) status = writeError(errno, "syncing", temp);
@@ -167,7 +168,12 @@ CheckpointDirectory::CheckpointDirectory(DirectoryOptions options) : options_(st
 
 Status CheckpointDirectory::open() {
   std::error_code ec;
-  fs::create_directories(options_.path, ec);
+  fs::path path(options_.path);
+  if (path.has_parent_path()) fs::create_directories(path.parent_path(), ec);
+  ec.clear();
+  if (::mkdir(options_.path.c_str(), dirMode()) != 0 && errno != EEXIST) {
+    ec = std::error_code(errno, std::generic_category());
+  }
   if (ec) {
     return Status(StatusCode::kUnavailable,
                   fmt::format("cannot create checkpoint directory {}: {}", options_.path, ec.message()));
@@ -191,7 +197,7 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
   PersistOutcome outcome;
   const uint64_t step = request.stamp.step;
   std::string stepDir = stepPath(step);
-  if (::mkdir(stepDir.c_str(), 0755) == 0) {
+  if (::mkdir(stepDir.c_str(), dirMode()) == 0) {
     TROUPE_RETURN_IF_ERROR(fsyncPath(options_.path));
   } else if (errno != EEXIST) {
     return writeError(errno, "creating", stepDir);
@@ -202,7 +208,7 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
     outcome.alreadyPresent = true;
   } else {
     std::string temp = tempPathFor(final);
-    UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, options_.fileMode));
     if (!fd.valid()) return writeError(errno, "creating", temp);
     Status status;
     const bool faulty = options_.fault.armed(FaultStage::kPersist, step);
@@ -284,11 +290,11 @@ Result<bool> CheckpointDirectory::commitIfComplete(uint64_t step, uint32_t world
                                    {"bytes", h.layout.imageBytes()},
                                    {"header_crc", fmt::format("{:08x}", h.headerCrc)}});
     }
-    TROUPE_RETURN_IF_ERROR(writeFileAtomically(stepDir, kManifest, manifest.dump(2) + "\n"));
+    TROUPE_RETURN_IF_ERROR(writeFileAtomically(stepDir, kManifest, manifest.dump(2) + "\n", options_.fileMode));
   }
   auto current = latest();
   if (!current || *current <= step) {
-    TROUPE_RETURN_IF_ERROR(writeFileAtomically(options_.path, kLatest, fmt::format("{}\n", step)));
+    TROUPE_RETURN_IF_ERROR(writeFileAtomically(options_.path, kLatest, fmt::format("{}\n", step), options_.fileMode));
   }
   applyRetention();
   return true;
@@ -376,7 +382,7 @@ Status CheckpointDirectory::quarantine(uint64_t step) {
   if (current && *current == step) {
     auto steps = completeSteps();
     if (steps.isOk() && !steps->empty()) {
-      return writeFileAtomically(options_.path, kLatest, fmt::format("{}\n", steps->front()));
+      return writeFileAtomically(options_.path, kLatest, fmt::format("{}\n", steps->front()), options_.fileMode);
     }
     std::error_code ec;
     fs::remove(options_.path + "/" + kLatest, ec);

@@ -91,6 +91,20 @@ Status noRoom(const std::string& path, const std::string& dir, uint64_t need, ui
                             path, need, need / 1048576.0, avail, avail / 1048576.0, dir, size / 1048576.0, dir));
 }
 
+// A cluster's workers record each segment they make in their run directory
+// (TROUPE_SHM_REGISTRY, set by the node agent), so `troupe stop` removes exactly this cluster's
+// segments and never another's.
+void recordInRegistry(const std::string& name, const std::string& path) {
+  const char* registry = std::getenv("TROUPE_SHM_REGISTRY");
+  if (registry == nullptr || *registry == '\0') return;
+  std::string entry = std::string(registry) + "/" + name;
+  int fd = ::open(entry.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return;  // best effort: the segment works without it; stop then leaves it
+  ssize_t written = ::write(fd, path.data(), path.size());
+  (void)written;
+  ::close(fd);
+}
+
 }  // namespace
 
 std::string defaultShmDir() {
@@ -241,6 +255,7 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
     return fail(Status(StatusCode::kUnavailable,
                        fmt::format("cannot rename checkpoint segment {} to {}: {}", tmpPath, segment.path_, errnoText(e))));
   }
+  recordInRegistry(options.name, segment.path_);
   return segment;
 }
 
@@ -266,6 +281,13 @@ Result<FlashSegment> FlashSegment::openExisting(const SegmentOptions& options, b
 Status FlashSegment::mapAndCheck(bool writable) {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return Status(StatusCode::kUnavailable, fmt::format("cannot stat {}", path_));
+  // Weights go into it: a segment someone else made (or can read) is not ours to use.
+  if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("refusing checkpoint segment {}: it belongs to uid {} with mode {:o}, and must be yours "
+                              "(uid {}) with mode 600; remove it",
+                              path_, st.st_uid, st.st_mode & 07777, ::geteuid()));
+  }
   uint64_t size = static_cast<uint64_t>(st.st_size);
   fileId_ = static_cast<uint64_t>(st.st_ino);
   if (size < kSegmentHeaderBytes) {
@@ -284,7 +306,7 @@ Status FlashSegment::mapAndCheck(bool writable) {
   const SegmentHeader* h = headerOf(base_);
   if (std::memcmp(h->magic, kSegmentMagic, sizeof(kSegmentMagic)) != 0 || h->version != kSegmentVersion ||
       h->slotCount != kSlots || h->totalBytes != size || h->slotBytes % kPageBytes != 0 ||
-      kSegmentHeaderBytes + kSlots * h->slotBytes != size) {
+      h->slotBytes > (size - kSegmentHeaderBytes) / kSlots || kSegmentHeaderBytes + kSlots * h->slotBytes != size) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{} is not a valid checkpoint segment", path_));
   }
   slotBytes_ = h->slotBytes;

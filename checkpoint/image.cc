@@ -180,8 +180,9 @@ Result<ImageHeader> parseImageHeader(const uint8_t* data, uint64_t size) {
   layout.headerBytes_ = extent->headerBytes;
   layout.imageBytes_ = extent->imageBytes;
   uint64_t metaBytes = get<uint64_t>(data, kMetaBytes);
-  if (kFixedHeaderBytes + layout.tableBytes_ > layout.metaOffset_ || layout.metaOffset_ % 8 != 0 ||
-      layout.metaCapacity_ > layout.headerBytes_ || layout.metaOffset_ + layout.metaCapacity_ > layout.headerBytes_ ||
+  // Each bound is checked before it is added to another: a crafted offset must not wrap around.
+  if (layout.metaOffset_ > layout.headerBytes_ || kFixedHeaderBytes + layout.tableBytes_ > layout.metaOffset_ ||
+      layout.metaOffset_ % 8 != 0 || layout.metaCapacity_ > layout.headerBytes_ - layout.metaOffset_ ||
       metaBytes > layout.metaCapacity_) {
     return corrupt("table or metadata outside the header region");
   }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "test_util.h"
 #include "troupe/checkpoint/checksum.h"
@@ -86,6 +87,39 @@ TEST_CASE("image: a flipped byte anywhere is detected") {
   Status data = verifyImageData(*header, image.data());
   CHECK(data.code() == StatusCode::kFailedPrecondition);
   CHECK(data.message().find("emb.bf16") != std::string::npos);
+}
+
+
+// A crafted header passes its checksum (anyone can compute one): every size and offset in it must
+// still be checked, without arithmetic that wraps.
+TEST_CASE("image: crafted sizes and offsets with a valid header checksum are refused, never read") {
+  TestState state;
+  state.fill(3);
+  auto layout = state.layout(64);
+  auto clean = imageOf(state, layout, {3, 0, 1}, "meta");
+  auto forge = [&](uint64_t at, uint64_t value, size_t width) {
+    auto image = clean;
+    std::memcpy(image.data() + at, &value, width);
+    uint32_t crc = crc32c(image.data(), 92);  // the header checksum covers bytes [0, 92)
+    std::memcpy(image.data() + 92, &crc, 4);
+    return image;
+  };
+  const uint64_t huge = ~uint64_t(0) - 7;  // metaOffset + capacity wraps to a small number
+  for (auto [at, value, width] : {std::tuple<uint64_t, uint64_t, size_t>{56, huge, 8},   // metaOffset
+                                  {64, huge, 8},                                          // metaCapacity
+                                  {72, huge, 8},                                          // metaBytes
+                                  {52, 0xffffffffu, 4},                                   // tableBytes
+                                  {48, 0xffffffffu, 4},                                   // tensorCount
+                                  {24, huge, 8}}) {                                       // imageBytes
+    auto image = forge(at, value, width);
+    auto parsed = parseImageHeader(image.data(), image.size());
+    CHECK_MESSAGE(!parsed.isOk(), "field at ", at);
+  }
+  // Refused by the bounds check itself, before anything is read at the wrapped offset (which
+  // would read outside the buffer and only then fail on the metadata checksum).
+  auto wrapped = forge(56, huge, 8);
+  CHECK(parseImageHeader(wrapped.data(), wrapped.size()).status().message().find("outside the header region") !=
+        std::string::npos);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -286,6 +287,9 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   if (tls::required()) spawn.env.push_back("TROUPE_TLS=1");
   spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
+  // Checkpoint segments the worker makes are recorded here, for `troupe stop` to remove.
+  std::string registry = options_.runDir + "/shm";
+  if (::mkdir(registry.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TROUPE_SHM_REGISTRY=" + registry);
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
   auto pid = spawnProcess(spawn);
   if (!pid.isOk()) return pid.status();

@@ -1,4 +1,5 @@
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,24 @@ namespace fs = std::filesystem;
 std::string siblingExecutable(const std::string& name) {
   const char* dir = std::getenv("TROUPE_BIN_DIR");
   return fmt::format("{}/{}", dir && *dir ? dir : executableDir().c_str(), name);
+}
+
+// The checkpoint segments this run's workers made (recorded in <runDir>/shm, see
+// flash_segment.cc), and only those: another cluster's live segments stay. A recorded path is
+// removed only if it is a file of ours named troupe_*.
+static void removeRecordedSegments(const std::string& runDir) {
+  std::error_code ec;
+  fs::path registry = fs::path(runDir) / "shm";
+  for (const auto& entry : fs::directory_iterator(registry, ec)) {
+    std::string path;
+    std::getline(std::ifstream(entry.path()), path);
+    struct stat st {};
+    if (fs::path(path).filename().string().rfind("troupe_", 0) == 0 && ::lstat(path.c_str(), &st) == 0 &&
+        S_ISREG(st.st_mode) && st.st_uid == ::geteuid()) {
+      fs::remove(path, ec);
+    }
+    fs::remove(entry.path(), ec);
+  }
 }
 
 int stopRunDir(const std::string& runDir, bool verbose) {
@@ -63,6 +82,7 @@ int stopRunDir(const std::string& runDir, bool verbose) {
   }
   // The token dies with the cluster; logs stay for post-mortems.
   if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);
+  removeRecordedSegments(runDir);
   return stopped;
 }
 
@@ -73,10 +93,6 @@ int stopCommand() {
     if (entry.is_directory() && entry.path().filename().string().rfind("run_", 0) == 0 && !entry.is_symlink()) {
       stopped += stopRunDir(entry.path().string(), true);
     }
-  }
-  // Shared-memory segments of this machine's checkpoints are named troupe_*; none may outlive stop.
-  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
-    if (entry.path().filename().string().rfind("troupe_", 0) == 0) fs::remove(entry.path(), ec);
   }
   std::cout << (stopped ? fmt::format("Stopped {} Troupe process(es).", stopped)
                         : std::string("No Troupe processes were running."))

@@ -38,6 +38,9 @@ struct DirectoryOptions {
   FaultInjection fault = FaultInjection::fromEnvironment();
   // When set and it becomes true, a persist in progress stops with kAborted (and cleans up).
   const std::atomic<bool>* stop = nullptr;
+  // Weights are user data: files 0600 and directories 0700 unless the caller asks otherwise
+  // (e.g. 0640 to share with a group); directories get x wherever files get r.
+  uint32_t fileMode = 0600;
 };
 
 // One contiguous part of an image, in order.
@@ -110,6 +113,7 @@ class CheckpointDirectory {
   Result<bool> commitIfComplete(uint64_t step, uint32_t worldSize);
   void applyRetention();
 
+  uint32_t dirMode() const { return options_.fileMode | ((options_.fileMode & 0444) >> 2); }
   DirectoryOptions options_;
 };
 
