@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 
 #include <kj/async-unix.h>
@@ -236,6 +238,7 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
       })
       .then([agent = kj::mv(agent)](Status status) mutable {
         if (!status.isOk()) throwStatus(status);
+        agent->tasks_->add(agent->collectLogs());
         TROUPE_LOG(kInfo, "node {} registered; serving on {}:{}", agent->options_.id.hex(), agent->options_.ip,
                    agent->server_->port());
         return kj::mv(agent);
@@ -310,7 +313,12 @@ void NodeAgent::killWorker(const ActorId& id, uint32_t incarnation) {
 std::pair<std::string, int64_t> NodeAgent::readLog(const ActorId& id, const char* stream, int64_t from,
                                                    size_t maxBytes) const {
   std::string path = fmt::format("{}/logs/actor-{}.{}", options_.runDir, id.hex(), stream);
-  if (from < 0) return {fileTail(path, maxBytes), -1};
+  if (from < 0) {
+    // Just after a rotation the current file is short: the tail continues in the rotated one.
+    std::string tail = fileTail(path, maxBytes);
+    if (tail.size() < maxBytes) tail = fileTail(path + ".1", maxBytes - tail.size()) + tail;
+    return {tail, -1};
+  }
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return {"", from};
   auto size = static_cast<int64_t>(in.tellg());
@@ -366,6 +374,59 @@ kj::Promise<void> NodeAgent::reportExit(ActorId id, uint32_t incarnation, int st
         return io_.provider->getTimer().afterDelay(std::min(attempt + 1, 10) * 100 * kj::MILLISECONDS).then(
             [this, id, incarnation, status, attempt]() { return reportExit(id, incarnation, status, attempt + 1); });
       });
+}
+
+namespace {
+uint64_t byteLimit(const char* name, uint64_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(text, &end, 10);
+  return end && *end == '\0' && v > 0 ? v : fallback;
+}
+}  // namespace
+
+kj::Promise<void> NodeAgent::collectLogs() {
+  return io_.provider->getTimer().afterDelay(2 * kj::SECONDS).then([this]() {
+    namespace fs = std::filesystem;
+    const uint64_t maxFile = byteLimit("TROUPE_LOG_MAX_BYTES", 256ull << 20);
+    const uint64_t maxRun = byteLimit("TROUPE_LOG_RUN_MAX_BYTES", 4ull << 30);
+    std::error_code ec;
+    struct Log {
+      fs::path path;
+      uint64_t size;
+      fs::file_time_type written;
+    };
+    std::vector<Log> rotated;
+    uint64_t total = 0;
+    for (const auto& entry : fs::directory_iterator(options_.runDir + "/logs", ec)) {
+      std::string name = entry.path().filename().string();
+      if (name.rfind("actor-", 0) != 0 || !entry.is_regular_file(ec)) continue;
+      uint64_t size = entry.file_size(ec);
+      if (ec) continue;
+      bool isRotated = name.size() > 2 && name.compare(name.size() - 2, 2, ".1") == 0;
+      if (!isRotated && (name.ends_with(".out") || name.ends_with(".err")) && size > maxFile) {
+        // Copy, then truncate: the worker keeps appending to the same open file (O_APPEND).
+        fs::path old = entry.path().string() + ".1";
+        fs::copy_file(entry.path(), old, fs::copy_options::overwrite_existing, ec);
+        if (!ec && ::truncate(entry.path().c_str(), 0) == 0) {
+          TROUPE_LOG(kInfo, "rotated {} ({} bytes) to {}", entry.path().string(), size, old.string());
+          size = 0;
+        }
+        continue;  // counted at the next pass
+      }
+      total += size;
+      if (isRotated) rotated.push_back({entry.path(), size, entry.last_write_time(ec)});
+    }
+    std::sort(rotated.begin(), rotated.end(), [](const Log& a, const Log& b) { return a.written < b.written; });
+    for (const auto& log : rotated) {
+      if (total <= maxRun) break;
+      fs::remove(log.path, ec);
+      total -= log.size;
+      TROUPE_LOG(kInfo, "removed {}: the run's logs exceed {} bytes", log.path.string(), maxRun);
+    }
+    return collectLogs();
+  });
 }
 
 NodeAgent::~NodeAgent() {

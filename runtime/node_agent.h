@@ -71,6 +71,9 @@ class NodeAgent {
   // Reports an exit to the controller, reconnecting and retrying while it is unreachable.
   kj::Promise<void> reportExit(ActorId id, uint32_t incarnation, int status, int attempt);
   kj::Promise<rpc::Controller::Client> controller();
+  // Every few seconds: rotates actor logs over the per-file cap and deletes the oldest rotated
+  // logs while the run's logs exceed the per-run cap (TROUPE_LOG_MAX_BYTES, _RUN_MAX_BYTES).
+  kj::Promise<void> collectLogs();
 
   kj::AsyncIoContext& io_;
   IoThread& ioThread_;
