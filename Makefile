@@ -2,7 +2,7 @@
 BUILD ?= build
 PYTHON ?= /usr/bin/python3
 
-.PHONY: all setup build test demo bench install clean
+.PHONY: all setup build test demo bench install clean fuzz
 
 all: build
 
@@ -17,6 +17,11 @@ build: setup
 test: build
 	meson test -C $(BUILD) --print-errorlogs
 	$(PYTHON) -m pytest -q tests
+	FUZZ_SECONDS=10 scripts/fuzz
+
+# libFuzzer under ASan/UBSan on the parsers that read outside bytes (FUZZ_SECONDS each, default 60).
+fuzz: setup
+	@scripts/fuzz
 
 demo: build
 	@scripts/demo
@@ -29,4 +34,4 @@ install: build
 	@scripts/install
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-fuzz
