@@ -14,18 +14,6 @@ namespace troupe {
 namespace {
 constexpr uint32_t kWaitChunkMs = 30000;  // a pending actor is waited for in chunks of this
 
-[[noreturn]] void fail(kj::Exception::Type type, const std::string& message) {
-  kj::throwFatalException(kj::Exception(type, __FILE__, __LINE__, kj::str(message.c_str())));
-}
-
-// KJ prefixes errors that crossed an RPC; the user wants the message.
-std::string plainDescription(const kj::Exception& e) {
-  std::string d = e.getDescription().cStr();
-  const std::string prefix = "remote exception: ";
-  if (d.rfind(prefix, 0) == 0) d = d.substr(prefix.size());
-  return d;
-}
-
 class LogErrors final : public kj::TaskSet::ErrorHandler {
  public:
   void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "client task: {}", e.getDescription().cStr()); }
@@ -193,7 +181,7 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
   return c->shared->waitActor(c->id, c->minIncarnation, true, kWaitChunkMs)
       .then([c](ActorRecord record) -> kj::Promise<void> {
         c->learn(record);
-        if (record.state == ActorState::kDead) fail(kj::Exception::Type::FAILED, c->died(record));
+        if (record.state == ActorState::kDead) throwStatus(Status(StatusCode::kActorDied, c->died(record)));
         if (record.state != ActorState::kAlive || record.incarnation < c->minIncarnation) {
           return connectAlive(c);  // still starting or waiting for resources
         }
@@ -250,9 +238,11 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                               c->learn(record);
                               for (auto& call : *lost) {
                                 std::string error;
+                                StatusCode code = StatusCode::kActorDied;
                                 if (record.state == ActorState::kDead) {
                                   error = c->died(record);
                                 } else if (record.incarnation <= inc) {
+                                  code = StatusCode::kUnavailable;
                                   error = fmt::format(
                                       "actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
                                       c->id.hex(), c->type);
@@ -270,8 +260,7 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                                       c->id.hex(), c->type, record.deathReason, call.method, record.incarnation,
                                       c->maxTaskRetries);
                                 }
-                                call.reply->reject(kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
-                                                                 kj::str(error.c_str())));
+                                call.reply->reject(exceptionFromStatus(Status(code, error)));
                               }
                             },
                             [lost](kj::Exception&& e) {
@@ -322,10 +311,9 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
               },
               [c, calls, onLost](kj::Exception&& e) mutable {
                 if (e.getType() == kj::Exception::Type::DISCONNECTED) return onLost(kj::mv(e));
-                calls->front().reply->reject(kj::Exception(
-                    kj::Exception::Type::FAILED, __FILE__, __LINE__,
-                    kj::str(fmt::format("actor {} ({}).{}: {}", c->id.hex(), c->type, calls->front().method,
-                                        plainDescription(e)).c_str())));
+                // The worker's code, if it sent one, reaches the caller with the call named.
+                calls->front().reply->reject(exceptionFromStatus(statusFromException(
+                    e, fmt::format("actor {} ({}).{}", c->id.hex(), c->type, calls->front().method))));
               });
         }
         auto request = target.first.callBatchRequest();
@@ -345,9 +333,11 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
                   call.reply->fulfill(std::string(reinterpret_cast<const char*>(r.begin()), r.size()));
                 } else {
                   std::string why = i < replies.size() ? replies[i].getError().cStr() : "no reply in the batch";
-                  call.reply->reject(kj::Exception(
-                      kj::Exception::Type::FAILED, __FILE__, __LINE__,
-                      kj::str(fmt::format("actor {} ({}).{}: {}", c->id.hex(), c->type, call.method, why).c_str())));
+                  // A batched error is the worker's exception text, its code tag included.
+                  auto status = statusFromException(
+                      kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())),
+                      fmt::format("actor {} ({}).{}", c->id.hex(), c->type, call.method));
+                  call.reply->reject(exceptionFromStatus(status));
                 }
               }
             },

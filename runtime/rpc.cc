@@ -111,6 +111,15 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
       });
 }
 
+kj::Exception exceptionFromStatus(const Status& status) {
+  // DISCONNECTED keeps its meaning for capnp and for clients that reconnect on it.
+  auto type = status.code() == StatusCode::kUnavailable         ? kj::Exception::Type::DISCONNECTED
+              : status.code() == StatusCode::kResourceExhausted ? kj::Exception::Type::OVERLOADED
+                                                                : kj::Exception::Type::FAILED;
+  return kj::Exception(type, __FILE__, __LINE__,
+                       kj::str("[", statusCodeName(status.code()), "] ", status.message().c_str()));
+}
+
 Status statusFromException(const kj::Exception& e, const std::string& what) {
   std::string desc = e.getDescription().cStr();
   // KJ prefixes remote errors with "remote exception: "; keep only the message.
@@ -118,18 +127,23 @@ Status statusFromException(const kj::Exception& e, const std::string& what) {
     auto at = desc.find(prefix);
     if (at == 0) desc = desc.substr(strlen(prefix));
   }
-  StatusCode code = e.getType() == kj::Exception::Type::DISCONNECTED ? StatusCode::kUnavailable
-                    : e.getType() == kj::Exception::Type::OVERLOADED  ? StatusCode::kResourceExhausted
-                                                                      : StatusCode::kInternal;
-  return Status(code, what.empty() ? desc : fmt::format("{}: {}", what, desc));
+  std::optional<StatusCode> code;
+  if (desc.size() > 2 && desc[0] == '[') {
+    if (auto close = desc.find("] "); close != std::string::npos && close < 32) {
+      code = statusCodeFromName(std::string_view(desc).substr(1, close - 1));
+      if (code) desc = desc.substr(close + 2);
+    }
+  }
+  if (!code) {
+    code = e.getType() == kj::Exception::Type::DISCONNECTED ? StatusCode::kUnavailable
+           : e.getType() == kj::Exception::Type::OVERLOADED  ? StatusCode::kResourceExhausted
+                                                             : StatusCode::kInternal;
+  }
+  return Status(*code, what.empty() ? desc : fmt::format("{}: {}", what, desc));
 }
 
 }  // namespace troupe
 
 namespace troupe {
-void throwStatus(const Status& status) {
-  auto type = status.code() == StatusCode::kUnavailable ? kj::Exception::Type::DISCONNECTED
-                                                          : kj::Exception::Type::FAILED;
-  kj::throwFatalException(kj::Exception(type, __FILE__, __LINE__, kj::str(status.message().c_str())));
-}
+void throwStatus(const Status& status) { kj::throwFatalException(exceptionFromStatus(status)); }
 }  // namespace troupe

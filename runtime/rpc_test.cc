@@ -8,6 +8,8 @@
 #include <atomic>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "troupe.capnp.h"
 #include "handshake.h"
 #include "troupe/runtime/process.h"
@@ -22,6 +24,16 @@ class PingService final : public rpc::NodeAgent::Server {
     context.getResults().setNodeId("n1");
     context.getResults().setPid(getpid());
     return kj::READY_NOW;
+  }
+};
+
+// Throws the status whose code number is the requested node id's length (readLogs: any method
+// with a Text parameter would do).
+class ThrowingService final : public rpc::NodeAgent::Server {
+ protected:
+  kj::Promise<void> readLogs(ReadLogsContext context) override {
+    auto code = static_cast<StatusCode>(context.getParams().getId().size());
+    throwStatus(Status(code, fmt::format("failed with {}", statusCodeName(code))));
   }
 };
 
@@ -189,6 +201,30 @@ TEST_CASE("rpc: the blocking client side of the handshake agrees with the server
   CHECK(ok.isOk());
   CHECK(bad.code() == StatusCode::kUnauthenticated);
   CHECK(bad.message().find("token was rejected") != std::string::npos);
+}
+
+TEST_CASE("rpc: every status code a server throws reaches the client as the same code") {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  auto server = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, "secret-token",
+                                  rpc::NodeAgent::Client(kj::heap<ThrowingService>()));
+  REQUIRE(server.isOk());
+  auto client = RpcClient::connect(io, HostPort{"127.0.0.1", (*server)->port()}, "secret-token", 5 * kj::SECONDS)
+                    .wait(io.waitScope);
+  auto agent = client->bootstrap<rpc::NodeAgent>();
+  for (int c = static_cast<int>(StatusCode::kInvalidArgument); c <= static_cast<int>(StatusCode::kActorDied); ++c) {
+    auto code = static_cast<StatusCode>(c);
+    auto request = agent.readLogsRequest();
+    request.setId(std::string(static_cast<size_t>(c), 'x'));
+    Status got;
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { request.send().wait(io.waitScope); })) {
+      got = statusFromException(*e, "readLogs");
+    }
+    CHECK_MESSAGE(got.code() == code, statusCodeName(code), " arrived as ", got.toString());
+    CHECK(got.message() == fmt::format("readLogs: failed with {}", statusCodeName(code)));
+  }
+  // An exception without a code (KJ's own, a broken connection) maps from its KJ type.
+  CHECK(statusFromException(KJ_EXCEPTION(DISCONNECTED, "gone"), "").code() == StatusCode::kUnavailable);
+  CHECK(statusFromException(KJ_EXCEPTION(FAILED, "[NOT_A_CODE] x"), "").code() == StatusCode::kInternal);
 }
 
 }  // namespace

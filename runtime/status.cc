@@ -17,8 +17,16 @@ const char* statusCodeName(StatusCode code) {
     case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
     case StatusCode::kAborted: return "ABORTED";
     case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kActorDied: return "ACTOR_DIED";
   }
   return "UNKNOWN";
+}
+
+std::optional<StatusCode> statusCodeFromName(std::string_view name) {
+  for (int c = static_cast<int>(StatusCode::kOk); c <= static_cast<int>(StatusCode::kActorDied); ++c) {
+    if (name == statusCodeName(static_cast<StatusCode>(c))) return static_cast<StatusCode>(c);
+  }
+  return std::nullopt;
 }
 
 std::string Status::toString() const {

@@ -232,11 +232,10 @@ def _call(fn, *args):
     """Runs a runtime call, turning its errors into Troupe's exceptions."""
     try:
         return fn(*args)
+    except TroupeError:
+        raise  # already the class of its status code (troupe.exceptions.from_code)
     except RuntimeError as e:
-        message = str(e)
-        if message.startswith("TROUPE_DIED:"):
-            raise ActorDiedError(message[len("TROUPE_DIED:"):]) from None
-        raise TroupeError(message) from None
+        raise TroupeError(str(e)) from None
 
 
 # ---- Actors ----

@@ -73,16 +73,18 @@ class ErrorLog final : public kj::TaskSet::ErrorHandler {
   void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "runtime task: {}", e.getDescription().cStr()); }
 };
 
-Outcome classify(const std::string& message) {
-  return message.find(") died: ") != std::string::npos ? Outcome::kDied : Outcome::kError;
+// A call's failure by its status code (which crossed the RPC edge), not by its text.
+Outcome classify(const kj::Exception& e) {
+  return statusFromException(e, "").code() == StatusCode::kActorDied ? Outcome::kDied : Outcome::kError;
 }
 
-std::string describe(const kj::Exception& e) {
-  std::string d = e.getDescription().cStr();
-  const std::string prefix = "remote exception: ";
-  if (d.rfind(prefix, 0) == 0) d = d.substr(prefix.size());
-  return d;
-}
+std::string describe(const kj::Exception& e) { return statusFromException(e, "").message(); }
+
+// Thrown on the Python thread with a runtime Status; the translator registered in the module
+// raises troupe.exceptions' class for its code (ActorDiedError, NotFoundError, ...).
+struct StatusError {
+  Status status;
+};
 
 // kj::Executor knows its EventLoop but keeps the accessor private. The Runtime needs the loop so
 // that a waiting Python thread can run it (a kj::WaitScope is made from the loop); an explicit
@@ -277,9 +279,7 @@ class Runtime {
     tasks_->add(handle(s.actor).call(kj::mv(s.method), kj::mv(s.payload)).then(
         [this, ref](std::string reply) { complete(ref, Outcome::kOk, kj::mv(reply)); },
         [this, ref](kj::Exception&& e) {
-          std::string message = describe(e);
-          Outcome outcome = classify(message);  // before `message` is moved
-          complete(ref, outcome, kj::mv(message));
+          complete(ref, classify(e), describe(e));
         }));
   }
 
@@ -457,9 +457,7 @@ class Runtime {
       return executor_->executeSync(kj::mv(start));
     } catch (const kj::Exception& e) {
       py::gil_scoped_acquire acquire;
-      std::string message = describe(e);
-      if (classify(message) == Outcome::kDied) throw std::runtime_error("TROUPE_DIED:" + message);
-      throw std::runtime_error(message);
+      throw StatusError{statusFromException(e, "")};
     }
   }
 
@@ -768,6 +766,15 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
 PYBIND11_MODULE(_core, m) {
   using troupe::Runtime;
   m.doc() = "Troupe's C++ runtime (used by the troupe package; not a public API)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const troupe::StatusError& e) {
+      auto error = py::module_::import("troupe.exceptions")
+                       .attr("from_code")(troupe::statusCodeName(e.status.code()), e.status.message());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
   // If the runtime ever terminates the process, say why before aborting.
   std::set_terminate([]() {
     try {

@@ -38,3 +38,69 @@ class ActorDiedError(TroupeError):
 
 class GetTimeoutError(TroupeError, TimeoutError):
     """`troupe.get(..., timeout=)` ran out of time."""
+
+
+# Errors from the runtime carry a status code (runtime/include/troupe/runtime/status.h) across
+# the RPC edge; each code has its class here, raised by _core from the code, never from the text.
+# Each is also an instance of the matching built-in exception, so `except TimeoutError` works.
+class InvalidArgumentError(TroupeError, ValueError):
+    """Bad input (an argument, an option, a quantity)."""
+
+
+class NotFoundError(TroupeError, LookupError):
+    """No such node, actor, group, session or file."""
+
+
+class AlreadyExistsError(TroupeError):
+    """A name or port is taken."""
+
+
+class UnavailableError(TroupeError, ConnectionError):
+    """A peer, Redis or the controller cannot be reached."""
+
+
+class UnauthenticatedError(TroupeError, PermissionError):
+    """Wrong or missing cluster token."""
+
+
+class DeadlineExceededError(TroupeError, TimeoutError):
+    """A wait ran out of time."""
+
+
+class FailedPreconditionError(TroupeError):
+    """The system is not in a state that allows the call."""
+
+
+class ResourceExhaustedError(TroupeError):
+    """No memory, disk or cluster resources."""
+
+
+class AbortedError(TroupeError):
+    """The operation was cancelled (an epoch bump, a shutdown)."""
+
+
+class InternalError(TroupeError):
+    """A broken invariant or an unexpected reply: a bug to report."""
+
+
+_BY_CODE = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "NOT_FOUND": NotFoundError,
+    "ALREADY_EXISTS": AlreadyExistsError,
+    "UNAVAILABLE": UnavailableError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "FAILED_PRECONDITION": FailedPreconditionError,
+    "RESOURCE_EXHAUSTED": ResourceExhaustedError,
+    "ABORTED": AbortedError,
+    "INTERNAL": InternalError,
+    "ACTOR_DIED": ActorDiedError,
+}
+
+
+def from_code(code, message):
+    """The exception for a runtime status code (called by _core)."""
+    cls = _BY_CODE.get(code, TroupeError)
+    err = cls(message)
+    err.code = code
+    return err

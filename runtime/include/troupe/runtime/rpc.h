@@ -58,7 +58,12 @@ class RpcClient {
   kj::Promise<void> watch_;
 };
 
-// Turns a KJ exception from an RPC into a Status with a readable message.
+// The error model at the RPC edge: a Status travels as a KJ exception whose description starts
+// with its code in brackets ("[NOT_FOUND] no actor named 'x'"), which Cap'n Proto carries to
+// the caller intact. statusFromException reads the code back (never guessing from the text);
+// an exception without one (a broken connection, KJ's own) maps from its KJ type.
+kj::Exception exceptionFromStatus(const Status& status);
+// Turns a KJ exception from an RPC into a Status with a readable message (`what: message`).
 Status statusFromException(const kj::Exception& e, const std::string& what);
 
 }  // namespace troupe

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 
@@ -21,9 +22,12 @@ enum class StatusCode {
   kResourceExhausted, // no memory, disk or cluster resources
   kAborted,           // the operation was cancelled (epoch bump, shutdown)
   kInternal,          // a broken invariant or an unexpected reply
+  kActorDied,         // the actor is dead, or died during the call
 };
 
 const char* statusCodeName(StatusCode code);
+// The code named `name` ("NOT_FOUND"), if any: how a code crosses the RPC edge and reaches Python.
+std::optional<StatusCode> statusCodeFromName(std::string_view name);
 
 // A code and a message that says what failed, with which value, and what to do.
 class [[nodiscard]] Status {
