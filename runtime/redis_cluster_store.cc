@@ -490,8 +490,8 @@ redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2], 'heartbeat_ttl_ms', AR
 return 1
 )lua";
 
-// KEYS: nodes zset, store-run hash, dead-nodes zset. ARGV: node hash prefix, heartbeat key
-// prefix, events channel, now ms, claims prefix, DEAD nodes to keep.
+// KEYS: nodes zset, store-run hash, dead-nodes zset, meta hash. ARGV: node hash prefix,
+// heartbeat key prefix, events channel, now ms, claims prefix, DEAD nodes to keep.
 // The keys it touches depend on the zset's contents, so they cannot all be declared in KEYS;
 // fine for a single Redis (not Redis Cluster).
 // Missed heartbeats are deaths only while the store could take them: a node is judged only
@@ -510,12 +510,16 @@ if last == nil or since == nil then since = serverNow - up
 elseif serverNow - last > 1500 then since = serverNow end
 redis.call('HSET', KEYS[2], 'last_reap_ms', serverNow, 'reaping_since_ms', since)
 local judged = math.min(up, serverNow - since)
+-- Every node but the head's beats through the store gateway: a restarted gateway gives them a TTL too.
+local gatewaySince = tonumber(redis.call('HGET', KEYS[4], 'store_gateway_since_ms'))
+local judgedRemote = gatewaySince and math.min(judged, serverNow - gatewaySince) or judged
 local dead = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local nodeKey = ARGV[1] .. id
   if redis.call('HGET', nodeKey, 'state') == 'ALIVE' and
      redis.call('EXISTS', ARGV[2] .. id) == 0 and
-     judged >= (tonumber(redis.call('HGET', nodeKey, 'heartbeat_ttl_ms')) or 0) then
+     (redis.call('HGET', nodeKey, 'is_head') == '1' and judged or judgedRemote) >=
+       (tonumber(redis.call('HGET', nodeKey, 'heartbeat_ttl_ms')) or 0) then
     local last = tonumber(redis.call('HGET', nodeKey, 'last_heartbeat_ms')) or now
     local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
                    ' ms (heartbeat TTL expired)'
@@ -1004,7 +1008,14 @@ class RedisClusterStore final : public ClusterStore {
   }
 
   Status putStoreGateway(const std::string& address) override {
-    auto reply = connection_.run({"HSET", metaKey(), "store_gateway", address}, "putStoreGateway");
+    // With the time it (re)started, by the server's clock: nodes behind it are not judged by
+    // their heartbeats until it has served one TTL (see the reap script).
+    auto reply = connection_.run({"EVAL", R"lua(
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'store_gateway', ARGV[1],
+           'store_gateway_since_ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+return 1
+)lua", "1", metaKey(), address}, "putStoreGateway");
     return reply ? Status::ok() : reply.status();
   }
 
@@ -1106,7 +1117,7 @@ class RedisClusterStore final : public ClusterStore {
   }
 
   Result<std::vector<NodeId>> reapExpiredNodes() override {
-    auto reply = connection_.run({"EVAL", reapScript(), "3", nodesKey(), storeRunKey(), deadNodesKey(), nodeKeyPrefix(),
+    auto reply = connection_.run({"EVAL", reapScript(), "4", nodesKey(), storeRunKey(), deadNodesKey(), metaKey(), nodeKeyPrefix(),
                                   heartbeatKeyPrefix(), eventsChannel(), std::to_string(wallClockMs()),
                                   claimsKeyPrefix(), std::to_string(options_.keepDeadNodes)},
                                  "reapExpiredNodes");

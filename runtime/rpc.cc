@@ -112,11 +112,9 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
 }
 
 kj::Exception exceptionFromStatus(const Status& status) {
-  // DISCONNECTED keeps its meaning for capnp and for clients that reconnect on it.
-  auto type = status.code() == StatusCode::kUnavailable         ? kj::Exception::Type::DISCONNECTED
-              : status.code() == StatusCode::kResourceExhausted ? kj::Exception::Type::OVERLOADED
-                                                                : kj::Exception::Type::FAILED;
-  return kj::Exception(type, __FILE__, __LINE__,
+  // Always FAILED: DISCONNECTED means only that the connection itself is gone (clients reconnect
+  // or wait for an actor's next incarnation on it), so a peer's UNAVAILABLE must not look like it.
+  return kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
                        kj::str("[", statusCodeName(status.code()), "] ", status.message().c_str()));
 }
 

@@ -29,6 +29,7 @@ import uuid
 
 from . import _api
 from ._api import ActorDiedError, ActorError, TroupeError
+from .exceptions import ResourceExhaustedError, UnavailableError
 
 __all__ = ["ElasticTrainer", "GroupPlacementError"]
 
@@ -138,7 +139,7 @@ class ElasticTrainer:
         for n in range(workers, self.min_workers - 1, -1):
             try:
                 pg = self._rt.create_placement_group("PACK", [{"CPU": 1.0}] * n, self.name)
-            except RuntimeError as e:  # infeasible: more CPUs than the cluster has
+            except ResourceExhaustedError as e:  # infeasible: more CPUs than the cluster has
                 reasons.append(f"{n} trainer(s): {e}")
                 continue
             if pg["state"] == "CREATED":
@@ -222,10 +223,28 @@ class ElasticTrainer:
         if moved:
             self._event(f"trainer(s) {sorted(moved)} moved to another node; their state comes from a peer's "
                         f"replica or memory, or from disk")
+        candidates = [restore_step]
         if restore_step is None:
             held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
-            restore_step = max(common) if common else 0
+            # Newest first. A moved member's state comes from a peer's replica, which may lag the
+            # newest snapshot by a step: then the next older step every member holds is used.
+            candidates = sorted(common, reverse=True)[:2] if common else [0]
+            if not moved:
+                candidates = candidates[:1]
+        for i, restore_step in enumerate(candidates):
+            try:
+                self._restore_all(restore_step, fresh)
+                break
+            except ActorError as e:
+                if i + 1 == len(candidates):
+                    raise
+                self._event(f"step {restore_step} is not held for every member ({str(e).splitlines()[0][:160]}); "
+                            f"restoring step {candidates[i + 1]}")
+        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        self._record({"state": "RUNNING"})
+
+    def _restore_all(self, restore_step, fresh):
         # A new member copies the memory snapshot of a member on its node; on a host where no
         # member runs, it gets the state by a broadcast from a live rank (every rank takes part).
         held_on = {self._pg["bundle_nodes"][b]: b for o, b in zip(self.trainers, self._bundles) if o._id not in fresh}
@@ -246,8 +265,6 @@ class ElasticTrainer:
         if len(restored) != 1:
             raise TroupeError(f"ranks restored different steps {sorted(restored)}")
         self.step = restored.pop()
-        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
-        self._record({"state": "RUNNING"})
 
     # ---- Records ----
     def _doc(self, extra=None):
@@ -491,7 +508,7 @@ class ElasticTrainer:
         else:
             try:
                 self._pg = self._rt.add_bundles(self.group_id, [{"CPU": 1.0}] * (workers - current))
-            except RuntimeError as e:
+            except (ResourceExhaustedError, UnavailableError) as e:  # no room for them now
                 self._event(f"cannot grow from {current} to {workers} trainer(s): {e}")
                 return False
             self._ensure_node_services()

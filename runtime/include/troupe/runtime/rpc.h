@@ -69,6 +69,6 @@ Status statusFromException(const kj::Exception& e, const std::string& what);
 }  // namespace troupe
 
 namespace troupe {
-// Throws `status` as a KJ exception at an RPC edge (kUnavailable becomes DISCONNECTED).
+// Throws `status` as a KJ exception at an RPC edge (exceptionFromStatus).
 [[noreturn]] void throwStatus(const Status& status);
 }  // namespace troupe

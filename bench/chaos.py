@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""bench/run chaos: an elastic group of 2 tinylm trainers on an embedded multi-node cluster (a
+head with no CPUs for trainers, two trainer nodes and a spare), trained for --duration seconds
+while a killer SIGKILLs, at random every --min-gap to --max-gap seconds, one of: a trainer, a
+dataloader, a checkpoint actor, a trainer node's agent (a fresh spare node then joins), the
+controller or Redis (the head restarts both). It reports each fault and its recovery time (kill
+to the next step completed), goodput (time in steps that count / wall time), and checks:
+- bitwise_equal: the final parameters equal those of a fault-free run of the same steps
+  (snapshots every step, so no step is lost or trained twice);
+- exactly_once: every sample was trained on exactly once per epoch (counts differ by at most
+  one across samples: the last epoch is partial).
+
+    bench/run chaos [--duration 600] [--min-gap 20] [--max-gap 60] [--seed 1] [--json]
+"""
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+BUILD = os.environ.get("TROUPE_BIN_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build"))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+import troupe  # noqa: E402
+from troupe.cluster_utils import Cluster  # noqa: E402
+from troupe.train import ElasticTrainer  # noqa: E402
+
+KINDS = ["trainer", "dataloader", "checkpoint", "node_agent", "controller", "redis"]
+DATA = "/usr/share/common-licenses/GPL-3"
+
+
+def make_trainer(name):
+    return ElasticTrainer(model="tinylm", data=DATA, optimizer="adamw", global_batch_size=8, max_micro_batch=8,
+                          context=32, min_workers=2, max_workers=2, steps_per_call=2, progress=False, seed=0,
+                          checkpoint={"snapshot_every": 1}, name=name, replace_timeout=20.0, recovery_timeout=60.0)
+
+
+class Chaos:
+    """Kills one component at a time and measures how long training takes to move again."""
+
+    def __init__(self, cluster, trainer, rng, min_gap, max_gap):
+        self.cluster, self.t, self.rng = cluster, trainer, rng
+        self.min_gap, self.max_gap = min_gap, max_gap
+        self.faults = []
+        self.stop = threading.Event()
+        self.progress = []  # (monotonic time, step) whenever the step advances
+
+    def run_dir(self):
+        return os.path.realpath(os.path.join(self.cluster.temp_dir, "latest"))
+
+    def pid_file(self, name):
+        with open(os.path.join(self.run_dir(), "pids", f"{name}.pid")) as f:
+            return int(f.read().strip())
+
+    def actor_pid(self, type_name):
+        trainer_nodes = {self.t._pg["bundle_nodes"][b] for b in self.t._bundles}
+        live = [a for a in troupe.actors() if a["state"] == "ALIVE" and a["type"] == type_name
+                and a["node_id"] in trainer_nodes]
+        return self.rng.choice(live)["pid"] if live else None
+
+    def victim(self, kind):
+        if kind == "trainer":
+            return self.actor_pid("Trainer")
+        if kind == "dataloader":
+            return self.actor_pid("Dataloader")
+        if kind == "checkpoint":
+            return self.actor_pid("Checkpoint")
+        if kind == "node_agent":
+            busy = {self.t._pg["bundle_nodes"][b] for b in self.t._bundles}
+            nodes = [n for n in troupe.nodes() if n["state"] == "ALIVE" and not n["is_head"] and n["id"] in busy]
+            return self.rng.choice(nodes)["pid"] if nodes else None
+        return self.pid_file(kind)
+
+    def watch(self):
+        last = -1
+        while not self.stop.is_set():
+            if self.t.step != last:
+                last = self.t.step
+                self.progress.append((time.monotonic(), last))
+            time.sleep(0.02)
+
+    def killer(self):
+        while not self.stop.wait(self.rng.uniform(self.min_gap, self.max_gap)):
+            kind = self.rng.choice(KINDS)
+            pid = self.victim(kind)
+            if pid is None:
+                continue
+            step = self.t.step
+            at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            self.faults.append({"kind": kind, "pid": pid, "at": at, "step": step})
+            print(f"chaos: killed {kind} (pid {pid}) at step {step}", flush=True)
+            if kind == "node_agent":
+                self.cluster.add_node(num_cpus=1)  # the spare for the next node fault
+
+    def recovery_times(self):
+        for f in self.faults:
+            later = [t for t, step in self.progress if t > f["at"] and step > f["step"]]
+            f["recovery_s"] = round(later[0] - f["at"], 3) if later else None
+        return [{"kind": f["kind"], "step": f["step"], "recovery_s": f["recovery_s"]} for f in self.faults]
+
+
+def exactly_once(history):
+    counts = collections.Counter(x for row in history for x in row["sample_ids"])
+    if not counts:
+        return False
+    return max(counts.values()) - min(counts.values()) <= 1
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--min-gap", type=float, default=20.0)
+    parser.add_argument("--max-gap", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(3):  # two trainer nodes and a spare
+            cluster.add_node(num_cpus=1)
+        t = make_trainer("chaos")
+        t.fit(4)  # warm-up: the first steps compile and fill caches
+        chaos = Chaos(cluster, t, rng, args.min_gap, args.max_gap)
+        threading.Thread(target=chaos.watch, daemon=True).start()
+        threading.Thread(target=chaos.killer, daemon=True).start()
+        history_from = len(t.history)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < args.duration:
+            t.fit(2)
+        wall = time.monotonic() - t0
+        chaos.stop.set()
+        steps = t.step
+        useful = sum(r["step_s"] for r in t.history[history_from:])
+        faults = chaos.recovery_times()
+        chaos_hash = t.parameter_hash()
+        once = exactly_once(t.history)
+        t.close()
+
+        # The same steps without faults, on the same cluster.
+        ref = make_trainer("reference")
+        ref.fit(steps)
+        ref_hash = ref.parameter_hash()
+        ref.close()
+    finally:
+        troupe.shutdown()
+        cluster.shutdown()
+
+    bitwise = len(set(chaos_hash)) == 1 and chaos_hash[0] == ref_hash[0]
+    result = {"duration_s": round(wall, 1), "steps": steps, "faults": faults,
+              "goodput": round(useful / wall, 3) if wall > 0 else 0.0,
+              "bitwise_equal": bitwise, "exactly_once": once,
+              "max_recovery_s": max((f["recovery_s"] or 1e9) for f in faults) if faults else 0.0}
+    print(f"{'fault':<12} {'step':>6} {'recovery s':>11}")
+    for f in faults:
+        print(f"{f['kind']:<12} {f['step']:>6} {f['recovery_s'] if f['recovery_s'] is not None else 'never':>11}")
+    print(f"steps {steps} in {wall:.0f} s, goodput {result['goodput']:.3f}, bitwise_equal {bitwise}, "
+          f"exactly_once {once}")
+    if args.json:
+        print(json.dumps(result))
+    ok = bitwise and once and all(f["recovery_s"] is not None for f in faults)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
