@@ -119,3 +119,11 @@ def run_driver(code, env=None, timeout=60):
     full_env.update(env or {})
     return subprocess.run(["/usr/bin/python3", "-c", code], env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def one_line_error(p):
+    """The CLI failed with exactly one line, `troupe: error: ...`; returns it."""
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("troupe: error:"), p.stderr
+    return lines[0]

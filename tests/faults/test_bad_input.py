@@ -6,25 +6,19 @@ import math
 import subprocess
 import textwrap
 
-from troupe_testing import free_port, run_driver
+from troupe_testing import free_port, one_line_error, run_driver
 
-
-def one_line(p):
-    assert p.returncode != 0
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("troupe: error:"), p.stderr
-    return lines[0]
 
 
 def test_nan_and_inf_quantities_are_refused_everywhere(troupe):
     port = free_port()
     for bad in ("x=nan", "x=inf", "x=-1", "x=1e300"):
-        assert "finite number" in one_line(troupe.run("start", "--head", "--resources", bad, check=False))
-    assert "finite number" in one_line(troupe.run("start", "--head", "--num-cpus", "nan", check=False))
+        assert "finite number" in one_line_error(troupe.run("start", "--head", "--resources", bad, check=False))
+    assert "finite number" in one_line_error(troupe.run("start", "--head", "--num-cpus", "nan", check=False))
     troupe.run("start", "--head", "--port", str(port), "--num-cpus", "2")
     for bad in ("x=nan", "x=inf"):
         p = troupe.run("start", "--address", f"127.0.0.1:{port}", "--resources", bad, check=False)
-        assert "finite number" in one_line(p)
+        assert "finite number" in one_line_error(p)
     code = textwrap.dedent("""
         import math, troupe
         troupe.init(address="auto")

@@ -1,17 +1,10 @@
 """The run root holds the cluster's secrets (issue 14 findings 4 and 13): a root or a `latest`
 link another user controls is refused, and a failed start leaves `latest` where it was."""
 import os
-import stat
 import subprocess
 
-from troupe_testing import BUILD, Troupe, free_port
+from troupe_testing import BUILD, Troupe, free_port, one_line_error
 
-
-def one_line(p):
-    assert p.returncode != 0
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("troupe: error:"), p.stderr
-    return lines[0]
 
 
 def test_a_run_root_of_another_user_or_open_to_others_is_refused(tmp_path):
@@ -24,7 +17,7 @@ def test_a_run_root_of_another_user_or_open_to_others_is_refused(tmp_path):
         else:
             root.chmod(0o777)
         t = Troupe(root)
-        err = one_line(t.run("start", "--head", "--port", str(free_port()), check=False))
+        err = one_line_error(t.run("start", "--head", "--port", str(free_port()), check=False))
         assert ("not to you" in err) if setup == "other-owner" else ("writable by group or others" in err), err
         assert list(root.iterdir()) == [], "something was written into a run root we do not trust"
 
@@ -33,7 +26,7 @@ def test_a_latest_link_of_another_user_is_not_followed(troupe):
     troupe.run("start", "--head", "--port", str(free_port()))
     latest = troupe.root / "latest"
     os.lchown(latest, 65534, 65534)
-    assert "not following it" in one_line(troupe.run("status", check=False))
+    assert "not following it" in one_line_error(troupe.run("status", check=False))
     os.lchown(latest, os.geteuid(), os.getegid())
     assert troupe.run("status", check=False).returncode == 0
 
