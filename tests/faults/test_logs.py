@@ -1,6 +1,5 @@
 """Actor logs are bounded (issue 14 finding 11): a chatty worker's log is rotated at the per-file
 cap, and `troupe logs` still shows its latest lines."""
-import os
 import textwrap
 
 from troupe_testing import eventually, free_port, run_driver

@@ -3,14 +3,13 @@
 persisted checkpoints are 0600 in 0700 directories."""
 import os
 import stat
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from troupe_testing import PYTHON_PACKAGE, Troupe, free_port, import_troupe, processes_under, run_driver
+from troupe_testing import Troupe, free_port, import_troupe, processes_under, run_driver
 
 troupe_pkg = import_troupe()
 from troupe import checkpoint as ckpt  # noqa: E402
