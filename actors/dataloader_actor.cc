@@ -74,6 +74,13 @@ class Dataloader final : public Actor {
       if (!committed.isOk()) return committed.status();
       return Json{{"committed", *committed}}.dump();
     }
+    if (method == "commit") {
+      // Every rank finished steps before `step` (the driver gathered their replies): a node's
+      // queue hears completions from its own ranks only, so the driver commits for the group.
+      int64_t step = j->value("step", int64_t{0});
+      if (step > 0) TROUPE_RETURN_IF_ERROR(q.commit(step - 1));
+      return Json{{"committed", q.committedSteps()}}.dump();
+    }
     if (method == "rewind") {
       int64_t step = j->value("step", int64_t{0});
       // Every rank holds a snapshot of `step`, so steps before it finished everywhere even if

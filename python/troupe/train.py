@@ -351,6 +351,10 @@ class ElasticTrainer:
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
         self.step = per_rank[0][-1]["step"]
+        # Every rank finished these steps: commit them in each node's queue (which hears only its
+        # own ranks' completions), or its window of uncommitted steps would fill.
+        if len(self._node_services) > 1:
+            _api.get([_json_call(loader, "commit", {"step": self.step}) for loader, _ in self._node_services.values()])
         self._tune_snapshots()
         self._record({"state": "RUNNING"})
 
