@@ -398,11 +398,12 @@ class CheckpointActor final : public Actor {
     static const std::map<std::string, Handler> kJsonMethods = {
         {"attach", &CheckpointActor::attach},           {"saved", &CheckpointActor::saved},
         {"read", &CheckpointActor::read},               {"restore", &CheckpointActor::restore},
-        {"replicaBegin", &CheckpointActor::replicaBegin}, {"replicaCommit", &CheckpointActor::replicaCommit}};
+        {"replicaBegin", &CheckpointActor::replicaBegin}, {"replicaCommit", &CheckpointActor::replicaCommit},
+        {"members", &CheckpointActor::members}};
     auto handler = kJsonMethods.find(method);
     if (handler == kJsonMethods.end()) {
       return badArgs(fmt::format("no method '{}' (attach, saved, status, inventory, read, restore, release, "
-                                 "replicaBegin, replicaWrite, replicaCommit)",
+                                 "replicaBegin, replicaWrite, replicaCommit, members)",
                                  method));
     }
     auto args = parsePayload(payload, method.c_str());
@@ -438,6 +439,23 @@ class CheckpointActor final : public Actor {
     if (!rank.isOk()) return rank.status();
     ranks_[*rank];
     return json{{"segment", options_.primary(*rank)}, {"shm_dir", options_.shmDir}}.dump();
+  }
+
+  // The group's live checkpoint actors changed (a node was lost, another joined): ask them for
+  // inventories from now on, and send replicas to the next live one, never to a dead node's.
+  Result<std::string> members(const json& args) {
+    std::vector<std::string> live;
+    try {
+      live = args.at("members").get<std::vector<std::string>>();
+    } catch (const std::exception& e) {
+      return badArgs(fmt::format("members: {}", e.what()));
+    }
+    if (std::find(live.begin(), live.end(), options_.self) == live.end()) live.push_back(options_.self);
+    std::sort(live.begin(), live.end());
+    options_.members = live;
+    auto it = std::find(live.begin(), live.end(), options_.self);
+    options_.replicaTo = live.size() > 1 ? *(++it == live.end() ? live.begin() : it) : "";
+    return json{{"replica_to", options_.replicaTo}}.dump();
   }
 
   Result<std::string> saved(const json& args) {

@@ -184,6 +184,13 @@ class ElasticTrainer:
                                   name=self._ckpt_name(node))
             self._node_services[node] = (loader, ckpt)
 
+    def _tell_members(self):
+        """Every live checkpoint actor learns the current members: replicas go to the next live
+        node's actor, never to a lost node's."""
+        names = sorted(self._ckpt_name(n) for n in self._node_services)
+        if len(names) > 1:
+            _api.get([_json_call(ckpt, "members", {"members": names}) for _, ckpt in self._node_services.values()])
+
     def _services_of(self, node):
         """The dataloader and checkpoint actor of `node` (a trainer's node now)."""
         loader, ckpt = self._node_services.get(node) or next(iter(self._node_services.values()))
@@ -418,6 +425,7 @@ class ElasticTrainer:
         answering = self._answering(services, None, deadline + self.replace_timeout)
         if len(answering) != len(services):
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
+        self._tell_members()
         self._join_all()
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
@@ -516,6 +524,7 @@ class ElasticTrainer:
                 self._event(f"cannot grow from {current} to {workers} trainer(s): {e}")
                 return False
             self._ensure_node_services()
+            self._tell_members()
             added = list(range(len(self._pg["bundle_nodes"]) - (workers - current), len(self._pg["bundle_nodes"])))
             fresh = [self._spawn_trainer(b) for b in added]
             self.trainers += fresh
