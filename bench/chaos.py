@@ -131,39 +131,46 @@ def main():
         threading.Thread(target=chaos.killer, daemon=True).start()
         history_from = len(t.history)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < args.duration:
-            t.fit(2)
+        failure = None
+        try:
+            while time.monotonic() - t0 < args.duration:
+                t.fit(2)
+        except Exception as e:  # the run ended: report what happened up to here
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         wall = time.monotonic() - t0
         chaos.stop.set()
         steps = t.step
         useful = sum(r["step_s"] for r in t.history[history_from:])
         faults = chaos.recovery_times()
-        chaos_hash = t.parameter_hash()
         once = exactly_once(t.history)
-        t.close()
-
-        # The same steps without faults, on the same cluster.
-        ref = make_trainer("reference")
-        ref.fit(steps)
-        ref_hash = ref.parameter_hash()
-        ref.close()
+        bitwise = False
+        if failure is None:
+            chaos_hash = t.parameter_hash()
+            t.close()
+            # The same steps without faults, on the same cluster.
+            ref = make_trainer("reference")
+            ref.fit(steps)
+            ref_hash = ref.parameter_hash()
+            ref.close()
+            bitwise = len(set(chaos_hash)) == 1 and chaos_hash[0] == ref_hash[0]
     finally:
         troupe.shutdown()
         cluster.shutdown()
 
-    bitwise = len(set(chaos_hash)) == 1 and chaos_hash[0] == ref_hash[0]
     result = {"duration_s": round(wall, 1), "steps": steps, "faults": faults,
               "goodput": round(useful / wall, 3) if wall > 0 else 0.0,
-              "bitwise_equal": bitwise, "exactly_once": once,
+              "bitwise_equal": bitwise, "exactly_once": once, "failure": failure,
               "max_recovery_s": max((f["recovery_s"] or 1e9) for f in faults) if faults else 0.0}
     print(f"{'fault':<12} {'step':>6} {'recovery s':>11}")
     for f in faults:
         print(f"{f['kind']:<12} {f['step']:>6} {f['recovery_s'] if f['recovery_s'] is not None else 'never':>11}")
     print(f"steps {steps} in {wall:.0f} s, goodput {result['goodput']:.3f}, bitwise_equal {bitwise}, "
           f"exactly_once {once}")
+    if failure:
+        print(f"the run ended early: {failure}")
     if args.json:
         print(json.dumps(result))
-    ok = bitwise and once and all(f["recovery_s"] is not None for f in faults)
+    ok = failure is None and bitwise and once and all(f["recovery_s"] is not None for f in faults)
     sys.exit(0 if ok else 1)
 
 
