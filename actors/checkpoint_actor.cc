@@ -43,6 +43,8 @@ using nlohmann::json;
 constexpr uint64_t kChunkBytes = uint64_t(4) << 20;  // per replica / fetch call (messages stay small)
 constexpr uint64_t kMaxReadBytes = uint64_t(8) << 20;
 constexpr size_t kWindow = 4;                          // chunk calls in flight
+// Replicas of images up to this size are sent from a private copy (see sendReplica).
+constexpr uint64_t kCopyForReplicaBytes = uint64_t(256) << 20;
 constexpr size_t kMaxErrors = 10;                      // recent errors kept for status
 constexpr auto kInventoryTimeout = std::chrono::seconds(5);
 constexpr auto kChunkTimeout = std::chrono::seconds(60);
@@ -521,6 +523,16 @@ class CheckpointActor final : public Actor {
     }
     auto seg = *segment;
     ck::SlotInfo info = *slot;
+    // A snapshot every step outruns a transfer, which would then always find its slot overwritten
+    // and never complete: an image of modest size is copied out first (a memcpy, checked against
+    // the slot's sequence afterwards) and sent from the copy.
+    std::shared_ptr<const std::string> copy;
+    if (info.imageBytes <= kCopyForReplicaBytes) {
+      auto bytes = std::make_shared<std::string>(reinterpret_cast<const char*>(seg->slotData(info.index)),
+                                                 info.imageBytes);
+      if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being copied");
+      copy = std::move(bytes);
+    }
     return peer(options_.replicaTo)
         .then([this, rank, info](ActorHandle handle) {
           json begin{{"rank", rank}, {"step", info.step}, {"image_bytes", info.imageBytes}, {"from", options_.self}};
@@ -528,9 +540,10 @@ class CheckpointActor final : public Actor {
             return std::make_pair(handle, json::parse(reply).at("slot").get<uint32_t>());
           });
         })
-        .then([this, rank, seg, info](std::pair<ActorHandle, uint32_t> begun) {
-          return sendChunks(begun.first, seg, info, rank, begun.second, 0).then([this, rank, seg, info, begun]() mutable {
-            if (!seg->unchanged(info)) {
+        .then([this, rank, seg, info, copy](std::pair<ActorHandle, uint32_t> begun) {
+          return sendChunks(begun.first, seg, info, rank, begun.second, 0, copy).then([this, rank, seg, info, begun,
+                                                                                      copy]() mutable {
+            if (!copy && !seg->unchanged(info)) {
               return kj::Promise<void>(KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent; "
                                                             "the newer one follows"));
             }
@@ -545,10 +558,13 @@ class CheckpointActor final : public Actor {
   }
 
   // Sends chunks [first, first + kWindow) of the image at once, then the next window.
+  // From `copy` when there is one (then nothing can overwrite it), else from the slot itself.
   kj::Promise<void> sendChunks(ActorHandle handle, std::shared_ptr<ck::FlashSegment> seg, ck::SlotInfo info,
-                               uint32_t rank, uint32_t peerSlot, uint64_t offset) {
+                               uint32_t rank, uint32_t peerSlot, uint64_t offset,
+                               std::shared_ptr<const std::string> copy) {
     if (offset >= info.imageBytes) return kj::READY_NOW;
-    if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent");
+    if (!copy && !seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent");
+    const uint8_t* image = copy ? reinterpret_cast<const uint8_t*>(copy->data()) : seg->slotData(info.index);
     kj::Vector<kj::Promise<std::string>> calls(kWindow);
     uint64_t at = offset;
     for (size_t i = 0; i < kWindow && at < info.imageBytes; ++i) {
@@ -562,12 +578,12 @@ class CheckpointActor final : public Actor {
       uint64_t fields64[2] = {info.step, at};
       std::memcpy(payload.data(), fields32, 8);
       std::memcpy(payload.data() + 8, fields64, 16);
-      std::memcpy(payload.data() + kReplicaHeaderBytes, seg->slotData(info.index) + at, n);
+      std::memcpy(payload.data() + kReplicaHeaderBytes, image + at, n);
       calls.add(withTimeout(handle.call("replicaWrite", std::move(payload)), kChunkTimeout, "replicaWrite"));
       at += n;
     }
-    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, seg, info, rank, peerSlot, at](auto) mutable {
-      return sendChunks(handle, seg, info, rank, peerSlot, at);
+    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, seg, info, rank, peerSlot, at, copy](auto) mutable {
+      return sendChunks(handle, seg, info, rank, peerSlot, at, copy);
     });
   }
 

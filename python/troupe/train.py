@@ -272,6 +272,8 @@ class ElasticTrainer:
         if len(restored) != 1:
             raise TroupeError(f"ranks restored different steps {sorted(restored)}")
         self.step = restored.pop()
+        # Steps after the restored one were undone (the state went back): they are trained again.
+        self.history = [r for r in self.history if r["step"] <= self.step]
 
     # ---- Records ----
     def _doc(self, extra=None):
@@ -361,7 +363,10 @@ class ElasticTrainer:
         # Every rank finished these steps: commit them in each node's queue (which hears only its
         # own ranks' completions), or its window of uncommitted steps would fill.
         if len(self._node_services) > 1:
-            _api.get([_json_call(loader, "commit", {"step": self.step}) for loader, _ in self._node_services.values()])
+            try:
+                _api.get([_json_call(loader, "commit", {"step": self.step}) for loader, _ in self._node_services.values()])
+            except (ActorDiedError, ActorError):
+                pass  # a dataloader is restarting: the next chunk fails, and its recovery rewinds every queue
         self._tune_snapshots()
         self._record({"state": "RUNNING"})
 
