@@ -148,6 +148,14 @@ struct ControlHeader {
   uint32_t kind = 0;
   uint32_t length = 0;  // payload bytes (kAbort: a status code byte, then the message)
 };
+
+// What a failure means for fail(), which weighs causes by this and never by message text: a
+// peer's death outranks what it caused; a peer's ABORT explains a data connection that ended.
+enum class FailureCause { kOther, kPeerDied, kPeerAborted, kConnectionLost };
+struct Failure {
+  Status status;
+  FailureCause cause = FailureCause::kOther;
+};
 constexpr uint32_t kMaxControlPayload = 64 * 1024;
 
 std::string describeHeader(const WireHeader& header) {
@@ -1059,7 +1067,7 @@ class TcpCommunicator final : public Communicator {
     peer.control.async_wait(tcp::socket::wait_read, [this, &peer](const asio::error_code& ec) {
       if (!broken_.isOk() || shuttingDown_ || ec == asio::error::operation_aborted) return;
       if (auto failure = drainControl(peer)) {
-        fail(std::move(*failure));
+        fail(std::move(failure->status), failure->cause);
         return;
       }
       if (peer.control.is_open()) watchControl(peer);
@@ -1069,7 +1077,7 @@ class TcpCommunicator final : public Communicator {
   // Reads what the peer's control connection holds and handles it: a goodbye is noted; an ABORT,
   // a malformed message, or the end of the connection without a goodbye is returned as the
   // failure it means.
-  std::optional<Status> drainControl(Peer& peer) {
+  std::optional<Failure> drainControl(Peer& peer) {
     if (!peer.control.is_open()) return std::nullopt;
     char buffer[4096];
     while (!peer.controlEnded) {
@@ -1096,17 +1104,18 @@ class TcpCommunicator final : public Communicator {
         continue;
       }
       if (kind != ControlKind::kAbort || header.length == 0 || header.length > kMaxControlPayload) {
-        return Status(StatusCode::kInternal,
-                      fmt::format("{} sent a malformed control message (kind {}, {} bytes); {}",
-                                  peer.name, header.kind, header.length,
-                                  recreateAdvice(options_)));
+        return Failure{Status(StatusCode::kInternal,
+                              fmt::format("{} sent a malformed control message (kind {}, {} bytes); {}",
+                                          peer.name, header.kind, header.length,
+                                          recreateAdvice(options_)))};
       }
       if (peer.controlBytes.size() < sizeof(header) + header.length) break;
       auto code = static_cast<StatusCode>(peer.controlBytes[sizeof(header)]);
-      if (code == StatusCode::kOk || code > StatusCode::kInternal) code = StatusCode::kAborted;
-      return Status(code, fmt::format("{} stopped: {}", peer.name,
-                                      peer.controlBytes.substr(sizeof(header) + 1,
-                                                               header.length - 1)));
+      if (code == StatusCode::kOk || code > StatusCode::kActorDied) code = StatusCode::kAborted;
+      return Failure{Status(code, fmt::format("{} stopped: {}", peer.name,
+                                              peer.controlBytes.substr(sizeof(header) + 1,
+                                                                       header.length - 1))),
+                     FailureCause::kPeerAborted};
     }
     if (!peer.controlEnded) return std::nullopt;
     if (peer.saidGoodbye) {
@@ -1116,12 +1125,13 @@ class TcpCommunicator final : public Communicator {
       peer.control.close(ignored);
       return std::nullopt;
     }
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("{} closed its connection without a goodbye: the process died or "
-                              "was killed{}; {}",
-                              peer.name,
-                              active_ ? fmt::format(" (during {})", describeCurrent()) : "",
-                              recreateAdvice(options_)));
+    return Failure{Status(StatusCode::kUnavailable,
+                          fmt::format("{} closed its connection without a goodbye: the process "
+                                      "died or was killed{}; {}",
+                                      peer.name,
+                                      active_ ? fmt::format(" (during {})", describeCurrent()) : "",
+                                      recreateAdvice(options_))),
+                   FailureCause::kPeerDied};
   }
 
   // Best effort: a few bytes on a socket nobody else writes to; a dead peer just fails it.
@@ -1151,18 +1161,20 @@ class TcpCommunicator final : public Communicator {
     return what + ")";
   }
 
-  Status connectionError(const Peer& peer, std::string_view doing, const asio::error_code& ec) {
+  Failure connectionError(const Peer& peer, std::string_view doing, const asio::error_code& ec) {
     if (peer.saidGoodbye) {
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("{} closed its communicator (it left the group) while this rank "
-                                "was {} it during {}; {}",
-                                peer.name, doing, describeCurrent(), recreateAdvice(options_)));
+      return Failure{Status(StatusCode::kUnavailable,
+                            fmt::format("{} closed its communicator (it left the group) while this "
+                                        "rank was {} it during {}; {}",
+                                        peer.name, doing, describeCurrent(),
+                                        recreateAdvice(options_)))};
     }
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("lost the connection to {} while {} it during {} ({}): the peer "
-                              "died, was killed or aborted; {}",
-                              peer.name, doing, describeCurrent(), ec.message(),
-                              recreateAdvice(options_)));
+    return Failure{Status(StatusCode::kUnavailable,
+                          fmt::format("lost the connection to {} while {} it during {} ({}): the "
+                                      "peer died, was killed or aborted; {}",
+                                      peer.name, doing, describeCurrent(), ec.message(),
+                                      recreateAdvice(options_))),
+                   FailureCause::kConnectionLost};
   }
 
   void onTimeout() {
@@ -1187,27 +1199,24 @@ class TcpCommunicator final : public Communicator {
   // A failure noticed one way (a data connection ending, an epoch advance made by the survivors,
   // a peer's ABORT) is first checked against what the control connections already hold, so the
   // error names the rank that died or the root cause a peer reported.
-  void fail(Status status) {
+  void fail(Failure failure) { fail(std::move(failure.status), failure.cause); }
+  void fail(Status status, FailureCause cause = FailureCause::kOther) {
     if (!broken_.isOk()) return;
-    auto isDeath = [](const Status& s) {
-      return s.message().find(" closed its connection without a goodbye") != std::string::npos &&
-             s.message().find(" stopped: ") == std::string::npos;
-    };
     std::optional<Status> death, abort;
     for (auto& peer : peers_) {
       if (!peer) continue;
       auto found = drainControl(*peer);
       if (!found) continue;
-      if (isDeath(*found)) {
-        if (!death) death = std::move(found);
+      if (found->cause == FailureCause::kPeerDied) {
+        if (!death) death = std::move(found->status);
       } else if (!abort) {
-        abort = std::move(found);
+        abort = std::move(found->status);
       }
     }
-    if (!isDeath(status) && death) {
+    if (cause != FailureCause::kPeerDied && death) {
       status = Status(StatusCode::kUnavailable,
                       fmt::format("{}; also: {}", death->message(), status.message()));
-    } else if (abort && status.message().rfind("lost the connection", 0) == 0) {
+    } else if (abort && cause == FailureCause::kConnectionLost) {
       status = std::move(*abort);  // the data connection ended because the peer aborted: say why
     }
     broken_ = status;
