@@ -19,6 +19,7 @@
 #include <kj/debug.h>
 
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/rpc.h"
 
 namespace troupe::handshake {
 namespace {
@@ -64,7 +65,11 @@ Mac proof(const std::string& token, const char* role, Purpose purpose, const kj:
 
 bool same(const kj::byte* a, const Mac& b) { return CRYPTO_memcmp(a, b.data(), kMac) == 0; }
 
-kj::Exception refusedBy(const char* why) { return KJ_EXCEPTION(DISCONNECTED, why); }
+// A refusal carries its code (UNAUTHENTICATED, or FAILED_PRECONDITION for kTlsRequired) for the
+// caller to act on; DISCONNECTED because the connection is gone.
+kj::Exception refusedBy(StatusCode code, const char* why) {
+  return exceptionFromStatus(Status(code, why), kj::Exception::Type::DISCONNECTED);
+}
 
 }  // namespace
 
@@ -250,10 +255,10 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
     auto* r = reply.begin();
     return stream.tryRead(r, kNonce + kMac, kNonce + kMac)
         .then([&stream, &token, purpose, cn, reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
-          if (got == 1 && reply[0] == kSpeakTls) return refusedBy(kTlsRequired);
-          if (got != kNonce + kMac) return refusedBy("the cluster token was rejected");
+          if (got == 1 && reply[0] == kSpeakTls) return refusedBy(StatusCode::kFailedPrecondition, kTlsRequired);
+          if (got != kNonce + kMac) return refusedBy(StatusCode::kUnauthenticated, "the cluster token was rejected");
           if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.begin()))) {
-            return refusedBy(kNotShared);
+            return refusedBy(StatusCode::kUnauthenticated, kNotShared);
           }
           auto answer = kj::heapArray<kj::byte>(kMac + 1);
           Mac clientMac = proof(token, "troupe-client", purpose, cn.data(), reply.begin());
@@ -262,7 +267,9 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
           return stream.write(a, kMac).then([&stream, answer = kj::mv(answer)]() mutable {
             auto* v = answer.begin() + kMac;
             return stream.tryRead(v, 1, 1).then([answer = kj::mv(answer)](size_t n) -> kj::Promise<void> {
-              if (n != 1 || answer[kMac] != kAccepted) return refusedBy("the cluster token was rejected");
+              if (n != 1 || answer[kMac] != kAccepted) {
+                return refusedBy(StatusCode::kUnauthenticated, "the cluster token was rejected");
+              }
               return kj::READY_NOW;
             });
           });

@@ -45,8 +45,8 @@ kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::Asyn
                                                                  const std::string& token, Purpose purpose,
                                                                  tls::Streams* tls);
 // A client's whole connect path: TLS first when `tls` is given, then the handshake. Rejects like
-// connect(); a plaintext client of a TLS cluster gets a DISCONNECTED exception whose message
-// contains kTlsRequired (it should call tls::require() and connect again).
+// connect(); a plaintext client of a TLS cluster gets a DISCONNECTED exception whose code
+// (statusFromException) is kFailedPrecondition (it should call tls::require() and connect again).
 kj::Promise<kj::Own<kj::AsyncIoStream>> connectStream(kj::Own<kj::AsyncIoStream> stream, const std::string& token,
                                                       Purpose purpose, tls::Streams* tls);
 constexpr const char* kTlsRequired = "the cluster requires TLS";
@@ -96,8 +96,8 @@ class Acceptor final : private kj::TaskSet::ErrorHandler {
 // did not (after writing 'N'). Rejects when the stream fails.
 kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
 
-// Client side. Rejects (DISCONNECTED) with a message starting "the cluster token was rejected"
-// (by the server, or because the server proved a different token).
+// Client side. Rejects (DISCONNECTED, code kUnauthenticated) with a message starting "the cluster
+// token was rejected" (by the server, or because the server proved a different token).
 kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
 
 // Client side on a blocking socket (the store's hiredis connections through the gateway).

@@ -241,7 +241,7 @@ Result<ContextPtr> connectThroughGateway(const RedisOptions& options) {
   if (auto s = handshake::connectBlocking(*fd, options.gatewayToken, handshake::Purpose::kStore, options.timeout);
       !s.isOk()) {
     ::close(*fd);
-    if (!secure && s.message() == handshake::kTlsRequired) {
+    if (!secure && s.code() == StatusCode::kFailedPrecondition) {  // the handshake's kTlsRequired
       tls::require();  // a --tls cluster: this process speaks TLS from now on
       return connectThroughGateway(options);
     }

@@ -86,35 +86,45 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
   auto connected =
       connectOnce(io, address, shared, tls::required())
           .catch_([&io, address, shared](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
-            // A --tls cluster said so: speak TLS from now on in this process.
-            if (tls::required() || strstr(e.getDescription().cStr(), handshake::kTlsRequired) == nullptr) {
+            // A --tls cluster said so (the handshake's only FAILED_PRECONDITION): speak TLS from
+            // now on in this process.
+            if (tls::required() || statusFromException(e, "").code() != StatusCode::kFailedPrecondition) {
               return kj::mv(e);
             }
             tls::require();
             return connectOnce(io, address, shared, true);
           })
           .then([](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream)); });
-  return io.provider->getTimer()
-      .timeoutAfter(timeout, kj::mv(connected))
+  auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<RpcClient> {
+    kj::throwFatalException(exceptionFromStatus(Status(StatusCode::kDeadlineExceeded, "no answer in time"),
+                                                kj::Exception::Type::DISCONNECTED));
+  });
+  return connected.exclusiveJoin(kj::mv(expired))
       .catch_([where](kj::Exception&& e) -> kj::Own<RpcClient> {
-        std::string desc = e.getDescription().cStr();
-        std::string reason = desc;
-        if (desc.find("timed out") != std::string::npos) reason = "no answer in time";
-        else if (desc.find("ECONNREFUSED") != std::string::npos || desc.find("refused") != std::string::npos)
-          reason = "connection refused";
-        else if (auto at = desc.find("the cluster token was rejected"); at != std::string::npos)
-          reason = desc.substr(at);
-        else if (desc.find("certificate") != std::string::npos || desc.find("TLS") != std::string::npos)
-          reason = "TLS failed (not this cluster's certificate): " + desc;
-        kj::throwFatalException(kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
-                                              kj::str("cannot connect to ", where.c_str(), ": ", reason.c_str())));
+        // Ours (the handshake's refusals, the deadline) carry their code; KJ's socket and TLS
+        // errors have only an OS or OpenSSL text, read here for a shorter reason and no more.
+        Status s = statusFromException(e, "");
+        std::string reason = s.message();
+        StatusCode code = s.code() == StatusCode::kUnauthenticated || s.code() == StatusCode::kDeadlineExceeded
+                              ? s.code()
+                              : StatusCode::kUnavailable;
+        if (code == StatusCode::kUnavailable) {
+          if (reason.find("ECONNREFUSED") != std::string::npos || reason.find("refused") != std::string::npos) {
+            reason = "connection refused";
+          } else if (reason.find("certificate") != std::string::npos || reason.find("TLS") != std::string::npos) {
+            reason = "TLS failed (not this cluster's certificate): " + reason;
+          }
+        }
+        kj::throwFatalException(exceptionFromStatus(Status(code, fmt::format("cannot connect to {}: {}", where, reason)),
+                                                    kj::Exception::Type::DISCONNECTED));
       });
 }
 
-kj::Exception exceptionFromStatus(const Status& status) {
-  // Always FAILED: DISCONNECTED means only that the connection itself is gone (clients reconnect
-  // or wait for an actor's next incarnation on it), so a peer's UNAVAILABLE must not look like it.
-  return kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
+kj::Exception exceptionFromStatus(const Status& status, kj::Exception::Type type) {
+  // FAILED by default: DISCONNECTED means only that the connection itself is gone (clients
+  // reconnect or wait for an actor's next incarnation on it), so a peer's UNAVAILABLE must not
+  // look like it.
+  return kj::Exception(type, __FILE__, __LINE__,
                        kj::str("[", statusCodeName(status.code()), "] ", status.message().c_str()));
 }
 

@@ -60,18 +60,36 @@ TEST_CASE("rpc: a client with the cluster token can call the bootstrap capabilit
 
 TEST_CASE("rpc: a wrong token is refused before any capability is handed out") {
   Fixture f;
-  std::string error;
+  Status error;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     RpcClient::connect(f.io, f.address(), "wrong-token", 5 * kj::SECONDS).wait(f.io.waitScope);
   })) {
-    error = e->getDescription().cStr();
+    error = statusFromException(*e, "");
+    CHECK(e->getType() == kj::Exception::Type::DISCONNECTED);
   }
-  CHECK(error.find("token was rejected") != std::string::npos);
+  // The refusal's kind is its code, not its words.
+  CHECK_MESSAGE(error.code() == StatusCode::kUnauthenticated, error.toString());
+  CHECK(error.message().find("token was rejected") != std::string::npos);
   // The client hangs up as soon as the server's proof fails; the server sees that next.
   for (int i = 0; i < 400 && f.server->refusedConnections() == 0; ++i) {
     f.io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(f.io.waitScope);
   }
   CHECK(f.server->refusedConnections() == 1);
+}
+
+TEST_CASE("rpc: a server that never answers the handshake fails the connect with DEADLINE_EXCEEDED") {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  // Listening but never accepting: the kernel completes the TCP connection, nobody answers.
+  auto listener = io.provider->getNetwork().parseAddress("127.0.0.1", 0).wait(io.waitScope)->listen();
+  Status error;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    RpcClient::connect(io, HostPort{"127.0.0.1", static_cast<int>(listener->getPort())}, "secret-token", 200 * kj::MILLISECONDS)
+        .wait(io.waitScope);
+  })) {
+    error = statusFromException(*e, "");
+  }
+  CHECK_MESSAGE(error.code() == StatusCode::kDeadlineExceeded, error.toString());
+  CHECK(error.message().find("no answer in time") != std::string::npos);
 }
 
 TEST_CASE("rpc: a raw connection speaking Cap'n Proto without the handshake is closed") {

@@ -62,7 +62,8 @@ class RpcClient {
 // with its code in brackets ("[NOT_FOUND] no actor named 'x'"), which Cap'n Proto carries to
 // the caller intact. statusFromException reads the code back (never guessing from the text);
 // an exception without one (a broken connection, KJ's own) maps from its KJ type.
-kj::Exception exceptionFromStatus(const Status& status);
+// FAILED unless `type` says otherwise (DISCONNECTED: the connection itself was refused or lost).
+kj::Exception exceptionFromStatus(const Status& status, kj::Exception::Type type = kj::Exception::Type::FAILED);
 // Turns a KJ exception from an RPC into a Status with a readable message (`what: message`).
 Status statusFromException(const kj::Exception& e, const std::string& what);
 
