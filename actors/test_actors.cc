@@ -11,6 +11,7 @@
 
 #include "troupe.capnp.h"
 #include "troupe/runtime/client.h"
+#include "troupe/runtime/rpc.h"
 
 namespace troupe::actors {
 namespace {
@@ -158,7 +159,7 @@ class Relay final : public TestActor {
     auto target = context_.cluster->actor(ActorId(payload.substr(0, first)));
     return target.call(payload.substr(first + 1, second - first - 1), payload.substr(second + 1))
         .then([](std::string reply) { return Result<std::string>(std::move(reply)); },
-              [](kj::Exception&& e) { return Result<std::string>(Status(StatusCode::kUnavailable, e.getDescription().cStr())); });
+              [](kj::Exception&& e) { return Result<std::string>(statusFromException(e, "relay")); });
   }
 
  protected:

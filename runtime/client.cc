@@ -14,6 +14,16 @@ namespace troupe {
 namespace {
 constexpr uint32_t kWaitChunkMs = 30000;  // a pending actor is waited for in chunks of this
 
+// A worker's error for one call, `what` naming the call. The worker's code comes along, except
+// ACTOR_DIED: from a worker it means that an actor the worker called died, while this one is
+// alive, so the caller hears UNAVAILABLE (a peer could not be reached). Only this client, from
+// the record of the actor it calls, says that actor died.
+kj::Exception workerError(const kj::Exception& e, const std::string& what) {
+  Status status = statusFromException(e, what);
+  if (status.code() == StatusCode::kActorDied) status = Status(StatusCode::kUnavailable, status.message());
+  return exceptionFromStatus(status);
+}
+
 class LogErrors final : public kj::TaskSet::ErrorHandler {
  public:
   void taskFailed(kj::Exception&& e) override { TROUPE_LOG(kDebug, "client task: {}", e.getDescription().cStr()); }
@@ -312,8 +322,8 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
               [c, calls, onLost](kj::Exception&& e) mutable {
                 if (e.getType() == kj::Exception::Type::DISCONNECTED) return onLost(kj::mv(e));
                 // The worker's code, if it sent one, reaches the caller with the call named.
-                calls->front().reply->reject(exceptionFromStatus(statusFromException(
-                    e, fmt::format("actor {} ({}).{}", c->id.hex(), c->type, calls->front().method))));
+                calls->front().reply->reject(
+                    workerError(e, fmt::format("actor {} ({}).{}", c->id.hex(), c->type, calls->front().method)));
               });
         }
         auto request = target.first.callBatchRequest();
@@ -334,10 +344,9 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
                 } else {
                   std::string why = i < replies.size() ? replies[i].getError().cStr() : "no reply in the batch";
                   // A batched error is the worker's exception text, its code tag included.
-                  auto status = statusFromException(
-                      kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())),
-                      fmt::format("actor {} ({}).{}", c->id.hex(), c->type, call.method));
-                  call.reply->reject(exceptionFromStatus(status));
+                  call.reply->reject(
+                      workerError(kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())),
+                                  fmt::format("actor {} ({}).{}", c->id.hex(), c->type, call.method)));
                 }
               }
             },

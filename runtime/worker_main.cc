@@ -38,11 +38,9 @@ class ActorService final : public rpc::Actor::Server {
     context.releaseParams();
     return inTurn([this, method, bytes = kj::mv(bytes)]() mutable { return actor_->callAsync(method, kj::mv(bytes)); })
         .then([context](Result<std::string> result) mutable {
-          // Always FAILED: a DISCONNECTED error would read as the worker's death to callers.
-          if (!result.isOk()) {
-            kj::throwFatalException(kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__,
-                                                  kj::str(result.status().message().c_str())));
-          }
+          // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
+          // death to callers. The status code travels in the description.
+          if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
           context.getResults().setResult(
               capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
         });
@@ -66,7 +64,7 @@ class ActorService final : public rpc::Actor::Server {
           if (result.isOk()) {
             reply.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
           } else {
-            reply.setError(result.status().message());
+            reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
           }
           return runBatch(context, i + 1);
         });
@@ -87,7 +85,7 @@ class ActorService final : public rpc::Actor::Server {
         },
         [done](kj::Exception&& e) -> Result<std::string> {
           (*done)->fulfill();  // a failed call must not block the ones after it
-          return Status(StatusCode::kInternal, e.getDescription().cStr());
+          return statusFromException(e, "");
         });
   }
 
@@ -149,7 +147,7 @@ int main(int argc, char** argv) {
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);
   })) {
-    fprintf(stderr, "troupe-worker: cannot reach the controller: %s\n", e->getDescription().cStr());
+    fprintf(stderr, "troupe-worker: cannot reach the controller: %s\n", statusFromException(*e, "").message().c_str());
     return 1;
   }
   ActorRegistry registry;
@@ -175,7 +173,8 @@ int main(int argc, char** argv) {
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     cluster->reportActorReady(ActorId(actorId), incarnation, address).wait(io.waitScope);
   })) {
-    fprintf(stderr, "troupe-worker: cannot report to the controller: %s\n", e->getDescription().cStr());
+    fprintf(stderr, "troupe-worker: cannot report to the controller: %s\n",
+            statusFromException(*e, "").message().c_str());
     return 1;
   }
   onStopSignal(io).wait(io.waitScope);

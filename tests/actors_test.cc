@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "troupe/runtime/client.h"
+#include "troupe/runtime/rpc.h"
 
 namespace troupe {
 namespace {
@@ -34,6 +35,13 @@ struct ActorCluster {
   std::string error(kj::Promise<T>&& p) {
     std::string out = "(no error)";
     KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { p.wait(io().waitScope); })) { out = e->getDescription().cStr(); }
+    return out;
+  }
+  // The status (code and message) of a promise expected to fail.
+  template <typename T>
+  Status status(kj::Promise<T>&& p) {
+    Status out;
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { p.wait(io().waitScope); })) { out = statusFromException(*e, ""); }
     return out;
   }
   // Runs the real CLI against this cluster; returns its stdout+stderr.
@@ -137,6 +145,35 @@ TEST_CASE("actors: a handle passed to another actor (as its id) works there") {
   CHECK(c.wait(relay.call("relay", counter.id().hex() + " add 1")) == "8");
   CHECK(c.wait(counter.call("get")) == "8");
   CHECK(c.error(relay.call("relay", counter.id().hex() + " add nope")).find("must be an integer") != std::string::npos);
+}
+
+TEST_CASE("actors: a method's status code reaches the caller across workers; a callee's death is not the caller's") {
+  ActorCluster c;
+  auto counter = c.wait(c.client->createActor(c.options("Counter", 0.5)));
+  auto relay = c.wait(c.client->createActor(c.options("Relay", 0.5)));
+  // Directly, and several at once (which may travel as one batch).
+  Status direct = c.status(counter.call("add", "x"));
+  CHECK_MESSAGE(direct.code() == StatusCode::kInvalidArgument, direct.toString());
+  CHECK(direct.message().find("must be an integer") != std::string::npos);
+  CHECK(direct.message().find('[') == std::string::npos);  // the code is not left in the words
+  auto many = kj::heapArrayBuilder<kj::Promise<std::string>>(5);
+  for (int i = 0; i < 5; ++i) many.add(counter.call("add", "y"));
+  for (auto& p : many.finish()) {
+    Status s = c.status(kj::mv(p));
+    CHECK_MESSAGE(s.code() == StatusCode::kInvalidArgument, s.toString());
+  }
+  // Through another actor: two RPC edges.
+  Status relayed = c.status(relay.call("relay", counter.id().hex() + " add nope"));
+  CHECK_MESSAGE(relayed.code() == StatusCode::kInvalidArgument, relayed.toString());
+  // The relay's callee dies: the caller hears UNAVAILABLE from the live relay, ACTOR_DIED only
+  // from the dead actor itself.
+  auto mortal = c.wait(c.client->createActor(c.options("Crasher", 0.5)));
+  Status died = c.status(mortal.call("exit", "3"));
+  CHECK_MESSAGE(died.code() == StatusCode::kActorDied, died.toString());
+  Status viaRelay = c.status(relay.call("relay", mortal.id().hex() + " ping -"));
+  CHECK_MESSAGE(viaRelay.code() == StatusCode::kUnavailable, viaRelay.toString());
+  CHECK(viaRelay.message().find("died") != std::string::npos);
+  CHECK(c.wait(relay.call("relay", counter.id().hex() + " add 0")) == "0");  // the relay lives on
 }
 
 TEST_CASE("actors: a segfault is reported with SIGSEGV and the last stderr line; max_restarts brings it back") {
