@@ -2,10 +2,12 @@
 // manage placement groups. Method calls go straight to the actor's worker, never through the
 // controller.
 // Thread-safety: a ClusterClient and its handles belong to the KJ event-loop thread that
-// connected it. Errors are KJ exceptions whose description says what happened:
-//   "actor <id> (<type>) died: <reason>"   the actor is DEAD, or died during the call
-//   "actor <id> (<type>).<method>: <msg>"  the actor's method returned an error
-//   anything else                          the controller's error (infeasible, no such name...)
+// connected it. Errors are KJ exceptions carrying a StatusCode; statusFromException (rpc.h)
+// reads it back with the message, and the code, never the words, tells the kind:
+//   ACTOR_DIED  "actor <id> (<type>) died: <reason>": the actor is DEAD, or died during the call
+//   the method's own code (an ACTOR_DIED of an actor the method called arrives as UNAVAILABLE):
+//               "actor <id> (<type>).<method>: <msg>": the actor's method returned an error
+//   any other   the controller's error (RESOURCE_EXHAUSTED when infeasible, NOT_FOUND, ...)
 #pragma once
 
 #include <capnp/capability.h>
