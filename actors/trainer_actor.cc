@@ -26,6 +26,7 @@
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
 
 namespace troupe::actors {
@@ -99,7 +100,7 @@ class Trainer final : public Actor {
         try {
           r = run(method, j);
         } catch (const kj::Exception& e) {
-          r = Status(StatusCode::kUnavailable, e.getDescription().cStr());
+          r = statusFromException(e, "");  // the code that crossed the RPC edge, or UNAVAILABLE/INTERNAL
         } catch (const std::exception& e) {
           r = Status(StatusCode::kInternal, e.what());
         }
@@ -146,7 +147,7 @@ class Trainer final : public Actor {
         return context_.cluster->actor(ActorId(id)).call(method, kj::mv(payload));
       });
     } catch (const kj::Exception& e) {
-      return Status(StatusCode::kUnavailable, fmt::format("{} of actor {}: {}", method, id, e.getDescription().cStr()));
+      return statusFromException(e, fmt::format("{} of actor {}", method, id));  // its code: ACTOR_DIED, ...
     }
   }
 
@@ -439,7 +440,7 @@ class Trainer final : public Actor {
         return branch;
       });
     } catch (const kj::Exception& e) {
-      return Status(StatusCode::kUnavailable, fmt::format("take of step {}: {}", step, e.getDescription().cStr()));
+      return statusFromException(e, fmt::format("take of step {}", step));
     }
   }
 
