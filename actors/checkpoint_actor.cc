@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -645,9 +646,22 @@ class CheckpointActor final : public Actor {
                     fmt::format("replicaCommit: no replica of rank {} step {} in progress", *rank, *step));
     }
     IncomingReplica& in = it->second;
+    // The image came from a peer: before it is held, its header must describe exactly the image
+    // that was announced and written (this rank, this step, these bytes), not merely parse.
+    int slot = std::exchange(in.slot, -1);
+    auto header = ck::parseImageHeader(in.segment->slotData(slot), in.imageBytes);
+    if (!header.isOk()) {
+      return Status(header.status().code(),
+                    fmt::format("replicaCommit: rank {} step {}: {}", *rank, *step, header.status().message()));
+    }
+    if (header->stamp.rank != *rank || header->stamp.step != *step || header->layout.imageBytes() != in.imageBytes) {
+      return badArgs(fmt::format("replicaCommit: the image sent holds rank {} step {} ({} bytes), not the rank {} "
+                                 "step {} ({} bytes) announced by replicaBegin; the sender must resend it",
+                                 header->stamp.rank, header->stamp.step, header->layout.imageBytes(), *rank, *step,
+                                 in.imageBytes));
+    }
     // TODO(perf): verifying a large replica's checksums holds the RPC thread (about 0.1 s/GiB).
-    auto committed = in.segment->commitImage(in.slot, /*verifyData=*/true);
-    in.slot = -1;
+    auto committed = in.segment->commitImage(slot, /*verifyData=*/true);
     if (!committed.isOk()) return committed.status();
     if (committed->step != *step) {
       return Status(StatusCode::kFailedPrecondition,

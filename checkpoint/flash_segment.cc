@@ -164,6 +164,11 @@ Result<FlashSegment> FlashSegment::openForWrite(const SegmentOptions& options, u
   if (options.name.empty() || options.name.find('/') != std::string::npos) {
     return Status(StatusCode::kInvalidArgument, fmt::format("bad segment name '{}'", options.name));
   }
+  if (imageBytes > kMaxImageBytes) {  // a peer's replicaBegin names it: the slots' sizes must not wrap
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("a {}-byte image is larger than any checkpoint segment holds ({} bytes)", imageBytes,
+                              kMaxImageBytes));
+  }
   uint64_t slotBytes = alignUp(std::max<uint64_t>(imageBytes, kPageBytes), kPageBytes);
   auto existing = openExisting(options, /*writable=*/true);
   if (existing.isOk()) {

@@ -158,7 +158,8 @@ Result<ImageExtent> peekImage(const uint8_t* data, uint64_t size) {
   extent.step = get<uint64_t>(data, kStep);
   extent.headerCrc = recorded;
   if (get<uint32_t>(data, kFixedSize) != kFixedHeaderBytes || extent.headerBytes % kPageBytes != 0 ||
-      extent.headerBytes < kPageBytes || extent.imageBytes < extent.headerBytes || extent.imageBytes % kPageBytes != 0) {
+      extent.headerBytes < kPageBytes || extent.imageBytes < extent.headerBytes || extent.imageBytes % kPageBytes != 0 ||
+      extent.imageBytes > kMaxImageBytes) {
     return corrupt(fmt::format("inconsistent sizes (header {} bytes, image {} bytes)", extent.headerBytes,
                                extent.imageBytes));
   }

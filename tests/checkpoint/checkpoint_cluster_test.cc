@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <sys/mount.h>
 
+#include <cstring>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -418,6 +419,61 @@ TEST_CASE("checkpoint actors: too little shared memory is a clear error, not a S
   CHECK(out.find("RESOURCE_EXHAUSTED: checkpoint segment") != std::string::npos);
   CHECK(out.find("but only") != std::string::npos);
   CHECK(fs::is_empty(c.shm.path() / "small"));
+}
+
+// A replica arrives from a peer: its sizes are checked without arithmetic that wraps, and it is
+// held only if its header is the image announced (this rank, this step, these bytes).
+TEST_CASE("checkpoint actors: a peer's replica is refused unless it is the image it announced") {
+  CheckpointCluster c;
+  auto b = c.actor("ck-b", "b");
+  int pid = c.call(b, "status")["pid"];
+  auto raw = [&](const std::string& method, const std::string& payload) {
+    std::string out = "(no error)";
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { c.wait(b.call(method, payload)); })) {
+      out = e->getDescription().cStr();
+    }
+    return out;
+  };
+  auto write = [&](uint32_t rank, uint32_t slot, uint64_t step, uint64_t offset, std::string_view bytes) {
+    std::string payload(24, '\0');
+    std::memcpy(payload.data(), &rank, 4);
+    std::memcpy(payload.data() + 4, &slot, 4);
+    std::memcpy(payload.data() + 8, &step, 8);
+    std::memcpy(payload.data() + 16, &offset, 8);
+    return raw("replicaWrite", payload.append(bytes));
+  };
+  // Two slots of 2^63 bytes wrap to a few pages: the segment was mapped that small, and a write
+  // far into the announced image killed the actor (SIGSEGV).
+  std::string huge = c.error(b, "replicaBegin", {{"rank", 0}, {"step", 10}, {"image_bytes", uint64_t(1) << 63}});
+  CHECK(huge.find("larger than any checkpoint segment holds") != std::string::npos);
+  CHECK(write(0, 0, 10, uint64_t(1) << 62, "boom").find("no replica of rank 0 step 10") != std::string::npos);
+  CHECK(c.call(b, "status")["pid"] == pid);
+
+  // Rank 1's image, announced as rank 0's: it parses and its checksums hold, but it is not rank 0's.
+  TestState state(0, 1);
+  state.fill(10);
+  auto image = ck::testing::imageOf(state, state.layout(), {10, 1, 2}, "meta");
+  std::string_view bytes(reinterpret_cast<const char*>(image.data()), image.size());
+  int slot = c.call(b, "replicaBegin", {{"rank", 0}, {"step", 10}, {"image_bytes", image.size()}})["slot"];
+  CHECK(write(0, slot, 10, 0, bytes) == "(no error)");
+  std::string refused = c.error(b, "replicaCommit", {{"rank", 0}, {"step", 10}});
+  CHECK(refused.find("holds rank 1 step 10") != std::string::npos);
+  CHECK(refused.find("not the rank 0 step 10") != std::string::npos);
+  CHECK(c.call(b, "inventory")["holdings"].empty());
+  // Announced as a smaller image than its header claims: only the announced bytes are read.
+  slot = c.call(b, "replicaBegin", {{"rank", 1}, {"step", 10}, {"image_bytes", ck::kPageBytes}})["slot"];
+  CHECK(write(1, slot, 10, 0, bytes.substr(0, ck::kPageBytes)) == "(no error)");
+  CHECK(c.error(b, "replicaCommit", {{"rank", 1}, {"step", 10}}).find("corrupt checkpoint image") != std::string::npos);
+  CHECK(c.call(b, "inventory")["holdings"].empty());
+  // The same image announced truthfully is held.
+  slot = c.call(b, "replicaBegin", {{"rank", 1}, {"step", 10}, {"image_bytes", image.size()}})["slot"];
+  CHECK(write(1, slot, 10, 0, bytes) == "(no error)");
+  CHECK(c.call(b, "replicaCommit", {{"rank", 1}, {"step", 10}})["step"] == 10);
+  json holdings = c.call(b, "inventory")["holdings"];
+  REQUIRE(holdings.size() == 1);
+  CHECK(holdings[0]["rank"] == 1);
+  CHECK(holdings[0]["kind"] == "replica");
+  CHECK(c.call(b, "status")["pid"] == pid);
 }
 
 TEST_CASE("checkpoint actors: a clean exit removes the node's segments; calls are checked") {

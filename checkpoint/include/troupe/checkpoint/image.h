@@ -29,6 +29,9 @@ inline constexpr uint64_t kPageBytes = 4096;
 inline constexpr uint64_t kTensorAlignment = 64;
 // Metadata room reserved when the caller names none: enough for RNG and data-shard state.
 inline constexpr uint64_t kDefaultMetaCapacity = 64 * 1024;
+// The largest image a header may claim (256 TiB): far above any rank's state, and low enough that
+// sizes derived from it (two slots of a segment, page rounding) cannot wrap around.
+inline constexpr uint64_t kMaxImageBytes = uint64_t(1) << 48;
 
 // Which save an image holds.
 struct ImageStamp {
