@@ -13,7 +13,7 @@ import threading
 import time
 
 from . import _serialization
-from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError
+from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError, UnauthenticatedError, UnavailableError
 
 _lock = threading.RLock()
 _session = None
@@ -199,10 +199,14 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
                 raise ValueError(f"no cluster token for {address}: pass token= or set TROUPE_TOKEN")
         try:
             runtime = _core.Runtime(address, token)
-        except ValueError as e:
+        except UnauthenticatedError:  # reached, but the token is not this cluster's (a PermissionError)
             if proc is not None:
                 _stop_embedded(proc)
-            raise ConnectionError(f"cannot reach the Troupe cluster at {address}: {e}") from None
+            raise
+        except (ValueError, TroupeError) as e:
+            if proc is not None:
+                _stop_embedded(proc)
+            raise UnavailableError(f"cannot reach the Troupe cluster at {address}: {e}") from None
         _session = _Session(runtime, address, proc, run_root, log_to_driver)
 
 

@@ -114,7 +114,7 @@ class Runtime {
     std::mutex m;
     std::condition_variable cv;
     bool started = false;
-    std::string error;
+    Status error;
     background_ = std::thread([&, hp = *hp]() {
       auto io = kj::setupAsyncIo();
       ErrorLog errors;
@@ -130,9 +130,9 @@ class Runtime {
       KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
         client_ = ClusterClient::connect(io, hp, token).wait(io.waitScope);
       })) {
-        error = describe(*e);
+        error = statusFromException(*e, "");
       }
-      bool failed = !error.empty();  // `error` belongs to the constructor's frame: read it now
+      bool failed = !error.isOk();  // `error` belongs to the constructor's frame: read it now
       {
         std::lock_guard lock(m);
         started = true;
@@ -162,10 +162,10 @@ class Runtime {
       py::gil_scoped_release release;
       cv.wait(lock, [&]() { return started; });
     }
-    if (!error.empty()) {
+    if (!error.isOk()) {
       lock.unlock();
       close();
-      throw py::value_error(error);  // mapped to ConnectionError by the Python layer
+      throw StatusError{error};  // its class by code; the Python layer keeps ConnectionError for the rest
     }
   }
 

@@ -39,3 +39,29 @@ def test_python_raises_the_class_of_the_runtime_status_code(troupe):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "not found ok" in p.stdout and "died ok" in p.stdout
     assert "died again ok" in p.stdout
+
+
+def test_init_raises_unauthenticated_for_a_wrong_token_and_unavailable_when_unreachable(troupe):
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
+    closed = free_port()  # nothing listens there
+    code = textwrap.dedent(f"""
+        import troupe
+        from troupe import exceptions as ex
+        try:
+            troupe.init(address="127.0.0.1:{port}", token="0" * 32)
+        except ex.UnauthenticatedError as e:
+            # The handshake's refusal arrives by its code: a PermissionError, not a ConnectionError.
+            assert isinstance(e, PermissionError) and not isinstance(e, ConnectionError), type(e).__mro__
+            assert "token was rejected" in str(e) and not str(e).startswith("["), str(e)
+            print("unauthenticated ok")
+        try:
+            troupe.init(address="127.0.0.1:{closed}", token="0" * 32)
+        except ex.UnavailableError as e:
+            assert isinstance(e, ConnectionError) and isinstance(e, ex.TroupeError)
+            assert "cannot reach" in str(e), str(e)
+            print("unavailable ok")
+    """)
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "unauthenticated ok" in p.stdout and "unavailable ok" in p.stdout, p.stdout + p.stderr
