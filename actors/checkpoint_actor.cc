@@ -33,6 +33,7 @@
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/io_thread.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/rpc.h"
 
 namespace troupe::actors {
 namespace {
@@ -149,7 +150,9 @@ void remember(std::vector<std::string>& errors, std::string error) {
   if (errors.size() > kMaxErrors) errors.erase(errors.begin());
 }
 
-Status statusOf(const kj::Exception& e) { return Status(StatusCode::kUnavailable, e.getDescription().cStr()); }
+// A peer's failure with the code that crossed the RPC edge (NOT_FOUND, ...; UNAVAILABLE when
+// the connection itself went).
+Status statusOf(const kj::Exception& e) { return statusFromException(e, ""); }
 
 // Mappings of segments by name, reopened when the file was replaced (a writer re-created it for
 // a new layout). Entries are shared so a transfer in progress keeps its mapping.
@@ -503,7 +506,7 @@ class CheckpointActor final : public Actor {
     tasks_->add(sendReplica(rank)
                    .catch_([this, rank](kj::Exception&& e) {
                      remember(replicaErrors_, fmt::format("replica of rank {} to {}: {}", rank, options_.replicaTo,
-                                                          e.getDescription().cStr()));
+                                                          statusOf(e).message()));
                    })
                    .then([this, rank]() {
                      RankState& s = ranks_[rank];
@@ -749,7 +752,7 @@ class CheckpointActor final : public Actor {
     restoreTasks_->add(runRestore(job).catch_([job](kj::Exception&& e) {
       job->state = RestoreJob::State::kFailed;
       job->error = Status(StatusCode::kInternal, fmt::format("restore of rank {} failed: {}", job->rank,
-                                                              e.getDescription().cStr()));
+                                                              statusOf(e).message()));
     }));
     return std::string(R"({"state": "running"})");
   }
@@ -780,7 +783,7 @@ class CheckpointActor final : public Actor {
                          }
                        },
                        [job, member](kj::Exception&& e) {
-                         job->skipped.push_back(fmt::format("member {}: {}", member, e.getDescription().cStr()));
+                         job->skipped.push_back(fmt::format("member {}: {}", member, statusOf(e).message()));
                        }));
     }
     asks.add(restoreThread_.call([o = options_]() {
