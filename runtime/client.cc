@@ -135,9 +135,11 @@ struct ClusterClient::Shared : std::enable_shared_from_this<ClusterClient::Share
             return kj::mv(e);
           }
           if (kj::systemPreciseMonotonicClock().now() >= deadline) {
-            return kj::Exception(kj::Exception::Type::DISCONNECTED, __FILE__, __LINE__,
-                                 kj::str("lost the connection to the controller at ", self->address.toString().c_str(),
-                                         " and could not reconnect within 60 s: ", e.getDescription()));
+            return exceptionFromStatus(
+                Status(StatusCode::kUnavailable,
+                       fmt::format("lost the connection to the controller at {} and could not reconnect within 60 s: {}",
+                                   self->address.toString(), statusFromException(e, "").message())),
+                kj::Exception::Type::DISCONNECTED);
           }
           return self->io.provider->getTimer().afterDelay(200 * kj::MILLISECONDS).then([self, deadline]() {
             return self->reconnectUntil(deadline);

@@ -493,7 +493,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                        nodes_.erase(actor.nodeId);
                        if (!spawn) return kj::READY_NOW;  // its node is gone: so is the worker
                        std::string reason = fmt::format("could not start its worker on node {}: {}", actor.nodeId.hex(),
-                                                        e.getDescription().cStr());
+                                                        statusFromException(e, "").message());
                        auto id = actor.id;
                        auto incarnation = actor.incarnation;
                        return onIo([id, incarnation, reason](Controller::IoState& s) -> Result<Actions> {
