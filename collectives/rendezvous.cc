@@ -7,6 +7,7 @@
 // process that read this (group, epoch) from the password-protected store can join, and a stale
 // address reused by another process is refused instead of silently joined.
 #include "rendezvous.h"
+#include "wire.h"
 
 #include "troupe/runtime/tls.h"
 
@@ -27,7 +28,6 @@
 #include <thread>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
@@ -54,12 +54,10 @@ std::string recreateAdvice(const CommunicatorOptions& options) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using json = nlohmann::json;
 
 constexpr uint32_t kHelloMagic = 0x43505254;  // "TRPC" on the wire (little-endian)
 constexpr uint16_t kHelloVersion = 1;
 constexpr uint8_t kAck = 'Y';
-constexpr size_t kNonceChars = 32;
 
 enum class ConnectionKind : uint8_t { kData = 1, kControl = 2 };
 
@@ -74,68 +72,6 @@ struct Hello {
   char nonce[kNonceChars] = {};
 };
 static_assert(sizeof(Hello) == 56);
-
-struct Entry {
-  std::string host;
-  int port = 0;
-  int64_t pid = 0;
-  std::string hostname;
-  std::string nonce;
-  std::string extra;
-};
-
-std::string hexEncode(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (unsigned char c : bytes) {
-    out.push_back(digits[c >> 4]);
-    out.push_back(digits[c & 15]);
-  }
-  return out;
-}
-
-std::optional<std::string> hexDecode(const std::string& text) {
-  if (text.size() % 2 != 0) return std::nullopt;
-  std::string out;
-  out.reserve(text.size() / 2);
-  auto nibble = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  for (size_t i = 0; i < text.size(); i += 2) {
-    int hi = nibble(text[i]), lo = nibble(text[i + 1]);
-    if (hi < 0 || lo < 0) return std::nullopt;
-    out.push_back(static_cast<char>(hi * 16 + lo));
-  }
-  return out;
-}
-
-std::string encodeEntry(const Entry& entry) {
-  return json{{"host", entry.host},         {"port", entry.port},
-              {"pid", entry.pid},           {"hostname", entry.hostname},
-              {"nonce", entry.nonce},       {"extra", hexEncode(entry.extra)}}
-      .dump();
-}
-
-std::optional<Entry> decodeEntry(const std::string& text) {
-  try {
-    json j = json::parse(text);
-    Entry entry;
-    entry.host = j.at("host").get<std::string>();
-    entry.port = j.at("port").get<int>();
-    entry.pid = j.at("pid").get<int64_t>();
-    entry.hostname = j.at("hostname").get<std::string>();
-    entry.nonce = j.at("nonce").get<std::string>();
-    auto extra = hexDecode(j.value("extra", ""));
-    if (!extra || entry.nonce.size() != kNonceChars) return std::nullopt;
-    entry.extra = std::move(*extra);
-    return entry;
-  } catch (const json::exception&) {
-    return std::nullopt;
-  }
-}
 
 std::string peerName(int rank, const Entry& entry) {
   return fmt::format("rank {} (pid {} on {}, {}:{})", rank, entry.pid, entry.hostname, entry.host,

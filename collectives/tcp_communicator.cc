@@ -40,6 +40,7 @@
 
 #include "reduce.h"
 #include "rendezvous.h"
+#include "wire.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/logging.h"
 
@@ -143,12 +144,6 @@ struct WireHeader {
 };
 static_assert(sizeof(WireHeader) == 32);
 
-enum class ControlKind : uint32_t { kGoodbye = 1, kAbort = 2 };
-struct ControlHeader {
-  uint32_t kind = 0;
-  uint32_t length = 0;  // payload bytes (kAbort: a status code byte, then the message)
-};
-
 // What a failure means for fail(), which weighs causes by this and never by message text: a
 // peer's death outranks what it caused; a peer's ABORT explains a data connection that ended.
 enum class FailureCause { kOther, kPeerDied, kPeerAborted, kConnectionLost };
@@ -156,7 +151,6 @@ struct Failure {
   Status status;
   FailureCause cause = FailureCause::kOther;
 };
-constexpr uint32_t kMaxControlPayload = 64 * 1024;
 
 std::string describeHeader(const WireHeader& header) {
   const auto kind = static_cast<OpKind>(header.kind);
@@ -1094,27 +1088,20 @@ class TcpCommunicator final : public Communicator {
         peer.controlEnded = true;  // reset: the peer's kernel closed it (the process died)
       }
     }
-    while (peer.controlBytes.size() >= sizeof(ControlHeader)) {
-      ControlHeader header;
-      std::memcpy(&header, peer.controlBytes.data(), sizeof(header));
-      const auto kind = static_cast<ControlKind>(header.kind);
-      if (kind == ControlKind::kGoodbye && header.length == 0) {
+    for (;;) {
+      ControlMessage message = parseControlMessage(peer.controlBytes);
+      if (message.kind == ControlMessage::Kind::kIncomplete) break;
+      if (message.kind == ControlMessage::Kind::kGoodbye) {
         peer.saidGoodbye = true;
-        peer.controlBytes.erase(0, sizeof(header));
+        peer.controlBytes.erase(0, message.bytes);
         continue;
       }
-      if (kind != ControlKind::kAbort || header.length == 0 || header.length > kMaxControlPayload) {
+      if (message.kind == ControlMessage::Kind::kMalformed) {
         return Failure{Status(StatusCode::kInternal,
-                              fmt::format("{} sent a malformed control message (kind {}, {} bytes); {}",
-                                          peer.name, header.kind, header.length,
-                                          recreateAdvice(options_)))};
+                              fmt::format("{} sent a malformed control message ({}); {}", peer.name,
+                                          message.text, recreateAdvice(options_)))};
       }
-      if (peer.controlBytes.size() < sizeof(header) + header.length) break;
-      auto code = static_cast<StatusCode>(peer.controlBytes[sizeof(header)]);
-      if (code == StatusCode::kOk || code > StatusCode::kActorDied) code = StatusCode::kAborted;
-      return Failure{Status(code, fmt::format("{} stopped: {}", peer.name,
-                                              peer.controlBytes.substr(sizeof(header) + 1,
-                                                                       header.length - 1))),
+      return Failure{Status(message.code, fmt::format("{} stopped: {}", peer.name, message.text)),
                      FailureCause::kPeerAborted};
     }
     if (!peer.controlEnded) return std::nullopt;
@@ -1135,11 +1122,7 @@ class TcpCommunicator final : public Communicator {
   }
 
   // Best effort: a few bytes on a socket nobody else writes to; a dead peer just fails it.
-  void sendControl(Peer& peer, ControlKind kind, const std::string& payload) {
-    std::string message(sizeof(ControlHeader) + payload.size(), '\0');
-    ControlHeader header{static_cast<uint32_t>(kind), static_cast<uint32_t>(payload.size())};
-    std::memcpy(message.data(), &header, sizeof(header));
-    std::memcpy(message.data() + sizeof(header), payload.data(), payload.size());
+  void sendControl(Peer& peer, const std::string& message) {
     asio::error_code ignored;
     peer.control.non_blocking(true, ignored);
     peer.control.send(asio::buffer(message), 0, ignored);
@@ -1226,13 +1209,12 @@ class TcpCommunicator final : public Communicator {
     }
     TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: {}", options_.group, options_.epoch, me_,
                status.toString());
-    std::string payload(1, static_cast<char>(status.code()));
-    payload += fmt::format("rank {} of group '{}' epoch {} failed: {}", me_, options_.group,
-                           options_.epoch, status.message());
-    if (payload.size() > kMaxControlPayload) payload.resize(kMaxControlPayload);
+    const std::string ourAbort = encodeAbort(status.code(), fmt::format("rank {} of group '{}' epoch {} failed: {}",
+                                                                         me_, options_.group, options_.epoch,
+                                                                         status.message()));
     for (auto& peer : peers_) {
       if (!peer) continue;
-      if (peer->control.is_open()) sendControl(*peer, ControlKind::kAbort, payload);
+      if (peer->control.is_open()) sendControl(*peer, ourAbort);
       closeSockets(*peer);
     }
     timer_.cancel();
@@ -1269,7 +1251,7 @@ class TcpCommunicator final : public Communicator {
     timer_.cancel();
     for (auto& peer : peers_) {
       if (!peer) continue;
-      if (broken_.isOk() && peer->control.is_open()) sendControl(*peer, ControlKind::kGoodbye, "");
+      if (broken_.isOk() && peer->control.is_open()) sendControl(*peer, encodeGoodbye());
       closeSockets(*peer);
     }
   }
