@@ -339,35 +339,8 @@ Result<Manifest> CheckpointDirectory::readManifest(uint64_t step) const {
   std::string path = stepPath(step) + "/" + kManifest;
   std::ifstream in(path);
   if (!in) return Status(StatusCode::kNotFound, fmt::format("step {} has no manifest ({})", step, path));
-  Manifest m;
-  try {
-    auto j = nlohmann::json::parse(in);
-    if (j.at("format") != "troupe-checkpoint" || j.at("version") != 1) throw std::runtime_error("unknown format");
-    m.step = j.at("step").get<uint64_t>();
-    m.worldSize = j.at("world_size").get<uint32_t>();
-    m.createdMs = j.value("created_ms", int64_t(0));
-    for (const auto& r : j.at("ranks")) {
-      ManifestRank rank;
-      rank.rank = r.at("rank").get<uint32_t>();
-      rank.file = r.at("file").get<std::string>();
-      rank.bytes = r.at("bytes").get<uint64_t>();
-      rank.headerCrc = static_cast<uint32_t>(std::stoul(r.at("header_crc").get<std::string>(), nullptr, 16));
-      m.ranks.push_back(std::move(rank));
-    }
-  } catch (const std::exception& e) {
-    return Status(StatusCode::kFailedPrecondition, fmt::format("corrupt manifest {}: {}", path, e.what()));
-  }
-  if (m.step != step || m.worldSize == 0 || m.ranks.size() != m.worldSize) {
-    return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("corrupt manifest {}: step {} world size {} with {} ranks", path, m.step, m.worldSize,
-                              m.ranks.size()));
-  }
-  for (uint32_t r = 0; r < m.worldSize; ++r) {
-    if (m.ranks[r].rank != r || m.ranks[r].file != fs::path(rankPath(step, r)).filename().string()) {
-      return Status(StatusCode::kFailedPrecondition, fmt::format("corrupt manifest {}: entry {} is wrong", path, r));
-    }
-  }
-  return m;
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parseManifest(text, step, path);
 }
 
 Status CheckpointDirectory::quarantine(uint64_t step) {

@@ -308,5 +308,36 @@ TEST_CASE("checkpoint dir: snapshots persist straight from shared memory; plain 
   CHECK(persistSnapshot(dir, *segment, *slot).status().code() == StatusCode::kAborted);
 }
 
+// A manifest is read from disk: numbers that are floats or out of range are refused, never converted
+// (get<uint64_t>() of 1e300 was undefined behaviour; a negative "bytes" wrapped to a huge size).
+TEST_CASE("manifest: a crafted MANIFEST.json is refused with a message, never converted") {
+  auto manifest = [](const std::string& step, const std::string& world, const std::string& bytes,
+                     const std::string& crc = "\"1a2b3c4d\"", const std::string& extra = "") {
+    return R"({"format":"troupe-checkpoint","version":1,"step":)" + step + R"(,"world_size":)" + world + extra +
+           R"(,"ranks":[{"rank":0,"file":"rank-00000.tckpt","bytes":)" + bytes + R"(,"header_crc":)" + crc + "}]}";
+  };
+  auto good = parseManifest(manifest("10", "1", "12288"), 10, "m");
+  REQUIRE(good.isOk());
+  CHECK(good->ranks[0].bytes == 12288);
+  CHECK(good->ranks[0].headerCrc == 0x1a2b3c4du);
+  auto refused = [&](const std::string& text) {
+    auto m = parseManifest(text, 10, "/ck/step-10/MANIFEST.json");
+    if (m.isOk()) return std::string("(parsed)");
+    CHECK(m.status().code() == StatusCode::kFailedPrecondition);
+    return m.status().message();
+  };
+  CHECK(refused(manifest("1e300", "1", "1")).find("\"step\" is not an integer") != std::string::npos);
+  CHECK(refused(manifest("10", "1", "-1e30")).find("\"bytes\" is not an integer") != std::string::npos);
+  CHECK(refused(manifest("10", "1", "-1")).find("\"bytes\" is out of range") != std::string::npos);
+  CHECK(refused(manifest("10", "4294967296", "1")).find("\"world_size\" is out of range") != std::string::npos);
+  CHECK(refused(manifest("10", "2", "1")).find("world size 2 with 1 ranks") != std::string::npos);
+  CHECK(refused(manifest("10", "1", "1", "\"123456789\"")).find("header_crc") != std::string::npos);
+  CHECK(refused(manifest("10", "1", "1", "\"xyz\"")).find("header_crc") != std::string::npos);
+  CHECK(refused(manifest("10", "1", "1", "\"1a\"", R"(,"created_ms":1e300)")).find("created_ms") != std::string::npos);
+  CHECK(refused(manifest("11", "1", "1")).find("expected step 10") != std::string::npos);
+  CHECK(refused("[1,2]").find("/ck/step-10/MANIFEST.json") != std::string::npos);
+  CHECK(refused("{\"format\":") != "(parsed)");
+}
+
 }  // namespace
 }  // namespace troupe::checkpoint

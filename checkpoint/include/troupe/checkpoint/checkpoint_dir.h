@@ -79,6 +79,11 @@ struct Manifest {
   std::vector<ManifestRank> ranks;
 };
 
+// The manifest of `step` held in `text` (read from `path`, named in errors): kFailedPrecondition
+// when it is not one: not this format, a field missing, of another type or out of range (a float
+// where an integer belongs), ranks that are not 0..world_size-1 in order, each in its own file.
+Result<Manifest> parseManifest(std::string_view text, uint64_t step, const std::string& path);
+
 class CheckpointDirectory {
  public:
   explicit CheckpointDirectory(DirectoryOptions options);
