@@ -59,6 +59,7 @@
 #include <fmt/format.h>
 
 #include "store_args.h"
+#include "store_records.h"
 #include "handshake.h"
 #include "troupe/runtime/tls.h"
 #include "troupe/runtime/cluster_store.h"
@@ -73,63 +74,14 @@ using store_args::checkNodeArgs;
 using store_args::checkReservations;
 using store_args::emptyArgument;
 using store_args::emptyId;
-
-const char* nodeStateName(NodeState state) {
-  switch (state) {
-    case NodeState::kAlive: return "ALIVE";
-    case NodeState::kDead: return "DEAD";
-  }
-  return "UNKNOWN";
-}
-
-const char* clusterEventTypeName(ClusterEventType type) {
-  switch (type) {
-    case ClusterEventType::kNodeAdded: return "NODE_ADDED";
-    case ClusterEventType::kNodeDead: return "NODE_DEAD";
-  }
-  return "UNKNOWN";
-}
-
-const char* actorStateName(ActorState state) {
-  switch (state) {
-    case ActorState::kPending: return "PENDING";
-    case ActorState::kAlive: return "ALIVE";
-    case ActorState::kRestarting: return "RESTARTING";
-    case ActorState::kDead: return "DEAD";
-  }
-  return "UNKNOWN";
-}
-
-const char* placementStrategyName(PlacementStrategy strategy) {
-  switch (strategy) {
-    case PlacementStrategy::kPack: return "PACK";
-    case PlacementStrategy::kSpread: return "SPREAD";
-    case PlacementStrategy::kStrictPack: return "STRICT_PACK";
-    case PlacementStrategy::kStrictSpread: return "STRICT_SPREAD";
-  }
-  return "UNKNOWN";
-}
-
-Result<PlacementStrategy> parsePlacementStrategy(const std::string& name) {
-  for (PlacementStrategy strategy :
-       {PlacementStrategy::kPack, PlacementStrategy::kSpread, PlacementStrategy::kStrictPack,
-        PlacementStrategy::kStrictSpread}) {
-    if (name == placementStrategyName(strategy)) return strategy;
-  }
-  return Status(StatusCode::kInvalidArgument,
-                fmt::format("unknown placement strategy '{}'; use PACK, SPREAD, STRICT_PACK or "
-                            "STRICT_SPREAD",
-                            name));
-}
-
-const char* placementGroupStateName(PlacementGroupState state) {
-  switch (state) {
-    case PlacementGroupState::kPending: return "PENDING";
-    case PlacementGroupState::kCreated: return "CREATED";
-    case PlacementGroupState::kRemoved: return "REMOVED";
-  }
-  return "UNKNOWN";
-}
+using store_records::bundlesJson;
+using store_records::eventMessage;
+using store_records::malformed;
+using store_records::parseActorState;
+using store_records::parseBundlesJson;
+using store_records::parseEventMessage;
+using store_records::parseInteger;
+using store_records::parsePlacementGroupState;
 
 namespace {
 
@@ -755,57 +707,9 @@ const std::string& releaseScript() {
   return script;
 }
 
-// ---- Encoding ----
+// ---- Encoding (store_records.h) ----
 
-Status malformed(const std::string& key, const std::string& detail) {
-  return Status(StatusCode::kInternal,
-                fmt::format("malformed record at Redis key '{}': {}; was it written by another "
-                            "Troupe version?",
-                            key, detail));
-}
-
-template <typename Integer>
-bool parseInteger(const std::string& text, Integer& out) {
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(text.data(), end, out);
-  return ec == std::errc() && ptr == end;
-}
-
-std::optional<ActorState> parseActorState(const std::string& name) {
-  for (ActorState state :
-       {ActorState::kPending, ActorState::kAlive, ActorState::kRestarting, ActorState::kDead}) {
-    if (name == actorStateName(state)) return state;
-  }
-  return std::nullopt;
-}
-
-std::optional<PlacementGroupState> parsePlacementGroupState(const std::string& name) {
-  for (PlacementGroupState state : {PlacementGroupState::kPending, PlacementGroupState::kCreated,
-                                    PlacementGroupState::kRemoved}) {
-    if (name == placementGroupStateName(state)) return state;
-  }
-  return std::nullopt;
-}
-
-std::string bundlesJson(const std::vector<Bundle>& bundles) {
-  json array = json::array();
-  for (const Bundle& bundle : bundles) {
-    array.push_back(json{{"resources", json(bundle.resources)}, {"node_id", bundle.nodeId.hex()}});
-  }
-  return array.dump();
-}
-
-// Throws json::exception when `text` is not an array of {"resources": {...}, "node_id": "..."}.
-std::vector<Bundle> parseBundlesJson(const std::string& text) {
-  std::vector<Bundle> bundles;
-  for (const json& item : json::parse(text).get<std::vector<json>>()) {
-    bundles.push_back(Bundle{item.at("resources").get<Resources>(),
-                             NodeId(item.at("node_id").get<std::string>())});
-  }
-  return bundles;
-}
-
-using FieldMap = std::map<std::string, std::string>;
+using FieldMap = store_records::FieldMap;
 
 // HGETALL's flat [field, value, ...] array as a map.
 Result<FieldMap> fieldMap(const redisReply& reply, const std::string& key) {
@@ -817,37 +721,6 @@ Result<FieldMap> fieldMap(const redisReply& reply, const std::string& key) {
     fields[replyText(*reply.element[i])] = replyText(*reply.element[i + 1]);
   }
   return fields;
-}
-
-std::string eventMessage(ClusterEventType type, const NodeId& id, const std::string& reason,
-                         int64_t timeMs) {
-  return json{{"type", clusterEventTypeName(type)},
-              {"node_id", id.hex()},
-              {"reason", reason},
-              {"time_ms", timeMs}}
-      .dump();
-}
-
-std::optional<ClusterEvent> parseEventMessage(const std::string& text) {
-  try {
-    json j = json::parse(text);
-    ClusterEvent event;
-    const std::string type = j.at("type").get<std::string>();
-    if (type == clusterEventTypeName(ClusterEventType::kNodeAdded)) {
-      event.type = ClusterEventType::kNodeAdded;
-    } else if (type == clusterEventTypeName(ClusterEventType::kNodeDead)) {
-      event.type = ClusterEventType::kNodeDead;
-    } else {
-      return std::nullopt;
-    }
-    event.nodeId = NodeId(j.at("node_id").get<std::string>());
-    event.reason = j.value("reason", "");
-    // cjson (inside Lua) may write the time as a float; accept any number.
-    event.timeMs = static_cast<int64_t>(j.at("time_ms").get<double>());
-    return event;
-  } catch (const json::exception&) {
-    return std::nullopt;
-  }
 }
 
 // The payload of the next "message" on a subscribed connection; nullopt once `deadline` passes
@@ -1091,7 +964,7 @@ return 1
     auto fields = fieldMap(**reply, nodeKey(id));
     if (!fields) return fields.status();
     if (fields->empty()) return std::optional<NodeRecord>();
-    auto node = decodeNode(*fields, nodeKey(id));
+    auto node = store_records::decodeNode(*fields, nodeKey(id));
     if (!node) return node.status();
     return std::optional<NodeRecord>(std::move(node).value());
   }
@@ -1105,7 +978,7 @@ return 1
     nodes.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], nodeKeyPrefix() + "*");
-      auto node = fields ? decodeNode(*fields, nodeKeyPrefix() + (*fields)["id"]) : Result<NodeRecord>(fields.status());
+      auto node = fields ? store_records::decodeNode(*fields, nodeKeyPrefix() + (*fields)["id"]) : Result<NodeRecord>(fields.status());
       // One bad record must not hide the others (nor stop status and the controller).
       if (!node) {
         skipMalformed(node.status());
@@ -1246,7 +1119,7 @@ return 1
     auto fields = fieldMap(**reply, actorKey(id));
     if (!fields) return fields.status();
     if (fields->empty()) return std::optional<ActorRecord>();
-    auto actor = decodeActor(*fields, actorKey(id));
+    auto actor = store_records::decodeActor(*fields, actorKey(id));
     if (!actor) return actor.status();
     return std::optional<ActorRecord>(std::move(actor).value());
   }
@@ -1264,7 +1137,7 @@ return 1
     actors.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], actorKeyPrefix() + "*");
-      auto actor = fields ? decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]) : Result<ActorRecord>(fields.status());
+      auto actor = fields ? store_records::decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]) : Result<ActorRecord>(fields.status());
       if (!actor) {
         skipMalformed(actor.status());
         continue;
@@ -1330,7 +1203,7 @@ return 1
     auto fields = fieldMap(**reply, key);
     if (!fields) return fields.status();
     if (fields->empty()) return std::optional<PlacementGroupRecord>();
-    auto group = decodePlacementGroup(*fields, key);
+    auto group = store_records::decodePlacementGroup(*fields, key);
     if (!group) return group.status();
     return std::optional<PlacementGroupRecord>(std::move(group).value());
   }
@@ -1374,7 +1247,7 @@ return 1
     groups.reserve((*reply)->elements);
     for (size_t i = 0; i < (*reply)->elements; ++i) {
       auto fields = fieldMap(*(*reply)->element[i], placementGroupKeyPrefix() + "*");
-      auto group = fields ? decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"])
+      auto group = fields ? store_records::decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"])
                           : Result<PlacementGroupRecord>(fields.status());
       if (!group) {
         skipMalformed(group.status());
@@ -1593,99 +1466,6 @@ return 1
     return Status(StatusCode::kInternal,
                   fmt::format("unexpected reply type {} from Redis at {} to {}", reply.type,
                               addressOf(options_), what));
-  }
-
-  static Result<NodeRecord> decodeNode(FieldMap& fields, const std::string& key) {
-    NodeRecord node;
-    node.id = NodeId(fields["id"]);
-    node.address = fields["address"];
-    node.hostname = fields["hostname"];
-    node.isHead = fields["is_head"] == "1";
-    node.deathReason = fields["death_reason"];
-    const std::string& state = fields["state"];
-    if (state == nodeStateName(NodeState::kAlive)) {
-      node.state = NodeState::kAlive;
-    } else if (state == nodeStateName(NodeState::kDead)) {
-      node.state = NodeState::kDead;
-    } else {
-      return malformed(key, fmt::format("state '{}' is neither ALIVE nor DEAD", state));
-    }
-    if (!parseInteger(fields["pid"], node.pid) ||
-        !parseInteger(fields["registered_ms"], node.registeredMs) ||
-        !parseInteger(fields["last_heartbeat_ms"], node.lastHeartbeatMs)) {
-      return malformed(key, "pid, registered_ms or last_heartbeat_ms is not an integer");
-    }
-    try {
-      node.total = json::parse(fields["total"]).get<Resources>();
-      node.used = json::parse(fields["used"]).get<Resources>();
-      node.labels = json::parse(fields["labels"]).get<std::map<std::string, std::string>>();
-    } catch (const json::exception& e) {
-      return malformed(key, fmt::format("total, used or labels is not a JSON object: {}",
-                                        e.what()));
-    }
-    return node;
-  }
-
-  static Result<ActorRecord> decodeActor(FieldMap& fields, const std::string& key) {
-    ActorRecord actor;
-    actor.id = ActorId(fields["id"]);
-    actor.type = fields["type"];
-    actor.name = fields["name"];
-    actor.nodeId = NodeId(fields["node_id"]);
-    actor.address = fields["address"];
-    actor.detached = fields["detached"] == "1";
-    actor.owner = fields["owner"];
-    actor.initArgs = fields["init_args"];
-    actor.placementGroup = PlacementGroupId(fields["placement_group"]);
-    actor.deathReason = fields["death_reason"];
-    auto state = parseActorState(fields["state"]);
-    if (!state) return malformed(key, fmt::format("unknown actor state '{}'", fields["state"]));
-    actor.state = *state;
-    if (!parseInteger(fields["pid"], actor.pid) ||
-        !parseInteger(fields["incarnation"], actor.incarnation) ||
-        !parseInteger(fields["restarts"], actor.restarts) ||
-        !parseInteger(fields["max_restarts"], actor.maxRestarts) ||
-        !parseInteger(fields["max_task_retries"], actor.maxTaskRetries) ||
-        !parseInteger(fields["bundle_index"], actor.bundleIndex) ||
-        !parseInteger(fields["created_ms"], actor.createdMs) ||
-        !parseInteger(fields["updated_ms"], actor.updatedMs)) {
-      return malformed(key, "pid, incarnation, restarts, max_restarts, max_task_retries, "
-                            "bundle_index, created_ms or updated_ms is not an integer in range");
-    }
-    try {
-      actor.resources = json::parse(fields["resources"]).get<Resources>();
-    } catch (const json::exception& e) {
-      return malformed(key, fmt::format("resources is not a JSON object of numbers: {}",
-                                        e.what()));
-    }
-    return actor;
-  }
-
-  static Result<PlacementGroupRecord> decodePlacementGroup(FieldMap& fields,
-                                                           const std::string& key) {
-    PlacementGroupRecord group;
-    group.id = PlacementGroupId(fields["id"]);
-    group.name = fields["name"];
-    group.pendingReason = fields["pending_reason"];
-    auto strategy = parsePlacementStrategy(fields["strategy"]);
-    if (!strategy) return malformed(key, strategy.status().message());
-    group.strategy = *strategy;
-    auto state = parsePlacementGroupState(fields["state"]);
-    if (!state) {
-      return malformed(key, fmt::format("unknown placement group state '{}'", fields["state"]));
-    }
-    group.state = *state;
-    if (!parseInteger(fields["created_ms"], group.createdMs)) {
-      return malformed(key, "created_ms is not an integer");
-    }
-    try {
-      group.bundles = parseBundlesJson(fields["bundles"]);
-    } catch (const json::exception& e) {
-      return malformed(key, fmt::format("bundles is not a JSON array of {{\"resources\": {{...}}, "
-                                        "\"node_id\": \"...\"}}: {}",
-                                        e.what()));
-    }
-    return group;
   }
 
   RedisOptions options_;
