@@ -122,3 +122,51 @@ def test_a_full_disk_reports_an_error_and_loses_nothing_small_filesystem(tmp_pat
     assert child.returncode == 0, child.stdout + child.stderr
     assert "RESOURCE_EXHAUSTED: disk full" in child.stdout
     assert "previous checkpoint intact" in child.stdout
+
+
+def crc32c(data):
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+LOAD_IN_CHILD = """
+import sys, troupe.checkpoint as ckpt
+try:
+    ckpt.load(sys.argv[1])
+    print("loaded")
+except ckpt.CheckpointNotFoundError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("field,offset,width,value", [
+    ("metaOffset wraps with metaCapacity", 56, 8, (1 << 64) - 8),
+    ("tableBytes", 52, 4, 0xFFFFFFFF),
+    ("metaCapacity", 64, 8, (1 << 64) - 8),
+    ("imageBytes", 24, 8, 1 << 63),
+])
+def test_a_crafted_header_with_a_valid_checksum_is_refused_not_a_crash(tmp_path, field, offset, width, value):
+    # Anyone can compute the header checksum: each size and offset must still be checked, without
+    # arithmetic that wraps (a crafted tableBytes or metaOffset ended troupe.checkpoint.load by SIGSEGV).
+    ckpt.save(make_state(5), tmp_path, step=5)
+    rank_file = tmp_path / "step-00000000000000000005" / "rank-00000.tckpt"
+    data = bytearray(rank_file.read_bytes())
+    data[offset:offset + width] = value.to_bytes(width, "little")
+    data[92:96] = crc32c(bytes(data[:92])).to_bytes(4, "little")
+    rank_file.write_bytes(bytes(data))
+    child = run_python(LOAD_IN_CHILD, tmp_path)
+    assert child.returncode == 0, f"{field}: exit {child.returncode}\n{child.stdout}{child.stderr}"
+    assert child.stdout.startswith("refused:") and "corrupt checkpoint" in child.stdout, child.stdout
+
+
+def test_a_crafted_manifest_is_refused_not_converted(tmp_path):
+    ckpt.save(make_state(5), tmp_path, step=5)
+    manifest = tmp_path / "step-00000000000000000005" / "MANIFEST.json"
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"bytes": ', '"bytes": -1e30, "was": ', 1))
+    with pytest.raises(ckpt.CheckpointNotFoundError, match='corrupt manifest .*"bytes" is not an integer'):
+        ckpt.load(tmp_path)
