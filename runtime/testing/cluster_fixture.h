@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -90,8 +91,22 @@ class Cluster {
               "--resources", resources};
     o.outputPath = (runDir_ / "logs/node.out").string();
     nodes_.emplace_back(*spawnProcess(o));
-    REQUIRE(eventually(std::chrono::seconds(10), [&]() { return state(id) == "ALIVE"; }));
+    bool alive = eventually(std::chrono::seconds(10), [&]() { return state(id) == "ALIVE"; });
+    if (!alive) dumpLogs(fmt::format("node {} is {} after 10 s", id.hex(), state(id)));
+    REQUIRE(alive);
     return id;
+  }
+
+  // Prints the daemons' logs, so a failed start in CI says why.
+  void dumpLogs(const std::string& why) {
+    std::string text = why + "\n";
+    for (const auto& entry : fs::directory_iterator(runDir_ / "logs")) {
+      std::ifstream in(entry.path());
+      std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (body.size() > 4000) body = "..." + body.substr(body.size() - 4000);
+      text += fmt::format("--- {}\n{}\n", entry.path().filename().string(), body);
+    }
+    MESSAGE(text);
   }
 
   Result<std::vector<NodeRecord>> nodes() {
