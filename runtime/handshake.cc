@@ -357,8 +357,9 @@ Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::c
   if (auto s = transfer(fd, reply.data(), 1, false, deadline); !s.isOk()) {
     return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
   }
-  if (reply[0] == kSpeakTls) return Status(StatusCode::kFailedPrecondition, kTlsRequired);
   if (auto s = transfer(fd, reply.data() + 1, reply.size() - 1, false, deadline); !s.isOk()) {
+    // 'S' alone, then the close, asks for TLS; a server nonce may begin with 'S' too (1 in 256).
+    if (reply[0] == kSpeakTls) return Status(StatusCode::kFailedPrecondition, kTlsRequired);
     return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
   }
   if (!same(reply.data() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.data()))) {

@@ -221,6 +221,30 @@ TEST_CASE("rpc: the blocking client side of the handshake agrees with the server
   CHECK(bad.message().find("token was rejected") != std::string::npos);
 }
 
+// The server's nonce is random: one in 256 begins with the byte that alone asks for TLS. The
+// blocking client once read that as "speak TLS" and failed a node's store connection.
+TEST_CASE("rpc: the blocking client accepts every server nonce, whatever its first byte") {
+  Fixture f;
+  std::atomic<int> failures{0}, tries{0};
+  std::string firstFailure;
+  std::atomic<bool> done{false};
+  std::thread t([&]() {
+    for (int i = 0; i < 2000; ++i) {  // P(no nonce begins with 'S') = (255/256)^2000 < 0.1%
+      auto fd = connectTcp(f.address(), std::chrono::seconds(2));
+      if (!fd.isOk()) continue;
+      auto status = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      ::close(*fd);
+      tries += 1;
+      if (!status.isOk() && failures++ == 0) firstFailure = status.toString();
+    }
+    done = true;
+  });
+  while (!done) f.io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(f.io.waitScope);
+  t.join();
+  CHECK(tries == 2000);
+  CHECK_MESSAGE(failures == 0, firstFailure);
+}
+
 TEST_CASE("rpc: every status code a server throws reaches the client as the same code") {
   kj::AsyncIoContext io = kj::setupAsyncIo();
   auto server = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, "secret-token",
