@@ -6,6 +6,7 @@
 
 #include "schema_convert.h"
 #include "troupe.capnp.h"
+#include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/rpc.h"
 
@@ -549,10 +550,12 @@ kj::Promise<void> ClusterClient::putGroup(const std::string& id, const std::stri
 }
 
 kj::Promise<void> ClusterClient::groupEvent(const std::string& id, const std::string& text) {
-  return shared_->withController([id, text](rpc::Controller::Client& c) {
+  // Stamped once: a call retried on a new connection carries the same time and is stored once.
+  return shared_->withController([id, text, timeMs = wallClockMs()](rpc::Controller::Client& c) {
     auto request = c.groupEventRequest();
     request.setId(id);
     request.setText(text);
+    request.setTimeMs(timeMs);
     return request.send().ignoreResult();
   });
 }

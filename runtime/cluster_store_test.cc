@@ -1233,6 +1233,13 @@ TEST_CASE_TEMPLATE("elastic groups: document, capped events, epoch, delete", Bac
   REQUIRE(none.isOk());
   CHECK_FALSE(none->has_value());
   REQUIRE(store->appendGroupEvent("g1", "before it exists").isOk());  // ignored
+  REQUIRE(store->putElasticGroup("g2", "{}").isOk());
+  REQUIRE(store->appendGroupEvent("g2", "1 a").isOk());
+  REQUIRE(store->appendGroupEvent("g2", "2 b").isOk());
+  REQUIRE(store->appendGroupEvent("g2", "1 a").isOk());  // a retry of the first: kept once
+  REQUIRE(store->appendGroupEvent("g2", "3 a").isOk());
+  CHECK((*store->getElasticGroup("g2"))->events == std::vector<std::string>{"1 a", "2 b", "3 a"});
+  REQUIRE(store->deleteElasticGroup("g2").isOk());
   REQUIRE(store->putElasticGroup("g1", R"({"world_size": 2})").isOk());
   REQUIRE(store->putElasticGroup("g0", "{}").isOk());
   REQUIRE(store->putElasticGroup("g1", R"({"world_size": 3})").isOk());  // replaces, keeps its place

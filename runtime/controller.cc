@@ -159,7 +159,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
 
   kj::Promise<void> groupEvent(GroupEventContext context) override {
     std::string id = context.getParams().getId().cStr();
-    std::string text = fmt::format("{} {}", wallClockMs(), context.getParams().getText().cStr());
+    auto params = context.getParams();
+    int64_t timeMs = params.getTimeMs() > 0 ? params.getTimeMs() : wallClockMs();
+    std::string text = fmt::format("{} {}", timeMs, params.getText().cStr());
     return onIo([id, text](Controller::IoState& s) -> Result<bool> {
              TROUPE_RETURN_IF_ERROR(s.store->appendGroupEvent(id, text));
              return true;
@@ -475,6 +477,10 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     for (auto& action : actions) {
       ActorRecord actor = kj::mv(action.actor);
       bool spawn = action.kind == WorkerAction::Kind::kSpawn;
+      if (spawn && action.delay.count() > 0) {
+        done.add(delayedSpawn(kj::mv(actor), action.delay));
+        continue;
+      }
       done.add(nodeAgent(actor.nodeId)
                      .then([actor, spawn](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
                        if (!spawn) {
@@ -508,6 +514,26 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                      }));
     }
     return kj::joinPromises(done.finish());
+  }
+
+  // A restart under back-off: spawned after `delay` unless the actor was killed, or restarted
+  // otherwise, meanwhile.
+  kj::Promise<void> delayedSpawn(ActorRecord actor, std::chrono::milliseconds delay) {
+    TROUPE_LOG(kInfo, "actor {} ended soon after it started: restarting it in {} ms", actor.id.hex(), delay.count());
+    return asyncIo_.provider->getTimer()
+        .afterDelay(delay.count() * kj::MILLISECONDS)
+        .then([this, id = actor.id]() { return onIo([id](Controller::IoState& s) { return s.core.getActor(id); }); })
+        .then([this, actor](ActorRecord now) mutable -> kj::Promise<void> {
+          if (now.incarnation != actor.incarnation || now.state == ActorState::kDead || now.nodeId != actor.nodeId) {
+            return kj::READY_NOW;
+          }
+          Actions again;
+          again.push_back({WorkerAction::Kind::kSpawn, kj::mv(actor)});
+          return carryOut(kj::mv(again));
+        })
+        .catch_([id = actor.id](kj::Exception&& e) {
+          TROUPE_LOG(kWarning, "restarting actor {}: {}", id.hex(), e.getDescription().cStr());
+        });
   }
 
   // A connection to a node's agent, made on first use and kept.

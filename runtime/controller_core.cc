@@ -1,5 +1,6 @@
 #include "controller_core.h"
 
+#include <algorithm>
 #include <set>
 
 #include <fmt/format.h>
@@ -31,6 +32,12 @@ Status validResources(const Resources& r, const std::string& what) {
 }
 
 }  // namespace
+
+std::chrono::milliseconds restartBackoff(int quickEnds) {
+  using std::chrono::milliseconds;
+  if (quickEnds <= 1) return milliseconds(0);  // one crash soon after a start can be bad luck
+  return std::min(milliseconds(100LL << std::min(quickEnds - 2, 7)), milliseconds(10'000));
+}
 
 Status ControllerCore::place(ActorRecord& actor) {
   if (!actor.placementGroup.empty()) {
@@ -171,6 +178,10 @@ Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reas
   releaseActorResources(actor);
   memberEnded(actor, reason, allowRestart && (actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts));
   bool restart = allowRestart && (actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts);
+  const bool ranLong = actor.state == ActorState::kAlive && wallClockMs() - actor.updatedMs >= kStableRunMs;
+  int quickEnds = 0;
+  if (restart && !ranLong) quickEnds = ++quickEnds_[actor.id];
+  if (!restart || ranLong) quickEnds_.erase(actor.id);
   actor.address.clear();
   actor.pid = 0;
   actor.deathReason = reason;
@@ -195,7 +206,7 @@ Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reas
     }
   }
   TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
-  if (placed.isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actor});
+  if (placed.isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actor, restartBackoff(quickEnds)});
   return Status::ok();
 }
 

@@ -7,7 +7,9 @@
 // unit, so calls never interleave.
 #pragma once
 
+#include <chrono>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "troupe/runtime/cluster_store.h"
@@ -18,7 +20,15 @@ namespace troupe {
 struct WorkerAction {
   enum class Kind { kSpawn, kKill } kind = Kind::kSpawn;
   ActorRecord actor;
+  // A restart of an actor whose last incarnations ended soon after they began waits this long
+  // (doubling from 100 ms to 10 s), so a worker that cannot start does not restart in a hot loop.
+  std::chrono::milliseconds delay{0};
 };
+
+// The wait before restarting an actor that has ended `quickEnds` times in a row within
+// kStableRunMs of starting: none for the first, then 100 ms doubling up to 10 s.
+std::chrono::milliseconds restartBackoff(int quickEnds);
+constexpr int64_t kStableRunMs = 10'000;
 
 class ControllerCore {
  public:
@@ -74,6 +84,9 @@ class ControllerCore {
                         std::vector<WorkerAction>& actions);
 
   ClusterStore& store_;
+  // Per actor, how many incarnations in a row ended within kStableRunMs of starting (or before
+  // they served). Kept in memory: a restarted controller starts the back-off afresh.
+  std::unordered_map<ActorId, int> quickEnds_;
 };
 
 }  // namespace troupe

@@ -127,6 +127,42 @@ TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports a
   CHECK(c.used(node) == 0);
 }
 
+TEST_CASE("core: an actor that keeps ending soon after it starts restarts with a back-off; a long run resets it") {
+  using std::chrono::milliseconds;
+  Core c;
+  c.addNode(2);
+  auto a = *c.core.createActor(c.spec(1, -1), c.actions);
+  std::vector<int64_t> delays;
+  for (uint32_t incarnation = 1; incarnation <= 12; ++incarnation) {
+    c.actions.clear();
+    // Ends before it ever served (its constructor raised, or its worker could not start).
+    REQUIRE(c.core.workerExited(a.id, incarnation, "worker exited with code 1", c.actions).isOk());
+    REQUIRE(c.actions.size() == 1);
+    delays.push_back(c.actions[0].delay.count());
+  }
+  CHECK(delays == std::vector<int64_t>{0, 100, 200, 400, 800, 1600, 3200, 6400, 10000, 10000, 10000, 10000});
+  // An incarnation that served for longer than kStableRunMs ends: it restarts at once, and the
+  // count starts again.
+  REQUIRE(c.core.actorReady(a.id, 13, "x:13", 13).isOk());
+  auto r = *c.core.getActor(a.id);
+  r.updatedMs -= kStableRunMs + 1000;
+  REQUIRE(c.store->putActor(r).isOk());
+  c.actions.clear();
+  REQUIRE(c.core.workerExited(a.id, 13, "worker killed by signal 9 (SIGKILL)", c.actions).isOk());
+  CHECK(c.actions.at(0).delay == milliseconds(0));
+  c.actions.clear();
+  REQUIRE(c.core.workerExited(a.id, 14, "worker exited with code 1", c.actions).isOk());
+  CHECK(c.actions.at(0).delay == milliseconds(0));
+  c.actions.clear();
+  REQUIRE(c.core.workerExited(a.id, 15, "worker exited with code 1", c.actions).isOk());
+  CHECK(c.actions.at(0).delay == milliseconds(100));
+  // One that served briefly still counts as a quick end.
+  REQUIRE(c.core.actorReady(a.id, 16, "x:16", 16).isOk());
+  c.actions.clear();
+  REQUIRE(c.core.workerExited(a.id, 16, "worker exited with code 1", c.actions).isOk());
+  CHECK(c.actions.at(0).delay == milliseconds(200));
+}
+
 TEST_CASE("core: an owner going away ends its non-detached actors only") {
   Core c;
   c.addNode(4);

@@ -657,9 +657,13 @@ redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[1])
 return 1
 )lua";
 
-// KEYS: the group's document, its events list. ARGV: text, how many to keep.
+// KEYS: the group's document, its events list. ARGV: text, how many to keep. A line equal to
+// one of the newest 32 is a retry: it is not added twice.
 constexpr const char* kAppendGroupEventScript = R"lua(
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for _, line in ipairs(redis.call('LRANGE', KEYS[2], -32, -1)) do
+  if line == ARGV[1] then return 1 end
+end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
 return 1

@@ -400,6 +400,31 @@ TEST_CASE("controller RPC handlers are idempotent") {
     return r;
   });
   CHECK(controller.statusRequest().send().wait(ws).getNodes().size() == 1);
+
+  // Group records: an event sent twice (a retry) is one line.
+  twice([&]() {
+    auto r = controller.putGroupRequest();
+    r.setId("g-twice");
+    r.setDoc("{}");
+    return r;
+  });
+  twice([&]() {
+    auto r = controller.groupEventRequest();
+    r.setId("g-twice");
+    r.setText("resized to 2");
+    r.setTimeMs(1234);
+    return r;
+  });
+  auto group = controller.getGroupRequest();
+  group.setId("g-twice");
+  auto events = group.send().wait(ws).getGroup().getEvents();
+  REQUIRE(events.size() == 1);
+  CHECK(std::string(events[0].cStr()) == "1234 resized to 2");
+  twice([&]() {
+    auto r = controller.removeGroupRequest();
+    r.setId("g-twice");
+    return r;
+  });
 }
 
 }  // namespace

@@ -146,7 +146,9 @@ interface Controller {
   # death advances the group's epoch (done by the controller itself). removeGroup forgets the
   # record, epoch and rendezvous (not the placement group: remove that separately).
   putGroup @15 (id :Text, doc :Text) -> ();
-  groupEvent @16 (id :Text, text :Text) -> ();
+  # An event's time is the caller's (timeMs; 0: the controller's clock), set once, so a retried
+  # call stores one line.
+  groupEvent @16 (id :Text, text :Text, timeMs :Int64) -> ();
   removeGroup @17 (id :Text) -> ();
   getGroup @18 (id :Text) -> (group :ElasticGroupInfo, found :Bool);
   # Where a node agent reaches the store: Redis for the head's (no password: it has it),

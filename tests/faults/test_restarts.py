@@ -3,6 +3,7 @@ nodes, sessions and actors survive them (issue 14 findings 3, 9, 10)."""
 import os
 import signal
 import textwrap
+import time
 
 from troupe_testing import eventually, free_port, run_driver
 
@@ -143,3 +144,30 @@ def test_the_head_restarts_its_controller_and_gateway(troupe):
     for a in agents:
         assert alive(a)
     exit_one_actor(troupe)
+
+
+def test_an_actor_whose_constructor_keeps_failing_restarts_with_a_back_off(troupe):
+    """A worker that cannot come up is restarted after 0, 100, 200, 400, 800, 1600 ms... not in
+    a hot loop (2313 restarts were seen in one chaos run)."""
+    troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "2")
+    code = textwrap.dedent("""
+        import troupe
+        troupe.init(address="auto")
+        @troupe.remote(num_cpus=1, max_restarts=-1, lifetime="detached", name="broken")
+        class Broken:
+            def __init__(self): raise RuntimeError("no GPU here")
+        Broken.remote()
+    """)
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    created = time.monotonic()
+
+    def restarts():
+        return max([a["restarts"] for a in troupe.status()["actors"] if a.get("name") == "broken"] or [0])
+
+    eventually(lambda: restarts() >= 7, 60, "seven restarts of the broken actor")
+    # The seventh comes after 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of back-off; without it, seven
+    # restarts of this worker take about 0.4 s here.
+    assert time.monotonic() - created >= 2.5
+    log = (troupe.run_dir() / "logs" / "controller.log").read_text()
+    assert "ended soon after it started: restarting it in 1600 ms" in log

@@ -258,7 +258,8 @@ class ClusterStore {
   // Creates or replaces the group's document. kInvalidArgument for an empty id.
   virtual Status putElasticGroup(const std::string& id, const std::string& doc) = 0;
   // Appends an event line to a group (kept: the newest kMaxGroupEvents); unknown groups are
-  // ignored (an event may race with the group's removal).
+  // ignored (an event may race with the group's removal). A line equal to one of the newest 32
+  // is not appended again: a retried call (same "<ms> text") adds it once.
   virtual Status appendGroupEvent(const std::string& id, const std::string& text) = 0;
   virtual Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) = 0;
   virtual Result<std::vector<ElasticGroupRecord>> listElasticGroups() = 0;
