@@ -86,15 +86,39 @@ struct ClusterClient::Shared : std::enable_shared_from_this<ClusterClient::Share
   // Runs `call` on the controller. When the connection is lost (the controller restarted), it
   // reconnects, resumes the session and runs `call` once more: every controller RPC is
   // idempotent (ids are chosen by the client), so a call that did reach the old one is safe.
+  // An UNAVAILABLE answer (the controller lost Redis, which the head restarts) is asked again
+  // after 50 ms doubling to 1 s, for up to kStoreOutageFor, unless the call says UNAVAILABLE
+  // means something else for it (`retryUnavailable` false: addBundles's "no room now").
   template <typename Fn>
-  auto withController(Fn call) -> decltype(call(std::declval<rpc::Controller::Client&>())) {
+  auto withController(Fn call, bool retryUnavailable = true) -> decltype(call(std::declval<rpc::Controller::Client&>())) {
+    auto now = kj::systemPreciseMonotonicClock().now();
+    return withControllerUntil(kj::mv(call), retryUnavailable ? now + kStoreOutageFor : now, 50 * kj::MILLISECONDS);
+  }
+
+  static constexpr kj::Duration kStoreOutageFor = 30 * kj::SECONDS;
+
+  template <typename Fn>
+  auto withControllerUntil(Fn call, kj::TimePoint deadline, kj::Duration delay)
+      -> decltype(call(std::declval<rpc::Controller::Client&>())) {
     using P = decltype(call(std::declval<rpc::Controller::Client&>()));
     auto self = shared_from_this();
     uint64_t used = generation;
     return kj::evalNow([&]() { return call(controller); })
-        .catch_([self, used, call](kj::Exception&& e) mutable -> P {
-          if (e.getType() != kj::Exception::Type::DISCONNECTED) return kj::mv(e);
-          return self->reconnect(used).then([self, call]() mutable { return call(self->controller); });
+        .catch_([self, used, call, deadline, delay](kj::Exception&& e) mutable -> P {
+          if (e.getType() == kj::Exception::Type::DISCONNECTED) {
+            return self->reconnect(used).then([self, call]() mutable { return call(self->controller); });
+          }
+          if (statusFromException(e, "").code() != StatusCode::kUnavailable ||
+              kj::systemPreciseMonotonicClock().now() + delay >= deadline) {
+            return kj::mv(e);
+          }
+          if (delay == 50 * kj::MILLISECONDS) {
+            TROUPE_LOG(kWarning, "the controller cannot serve this call now ({}); asking again for up to {} s",
+                       statusFromException(e, "").message(), kStoreOutageFor / kj::SECONDS);
+          }
+          return self->io.provider->getTimer().afterDelay(delay).then([self, call, deadline, delay]() mutable {
+            return self->withControllerUntil(kj::mv(call), deadline, kj::min(delay * 2, 1 * kj::SECONDS));
+          });
         });
   }
 
@@ -422,7 +446,8 @@ kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& i
   return RpcClient::connect(io, controller, token, 10 * kj::SECONDS)
       .then([&io, token, controller](kj::Own<RpcClient> rpc) {
         auto shared = std::make_shared<Shared>(io, token, controller, kj::mv(rpc));
-        return shared->openSession().then([shared]() {
+        // Through withController: a controller that cannot reach Redis right now is asked again.
+        return shared->withController([shared](rpc::Controller::Client&) { return shared->openSession(); }).then([shared]() {
           return kj::Own<ClusterClient>(new ClusterClient(shared), kj::_::HeapDisposer<ClusterClient>::instance);
         });
       });
@@ -598,7 +623,7 @@ kj::Promise<PlacementGroupRecord> ClusterClient::addBundles(const PlacementGroup
     request.setFromIndex(static_cast<uint32_t>(group.bundles.size()));
     toBundles(bundles, request.initBundles(static_cast<unsigned>(bundles.size())));
     return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
-  });
+  }, /*retryUnavailable=*/false);  // UNAVAILABLE: the new bundles have no room now
 }
 
 kj::Promise<PlacementGroupRecord> ClusterClient::removeBundles(const PlacementGroupId& id,

@@ -2,10 +2,11 @@
 nodes, sessions and actors survive them (issue 14 findings 3, 9, 10)."""
 import os
 import signal
+import subprocess
 import textwrap
 import time
 
-from troupe_testing import eventually, free_port, run_driver
+from troupe_testing import PYTHON_PACKAGE, eventually, free_port, run_driver
 
 
 def node_states(t):
@@ -171,3 +172,32 @@ def test_an_actor_whose_constructor_keeps_failing_restarts_with_a_back_off(troup
     assert time.monotonic() - created >= 2.5
     log = (troupe.run_dir() / "logs" / "controller.log").read_text()
     assert "ended soon after it started: restarting it in 1600 ms" in log
+
+
+def test_a_driver_call_made_while_redis_is_down_waits_for_it(troupe):
+    """The controller answers UNAVAILABLE while it cannot reach Redis; the client asks again
+    until the head has restarted Redis, instead of failing the driver (a chaos run's driver died
+    of "lost the connection to Redis during putElasticGroup")."""
+    start_two_nodes(troupe, ttl_ms=1000)
+    head = next(n["pid"] for n in troupe.status()["nodes"] if n["is_head"])
+    os.kill(head, signal.SIGSTOP)  # its supervision would restart Redis at once
+    try:
+        os.kill(redis_pid(troupe), signal.SIGKILL)
+        log = troupe.run_dir() / "driver.err"
+        code = textwrap.dedent("""
+            import troupe
+            troupe.init(address="auto")
+            @troupe.remote(num_cpus=1)
+            class Box:
+                def get(self): return 7
+            print("value", troupe.get(Box.remote().get.remote()))
+        """)
+        with open(log, "w") as err:
+            driver = subprocess.Popen(["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE, stderr=err, text=True,
+                                      env=dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE), **troupe.env))
+        eventually(lambda: "asking again" in log.read_text(), 30, "the driver's call to meet the outage")
+    finally:
+        os.kill(head, signal.SIGCONT)
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out + log.read_text()
+    assert "value 7" in out
