@@ -50,6 +50,7 @@ constexpr uint64_t kCopyForReplicaBytes = uint64_t(256) << 20;
 constexpr size_t kMaxErrors = 10;                      // recent errors kept for status
 constexpr auto kInventoryTimeout = std::chrono::seconds(5);
 constexpr auto kChunkTimeout = std::chrono::seconds(60);
+constexpr auto kPinTimeout = std::chrono::milliseconds(20'000);  // a restarting peer takes seconds
 constexpr uint64_t kReplicaHeaderBytes = 24;
 
 struct Options {
@@ -405,11 +406,12 @@ class CheckpointActor final : public Actor {
         {"attach", &CheckpointActor::attach},           {"saved", &CheckpointActor::saved},
         {"read", &CheckpointActor::read},               {"restore", &CheckpointActor::restore},
         {"replicaBegin", &CheckpointActor::replicaBegin}, {"replicaCommit", &CheckpointActor::replicaCommit},
-        {"members", &CheckpointActor::members}};
+        {"replicaPin", &CheckpointActor::replicaPin},   {"members", &CheckpointActor::members},
+        {"pin", &CheckpointActor::pin}};
     auto handler = kJsonMethods.find(method);
     if (handler == kJsonMethods.end()) {
-      return badArgs(fmt::format("no method '{}' (attach, saved, status, inventory, read, restore, release, "
-                                 "replicaBegin, replicaWrite, replicaCommit, members)",
+      return badArgs(fmt::format("no method '{}' (attach, saved, pin, status, inventory, read, restore, release, "
+                                 "replicaBegin, replicaWrite, replicaCommit, replicaPin, members)",
                                  method));
     }
     auto args = parsePayload(payload, method.c_str());
@@ -425,6 +427,13 @@ class CheckpointActor final : public Actor {
     bool replicateAgain = false;
     SnapshotId replicatedId;
     std::optional<uint64_t> replicated;
+    int replicaFailures = 0;  // sends failed in a row
+    uint64_t sendGeneration = 0;  // moves on when the target changes: older sends count for nothing
+  };
+  struct PinJob {
+    uint64_t step = 0;
+    bool done = false;
+    Result<std::string> result = Status(StatusCode::kInternal, "pin not finished");
   };
   struct IncomingReplica {
     std::optional<ck::FlashSegment> segment;
@@ -432,6 +441,7 @@ class CheckpointActor final : public Actor {
     uint64_t step = 0;
     uint64_t imageBytes = 0;
     std::optional<uint64_t> held;
+    std::optional<uint64_t> pinned;
   };
   class ErrorHandler final : public kj::TaskSet::ErrorHandler {
    public:
@@ -460,7 +470,19 @@ class CheckpointActor final : public Actor {
     std::sort(live.begin(), live.end());
     options_.members = live;
     auto it = std::find(live.begin(), live.end(), options_.self);
-    options_.replicaTo = live.size() > 1 ? *(++it == live.end() ? live.begin() : it) : "";
+    std::string target = live.size() > 1 ? *(++it == live.end() ? live.begin() : it) : "";
+    if (target != options_.replicaTo) {
+      // What the old target holds says nothing of the new one, and a send to it (a lost node's
+      // actor, which may never answer) must not hold back the sends to the new one.
+      for (auto& [rank, state] : ranks_) {
+        state.replicatedId = {};
+        state.replicated.reset();
+        state.replicating = false;
+        state.replicateAgain = false;
+        ++state.sendGeneration;
+      }
+    }
+    options_.replicaTo = target;
     return json{{"replica_to", options_.replicaTo}}.dump();
   }
 
@@ -503,13 +525,17 @@ class CheckpointActor final : public Actor {
       return;
     }
     state.replicating = true;
-    tasks_->add(sendReplica(rank)
-                   .catch_([this, rank](kj::Exception&& e) {
+    uint64_t generation = state.sendGeneration;
+    tasks_->add(sendReplica(rank, generation)
+                   .catch_([this, rank, generation](kj::Exception&& e) {
+                     if (ranks_[rank].sendGeneration != generation) return;
+                     ranks_[rank].replicaFailures++;
                      remember(replicaErrors_, fmt::format("replica of rank {} to {}: {}", rank, options_.replicaTo,
                                                           statusOf(e).message()));
                    })
-                   .then([this, rank]() {
+                   .then([this, rank, generation]() {
                      RankState& s = ranks_[rank];
+                     if (s.sendGeneration != generation) return;  // the target changed meanwhile
                      s.replicating = false;
                      if (s.replicateAgain) {
                        s.replicateAgain = false;
@@ -518,7 +544,7 @@ class CheckpointActor final : public Actor {
                    }));
   }
 
-  kj::Promise<void> sendReplica(uint32_t rank) {
+  kj::Promise<void> sendReplica(uint32_t rank, uint64_t generation) {
     auto segment = rpcCache_.get(options_.primary(rank));
     if (!segment.isOk()) return KJ_EXCEPTION(FAILED, segment.status().message());
     auto slot = (*segment)->newestComplete();
@@ -537,25 +563,29 @@ class CheckpointActor final : public Actor {
       if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being copied");
       copy = std::move(bytes);
     }
-    return peer(options_.replicaTo)
+    return withTimeout(peer(options_.replicaTo), kChunkTimeout, "finding the replica target")
         .then([this, rank, info](ActorHandle handle) {
           json begin{{"rank", rank}, {"step", info.step}, {"image_bytes", info.imageBytes}, {"from", options_.self}};
-          return handle.call("replicaBegin", begin.dump()).then([handle](std::string reply) mutable {
+          return withTimeout(handle.call("replicaBegin", begin.dump()), kChunkTimeout, "replicaBegin")
+              .then([handle](std::string reply) mutable {
             return std::make_pair(handle, json::parse(reply).at("slot").get<uint32_t>());
           });
         })
-        .then([this, rank, seg, info, copy](std::pair<ActorHandle, uint32_t> begun) {
+        .then([this, rank, seg, info, copy, generation](std::pair<ActorHandle, uint32_t> begun) {
           return sendChunks(begun.first, seg, info, rank, begun.second, 0, copy).then([this, rank, seg, info, begun,
-                                                                                      copy]() mutable {
+                                                                                      copy, generation]() mutable {
             if (!copy && !seg->unchanged(info)) {
               return kj::Promise<void>(KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent; "
                                                             "the newer one follows"));
             }
             json commit{{"rank", rank}, {"slot", begun.second}, {"step", info.step}};
-            return begun.first.call("replicaCommit", commit.dump()).then([this, rank, info, seg](std::string) {
+            return withTimeout(begun.first.call("replicaCommit", commit.dump()), kChunkTimeout, "replicaCommit")
+                .then([this, rank, info, seg, generation](std::string) {
               RankState& s = ranks_[rank];
+              if (s.sendGeneration != generation) return;  // committed at a target no longer ours
               s.replicatedId = SnapshotId{seg->fileId(), info.index, info.seq};
               s.replicated = info.step;
+              s.replicaFailures = 0;
             });
           });
         });
@@ -573,7 +603,8 @@ class CheckpointActor final : public Actor {
     uint64_t at = offset;
     for (size_t i = 0; i < kWindow && at < info.imageBytes; ++i) {
       uint64_t n = std::min(kChunkBytes, info.imageBytes - at);
-      if (options_.fault.armed(ck::FaultStage::kReplica, info.step) && at + n > options_.fault.afterBytes) {
+      if (options_.fault.armed(ck::FaultStage::kReplica, info.step) && at + n > options_.fault.afterBytes &&
+          (options_.fault.tries == 0 || faultTries_[info.step]++ < options_.fault.tries)) {
         options_.fault.pauseHere(info.step, at, &kStopped);  // returns at once: a send just stops here
         return KJ_EXCEPTION(FAILED, "replica stopped by the fault-injection seam");
       }
@@ -589,6 +620,88 @@ class CheckpointActor final : public Actor {
     return kj::joinPromises(calls.releaseAsArray()).then([this, handle, seg, info, rank, peerSlot, at, copy](auto) mutable {
       return sendChunks(handle, seg, info, rank, peerSlot, at, copy);
     });
+  }
+
+  // The trainer of `rank` ends a chunk at `step`: its newest snapshot at or before it is
+  // replicated (if it is not already) and pinned in the replica, so that the step survives
+  // later snapshots on both sides until the next pin. Like restore, it answers at once (calls
+  // to an actor take turns, and two actors pinning to each other must not wait on each other's
+  // turn): {"state": "running"} until the job ends, then {"state": "done", "step": S,
+  // "replica_to": peer} ("replica_to" empty without a peer) or the error, once.
+  Result<std::string> pin(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "pin");
+    auto step = field<uint64_t>(args, "step", "pin");
+    if (!rank.isOk()) return rank.status();
+    if (!step.isOk()) return step.status();
+    auto it = pins_.find(*rank);
+    if (it != pins_.end() && it->second->step == *step) {
+      auto job = it->second;
+      if (!job->done) return std::string(R"({"state": "running"})");
+      pins_.erase(it);
+      return job->result;
+    }
+    auto job = std::make_shared<PinJob>();
+    job->step = *step;
+    pins_[*rank] = job;
+    tasks_->add(pinReplica(*rank, *step, std::chrono::steady_clock::now() + kPinTimeout, kj::READY_NOW)
+                    .then([job](Result<std::string> r) {
+                      job->result = std::move(r);
+                      job->done = true;
+                    }, [job](kj::Exception&& e) {
+                      job->result = Status(StatusCode::kUnavailable, fmt::format("pin: {}", statusOf(e).message()));
+                      job->done = true;
+                    }));
+    return std::string(R"({"state": "running"})");
+  }
+
+  // The pin job: waits for the replica (asking for it again while sends fail), then pins it.
+  // Waits for a peer that is restarting, up to kPinTimeout.
+  kj::Promise<Result<std::string>> pinReplica(uint32_t rank, uint64_t step, std::chrono::steady_clock::time_point deadline,
+                                              kj::Promise<void> pause) {
+    return pause.then([this, rank, step, deadline]() -> kj::Promise<Result<std::string>> {
+      auto segment = rpcCache_.get(options_.primary(rank));
+      if (!segment.isOk()) return Result<std::string>(segment.status());
+      auto slot = (*segment)->newestComplete(step);
+      if (!slot) return Result<std::string>(json{{"state", "done"}, {"step", nullptr}, {"replica_to", ""}}.dump());
+      if (options_.replicaTo.empty() || context_.cluster == nullptr) {
+        return Result<std::string>(json{{"state", "done"}, {"step", slot->step}, {"replica_to", ""}}.dump());
+      }
+      RankState& state = ranks_[rank];
+      if (state.replicatedId == SnapshotId{(*segment)->fileId(), slot->index, slot->seq}) {
+        json request{{"rank", rank}, {"step", slot->step}};
+        std::string target = options_.replicaTo;
+        return withTimeout(peer(target).then([request](ActorHandle h) { return h.call("replicaPin", request.dump()); }),
+                           kInventoryTimeout, "replicaPin")
+            .then([step = slot->step, target](std::string) -> Result<std::string> {
+              return json{{"state", "done"}, {"step", step}, {"replica_to", target}}.dump();
+            });
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string last = replicaErrors_.empty() ? "none recorded" : replicaErrors_.back();
+        return Result<std::string>(Status(
+            StatusCode::kUnavailable,
+            fmt::format("rank {} step {}: its replica to {} was not confirmed within {} s (last replica error: {})", rank,
+                        slot->step, options_.replicaTo, kPinTimeout.count() / 1000, last)));
+      }
+      if (!state.replicating) requestReplica(rank);  // else the newest follows the send on its way
+      // Polled every 2 ms while sends succeed; backs off while the peer is unreachable.
+      auto pause = std::chrono::milliseconds(std::min(2 + 50 * state.replicaFailures, 500));
+      return pinReplica(rank, step, deadline, after(pause));
+    });
+  }
+
+  Result<std::string> replicaPin(const json& args) {
+    auto rank = field<uint32_t>(args, "rank", "replicaPin");
+    auto step = field<uint64_t>(args, "step", "replicaPin");
+    if (!rank.isOk()) return rank.status();
+    if (!step.isOk()) return step.status();
+    auto it = replicas_.find(*rank);
+    if (it == replicas_.end() || !it->second.segment) {
+      return Status(StatusCode::kFailedPrecondition, fmt::format("replicaPin: no replica of rank {} is held", *rank));
+    }
+    TROUPE_RETURN_IF_ERROR(it->second.segment->pin(*step));
+    it->second.pinned = *step;
+    return json{{"step", *step}}.dump();
   }
 
   Result<std::string> replicaBegin(const json& args) {
@@ -925,8 +1038,10 @@ class CheckpointActor final : public Actor {
       if (s.persisted) persisted[std::to_string(rank)] = *s.persisted;
       if (s.replicated) replicated[std::to_string(rank)] = *s.replicated;
     }
+    json pinned = json::object();
     for (const auto& [rank, in] : replicas_) {
       if (in.held) held[std::to_string(rank)] = *in.held;
+      if (in.pinned) pinned[std::to_string(rank)] = *in.pinned;
     }
     return json{{"pid", getpid()},
                 {"group", options_.group},
@@ -936,7 +1051,8 @@ class CheckpointActor final : public Actor {
                 {"persist_errors", persistErrors_},
                 {"replicated", replicated},
                 {"replica_errors", replicaErrors_},
-                {"replicas_held", held}}
+                {"replicas_held", held},
+                {"replicas_pinned", pinned}}
         .dump();
   }
 
@@ -948,6 +1064,16 @@ class CheckpointActor final : public Actor {
       peers_.emplace(name, handle);
       return handle;
     });
+  }
+
+  // Resolves after `delay` (a timer on the timer thread).
+  kj::Promise<void> after(std::chrono::milliseconds delay) {
+    auto paf = kj::newPromiseAndCrossThreadFulfiller<void>();
+    auto timer = std::make_shared<asio::steady_timer>(timerThread_.context(), delay);
+    asio::post(timerThread_.context(), [timer, fulfiller = kj::mv(paf.fulfiller)]() mutable {
+      timer->async_wait([timer, fulfiller = kj::mv(fulfiller)](const asio::error_code&) mutable { fulfiller->fulfill(); });
+    });
+    return kj::mv(paf.promise);
   }
 
   // Rejects with "<what> timed out" unless `promise` resolves within `limit`.
@@ -984,6 +1110,8 @@ class CheckpointActor final : public Actor {
   std::map<uint32_t, IncomingReplica> replicas_;
   std::map<uint32_t, std::shared_ptr<RestoreJob>> restores_;
   std::map<std::string, ActorHandle> peers_;
+  std::map<uint32_t, std::shared_ptr<PinJob>> pins_;  // by rank
+  std::map<uint64_t, uint64_t> faultTries_;  // replica sends stopped by the fault seam, by step
   std::vector<std::string> persistErrors_;
   std::vector<std::string> replicaErrors_;
   ErrorHandler errorHandler_;

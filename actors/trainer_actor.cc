@@ -175,6 +175,11 @@ class Trainer final : public Actor {
       return Json{{"snapshot_every", snapshotEvery_}, {"threads", engine_->options().threads}, {"prefetch", prefetch_}}
           .dump();
     }
+    if (method == "pin") {
+      auto pinned = pin();
+      if (!pinned.isOk()) return pinned.status();
+      return Json{{"pinned", *pinned}}.dump();
+    }
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
   }
@@ -485,7 +490,41 @@ class Trainer final : public Actor {
                          {"bytes_allreduced", m->bytes_allreduced},
                          {"sample_ids", batch->sample_ids}});
     }
-    return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}}.dump();
+    auto pinned = pin();
+    if (!pinned.isOk()) return pinned.status();
+    return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"pinned", *pinned}}
+        .dump();
+  }
+
+  // Pins this rank's newest snapshot (in memory and, once the checkpoint actor confirms it, in
+  // its replica on the next node), at the end of a chunk and after a restore. Every rank does
+  // this before the driver starts the next chunk, so whatever fails later, every rank (or its
+  // replica, if its node is lost) still holds that step: restores always find a common step.
+  // Returns the step pinned, or null when there is no snapshot.
+  Result<Json> pin() {
+    if (snapshotEvery_ <= 0) return Json(nullptr);
+    auto o = segmentOptions();
+    if (!o.isOk()) return o.status();
+    std::optional<checkpoint::FlashSegment> opened;
+    checkpoint::FlashSegment* seg = segment_ ? &*segment_ : nullptr;
+    if (seg == nullptr) {  // not written since this process started: pin what is there
+      auto existing = checkpoint::FlashSegment::openExisting(*o, /*writable=*/true);
+      if (!existing.isOk()) return existing.status().code() == StatusCode::kNotFound ? Result<Json>(Json(nullptr))
+                                                                                 : Result<Json>(existing.status());
+      seg = &opened.emplace(std::move(*existing));
+    }
+    auto newest = seg->newestComplete(static_cast<uint64_t>(engine_->stepCount()));
+    if (!newest) return Json(nullptr);
+    // The checkpoint actor answers at once; its job ends when the replica is pinned.
+    std::string request = Json{{"rank", slotRank_}, {"step", newest->step}}.dump();
+    for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
+      auto reply = callActor(checkpoint_, "pin", request);
+      if (!reply.isOk()) return reply.status();
+      if (Json::parse(*reply, nullptr, false).value("state", "") != "running") break;
+      std::this_thread::sleep_for(pause);
+    }
+    TROUPE_RETURN_IF_ERROR(seg->pin(newest->step));
+    return Json(newest->step);
   }
 
   ActorContext context_;

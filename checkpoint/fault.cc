@@ -29,7 +29,7 @@ Result<FaultInjection> FaultInjection::parse(std::string_view spec) {
   if (spec.empty()) return fault;
   auto bad = [&](std::string_view why) {
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("bad checkpoint fault '{}': {} (expected snapshot|persist|replica[:step=S][:after=N])",
+                  fmt::format("bad checkpoint fault '{}': {} (expected snapshot|persist|replica[:step=S][:until=U][:after=N][:tries=T])",
                               spec, why));
   };
   size_t colon = spec.find(':');
@@ -55,12 +55,17 @@ Result<FaultInjection> FaultInjection::parse(std::string_view spec) {
     if (ec != std::errc() || end != value.data() + value.size()) return bad("not a number");
     if (key == "step") {
       fault.step = static_cast<int64_t>(number);
+    } else if (key == "until") {
+      fault.until = static_cast<int64_t>(number);
     } else if (key == "after") {
       fault.afterBytes = number;
+    } else if (key == "tries") {
+      fault.tries = number;
     } else {
       return bad("unknown key");
     }
   }
+  if (fault.until >= 0 && (fault.step < 0 || fault.until < fault.step)) return bad("until needs a step at or below it");
   return fault;
 }
 

@@ -27,9 +27,9 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kSegmentMagic[8] = {'T', 'R', 'O', 'U', 'P', 'E', 'S', 'M'};
-constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kSegmentVersion = 2;  // 2: three slots, one of which may be pinned
 constexpr uint64_t kSegmentHeaderBytes = 4096;
-constexpr int kSlots = 2;
+constexpr int kSlots = FlashSegment::kSlotCount;
 constexpr const char* kDefaultShmDir = "/dev/shm";
 #ifdef MADV_POPULATE_WRITE
 constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
@@ -45,7 +45,8 @@ struct SlotHeader {
   uint64_t imageBytes;
   uint32_t state;
   uint32_t writerPid;
-  uint8_t reserved[32];
+  uint32_t pinned;  // 1: kept until another slot is pinned (FlashSegment::pin)
+  uint8_t reserved[28];
 };
 struct SegmentHeader {
   char magic[8];
@@ -57,7 +58,7 @@ struct SegmentHeader {
   uint8_t reserved[28];
   SlotHeader slots[kSlots];
 };
-static_assert(sizeof(SlotHeader) == 64 && sizeof(SegmentHeader) == 192);
+static_assert(sizeof(SlotHeader) == 64 && sizeof(SegmentHeader) == 64 + 64 * kSlots);
 
 uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -327,12 +328,15 @@ SlotInfo FlashSegment::slotInfo(int index) const {
   info.step = loadShared(s.step);
   info.imageBytes = loadShared(s.imageBytes);
   info.writerPid = loadShared(s.writerPid);
+  info.pinned = loadShared(s.pinned) != 0;
   // A writer that started after the first load changed seq: report the slot as being written.
   if (loadShared(s.seq) != info.seq) info.seq |= 1;
   return info;
 }
 
-std::array<SlotInfo, 2> FlashSegment::slots() const { return {slotInfo(0), slotInfo(1)}; }
+std::array<SlotInfo, FlashSegment::kSlotCount> FlashSegment::slots() const {
+  return {slotInfo(0), slotInfo(1), slotInfo(2)};
+}
 
 std::optional<SlotInfo> FlashSegment::newestComplete(uint64_t maxStep) const {
   std::optional<SlotInfo> best;
@@ -364,13 +368,20 @@ bool FlashSegment::unchanged(const SlotInfo& info) const {
 }
 
 int FlashSegment::slotToWrite() const {
+  // Never the newest complete snapshot nor the pinned one; of the rest, a slot holding nothing
+  // loadable (empty, torn, corrupt) first, else the oldest snapshot. With three slots there is
+  // always one.
+  auto all = slots();
   auto newest = newestComplete();
-  if (!newest) {
-    // Nothing loadable: prefer a slot that is not mid-write by someone else (there is none when
-    // we hold the lock, but a crashed writer leaves one WRITING).
-    return 0;
+  int pick = -1;
+  for (const auto& s : all) {
+    if (newest && s.index == newest->index) continue;
+    if (!s.complete()) return s.index;
+    if (s.pinned) continue;
+    if (pick < 0 || s.step < all[pick].step) pick = s.index;
   }
-  return 1 - newest->index;
+  TROUPE_CHECK(pick >= 0, "segment {}: no slot to write", path_);
+  return pick;
 }
 
 void FlashSegment::startWrite(int index) {
@@ -379,6 +390,7 @@ void FlashSegment::startWrite(int index) {
   storeShared<uint64_t>(s.seq, seq % 2 == 0 ? seq + 1 : seq + 2, std::memory_order_relaxed);
   storeShared<uint32_t>(s.state, static_cast<uint32_t>(SlotState::kWriting), std::memory_order_relaxed);
   storeShared<uint32_t>(s.writerPid, static_cast<uint32_t>(getpid()), std::memory_order_relaxed);
+  storeShared<uint32_t>(s.pinned, 0, std::memory_order_relaxed);
   // Readers that see the new bytes also see the odd sequence number.
   std::atomic_thread_fence(std::memory_order_release);
 }
@@ -436,7 +448,32 @@ Result<SlotInfo> FlashSegment::save(const ImageLayout& layout, const ImageStamp&
   std::vector<uint32_t> crcs = copyTensors(transfers, options_.copyThreads, progress);
   TROUPE_RETURN_IF_ERROR(layout.encodeHeader(image, stamp, crcs, meta));
   finishWrite(index, SlotState::kComplete, stamp.step, layout.imageBytes());
+  dropFrom(stamp.step, index);
   return slotInfo(index);
+}
+
+void FlashSegment::dropFrom(uint64_t step, int keep) {
+  for (const auto& s : slots()) {
+    if (s.index != keep && s.complete() && s.step >= step) (void)markSlot(s, SlotState::kEmpty);
+  }
+}
+
+Status FlashSegment::pin(uint64_t step) {
+  if (!writable_) return Status(StatusCode::kFailedPrecondition, fmt::format("segment {} is mapped read-only", path_));
+  auto target = completeAt(step);
+  if (!target) {
+    return Status(StatusCode::kNotFound, fmt::format("cannot pin step {} in {}: no complete snapshot of it", step, path_));
+  }
+  SegmentHeader* h = headerOf(base_);
+  storeShared<uint32_t>(h->slots[target->index].pinned, 1);
+  for (int i = 0; i < kSlots; ++i) {
+    if (i != target->index) storeShared<uint32_t>(h->slots[i].pinned, 0);
+  }
+  // Pinned while still holding that step: otherwise a writer took the slot meanwhile.
+  if (!unchanged(*target)) {
+    return Status(StatusCode::kAborted, fmt::format("step {} in {} was overwritten while being pinned", step, path_));
+  }
+  return Status::ok();
 }
 
 Result<SlotInfo> FlashSegment::beginImage(uint64_t imageBytes) {
@@ -459,6 +496,7 @@ Result<SlotInfo> FlashSegment::commitImage(int slot, bool verifyData) {
   }
   if (verifyData) TROUPE_RETURN_IF_ERROR(verifyImageData(*header, image));
   finishWrite(slot, SlotState::kComplete, header->stamp.step, header->layout.imageBytes());
+  dropFrom(header->stamp.step, slot);
   return slotInfo(slot);
 }
 

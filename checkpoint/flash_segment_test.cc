@@ -41,20 +41,23 @@ TEST_CASE("flash segment: round trip of many dtypes and shapes, double-buffered"
   auto second = saveStep(*writer, state, layout, 20);
   CHECK(first.index != second.index);  // the previous snapshot is never the one overwritten
   auto third = saveStep(*writer, state, layout, 30);
-  CHECK(third.index == first.index);
+  CHECK(third.index != first.index);  // an empty slot before any snapshot
+  CHECK(third.index != second.index);
+  CHECK(saveStep(*writer, state, layout, 40).index == first.index);  // then the oldest
   CHECK(writer->completeAt(20).has_value());
+  CHECK(writer->completeAt(30).has_value());
 
   // Another process's view: a read-only mapping.
   auto reader = FlashSegment::openExisting(optionsIn(dir));
   REQUIRE(reader.isOk());
   auto newest = reader->newestComplete();
   REQUIRE(newest.has_value());
-  CHECK(newest->step == 30);
+  CHECK(newest->step == 40);
   TestState restored;
   auto header = reader->restoreInto(*newest, restored.targets());
   REQUIRE(header.isOk());
-  CHECK(restored.holds(30));
-  CHECK(header->meta == "meta 30");
+  CHECK(restored.holds(40));
+  CHECK(header->meta == "meta 40");
   CHECK(header->layout == layout);
   auto older = reader->newestComplete(29);
   REQUIRE(older.has_value());
@@ -126,8 +129,9 @@ TEST_CASE("flash segment: kill -9 of the writer in the middle of a snapshot leav
   auto reader = FlashSegment::openExisting(optionsIn(dir));
   REQUIRE(reader.isOk());
   auto slots = reader->slots();
-  int torn = slots[0].step == 10 && slots[0].complete() ? 1 : 0;
-  CHECK(slots[torn].state == SlotState::kWriting);
+  int torn = -1;
+  for (const auto& s : slots) torn = s.state == SlotState::kWriting ? s.index : torn;
+  REQUIRE(torn >= 0);
   CHECK(!slots[torn].complete());
   auto newest = reader->newestComplete();
   REQUIRE(newest.has_value());
@@ -155,13 +159,16 @@ TEST_CASE("flash segment: a reader never takes overwritten or corrupt bytes") {
   REQUIRE(reader.isOk());
   auto ten = *reader->newestComplete();
   saveStep(*writer, state, layout, 20);
-  saveStep(*writer, state, layout, 30);  // reuses step 10's slot
+  saveStep(*writer, state, layout, 30);
+  saveStep(*writer, state, layout, 40);  // reuses step 10's slot
   CHECK(!reader->unchanged(ten));
   TestState restored;
   CHECK(reader->restoreInto(ten, restored.targets()).status().message().find("overwritten") != std::string::npos);
   CHECK(reader->markSlot(ten, SlotState::kCorrupt).code() == StatusCode::kAborted);
 
   // A flipped byte in the newest snapshot: detected, marked, and the older one is used.
+  auto forty = *reader->newestComplete();
+  REQUIRE(reader->markSlot(forty, SlotState::kEmpty).isOk());
   auto thirty = *reader->newestComplete();
   reader->mutableSlotData(thirty.index)[layout.tensorOffset(0) + 3] ^= 0x40;
   auto verified = reader->verify(thirty);
@@ -172,6 +179,41 @@ TEST_CASE("flash segment: a reader never takes overwritten or corrupt bytes") {
   REQUIRE(newest.has_value());
   CHECK(newest->step == 20);
   CHECK(reader->slots()[thirty.index].state == SlotState::kCorrupt);
+}
+
+TEST_CASE("flash segment: a pinned step survives any number of later saves; a save of an older step drops newer ones") {
+  ScratchDir dir("/dev/shm");
+  TestState state;
+  auto layout = state.layout();
+  auto writer = FlashSegment::openForWrite(optionsIn(dir), layout.imageBytes());
+  REQUIRE(writer.isOk());
+  saveStep(*writer, state, layout, 10);
+  CHECK(writer->pin(11).code() == StatusCode::kNotFound);
+  REQUIRE(writer->pin(10).isOk());
+  for (uint64_t step = 11; step <= 20; ++step) saveStep(*writer, state, layout, step);
+  auto ten = writer->completeAt(10);
+  REQUIRE(ten.has_value());
+  CHECK(ten->pinned);
+  CHECK(writer->completeAt(19).has_value());  // and the two newest rotate through the others
+  CHECK(writer->completeAt(20).has_value());
+  TestState restored;
+  REQUIRE(writer->restoreInto(*ten, restored.targets()).isOk());
+  CHECK(restored.holds(10));
+
+  // Another process pins (a reader's writable mapping): the pin moves, and step 10 may go.
+  auto other = FlashSegment::openExisting(optionsIn(dir), /*writable=*/true);
+  REQUIRE(other.isOk());
+  REQUIRE(other->pin(20).isOk());
+  saveStep(*writer, state, layout, 21);
+  saveStep(*writer, state, layout, 22);
+  CHECK(!writer->completeAt(10).has_value());
+  CHECK(writer->completeAt(20)->pinned);
+
+  // The group went back to step 15 and saves 16 again: what it saved after 15 is dropped.
+  saveStep(*writer, state, layout, 16);
+  CHECK(writer->newestComplete()->step == 16);
+  CHECK(!writer->completeAt(20).has_value());
+  CHECK(!writer->completeAt(22).has_value());
 }
 
 TEST_CASE("flash segment: too little shared memory is a clear error, never a SIGBUS") {

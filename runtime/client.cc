@@ -593,6 +593,20 @@ kj::Promise<void> ClusterClient::removeGroup(const std::string& id) {
   });
 }
 
+kj::Promise<std::vector<ElasticGroupRecord>> ClusterClient::listGroups() {
+  return shared_->withController([](rpc::Controller::Client& c) {
+    return c.statusRequest().send().then([](auto response) {
+      std::vector<ElasticGroupRecord> out;
+      for (auto g : response.getGroups()) {
+        ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
+        for (auto e : g.getEvents()) record.events.push_back(e.cStr());
+        out.push_back(std::move(record));
+      }
+      return out;
+    });
+  });
+}
+
 kj::Promise<std::optional<ElasticGroupRecord>> ClusterClient::group(const std::string& id) {
   return shared_->withController([id](rpc::Controller::Client& c) {
     auto request = c.getGroupRequest();

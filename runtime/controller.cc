@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <map>
+#include <optional>
 
 #include "controller_core.h"
 #include "schema_convert.h"
@@ -456,14 +458,41 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
           });
         })
         .then([this, tick](Result<Actions> actions) {
-          if (!actions.isOk()) {
-            TROUPE_LOG(kWarning, "failure detector cannot read Redis: {}", actions.status().toString());
-          } else if (!actions->empty()) {
+          noteStoreRead(actions.status());
+          if (actions.isOk() && !actions->empty()) {
             execute(std::move(*actions));
             notifyWaiters();
           }
           return reapLoop(tick + 1);
         });
+  }
+
+  // One warning when the failure detector loses Redis, one every 10 s while it stays lost (it
+  // asks every tick), and one when it is back.
+  void noteStoreRead(const Status& status) {
+    auto now = std::chrono::steady_clock::now();
+    if (status.isOk()) {
+      if (storeLostAt_) {
+        TROUPE_LOG(kInfo, "failure detector reads Redis again after {:.1f} s",
+                   std::chrono::duration<double>(now - *storeLostAt_).count());
+      }
+      storeLostAt_.reset();
+      return;
+    }
+    if (!storeLostAt_) {
+      storeLostAt_ = now;
+      storeLostLogged_ = now;
+      storeLostFailures_ = 0;
+      TROUPE_LOG(kWarning, "failure detector cannot read Redis: {}", status.toString());
+      return;
+    }
+    ++storeLostFailures_;
+    if (now - storeLostLogged_ >= std::chrono::seconds(10)) {
+      TROUPE_LOG(kWarning, "failure detector still cannot read Redis after {:.0f} s ({} more failed reads): {}",
+                 std::chrono::duration<double>(now - *storeLostAt_).count(), storeLostFailures_, status.toString());
+      storeLostLogged_ = now;
+      storeLostFailures_ = 0;
+    }
   }
 
   // Carries out what the core decided in the background.
@@ -614,6 +643,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   RedisOptions redis_;
   std::chrono::milliseconds ttl_;
   std::chrono::milliseconds reapInterval_;
+  std::optional<std::chrono::steady_clock::time_point> storeLostAt_;  // the failure detector's outage
+  std::chrono::steady_clock::time_point storeLostLogged_;
+  uint64_t storeLostFailures_ = 0;
   std::string token_;
   std::map<NodeId, NodeConnection> nodes_;
   std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters_;

@@ -161,7 +161,7 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
     """Connects this driver to a cluster.
 
     address=None starts an embedded local cluster owned by this driver (stopped by shutdown()
-    or at exit); "auto" attaches to the cluster started by `troupe start --head` on this
+    or at exit), unless TROUPE_ADDRESS names a cluster (a job's driver runs with it set); "auto" attaches to the cluster started by `troupe start --head` on this
     machine; "HOST:PORT" attaches to that controller (token from `token=`, TROUPE_TOKEN, or
     this machine's run directory). Fails within 10 s with ConnectionError if unreachable.
     With log_to_driver, the output of the actors this driver creates is printed here,
@@ -176,6 +176,8 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
                 return
             raise TroupeError("troupe.init() was already called; call troupe.shutdown() first")
         proc = run_root = None
+        if address is None and os.environ.get("TROUPE_ADDRESS"):
+            address = os.environ["TROUPE_ADDRESS"]  # a job's driver, or a user's choice, as RAY_ADDRESS
         if address is None:
             proc, run_root = _start_embedded(num_cpus, resources)
             cluster = _read_cluster_file(run_root)

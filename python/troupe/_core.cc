@@ -429,12 +429,22 @@ class Runtime {
   // The group's record as a dict ({} for an unknown group).
   py::dict group(const std::string& id) {
     auto record = onLoop([this, id]() { return client_->group(id); });
+    return record ? groupDict(*record) : py::dict();
+  }
+
+  py::list groups() {
+    auto records = onLoop([this]() { return client_->listGroups(); });
+    py::list out;
+    for (const auto& r : records) out.append(groupDict(r));
+    return out;
+  }
+
+  static py::dict groupDict(const ElasticGroupRecord& record) {
     py::dict d;
-    if (!record) return d;
-    d["id"] = record->id;
-    d["doc"] = record->doc;
-    d["events"] = record->events;
-    d["epoch"] = record->epoch;
+    d["id"] = record.id;
+    d["doc"] = record.doc;
+    d["events"] = record.events;
+    d["epoch"] = record.epoch;
     return d;
   }
 
@@ -810,7 +820,8 @@ PYBIND11_MODULE(_core, m) {
       .def("put_group", &Runtime::putGroup)
       .def("group_event", &Runtime::groupEvent)
       .def("remove_group", &Runtime::removeGroup)
-      .def("group", &Runtime::group);
+      .def("group", &Runtime::group)
+      .def("groups", &Runtime::groups);
   m.def("serve_actor", &troupe::serveActor);
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
 }

@@ -30,6 +30,7 @@ def main():
     os.unlink(args.args_file)
     cls, cargs, ckwargs = _serialization.loads(init)
     os.environ["TROUPE_ACTOR_ID"] = args.actor_id
+    os.environ["TROUPE_ADDRESS"] = args.controller  # troupe.init() in a process it starts (a job's driver)
     try:
         instance = cls(*cargs, **ckwargs)
     except BaseException:

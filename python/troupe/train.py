@@ -18,12 +18,21 @@ restores the newest step that every rank holds in memory, the dataloader rewinds
 next chunk starts. Membership, epoch, step, throughput and events are in the cluster (shown by
 `troupe status`).
 
+With detached=True and a name, the group outlives its driver: run the script as a job
+(`troupe job submit train.py --max-restarts 3`) and a restarted driver's
+ElasticTrainer(name=..., detached=True) adopts the running group, where fit(until=N) goes on.
+ElasticTrainer.attach(name) from any other driver or notebook returns a GroupHandle:
+progress(), wait(step), resize(n) and stop() (carried out by the coordinator at its next
+chunk).
+
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
 import json
 import os
+import socket
 import tempfile
+import threading
 import time
 import uuid
 
@@ -31,7 +40,7 @@ from . import _api
 from ._api import ActorDiedError, ActorError, TroupeError
 from .exceptions import ResourceExhaustedError, UnavailableError
 
-__all__ = ["ElasticTrainer", "GroupPlacementError"]
+__all__ = ["ElasticTrainer", "GroupHandle", "GroupPlacementError"]
 
 
 class GroupPlacementError(TroupeError):
@@ -85,14 +94,32 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, replace_timeout=10.0, tuner=False, _fault=None):
+                 name=None, replace_timeout=10.0, tuner=False, detached=False, _fault=None):
+        self.name = name or f"train-{uuid.uuid4().hex[:6]}"
+        self._rt = _api._runtime()
+        self._closed = False
+        self._lifetime = "detached" if detached else None
+        self._last_extra = {}
+        self._stop_beat = threading.Event()
+        self._handled = set()  # control requests (events) already acted on
+        if name is not None:
+            found = _find_group(self._rt, name)
+            if found is not None:
+                if self._adopt(found, progress):
+                    return
+                # A group of this name whose driver died without detached=True: its actors are
+                # gone; what is left of it goes, and a new group takes the name.
+                for remove in (self._rt.remove_placement_group, self._rt.remove_group):
+                    try:
+                        remove(found["id"])
+                    except TroupeError:
+                        pass
         if data is None:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
         if global_batch_size < max_workers:
             raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {max_workers}")
-        self._rt = _api._runtime()
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
         opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
         checkpoint = {"dir": checkpoint} if isinstance(checkpoint, str) else dict(checkpoint or {})
@@ -112,13 +139,11 @@ class ElasticTrainer:
         self.recovery_timeout = recovery_timeout
         self.replace_timeout = replace_timeout
         self.progress = progress
-        self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         self.step = 0
         self.history = []
         self.events = []
         self._resize_to = None
-        self._closed = False
-        self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s}
+        self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s, "checkpoint": fault spec}
         self.recoveries = []
         self._place(workers or max_workers)
         self._tuner = None
@@ -129,8 +154,10 @@ class ElasticTrainer:
             # and the decisions, and the driver applies what it decides at chunk boundaries.
             options = {"warmup_chunks": 1, **(dict(tuner) if isinstance(tuner, dict) else {})}
             self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id, bundle_index=self._bundles[0],
-                                              max_restarts=-1).remote(min_workers, max_workers, options)
+                                              max_restarts=-1, lifetime=self._lifetime).remote(min_workers, max_workers,
+                                                                                               options)
             self._record({"state": "RUNNING", "tuner": self._tuner._id})
+        self._start_heartbeat()
 
     # ---- Membership ----
     def _place(self, workers):
@@ -177,18 +204,21 @@ class ElasticTrainer:
             loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": self._data, "seed": self._engine["seed"],
                                                               "global_batch": self._engine["global_batch"],
                                                               "context": self._engine["context"]}).encode(),
-                                    num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index)
-            ckpt = _api.cpp_actor("Checkpoint", json.dumps({**common, **self._checkpoint, "self": self._ckpt_name(node),
-                                                            "members": members}).encode(),
+                                    num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
+                                    lifetime=self._lifetime)
+            ckpt_args = {**common, **self._checkpoint, "self": self._ckpt_name(node), "members": members}
+            if self._fault.get("checkpoint"):  # tests: a checkpoint fault spec (checkpoint/.../fault.h)
+                ckpt_args["fault"] = self._fault["checkpoint"]
+            ckpt = _api.cpp_actor("Checkpoint", json.dumps(ckpt_args).encode(),
                                   num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
-                                  name=self._ckpt_name(node))
+                                  name=self._ckpt_name(node), lifetime=self._lifetime)
             self._node_services[node] = (loader, ckpt)
 
     def _tell_members(self):
         """Every live checkpoint actor learns the current members: replicas go to the next live
         node's actor, never to a lost node's."""
         names = sorted(self._ckpt_name(n) for n in self._node_services)
-        if len(names) > 1:
+        if names:  # a lone actor learns it has no replica target any more
             _api.get([_json_call(ckpt, "members", {"members": names}) for _, ckpt in self._node_services.values()])
 
     def _services_of(self, node):
@@ -204,7 +234,7 @@ class ElasticTrainer:
                 "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
                 "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1}
         return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
-                              placement_group=self.group_id, bundle_index=bundle)
+                              placement_group=self.group_id, bundle_index=bundle, lifetime=self._lifetime)
 
     def _epoch(self):
         return int(self._rt.group(self.group_id).get("epoch", 0))
@@ -235,8 +265,9 @@ class ElasticTrainer:
             held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
             # Newest first. A moved member's state comes from a peer's replica, which may lag the
-            # newest snapshot by a step: then the next older step every member holds is used.
-            candidates = sorted(common, reverse=True)[:2] if common else [0]
+            # newest snapshots: then an older step every member holds is used, down to the step
+            # every rank pinned at the last chunk's end (held in memory and in every replica).
+            candidates = sorted(common, reverse=True) if common else [0]
             if not moved:
                 candidates = candidates[:1]
         for i, restore_step in enumerate(candidates):
@@ -248,6 +279,8 @@ class ElasticTrainer:
                     raise
                 self._event(f"step {restore_step} is not held for every member ({str(e).splitlines()[0][:160]}); "
                             f"restoring step {candidates[i + 1]}")
+        # The restored step is pinned on every rank and replica before training goes on.
+        _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
         _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
 
@@ -284,14 +317,115 @@ class ElasticTrainer:
                "min_workers": self.min_workers, "max_workers": self.max_workers,
                "samples_per_s": self.history[-1]["samples_per_s"] if self.history else 0.0,
                "loss": self.history[-1]["loss"] if self.history else None,
-               "snapshot_every": self._checkpoint["snapshot_every"]}
+               "snapshot_every": self._checkpoint["snapshot_every"],
+               # What a new coordinator needs to adopt the group (ElasticTrainer(name=...) after
+               # this one died), and how to tell whether this one is alive.
+               "bundles": list(getattr(self, "_bundles", [])),
+               "services": {n: [l._id, c._id] for n, (l, c) in getattr(self, "_node_services", {}).items()},
+               "trainer_nodes": dict(getattr(self, "_trainer_nodes", {})),
+               "engine": self._engine, "data": self._data, "checkpoint": self._checkpoint,
+               "steps_per_call": self.steps_per_call, "detached": self._lifetime == "detached",
+               "coordinator": {"host": socket.gethostname(), "pid": os.getpid(),
+                               "job": os.environ.get("TROUPE_JOB_NAME", "")},
+               "heartbeat_ms": int(time.time() * 1000)}
+        if getattr(self, "_tuner", None) is not None:
+            doc["tuner"] = self._tuner._id
         if self.history:  # the last step's time split, as the trainers measured it
             doc.update({k: self.history[-1][k] for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")})
         doc.update(extra or {})
         return doc
 
     def _record(self, extra=None):
-        self._rt.put_group(self.group_id, json.dumps(self._doc(extra)))
+        if extra:
+            self._last_extra = dict(extra)
+        self._rt.put_group(self.group_id, json.dumps(self._doc(self._last_extra)))
+
+    def _start_heartbeat(self):
+        """The record says when this coordinator was last alive: another driver adopts the
+        group only once that is HEARTBEAT_STALE_S old."""
+        def beat():
+            while not self._stop_beat.wait(HEARTBEAT_S):
+                try:
+                    self._record()
+                except Exception:  # the controller is restarting: the next beat tells
+                    pass
+
+        threading.Thread(target=beat, daemon=True, name=f"troupe-train-{self.name}-heartbeat").start()
+
+    def _requests(self):
+        """Control requests other drivers made since the last look (ElasticTrainer.attach)."""
+        try:
+            events = self._rt.group(self.group_id).get("events", [])
+        except Exception:
+            return []
+        out = []
+        for line in events:
+            if REQUEST in line and line not in self._handled:
+                self._handled.add(line)
+                out.append(line.split(REQUEST, 1)[1].split())
+        return out
+
+    # ---- Adoption: a new coordinator for a running group ----
+    def _adopt(self, record, progress):
+        doc = json.loads(record["doc"])
+
+        def beating(d):
+            return time.time() * 1000 - d.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
+
+        # A coordinator that has just died (a job's driver restarted at once) still looks alive
+        # until its heartbeat is HEARTBEAT_STALE_S old.
+        deadline = time.monotonic() + HEARTBEAT_STALE_S + 2
+        while beating(doc) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            record = self._rt.group(record["id"]) or record
+            doc = json.loads(record["doc"])
+        if beating(doc):
+            c = doc.get("coordinator", {})
+            raise TroupeError(f"group {self.name} is trained by a live coordinator (pid {c.get('pid')} on "
+                              f"{c.get('host')}{', job ' + c['job'] if c.get('job') else ''}): use "
+                              f"ElasticTrainer.attach({self.name!r}) to watch, resize or stop it")
+        if not doc.get("detached"):
+            return False  # its actors ended with its driver: only its record is left
+        self.group_id = record["id"]
+        self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
+        self._engine, self._data, self._checkpoint = doc["engine"], doc["data"], doc["checkpoint"]
+        self._snapshot_fixed = True
+        self.min_workers, self.max_workers = doc["min_workers"], doc["max_workers"]
+        self.steps_per_call = doc.get("steps_per_call", 10)
+        self.recovery_timeout, self.replace_timeout, self.progress = 60.0, 20.0, progress
+        self.history, self.events, self.recoveries, self.tuner_decisions = [], [], [], []
+        self._resize_to, self._fault = None, {}
+        self._settings = {"threads": int(self._engine.get("threads", 1)), "prefetch": 2}
+        self._pg = self._rt.placement_group(self.group_id)
+        self._bundles = list(doc["bundles"])
+        self.trainers = [_api.ActorHandle(i, "Trainer") for i in doc["members"]]
+        self._node_services = {n: (_api.ActorHandle(l, "Dataloader"), _api.ActorHandle(c, "Checkpoint"))
+                               for n, (l, c) in doc["services"].items()}
+        self._trainer_nodes = dict(doc.get("trainer_nodes", {}))
+        self._tuner = _api.ActorHandle(doc["tuner"], "py:_TunerActor") if doc.get("tuner") else None
+        self._lifetime = "detached"
+        self.step = int(doc.get("step", 0))
+        self._handled = set(line for line in record.get("events", []) if REQUEST in line)
+        t0 = time.monotonic()
+        # The members finish what the dead coordinator asked of them, then every one restores
+        # the newest step they all hold, as after a failure.
+        self._record({"state": "ADOPTING"})
+        self._recover(TroupeError(f"the group's coordinator (pid {doc.get('coordinator', {}).get('pid')}) is gone"),
+                      [])
+        self._event(f"adopted by a new coordinator (pid {os.getpid()}) in {time.monotonic() - t0:.2f} s at step "
+                    f"{self.step}")
+        self._start_heartbeat()
+        return True
+
+    @classmethod
+    def attach(cls, name):
+        """A view of the running group `name` from any driver: progress() and events, and
+        resize(n) / stop() requests that its coordinator carries out at its next chunk."""
+        rt = _api._runtime()
+        record = _find_group(rt, name)
+        if record is None:
+            raise TroupeError(f"no training group named {name!r} in this cluster")
+        return GroupHandle(rt, name, record["id"])
 
     def _event(self, text):
         self.events.append({"step": self.step, "time": time.time(), "text": text})
@@ -304,10 +438,14 @@ class ElasticTrainer:
             raise ValueError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
         self._resize_to = workers
 
-    def fit(self, steps):
-        """Trains `steps` more steps; returns the history (one dict per step: step, loss, times,
-        samples/s, world size)."""
-        target = self.step + steps
+    def fit(self, steps=None, until=None):
+        """Trains `steps` more steps, or until step `until` (what a script that may be restarted
+        and adopt its group wants); returns the history (one dict per step: step, loss, times,
+        samples/s, world size). A stop() request from ElasticTrainer.attach ends it early."""
+        if (steps is None) == (until is None):
+            raise ValueError("pass steps (how many more) or until (the step to reach), not both")
+        target = until if until is not None else self.step + steps
+        steps = max(0, target - self.step)
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -316,6 +454,18 @@ class ElasticTrainer:
         start = self.step
         try:
             while self.step < target:
+                stop = False
+                for request in self._requests():
+                    if request[:1] == ["stop"]:
+                        stop = True
+                    elif request[:1] == ["resize"] and len(request) == 2 and request[1].isdigit():
+                        n = max(self.min_workers, min(self.max_workers, int(request[1])))
+                        self._event(f"resize to {n} trainer(s) requested by another driver")
+                        self.resize(n)
+                if stop:
+                    self._event(f"stopped at step {self.step} at the request of another driver")
+                    self._record({"state": "STOPPED"})
+                    break
                 if self._resize_to is not None and self._resize_to != len(self.trainers):
                     self._apply_resize(self._resize_to)
                 self._resize_to = None
@@ -393,7 +543,7 @@ class ElasticTrainer:
         # join a new epoch. A call to a member that died before it arrived waits for the member's
         # restart, which may never come: such calls are not waited for.
         deadline = time.monotonic() + self.recovery_timeout
-        while time.monotonic() < deadline:
+        while refs and time.monotonic() < deadline:
             _, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.25)
             if all(self._rt.actor_info(self.trainers[refs.index(r)]._id)["state"] != "ALIVE" for r in not_ready):
                 break
@@ -547,6 +697,7 @@ class ElasticTrainer:
         if self._closed:
             return
         self._closed = True
+        self._stop_beat.set()
         try:
             _api.get([_json_call(c, "release") for _, c in self._node_services.values()], timeout=30)
         except Exception:
@@ -564,6 +715,60 @@ class ElasticTrainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_STALE_S = 4.0
+REQUEST = "request: "
+
+
+def _find_group(rt, name):
+    """The record of the live group named `name`, or None."""
+    for g in rt.groups():
+        try:
+            doc = json.loads(g["doc"])
+        except ValueError:
+            continue
+        if doc.get("name") == name and doc.get("state") != "CLOSED":
+            return g
+    return None
+
+
+class GroupHandle:
+    """A running training group seen from another driver (ElasticTrainer.attach)."""
+
+    def __init__(self, rt, name, group_id):
+        self._rt, self.name, self.group_id = rt, name, group_id
+
+    def progress(self):
+        """The group's record: step, world_size, loss, samples_per_s, state, members, and
+        `events` (its newest events) and `coordinator_alive`."""
+        record = self._rt.group(self.group_id)
+        if not record:
+            return {"name": self.name, "state": "CLOSED", "events": [], "coordinator_alive": False}
+        doc = json.loads(record["doc"])
+        doc["events"] = list(record.get("events", []))
+        doc["coordinator_alive"] = time.time() * 1000 - doc.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
+        return doc
+
+    def resize(self, workers):
+        self._rt.group_event(self.group_id, f"{REQUEST}resize {int(workers)}")
+
+    def stop(self):
+        self._rt.group_event(self.group_id, f"{REQUEST}stop")
+
+    def wait(self, step=None, timeout=60.0, states=("STOPPED", "CLOSED")):
+        """Waits until the group reaches `step` (or, without one, one of `states`); returns
+        progress(). TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p = self.progress()
+            if (step is not None and p.get("step", 0) >= step) or (step is None and p.get("state") in states):
+                return p
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {self.name}: {'step ' + str(step) if step else states} not reached in "
+                                   f"{timeout:.0f} s (now step {p.get('step')}, {p.get('state')})")
+            time.sleep(0.1)
 
 
 @_api.remote(num_cpus=0)

@@ -41,6 +41,8 @@ struct StatusFlags {
 int startCommand(const StartFlags& flags);
 int statusCommand(const StatusFlags& flags);
 int stopCommand();
+// `troupe job ARGS`: runs `python3 -m troupe.job ARGS` (argv[first..]); returns only on failure.
+int jobCommand(int argc, char** argv, int first);
 // Prints an actor's captured stdout and stderr (by id, id prefix or name), fetched from its node.
 int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes);
 int restartControllerCommand();

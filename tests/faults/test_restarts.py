@@ -201,3 +201,8 @@ def test_a_driver_call_made_while_redis_is_down_waits_for_it(troupe):
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out + log.read_text()
     assert "value 7" in out
+    # The controller's failure detector met the same outage every 250 ms: it said so once, and
+    # once more when Redis was back, not at every tick.
+    controller = troupe.run_dir() / "logs" / "controller.log"
+    eventually(lambda: "failure detector reads Redis again" in controller.read_text(), 10, "the detector's all-clear")
+    assert controller.read_text().count("failure detector cannot read Redis") == 1, controller.read_text()[-3000:]

@@ -9,6 +9,7 @@ import pytest
 from troupe_testing import BUILD, eventually, import_troupe, processes_under
 
 troupe = import_troupe()
+troupe_api = troupe  # for the tests whose `troupe` is the CLI fixture
 
 pytestmark = pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "libtroupe_train_actors.a")),
                                 reason="built without LibTorch: no trainer actors")
@@ -37,6 +38,30 @@ def make(**overrides):
 
 def group_record(trainer):
     return troupe._api._runtime().group(trainer.group_id)
+
+
+def attach_to_two_nodes(troupe):  # noqa: F811 (the CLI fixture)
+    """Starts a head and a second node of 1 CPU each and attaches this driver; returns the port."""
+    import json
+
+    from troupe_testing import free_port
+
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
+    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
+    troupe_api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    return port
+
+
+def lose_a_node_with_a_spare(troupe, port):  # noqa: F811 (the CLI fixture)
+    """Joins a spare node, then kill -9s the other non-head node's agent (its workers die with
+    it); returns the lost node's record."""
+    before = {n["id"] for n in troupe.status()["nodes"]}
+    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
+    lost = [n for n in troupe.status()["nodes"] if not n["is_head"] and n["id"] in before][0]
+    os.kill(lost["pid"], signal.SIGKILL)
+    return lost
 
 
 def test_trainer_killed_mid_step_recovers_bitwise_equal_to_an_uninterrupted_run(cluster):
@@ -149,16 +174,7 @@ def test_a_group_that_cannot_be_placed_says_why(cluster):
 
 
 def test_losing_a_node_shrinks_the_group_and_training_goes_on(troupe):  # noqa: F811 (the CLI fixture)
-    import json
-
-    from troupe_testing import free_port
-
-    port = free_port()
-    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
-    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
-    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
-    api = import_troupe()
-    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    attach_to_two_nodes(troupe)
     try:
         with make(replace_timeout=6.0) as t:
             nodes = set(t._pg["bundle_nodes"])
@@ -173,7 +189,7 @@ def test_losing_a_node_shrinks_the_group_and_training_goes_on(troupe):  # noqa: 
             events = group_record(t)["events"]
             assert any("the group shrinks" in e for e in events), events
     finally:
-        api.shutdown()
+        troupe_api.shutdown()
 
 
 def test_a_torchscript_model_on_npy_features_trains_in_the_group(cluster, tmp_path):
@@ -234,23 +250,11 @@ def test_the_tuner_grows_one_trainer_when_cores_are_free(cluster):
 
 
 def test_a_trainer_whose_node_is_lost_is_replaced_on_another_node_from_the_peer_replica(troupe):  # noqa: F811
-    import json
-
-    from troupe_testing import free_port
-
-    port = free_port()
-    troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
-    troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
-    cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
-    api = import_troupe()
-    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    port = attach_to_two_nodes(troupe)
     try:
         with make(replace_timeout=20.0) as t:
             t.fit(3)
-            before = {n["id"] for n in troupe.status()["nodes"]}
-            troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")  # a spare node
-            lost = [n for n in troupe.status()["nodes"] if not n["is_head"] and n["id"] in before][0]
-            os.kill(lost["pid"], signal.SIGKILL)
+            lost = lose_a_node_with_a_spare(troupe, port)
             t.fit(6)
             assert t.step == 9 and len(t.trainers) == 2, t.events
             assert [row["world_size"] for row in t.history][-3:] == [2, 2, 2]
@@ -259,4 +263,23 @@ def test_a_trainer_whose_node_is_lost_is_replaced_on_another_node_from_the_peer_
             assert any("moved to another node" in e["text"] for e in t.events), t.events
             assert lost["id"] not in set(t._pg["bundle_nodes"])
     finally:
-        api.shutdown()
+        troupe_api.shutdown()
+
+
+def test_a_lost_node_whose_replicas_lagged_is_restored_at_the_step_every_rank_pinned(troupe):  # noqa: F811
+    """The replicas of steps 2 and 3 fail on their first try (and nothing newer follows to
+    replicate): the lost node's replica would hold step 1 while the survivor holds 2 and 3, with no
+    step in common. The chunk's end waits until step 3 is replicated and pins it on both sides,
+    so the replacement restores step 3."""
+    port = attach_to_two_nodes(troupe)
+    try:
+        with make(replace_timeout=20.0, _fault={"checkpoint": "replica:step=2:until=3:tries=1"}) as t:
+            t.fit(3)
+            lost = lose_a_node_with_a_spare(troupe, port)
+            t.fit(3)
+            assert t.step == 6 and len(t.trainers) == 2, t.events
+            assert [r["step"] for r in t.recoveries] == [3], t.events
+            hashes = t.parameter_hash()
+            assert hashes[0] == hashes[1]
+    finally:
+        troupe_api.shutdown()

@@ -2,10 +2,11 @@
 // and the snapshot outlives the process that wrote it (the node's checkpoint actor owns it and
 // removes it when the group ends).
 //
-// The segment is a 4 KiB header and two slots, each big enough for one rank image (image.h). A
-// save writes the slot that does not hold the newest complete snapshot, so the newest one stays
-// loadable while the next is written, and a save never waits for a persist or replica of the
-// previous one. Each slot carries a sequence number (odd while being written) and a state
+// The segment is a 4 KiB header and three slots, each big enough for one rank image (image.h).
+// A save writes neither the slot holding the newest complete snapshot nor the pinned one, so the
+// newest stays loadable while the next is written, a save never waits for a persist or replica
+// of the previous one, and a step that the whole group holds (the trainers pin the step whose
+// replicas every rank has confirmed) survives however fast snapshots come. Each slot carries a sequence number (odd while being written) and a state
 // (EMPTY, WRITING, COMPLETE, CORRUPT): a slot torn by a crash stays WRITING and is never loaded;
 // a reader that copied a slot checks the sequence number afterwards (a seqlock) and the CRC32C of
 // every tensor, so bytes overwritten meanwhile are never taken for a snapshot.
@@ -64,11 +65,14 @@ struct SlotInfo {
   uint64_t seq = 0;  // even when stable; changes with every write
   uint64_t imageBytes = 0;
   uint32_t writerPid = 0;
+  bool pinned = false;
   bool complete() const { return state == SlotState::kComplete && seq % 2 == 0; }
 };
 
 class FlashSegment {
  public:
+  static constexpr int kSlotCount = 3;
+
   FlashSegment(FlashSegment&& other) noexcept;
   FlashSegment& operator=(FlashSegment&& other) noexcept;
   FlashSegment(const FlashSegment&) = delete;
@@ -100,7 +104,11 @@ class FlashSegment {
   uint8_t* mutableSlotData(int slot);
   Result<SlotInfo> commitImage(int slot, bool verifyData);
 
-  std::array<SlotInfo, 2> slots() const;
+  // Pins the complete slot holding `step` (unpinning any other): saves leave it alone until
+  // another step is pinned. Needs a writable mapping. kNotFound when no complete slot holds it.
+  Status pin(uint64_t step);
+
+  std::array<SlotInfo, kSlotCount> slots() const;
   // The complete slot with the highest step not above `maxStep`, if any.
   std::optional<SlotInfo> newestComplete(uint64_t maxStep = UINT64_MAX) const;
   std::optional<SlotInfo> completeAt(uint64_t step) const;
@@ -137,6 +145,9 @@ class FlashSegment {
   int slotToWrite() const;
   void startWrite(int index);
   void finishWrite(int index, SlotState state, uint64_t step, uint64_t imageBytes);
+  // Empties complete slots other than `keep` at `step` or later: a save of `step` means the
+  // group went back to it, and what was saved after it belongs to an abandoned timeline.
+  void dropFrom(uint64_t step, int keep);
 
   SegmentOptions options_;
   std::string path_;

@@ -99,6 +99,7 @@ class ClusterClient {
   kj::Promise<void> groupEvent(const std::string& id, const std::string& text);
   kj::Promise<void> removeGroup(const std::string& id);
   kj::Promise<std::optional<ElasticGroupRecord>> group(const std::string& id);
+  kj::Promise<std::vector<ElasticGroupRecord>> listGroups();
 
   // For worker processes: this incarnation of `actor` now serves `address` (HOST:PORT).
   kj::Promise<void> reportActorReady(const ActorId& actor, uint32_t incarnation, const std::string& address);

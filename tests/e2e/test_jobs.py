@@ -1,0 +1,116 @@
+"""`troupe job`: driver scripts run on the cluster by a supervisor; a training job outlives the
+driver that submitted it and the death of its own driver, and other drivers watch and stop it."""
+import glob
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+
+from troupe_testing import BUILD, eventually, free_port, import_troupe
+
+TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def start_head(troupe, cpus):
+    port = free_port()
+    troupe.run("start", "--head", "--port", str(port), "--num-cpus", str(cpus))
+    return json.loads((troupe.run_dir() / "cluster.json").read_text())
+
+
+def job_state(troupe, name):
+    return troupe.run("job", "status", name).stdout
+
+
+def test_a_submitted_job_runs_on_the_cluster_and_keeps_its_output(troupe, tmp_path):
+    start_head(troupe, 2)
+    script = tmp_path / "hello.py"
+    script.write_text(textwrap.dedent("""
+        import sys, troupe
+        troupe.init()  # TROUPE_ADDRESS: the cluster that runs the job
+        @troupe.remote(num_cpus=1)
+        class A:
+            def f(self): return 6 * 7
+        print("answer", troupe.get(A.remote().f.remote()))
+        print("args", sys.argv[1:])
+    """))
+    p = troupe.run("job", "submit", str(script), "--name", "hello", "--", "a", "b")
+    assert "job hello submitted" in p.stdout
+    eventually(lambda: "SUCCEEDED" in job_state(troupe, "hello"), 60, "the job to succeed")
+    out = troupe.run("job", "logs", "hello").stdout
+    assert "answer 42" in out and "args ['a', 'b']" in out, out
+    assert "hello" in troupe.run("job", "list").stdout
+
+    again = troupe.run("job", "submit", str(script), "--name", "hello", check=False)
+    assert again.returncode != 0 and "exists already" in again.stderr
+    missing = troupe.run("job", "status", "nope", check=False)
+    assert missing.returncode != 0 and "no job named 'nope'" in missing.stderr
+
+    failing = tmp_path / "fail.py"
+    failing.write_text("raise SystemExit('bad input file')\n")
+    troupe.run("job", "submit", str(failing), "--name", "fails")
+    eventually(lambda: "FAILED" in job_state(troupe, "fails"), 60, "the job to fail")
+    assert "exit code 1" in job_state(troupe, "fails") and "bad input file" in job_state(troupe, "fails")
+
+
+@pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "libtroupe_train_actors.a")),
+                    reason="built without LibTorch: no trainer actors")
+def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_another(troupe, tmp_path):
+    cluster = start_head(troupe, 2)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import troupe
+        from troupe.train import ElasticTrainer
+        troupe.init()
+        t = ElasticTrainer(model="tinylm", data={TEXT!r}, optimizer="adamw", global_batch_size=8, context=32,
+                           min_workers=1, max_workers=2, steps_per_call=2, progress=False, seed=3,
+                           checkpoint={{"snapshot_every": 1}}, name="run1", detached=True)
+        print("start step", t.step, flush=True)
+        t.fit(until=1_000_000)  # until another driver stops it
+        print("stopped at", t.step, flush=True)
+        t.close()
+    """))
+    # The submitting command returns at once: nothing of the job depends on it.
+    troupe.run("job", "submit", str(script), "--name", "trainjob", "--max-restarts", "1")
+    api = import_troupe()
+    from troupe import job
+    from troupe.train import ElasticTrainer
+
+    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    try:
+        def attached():
+            try:
+                return ElasticTrainer.attach("run1")
+            except api.TroupeError:
+                return None
+        eventually(attached, 60, "the job to create its group")
+        group = attached()
+        group.wait(step=4, timeout=60)
+
+        # kill -9 the job's driver (the coordinator) mid-training: the supervisor starts it again
+        # and the new driver adopts the running group and goes on from where it was.
+        pid = job.status("trainjob")["pid"]
+        os.kill(pid, signal.SIGKILL)
+        eventually(lambda: job.status("trainjob")["restarts"] == 1, 30, "the supervisor to restart the driver")
+        eventually(lambda: any("adopted by a new coordinator" in e for e in group.progress()["events"]), 60,
+                   "the new driver to adopt the group")
+        step = group.progress()["step"]
+        group.wait(step=step + 4, timeout=60)
+        assert group.progress()["world_size"] == 2
+        assert group.progress()["coordinator_alive"]
+
+        group.resize(1)  # carried out by the coordinator at its next chunk
+        eventually(lambda: group.progress()["world_size"] == 1, 60, "the group to shrink to one trainer")
+        step = group.progress()["step"]
+        group.wait(step=step + 2, timeout=60)
+
+        group.stop()
+        group.wait(timeout=60)  # the script closes its group after fit returns
+        eventually(lambda: job.status("trainjob")["state"] == "SUCCEEDED", 30, "the job to end")
+        out = troupe.run("job", "logs", "trainjob").stdout
+        starts = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("start step")]
+        assert starts[0] == 0 and len(starts) == 2 and starts[1] > 0, out  # the second adopted, not restarted
+        assert "stopped at" in out and "incarnation 1" in out, out
+    finally:
+        api.shutdown()
