@@ -513,6 +513,9 @@ class Trainer final : public Actor {
                                                                                  : Result<Json>(existing.status());
       seg = &opened.emplace(std::move(*existing));
     }
+    // Snapshots after this rank's step are of a timeline the group left (a failure undid them):
+    // were they kept, the checkpoint actor would replicate them instead of this one.
+    seg->discardAfter(static_cast<uint64_t>(engine_->stepCount()));
     auto newest = seg->newestComplete(static_cast<uint64_t>(engine_->stepCount()));
     if (!newest) return Json(nullptr);
     // The checkpoint actor answers at once; its job ends when the replica is pinned.

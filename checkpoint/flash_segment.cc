@@ -458,6 +458,12 @@ void FlashSegment::dropFrom(uint64_t step, int keep) {
   }
 }
 
+void FlashSegment::discardAfter(uint64_t step) {
+  for (const auto& s : slots()) {
+    if (s.complete() && s.step > step) (void)markSlot(s, SlotState::kEmpty);
+  }
+}
+
 Status FlashSegment::pin(uint64_t step) {
   if (!writable_) return Status(StatusCode::kFailedPrecondition, fmt::format("segment {} is mapped read-only", path_));
   auto target = completeAt(step);

@@ -210,6 +210,9 @@ TEST_CASE("flash segment: a pinned step survives any number of later saves; a sa
   CHECK(writer->completeAt(20)->pinned);
 
   // The group went back to step 15 and saves 16 again: what it saved after 15 is dropped.
+  other->discardAfter(21);
+  CHECK(!writer->completeAt(22).has_value());
+  CHECK(writer->newestComplete()->step == 21);
   saveStep(*writer, state, layout, 16);
   CHECK(writer->newestComplete()->step == 16);
   CHECK(!writer->completeAt(20).has_value());

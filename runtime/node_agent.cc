@@ -274,7 +274,8 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
     spawn.argv = {options_.pythonBinary, "-m", "troupe._worker"};
     if (!options_.pythonPath.empty()) spawn.env.push_back("PYTHONPATH=" + options_.pythonPath);
   } else {
-    spawn.argv = {options_.workerBinary};
+    bool light = options_.workerTypes.count(actor.type) || options_.torchWorkerBinary.empty();
+    spawn.argv = {light ? options_.workerBinary : options_.torchWorkerBinary};
   }
   spawn.argv.insert(spawn.argv.end(),
                     {"--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation", std::to_string(actor.incarnation),

@@ -9,6 +9,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include <kj/async-io.h>
@@ -31,7 +32,9 @@ struct NodeAgentOptions {
   bool isHead = false;
   std::string redisPassword;  // the head's only (from its run directory's cluster.json)
   std::string runDir;        // actors' logs go to <runDir>/logs/actor-<id>.{out,err}
-  std::string workerBinary;  // troupe-worker
+  std::string workerBinary;  // troupe-worker: no LibTorch, starts in milliseconds
+  std::set<std::string> workerTypes;  // what workerBinary hosts (troupe-worker --list-types)
+  std::string torchWorkerBinary;  // troupe-worker-torch: every other C++ type ("" if not built)
   std::string pythonBinary = "/usr/bin/python3";  // runs Python actors (python -m troupe._worker)
   std::string pythonPath;    // PYTHONPATH for Python workers: where the troupe package is
 };

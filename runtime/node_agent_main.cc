@@ -1,5 +1,10 @@
 // troupe-node: a machine's node agent, started by `troupe start`.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <set>
 
 #include <kj/async-unix.h>
 
@@ -10,6 +15,39 @@
 #include "troupe/runtime/resources.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
+
+namespace {
+
+// The actor types `worker` hosts (it prints one per line for --list-types); empty when it cannot
+// say, and then every C++ actor goes to troupe-worker-torch, which hosts them all.
+std::set<std::string> listWorkerTypes(const std::string& worker, const std::string& runDir) {
+  using namespace troupe;
+  std::string out = runDir + "/worker-types.txt";
+  std::remove(out.c_str());
+  SpawnOptions spawn;
+  spawn.argv = {worker, "--list-types"};
+  spawn.outputPath = out;
+  auto pid = spawnProcess(spawn);
+  std::set<std::string> types;
+  if (!pid.isOk()) {
+    TROUPE_LOG(kWarning, "cannot ask {} for its actor types: {}", worker, pid.status().message());
+    return types;
+  }
+  ChildProcess child(*pid);
+  auto ended = child.wait(std::chrono::seconds(10));
+  if (!ended || ended->exitCode != 0) {
+    TROUPE_LOG(kWarning, "{} --list-types did not answer: every C++ actor starts in troupe-worker-torch", worker);
+    return types;
+  }
+  std::ifstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) types.insert(line);
+  }
+  std::remove(out.c_str());
+  return types;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace troupe;
@@ -74,6 +112,11 @@ int main(int argc, char** argv) {
     options.pythonPath = executableDir() + "/python";
   }
   if (const char* dir = std::getenv("TROUPE_BIN_DIR"); dir && *dir) options.workerBinary = std::string(dir) + "/troupe-worker";
+  std::string workerDir = options.workerBinary.substr(0, options.workerBinary.rfind('/') + 1);
+  if (::access((workerDir + "troupe-worker-torch").c_str(), X_OK) == 0) {
+    options.torchWorkerBinary = workerDir + "troupe-worker-torch";
+  }
+  options.workerTypes = listWorkerTypes(options.workerBinary, runDir);
   options.resources = detectLocalResources();
   if (numCpus >= 0) options.resources["CPU"] = numCpus;
   for (const auto& [name, qty] : *custom) options.resources[name] = qty;

@@ -106,8 +106,31 @@ class ActorService final : public rpc::Actor::Server {
 }  // namespace
 }  // namespace troupe
 
+namespace troupe {
+namespace {
+
+// The actor types this executable hosts: troupe-worker has no LibTorch and starts in
+// milliseconds; troupe-worker-torch (built with LibTorch) adds the training actors.
+ActorRegistry builtInActors() {
+  ActorRegistry registry;
+  actors::registerTestActors(registry);
+  actors::registerCheckpointActor(registry);
+#ifdef TROUPE_WITH_TRAIN
+  actors::registerTrainActors(registry);
+#endif
+  return registry;
+}
+
+}  // namespace
+}  // namespace troupe
+
 int main(int argc, char** argv) {
   using namespace troupe;
+  // The node agent asks once which types this executable hosts (one per line).
+  if (argc == 2 && std::string_view(argv[1]) == "--list-types") {
+    for (const auto& t : builtInActors().types()) printf("%s\n", t.c_str());
+    return 0;
+  }
   // The worker must not outlive its node agent (kill -9 of the agent included).
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   CLI::App app{"Troupe worker: hosts one actor (started by a node agent)"};
@@ -150,12 +173,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "troupe-worker: cannot reach the controller: %s\n", statusFromException(*e, "").message().c_str());
     return 1;
   }
-  ActorRegistry registry;
-  actors::registerTestActors(registry);
-  actors::registerCheckpointActor(registry);
-#ifdef TROUPE_WITH_TRAIN
-  actors::registerTrainActors(registry);
-#endif
+  ActorRegistry registry = builtInActors();
   ActorContext context{ActorId(actorId), type, incarnation, cluster.get(), ip};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {

@@ -108,6 +108,10 @@ class FlashSegment {
   // another step is pinned. Needs a writable mapping. kNotFound when no complete slot holds it.
   Status pin(uint64_t step);
 
+  // Empties the complete slots newer than `step`: the writer's state went back to `step`, and
+  // what it saved after it belongs to an abandoned timeline. Needs a writable mapping.
+  void discardAfter(uint64_t step);
+
   std::array<SlotInfo, kSlotCount> slots() const;
   // The complete slot with the highest step not above `maxStep`, if any.
   std::optional<SlotInfo> newestComplete(uint64_t maxStep = UINT64_MAX) const;
