@@ -10,7 +10,7 @@ to the next step completed), goodput (time in steps that count / wall time), and
 - exactly_once: every sample was trained on exactly once per epoch (counts differ by at most
   one across samples: the last epoch is partial).
 
-    bench/run chaos [--duration 600] [--min-gap 20] [--max-gap 60] [--seed 1] [--json]
+    bench/run chaos [--duration 600] [--min-gap 20] [--max-gap 60] [--seed 1] [--keep-logs DIR] [--json]
 """
 import argparse
 import collections
@@ -117,10 +117,11 @@ def main():
     parser.add_argument("--max-gap", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep-logs", metavar="DIR", help="run the cluster in DIR and keep its logs afterwards")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0}, temp_dir=args.keep_logs)
     try:
         for _ in range(3):  # two trainer nodes and a spare
             cluster.add_node(num_cpus=1)

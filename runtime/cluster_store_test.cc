@@ -1292,6 +1292,30 @@ TEST_CASE_TEMPLATE("group epoch watch: interrupt wakes a blocked next() at once"
   CHECK_FALSE(after->has_value());
 }
 
+TEST_CASE("redis store: an epoch watch whose connection is killed watches again and misses no advance") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  auto watch = (*store)->watchGroupEpoch("job-w");
+  REQUIRE(watch.isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  // The subscriber's connection goes (as when Redis restarts), and the epoch advances while it
+  // is away: the publish reaches nobody.
+  REQUIRE(rawCommand(admin.get(), {"CLIENT", "KILL", "TYPE", "pubsub"})->type != REDIS_REPLY_ERROR);
+  REQUIRE((*store)->advanceGroupEpoch("job-w", 4).isOk());
+  auto next = (*watch)->next(10s);
+  REQUIRE(next.isOk());
+  REQUIRE(next->has_value());
+  CHECK(**next == 4);  // read after subscribing again
+  // And it is subscribed again: a later advance is published to it.
+  REQUIRE((*store)->advanceGroupEpoch("job-w", 5).isOk());
+  next = (*watch)->next(10s);
+  REQUIRE(next.isOk());
+  REQUIRE(next->has_value());
+  CHECK(**next == 5);
+}
+
 TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced and expiring",
                    Backend, TROUPE_STORE_BACKENDS) {
   Backend backend;

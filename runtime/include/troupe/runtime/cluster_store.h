@@ -145,8 +145,9 @@ class GroupEpochWatch {
  public:
   virtual ~GroupEpochWatch() = default;
   // Waits up to `timeout` for the next advance and returns the group's new epoch; nullopt on
-  // timeout or once interrupt() was called. kUnavailable when the connection is lost (advances
-  // may then have been missed: open a new watch and re-read groupEpoch()).
+  // timeout or once interrupt() was called. A watch whose connection is lost subscribes again
+  // and then returns the epoch it reads (which may be one already seen: an advance published
+  // meanwhile is never missed). kUnavailable when it cannot watch again before `timeout`.
   virtual Result<std::optional<int64_t>> next(std::chrono::milliseconds timeout) = 0;
   // Makes the next() in progress, and every later one, return nullopt at once (for shutting
   // down the thread that waits in next()).
