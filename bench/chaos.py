@@ -103,11 +103,22 @@ class Chaos:
         return [{"kind": f["kind"], "step": f["step"], "recovery_s": f["recovery_s"]} for f in self.faults]
 
 
-def exactly_once(history):
-    counts = collections.Counter(x for row in history for x in row["sample_ids"])
-    if not counts:
-        return False
-    return max(counts.values()) - min(counts.values()) <= 1
+def exactly_once(history, steps, plan):
+    """Every sample trained on exactly once per epoch, over steps 1..steps. A step that the ranks
+    finished inside a chunk that then failed has no row in the history (its replies were lost)
+    but counts (the group restores it); its samples are the plan's (`plan(step)`), checked
+    against the history wherever it has the step. Returns (verdict, steps taken from the plan)."""
+    rows = {r["step"]: sorted(r["sample_ids"]) for r in history}
+    if not rows:
+        return False, 0
+    for step in list(rows)[:50]:  # the plan is what the trainers took
+        if sorted(plan(step)) != rows[step]:
+            return False, 0
+    missing = [s for s in range(1, steps + 1) if s not in rows]
+    for s in missing:
+        rows[s] = plan(s)
+    counts = collections.Counter(x for s in range(1, steps + 1) for x in rows[s])
+    return max(counts.values()) - min(counts.values()) <= 1, len(missing)
 
 
 def main():
@@ -143,7 +154,16 @@ def main():
         steps = t.step
         useful = sum(r["step_s"] for r in t.history[history_from:])
         faults = chaos.recovery_times()
-        once = exactly_once(t.history)
+        def plan(step):  # the samples of the step that ends at `step` (the dataloader's step - 1)
+            loader = next(iter(t._node_services.values()))[0]
+            return json.loads(troupe.get(loader.step_samples.remote(json.dumps({"step": step - 1}).encode())))["ids"]
+
+        try:
+            once, from_plan = exactly_once(t.history, steps, plan)
+        except Exception as e:  # no dataloader answers: the run failed
+            once, from_plan = False, 0
+            failure = failure or f"exactly_once check: {type(e).__name__}: {e}"
+
         bitwise = False
         if failure is None:
             chaos_hash = t.parameter_hash()
@@ -160,13 +180,13 @@ def main():
 
     result = {"duration_s": round(wall, 1), "steps": steps, "faults": faults,
               "goodput": round(useful / wall, 3) if wall > 0 else 0.0,
-              "bitwise_equal": bitwise, "exactly_once": once, "failure": failure,
+              "bitwise_equal": bitwise, "exactly_once": once, "steps_from_plan": from_plan, "failure": failure,
               "max_recovery_s": max((f["recovery_s"] or 1e9) for f in faults) if faults else 0.0}
     print(f"{'fault':<12} {'step':>6} {'recovery s':>11}")
     for f in faults:
         print(f"{f['kind']:<12} {f['step']:>6} {f['recovery_s'] if f['recovery_s'] is not None else 'never':>11}")
     print(f"steps {steps} in {wall:.0f} s, goodput {result['goodput']:.3f}, bitwise_equal {bitwise}, "
-          f"exactly_once {once}")
+          f"exactly_once {once} ({result['steps_from_plan']} step(s) of failed chunks taken from the plan)")
     if failure:
         print(f"the run ended early: {failure}")
     if args.json:
