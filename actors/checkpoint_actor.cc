@@ -672,8 +672,20 @@ class CheckpointActor final : public Actor {
         std::string target = options_.replicaTo;
         return withTimeout(peer(target).then([request](ActorHandle h) { return h.call("replicaPin", request.dump()); }),
                            kInventoryTimeout, "replicaPin")
-            .then([step = slot->step, target](std::string) -> Result<std::string> {
-              return json{{"state", "done"}, {"step", step}, {"replica_to", target}}.dump();
+            .then([step = slot->step, target](std::string) -> kj::Promise<Result<std::string>> {
+              return Result<std::string>(json{{"state", "done"}, {"step", step}, {"replica_to", target}}.dump());
+            }, [this, rank, step, deadline](kj::Exception&& e) -> kj::Promise<Result<std::string>> {
+              // The replica is gone or lacks the step (its actor restarted, its node was lost):
+              // send it again.
+              remember(replicaErrors_, fmt::format("pinning the replica of rank {}: {}", rank, statusOf(e).message()));
+              RankState& s = ranks_[rank];
+              s.replicatedId = {};
+              s.replicaFailures++;
+              if (std::chrono::steady_clock::now() > deadline) {
+                return Result<std::string>(Status(StatusCode::kUnavailable,
+                                                  fmt::format("pin: {}", statusOf(e).message())));
+              }
+              return pinReplica(rank, step, deadline, after(std::chrono::milliseconds(50)));
             });
       }
       if (std::chrono::steady_clock::now() > deadline) {
@@ -695,12 +707,19 @@ class CheckpointActor final : public Actor {
     auto step = field<uint64_t>(args, "step", "replicaPin");
     if (!rank.isOk()) return rank.status();
     if (!step.isOk()) return step.status();
-    auto it = replicas_.find(*rank);
-    if (it == replicas_.end() || !it->second.segment) {
-      return Status(StatusCode::kFailedPrecondition, fmt::format("replicaPin: no replica of rank {} is held", *rank));
+    IncomingReplica& in = replicas_[*rank];
+    if (!in.segment) {
+      // This actor restarted after the replica was written (a kill -9 leaves the segment).
+      auto existing = ck::FlashSegment::openExisting(options_.segment(options_.replica(*rank)), /*writable=*/true);
+      if (!existing.isOk()) {
+        return Status(StatusCode::kFailedPrecondition,
+                      fmt::format("replicaPin: no replica of rank {} is held: {}", *rank, existing.status().message()));
+      }
+      TROUPE_RETURN_IF_ERROR(existing->pin(*step));
+    } else {
+      TROUPE_RETURN_IF_ERROR(in.segment->pin(*step));
     }
-    TROUPE_RETURN_IF_ERROR(it->second.segment->pin(*step));
-    it->second.pinned = *step;
+    in.pinned = *step;
     return json{{"step", *step}}.dump();
   }
 
