@@ -1,5 +1,6 @@
 #include "troupe/runtime/client.h"
 
+#include <algorithm>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -191,8 +192,15 @@ struct ActorConnection {
     std::string payload;
     int attempt = 0;
     kj::Own<kj::PromiseFulfiller<std::string>> reply;
+    uint64_t seq = 0;  // submission order, kept across retries
   };
   std::vector<Queued> queue;
+  uint64_t nextSeq = 0;
+  // Calls lost with a worker are sent again in submission order, and calls made meanwhile wait
+  // behind them: one caller's calls keep their order across restarts.
+  bool recovering = false;
+  std::vector<Queued> lost;  // lost with the worker, waiting for the verdict on the incarnation
+  std::vector<Queued> held;  // made while recovering
 
   std::string died(const ActorRecord& r) const { return fmt::format("actor {} ({}) died: {}", id.hex(), type, r.deathReason); }
 
@@ -263,46 +271,65 @@ kj::Promise<std::pair<rpc::Actor::Client, uint32_t>> resolve(std::shared_ptr<Act
 kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
                                    int attempt);
 
+void flush(std::shared_ptr<ActorConnection> c);
+
 // The worker of incarnation `inc` is gone with these calls in flight: learn why from the
 // controller once it has handled the exit, then retry each call or fail it with the reason.
+// Every request in flight on the lost connection lands here (in the same turns); the first
+// starts the wait, and the verdict re-sends all of them in submission order.
 void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<ActorConnection::Queued> calls) {
   c->forget(inc);
-  auto shared = c->shared;
-  auto lost = std::make_shared<std::vector<ActorConnection::Queued>>(std::move(calls));
-  shared->tasks->add(c->shared->waitActor(c->id, inc + 1, false, 10000)
-                        .then(
-                            [c, inc, lost](ActorRecord record) {
-                              c->learn(record);
-                              for (auto& call : *lost) {
-                                std::string error;
-                                StatusCode code = StatusCode::kActorDied;
-                                if (record.state == ActorState::kDead) {
-                                  error = c->died(record);
-                                } else if (record.incarnation <= inc) {
-                                  code = StatusCode::kUnavailable;
-                                  error = fmt::format(
-                                      "actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
-                                      c->id.hex(), c->type);
-                                } else if (c->maxTaskRetries == -1 || call.attempt < c->maxTaskRetries) {
-                                  auto reply = std::make_shared<kj::Own<kj::PromiseFulfiller<std::string>>>(kj::mv(call.reply));
-                                  c->shared->tasks->add(
-                                      callActor(c, kj::mv(call.method), kj::mv(call.payload), call.attempt + 1)
-                                          .then([reply](std::string r) { (*reply)->fulfill(kj::mv(r)); },
-                                                [reply](kj::Exception&& e) { (*reply)->reject(kj::mv(e)); }));
-                                  continue;
-                                } else {
-                                  error = fmt::format(
-                                      "actor {} ({}) died: {} (during '{}'; it is restarting as incarnation {}; the call "
-                                      "was not retried: max_task_retries={})",
-                                      c->id.hex(), c->type, record.deathReason, call.method, record.incarnation,
-                                      c->maxTaskRetries);
-                                }
-                                call.reply->reject(exceptionFromStatus(Status(code, error)));
-                              }
-                            },
-                            [lost](kj::Exception&& e) {
-                              for (auto& call : *lost) call.reply->reject(kj::cp(e));
-                            }));
+  for (auto& call : calls) c->lost.push_back(kj::mv(call));
+  if (c->recovering) return;
+  c->recovering = true;
+  auto finish = [c]() {
+    c->recovering = false;
+    for (auto& call : c->held) c->queue.push_back(kj::mv(call));
+    c->held.clear();
+    if (!c->queue.empty()) flush(c);
+  };
+  c->shared->tasks->add(c->shared->waitActor(c->id, inc + 1, false, 10000)
+                            .then(
+                                [c, inc, finish](ActorRecord record) {
+                                  c->learn(record);
+                                  auto lost = kj::mv(c->lost);
+                                  c->lost.clear();
+                                  std::sort(lost.begin(), lost.end(),
+                                            [](const auto& a, const auto& b) { return a.seq < b.seq; });
+                                  std::vector<ActorConnection::Queued> again;
+                                  for (auto& call : lost) {
+                                    std::string error;
+                                    StatusCode code = StatusCode::kActorDied;
+                                    if (record.state == ActorState::kDead) {
+                                      error = c->died(record);
+                                    } else if (record.incarnation <= inc) {
+                                      code = StatusCode::kUnavailable;
+                                      error = fmt::format(
+                                          "actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
+                                          c->id.hex(), c->type);
+                                    } else if (c->maxTaskRetries == -1 || call.attempt < c->maxTaskRetries) {
+                                      ++call.attempt;
+                                      again.push_back(kj::mv(call));
+                                      continue;
+                                    } else {
+                                      error = fmt::format(
+                                          "actor {} ({}) died: {} (during '{}'; it is restarting as incarnation {}; the "
+                                          "call was not retried: max_task_retries={})",
+                                          c->id.hex(), c->type, record.deathReason, call.method, record.incarnation,
+                                          c->maxTaskRetries);
+                                    }
+                                    call.reply->reject(exceptionFromStatus(Status(code, error)));
+                                  }
+                                  // The retried calls go first, then the ones made meanwhile.
+                                  for (auto& call : c->queue) again.push_back(kj::mv(call));
+                                  c->queue = kj::mv(again);
+                                  finish();
+                                },
+                                [c, finish](kj::Exception&& e) {
+                                  for (auto& call : c->lost) call.reply->reject(kj::cp(e));
+                                  c->lost.clear();
+                                  finish();
+                                }));
 }
 
 // A batch's replies arrive together, so a slow call delays the replies of the calls before it
@@ -316,6 +343,10 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
 void flush(std::shared_ptr<ActorConnection> c) {
   std::vector<ActorConnection::Queued> queued = std::move(c->queue);
   c->queue.clear();
+  if (c->recovering) {  // behind the calls that are about to be sent again
+    for (auto& call : queued) c->held.push_back(kj::mv(call));
+    return;
+  }
   if (queued.size() >= kMinBatch) return sendQueued(c, std::move(queued));
   for (auto& call : queued) {
     std::vector<ActorConnection::Queued> one;
@@ -389,7 +420,7 @@ kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::stri
                                    int attempt) {
   auto paf = kj::newPromiseAndFulfiller<std::string>();
   bool first = c->queue.empty();
-  c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller)});
+  c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller), c->nextSeq++});
   if (first) c->shared->tasks->add(kj::evalLast([c]() { flush(c); }));
   return kj::mv(paf.promise);
 }

@@ -9,6 +9,7 @@
 #include "controller_core.h"
 #include "schema_convert.h"
 #include "troupe.capnp.h"
+#include "troupe/runtime/actor.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/resources.h"
@@ -269,9 +270,10 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     ActorId id(p.getId().cStr());
     uint32_t incarnation = p.getIncarnation();
     std::string reason = describeExit(p.getExit());
-    return onIo([id, incarnation, reason](Controller::IoState& s) -> Result<Actions> {
+    bool final = isFinalExit(p.getExit());
+    return onIo([id, incarnation, reason, final](Controller::IoState& s) -> Result<Actions> {
              Actions actions;
-             TROUPE_RETURN_IF_ERROR(s.core.workerExited(id, incarnation, reason, actions));
+             TROUPE_RETURN_IF_ERROR(s.core.workerExited(id, incarnation, reason, actions, final));
              return actions;
            })
         .then([this, id, reason](Actions actions) {
@@ -428,12 +430,21 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
         .then([](R r) { return valueOrThrow(kj::mv(r)); });
   }
 
+  // Exit codes a worker uses to say its actor must not be restarted (worker_exit.h).
+  static bool isFinalExit(rpc::WorkerExit::Reader exit) {
+    return exit.getSignal() == 0 && (exit.getExitCode() == kExitActorEnded || exit.getExitCode() == kExitInitFailed);
+  }
+
   static std::string describeExit(rpc::WorkerExit::Reader exit) {
     int sig = exit.getSignal();
+    std::string tail = exit.getStderrTail().cStr();
+    if (sig == 0 && exit.getExitCode() == kExitActorEnded) return "the actor ended itself (exit_actor or terminate)";
+    if (sig == 0 && exit.getExitCode() == kExitInitFailed) {
+      return fmt::format("its constructor raised (not restarted){}", tail.empty() ? "" : ": " + tail);
+    }
     const char* abbrev = sig != 0 ? sigabbrev_np(sig) : nullptr;
     std::string how = sig != 0 ? fmt::format("killed by signal {} (SIG{})", sig, abbrev ? abbrev : "?")
                                : fmt::format("exited with code {}", exit.getExitCode());
-    std::string tail = exit.getStderrTail().cStr();
     return tail.empty() ? fmt::format("worker {}", how) : fmt::format("worker {}; last stderr: {}", how, tail);
   }
 

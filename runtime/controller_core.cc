@@ -211,11 +211,11 @@ Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reas
 }
 
 Status ControllerCore::workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
-                                    std::vector<WorkerAction>& actions) {
+                                    std::vector<WorkerAction>& actions, bool final) {
   auto actor = getActor(id);
   if (!actor.isOk()) return actor.status();
   if (actor->incarnation != incarnation || actor->state == ActorState::kDead) return Status::ok();  // stale or repeated
-  return endIncarnation(*actor, reason, true, actions);
+  return endIncarnation(*actor, reason, !final, actions);
 }
 
 Status ControllerCore::killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions) {

@@ -40,9 +40,10 @@ class ControllerCore {
   Result<ActorRecord> createActor(ActorRecord actor, std::vector<WorkerAction>& actions);
   // A worker reports it serves `address`. Stale incarnations are ignored (returns the record).
   Result<ActorRecord> actorReady(const ActorId& id, uint32_t incarnation, const std::string& address, int64_t pid);
-  // A worker ended (`reason` says how). Restarts it within max_restarts, else marks it DEAD.
+  // A worker ended (`reason` says how). Restarts it within max_restarts, else marks it DEAD;
+  // a final exit (the actor ended itself, or its constructor failed) is never restarted.
   Status workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
-                      std::vector<WorkerAction>& actions);
+                      std::vector<WorkerAction>& actions, bool final = false);
   // noRestart: DEAD now, then kill. Otherwise only kill: its exit follows the restart policy.
   Status killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions);
   // A driver's session ended: its non-detached actors end too (no restart).

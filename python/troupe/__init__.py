@@ -18,16 +18,21 @@ so `import troupe` does not import torch.
 
 import importlib
 
-from ._api import (ActorClass, ActorHandle, ObjectRef, actors, cluster_resources, cpp_actor, get, get_actor, init,
-                   is_initialized, kill, nodes, remote, shutdown, wait)
-from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError
+from ._api import (ActorClass, ActorHandle, ObjectRef, actors, available_resources, cluster_resources, cpp_actor,
+                   exit_actor, get, get_actor, get_runtime_context, init, is_initialized, kill, method, nodes, put,
+                   remote, shutdown, wait)
+from ._tasks import RemoteFunction
+from .exceptions import (ActorDiedError, ActorError, GetTimeoutError, ObjectLostError, TaskError, TroupeError,
+                         WorkerCrashedError)
 
-__all__ = ["ActorClass", "ActorDiedError", "ActorError", "ActorHandle", "GetTimeoutError", "ObjectRef", "TroupeError",
-           "actors", "cluster_resources", "cpp_actor", "get", "get_actor", "init", "is_initialized", "kill", "nodes",
-           "checkpoint", "optim", "remote", "shutdown", "train", "wait"]
+__all__ = ["ActorClass", "ActorDiedError", "ActorError", "ActorHandle", "GetTimeoutError", "ObjectLostError",
+           "ObjectRef", "RemoteFunction", "TaskError", "TroupeError", "WorkerCrashedError", "actors",
+           "available_resources", "cluster_resources", "cpp_actor", "exit_actor", "get", "get_actor",
+           "get_runtime_context", "init", "is_initialized", "kill", "method", "nodes", "put", "checkpoint", "optim",
+           "remote", "shutdown", "train", "util", "wait"]
 
 
 def __getattr__(name):
-    if name in ("optim", "checkpoint", "train"):
+    if name in ("optim", "checkpoint", "train", "util"):
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'troupe' has no attribute {name!r}")

@@ -3,20 +3,26 @@ import atexit
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import inspect
 import threading
 import time
 
-from . import _serialization
-from .exceptions import ActorDiedError, ActorError, GetTimeoutError, TroupeError, UnauthenticatedError, UnavailableError
+from . import _objects, _serialization
+from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, NotFoundError, TaskError,
+                         TroupeError, UnauthenticatedError, UnavailableError, WorkerCrashedError)
 
 _lock = threading.RLock()
 _session = None
+# What a worker process knows of the job that started it (set by troupe._worker).
+_worker_context = {}
+DEFAULT_NAMESPACE = "default"
 
 
 class _Session:
@@ -157,7 +163,34 @@ def _stop_embedded(proc):
             proc.wait()
 
 
-def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_reinit_error=False, log_to_driver=True):
+# Keywords of ray.init() that init() takes without a use here (the logging ones style the driver's
+# own logging, which Troupe leaves to the user).
+_INIT_NOOPS = {"logging_format", "configure_logging", "log_to_driver"}
+
+
+def _check_runtime_env(runtime_env):
+    if runtime_env is None:
+        return None
+    if not isinstance(runtime_env, dict):
+        raise TypeError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")
+    unknown = set(runtime_env) - {"env_vars", "working_dir"}
+    if unknown:
+        raise ValueError(f"runtime_env keys {sorted(unknown)} are not supported: Troupe honours env_vars and a "
+                         "local working_dir (a directory on the machines of the cluster)")
+    env_vars = runtime_env.get("env_vars") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+        raise TypeError("runtime_env['env_vars'] must map str to str")
+    wd = runtime_env.get("working_dir")
+    if wd is not None:
+        if not isinstance(wd, str) or "://" in wd or not os.path.isdir(wd):
+            raise ValueError(f"runtime_env['working_dir'] must be a local directory, not {wd!r}")
+        wd = os.path.abspath(wd)
+    return {"env_vars": dict(env_vars), **({"working_dir": wd} if wd else {})}
+
+
+def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=None, namespace=None,
+         runtime_env=None, ignore_reinit_error=False, log_to_driver=True, logging_level=None,
+         include_dashboard=None, **unsupported):
     """Connects this driver to a cluster.
 
     address=None starts an embedded local cluster owned by this driver (stopped by shutdown()
@@ -166,10 +199,28 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
     this machine's run directory). Fails within 10 s with ConnectionError if unreachable.
     With log_to_driver, the output of the actors this driver creates is printed here,
     prefixed with "(Class pid=N)".
+
+    Also from ray.init(): namespace= (where actor names live; default "default"),
+    runtime_env={"env_vars": {...}, "working_dir": DIR} (applied in every worker of this job),
+    num_gpus=, logging_level= (the runtime's log level). Other keywords raise TypeError.
     """
     global _session
     from . import _core
 
+    unknown = set(unsupported) - _INIT_NOOPS
+    if unknown:
+        raise TypeError(f"init() does not support {sorted(unknown)}; it takes address, token, num_cpus, num_gpus, "
+                        "resources, namespace, runtime_env (env_vars, working_dir), ignore_reinit_error, "
+                        "log_to_driver, logging_level")
+    if include_dashboard:
+        raise ValueError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
+    if namespace is not None and (not isinstance(namespace, str) or not namespace or "/" in namespace):
+        raise ValueError(f"namespace must be a non-empty string without '/', not {namespace!r}")
+    runtime_env = _check_runtime_env(runtime_env)
+    if num_gpus is not None:
+        resources = dict(resources or {}, GPU=float(num_gpus))
+    if logging_level is not None:
+        os.environ["TROUPE_LOG_LEVEL"] = str(logging_level).lower()
     with _lock:
         if _session is not None:
             if ignore_reinit_error:
@@ -210,15 +261,24 @@ def init(address=None, *, token=None, num_cpus=None, resources=None, ignore_rein
                 _stop_embedded(proc)
             raise UnavailableError(f"cannot reach the Troupe cluster at {address}: {e}") from None
         _session = _Session(runtime, address, proc, run_root, log_to_driver)
+        ctx = _worker_context
+        _session.job_id = ctx.get("job_id") or secrets.token_hex(8)
+        _session.namespace = namespace or ctx.get("namespace") or DEFAULT_NAMESPACE
+        _session.runtime_env = runtime_env if runtime_env is not None else ctx.get("runtime_env")
 
 
 def shutdown():
-    """Disconnects; an embedded cluster is stopped and leaves nothing behind."""
+    """Disconnects; an embedded cluster is stopped and leaves nothing behind, and the objects this
+    process put() are freed."""
     global _session
     with _lock:
         if _session is not None:
             session, _session = _session, None
             session.close()
+        from . import _objects, _tasks
+
+        _tasks.reset()
+        _objects.close()
 
 
 def is_initialized():
@@ -230,8 +290,16 @@ atexit.register(shutdown)
 
 def _runtime():
     if _session is None:
-        raise TroupeError("troupe.init() has not been called")
+        _connect_worker()
     return _session.runtime
+
+
+def _connect_worker():
+    """Inside an actor or task worker, the first cluster call connects it to its cluster."""
+    if os.environ.get("TROUPE_ACTOR_ID") and os.environ.get("TROUPE_ADDRESS"):
+        init(log_to_driver=False, ignore_reinit_error=True)
+    if _session is None:
+        raise TroupeError("troupe.init() has not been called")
 
 
 def _call(fn, *args):
@@ -246,21 +314,58 @@ def _call(fn, *args):
 
 # ---- Actors ----
 
-_OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "name", "max_restarts", "max_task_retries",
-                 "lifetime", "placement_group", "bundle_index"}
+_OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "name", "namespace", "max_restarts",
+                 "max_task_retries", "max_concurrency", "lifetime", "placement_group", "bundle_index",
+                 "placement_group_bundle_index", "scheduling_strategy", "get_if_exists", "runtime_env",
+                 "placement_group_capture_child_tasks", "concurrency_groups"}
 
 
-def _check_options(options):
-    unknown = set(options) - _OPTION_NAMES
+def _check_options(options, what="actor"):
+    known = _OPTION_NAMES if what == "actor" else _tasks_option_names()
+    unknown = set(options) - known
     if unknown:
-        raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known: {sorted(_OPTION_NAMES)}")
+        raise TypeError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
     lifetime = options.get("lifetime")
-    if lifetime not in (None, "detached"):
-        raise ValueError(f"lifetime must be None or 'detached', not {lifetime!r}")
+    if lifetime not in (None, "detached", "non_detached"):
+        raise ValueError(f"lifetime must be None, 'detached' or 'non_detached', not {lifetime!r}")
+    for key in ("num_cpus", "num_gpus", "memory"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{key} must be a number >= 0, not {value!r}")
+    resources = options.get("resources")
+    if resources is not None:
+        if not isinstance(resources, dict):
+            raise TypeError(f"resources must be a dict, not {type(resources).__name__}")
+        for k in ("CPU", "GPU"):
+            if k in resources:
+                raise ValueError(f"use num_{k.lower()}s= rather than resources={{'{k}': ...}}")
+    for key in ("max_restarts", "max_task_retries", "max_retries", "num_returns"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+            raise ValueError(f"{key} must be an integer >= -1, not {value!r}")
+    concurrency = options.get("max_concurrency")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise ValueError(f"max_concurrency must be an integer >= 1, not {concurrency!r}")
+    if options.get("concurrency_groups"):
+        raise ValueError("concurrency_groups are not supported by Troupe; use max_concurrency")
+    if "runtime_env" in options:
+        options["runtime_env"] = _check_runtime_env(options["runtime_env"])
+    name = options.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty string, not {name!r}")
+
+
+def _tasks_option_names():
+    from . import _tasks
+
+    return _tasks.OPTION_NAMES
 
 
 def _demand(options):
-    resources = {"CPU": float(options.get("num_cpus", 1))}
+    # Ray's rule is "1 CPU to place, 0 while alive"; Troupe places a default actor on the node
+    # with the most free CPU and holds nothing (docs/ray_differences.md).
+    resources = {"CPU": float(options.get("num_cpus") or 0)}
     if options.get("num_gpus"):
         resources["GPU"] = float(options["num_gpus"])
     if options.get("memory"):
@@ -277,13 +382,45 @@ def _check_resources(resources, what):
             raise ValueError(f"{what}: quantity {qty!r} of resource {name!r} is not a finite number in [0, 1e18]")
 
 
+def _scoped_name(name, namespace=None):
+    """The cluster-wide name of `name` in a namespace: the default namespace keeps plain names
+    (what C++ actors and the CLI see); others are "NAMESPACE/NAME"."""
+    ns = namespace or (_session.namespace if _session is not None else None) or \
+        _worker_context.get("namespace") or DEFAULT_NAMESPACE
+    return name if ns == DEFAULT_NAMESPACE else f"{ns}/{name}"
+
+
+def _placement(options):
+    """(placement group id, bundle index) from Ray's or Troupe's spelling of the options."""
+    strategy = options.get("scheduling_strategy")
+    pg = options.get("placement_group")
+    index = options.get("placement_group_bundle_index", options.get("bundle_index", -1))
+    if strategy is not None and not isinstance(strategy, str):
+        pg = getattr(strategy, "placement_group", pg)
+        index = getattr(strategy, "placement_group_bundle_index", index)
+    elif strategy not in (None, "DEFAULT", "SPREAD"):
+        raise ValueError(f"scheduling_strategy {strategy!r} is not supported (DEFAULT, SPREAD, or a "
+                         "PlacementGroupSchedulingStrategy)")
+    if pg is not None and pg != "default":
+        pg = getattr(pg, "id", pg)
+        if index is None or index < 0:
+            index = 0
+        return pg, int(index)
+    return "", -1
+
+
 def _create(type_name, init_args, options):
     rt = _runtime()
-    pg = options.get("placement_group")
-    actor_id = _call(rt.create_actor, type_name, options.get("name") or "", _demand(options),
-                     int(options.get("max_restarts", 0)), int(options.get("max_task_retries", 0)),
-                     options.get("lifetime") == "detached", init_args, pg or "", int(options.get("bundle_index", -1)))
-    return ActorHandle(actor_id, type_name)
+    pg, index = _placement(options)
+    name = _scoped_name(options["name"], options.get("namespace")) if options.get("name") else ""
+    args = (type_name, name, _demand(options), int(options.get("max_restarts") or 0),
+            int(options.get("max_task_retries") or 0), options.get("lifetime") == "detached", init_args, pg, index)
+    try:
+        return _call(rt.create_actor, *args)
+    except AlreadyExistsError:
+        if not options.get("get_if_exists"):
+            raise
+        return _call(rt.get_actor, name)[0]
 
 
 def _by_value(cls):
@@ -300,6 +437,33 @@ def _by_value(cls):
             pass
 
 
+def method(*, num_returns=None, concurrency_group=None, **others):
+    """@troupe.method(num_returns=N) on an actor method: its calls return N ObjectRefs."""
+    if others:
+        raise TypeError(f"@troupe.method takes num_returns only, not {sorted(others)}")
+    if num_returns is not None and (not isinstance(num_returns, int) or num_returns < 0):
+        raise ValueError(f"num_returns must be an integer >= 0, not {num_returns!r}")
+
+    def mark(fn):
+        fn.__troupe_num_returns__ = 1 if num_returns is None else num_returns
+        return fn
+
+    return mark
+
+
+def _methods_of(cls):
+    """{method name: num_returns} of an actor class: what its handles expose."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        member = inspect.getattr_static(cls, name, None)
+        fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+        if callable(fn):
+            out[name] = getattr(fn, "__troupe_num_returns__", 1)
+    return out
+
+
 class ActorClass:
     """A class made remote with @troupe.remote. `Cls.remote(*args)` starts an actor."""
 
@@ -308,7 +472,9 @@ class ActorClass:
         self._cls = cls
         self._options = dict(options)
         self.__name__ = cls.__name__
+        self.__qualname__ = cls.__qualname__
         self.__doc__ = cls.__doc__
+        self.__module__ = cls.__module__
 
     def options(self, **options):
         merged = dict(self._options)
@@ -317,26 +483,73 @@ class ActorClass:
 
     def remote(self, *args, **kwargs):
         _by_value(self._cls)
-        init_args = _serialization.dumps((self._cls, args, kwargs))
-        return _create("py:" + self._cls.__qualname__, init_args, self._options)
+        options = self._options
+        session_env = (_session.runtime_env if _session is not None else _worker_context.get("runtime_env"))
+        context = {
+            "job_id": _job_id(),
+            "namespace": options.get("namespace") or _current_namespace(),
+            "runtime_env": options.get("runtime_env") or session_env,
+            "max_concurrency": options.get("max_concurrency"),
+        }
+        init_args = _serialization.dumps((self._cls, args, kwargs, context))
+        actor_id = _create("py:" + self._cls.__qualname__, init_args, options)
+        # Ray ends an unnamed, non-detached actor once no handle to it is left.
+        owned = not options.get("name") and options.get("lifetime") != "detached"
+        return ActorHandle(actor_id, "py:" + self._cls.__qualname__, _methods_of(self._cls), owned=owned)
+
+    def bind(self, *args, **kwargs):
+        raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
 
     def __call__(self, *args, **kwargs):
-        raise TypeError(f"actor class {self.__name__} cannot be instantiated directly; use "
-                        f"{self.__name__}.remote(...)")
+        raise TypeError(f"Actors cannot be instantiated directly. Instead of '{self.__name__}()', use "
+                        f"'{self.__name__}.remote()'.")
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_cls":
+            raise AttributeError(name)
+        value = getattr(self._cls, name)  # class attributes read through the class, as in Ray
+        if callable(value):
+            raise AttributeError(f"'{self.__name__}' is an actor class: its methods are called on a handle "
+                                 f"({self.__name__}.remote() gives one), not on the class")
+        return value
+
+
+def _job_id():
+    if _session is not None:
+        return _session.job_id
+    return _worker_context.get("job_id") or ""
+
+
+def _current_namespace():
+    if _session is not None:
+        return _session.namespace
+    return _worker_context.get("namespace") or DEFAULT_NAMESPACE
+
+
+_REMOTE_KEYS = None
 
 
 def remote(*args, **options):
-    """@troupe.remote or @troupe.remote(num_cpus=, resources=, name=, max_restarts=,
-    max_task_retries=, lifetime=) on a class."""
-    if len(args) == 1 and not options and isinstance(args[0], type):
-        return ActorClass(args[0], {})
-    if args:
-        raise TypeError("@troupe.remote takes keyword options only, or decorates a class directly")
+    """@troupe.remote, or @troupe.remote(options...) on a class (an actor) or a function (a task).
+    Actor options: num_cpus, num_gpus, memory, resources, name, namespace, lifetime, max_restarts,
+    max_task_retries, max_concurrency, get_if_exists, placement_group, placement_group_bundle_index,
+    scheduling_strategy, runtime_env. Task options: num_cpus, num_gpus, memory, resources,
+    num_returns, max_retries, retry_exceptions, name, placement_group, scheduling_strategy."""
+    from . import _tasks
 
-    def wrap(cls):
-        if not isinstance(cls, type):
-            raise TypeError("@troupe.remote decorates classes (actors); remote functions are not supported")
-        return ActorClass(cls, options)
+    if len(args) == 1 and not options and (isinstance(args[0], type) or callable(args[0])):
+        target = args[0]
+        return ActorClass(target, {}) if isinstance(target, type) else _tasks.RemoteFunction(target, {})
+    if args:
+        raise TypeError("@troupe.remote takes keyword options only, or decorates a class or function directly "
+                        "(e.g. @troupe.remote(num_cpus=1))")
+
+    def wrap(target):
+        if isinstance(target, type):
+            return ActorClass(target, options)
+        if callable(target):
+            return _tasks.RemoteFunction(target, options)
+        raise TypeError(f"@troupe.remote decorates a class or a function, not {type(target).__name__}")
 
     return wrap
 
@@ -344,18 +557,31 @@ def remote(*args, **options):
 def cpp_actor(type_name, init_args=b"", **options):
     """Starts a built-in C++ actor (e.g. "Counter", "Echo"); its methods take and return bytes."""
     _check_options(options)
+    if "num_cpus" not in options:
+        options["num_cpus"] = 1  # C++ actors keep holding a CPU by default (the training actors)
     if isinstance(init_args, str):
         init_args = init_args.encode()
-    return _create(type_name, init_args, options)
+    return ActorHandle(_create(type_name, init_args, options), type_name)
+
+
+# Live handles per owned actor in this process; at zero the actor is asked to end (after the
+# calls already sent). A handle passed to another process makes its actor unowned here.
+_handle_counts = {}
+_handle_lock = threading.Lock()
 
 
 class ActorHandle:
     """A handle to an actor: `handle.method.remote(*args)` returns an ObjectRef. Handles can be
-    passed to other actors and survive restarts."""
+    passed to other actors and tasks, and survive restarts."""
 
-    def __init__(self, actor_id, type_name):
+    def __init__(self, actor_id, type_name, methods=None, owned=False):
         self._id = actor_id
         self._type = type_name
+        self._methods = methods
+        self._owned = owned
+        if owned:
+            with _handle_lock:
+                _handle_counts[actor_id] = _handle_counts.get(actor_id, 0) + 1
 
     @property
     def actor_id(self):
@@ -366,96 +592,355 @@ class ActorHandle:
         return self._type.startswith("py:")
 
     def __getattr__(self, name):
+        if name in ("__troupe_terminate__", "__ray_terminate__"):
+            return ActorMethod(self, "__troupe_terminate__", 1)
         if name.startswith("_"):
             raise AttributeError(name)
-        return ActorMethod(self, name)
+        if self._methods is not None and name not in self._methods:
+            raise AttributeError(f"actor {self._type[3:] if self._is_python else self._type} has no method "
+                                 f"{name!r}")
+        return ActorMethod(self, name, self._methods.get(name, 1) if self._methods else 1)
 
     def __reduce__(self):
-        return ActorHandle, (self._id, self._type)
+        _lend(self._id)
+        return ActorHandle, (self._id, self._type, self._methods)
+
+    def __del__(self):
+        if not self._owned:
+            return
+        try:
+            with _handle_lock:
+                left = _handle_counts.get(self._id, 0) - 1
+                if left > 0:
+                    _handle_counts[self._id] = left
+                    return
+                _handle_counts.pop(self._id, None)
+            if _session is not None:
+                _session.runtime.submit(self._id, "__troupe_terminate__", _serialization.dumps(((), {})))
+        except Exception:  # at interpreter exit, or a closed session: the owner's exit ends it
+            pass
+
+    def __eq__(self, other):
+        return isinstance(other, ActorHandle) and other._id == self._id
+
+    def __hash__(self):
+        return hash(self._id)
 
     def __repr__(self):
         return f"ActorHandle({self._type}, {self._id})"
 
 
+def _lend(actor_id):
+    with _handle_lock:
+        if actor_id in _handle_counts:
+            _handle_counts[actor_id] = float("inf")  # another process may use it: never ended from here
+
+
 class ActorMethod:
-    def __init__(self, handle, name):
+    def __init__(self, handle, name, num_returns=1):
         self._handle = handle
         self._name = name
+        self._num_returns = num_returns
+
+    def options(self, num_returns=None, **others):
+        if others:
+            raise TypeError(f"actor method options take num_returns only, not {sorted(others)}")
+        return ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns)
 
     def remote(self, *args, **kwargs):
         h = self._handle
         if h._is_python:
-            payload = _serialization.dumps((args, kwargs))
+            payload = _serialization.dumps((_top_level_args(args), kwargs, _objects.host_id()))
         else:
             if kwargs or len(args) > 1:
                 raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
             payload = args[0] if args else b""
             if isinstance(payload, str):
                 payload = payload.encode()
-        ref = _call(_runtime().submit, h._id, self._name, payload)
-        return ObjectRef(ref, h, self._name)
+        ref = ObjectRef(_call(_runtime().submit, h._id, self._name, payload), h, self._name)
+        return _split(ref, self._num_returns)
 
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"Actor methods cannot be called directly. Instead of running "
+                        f"'object.{self._name}()', try 'object.{self._name}.remote()'.")
+
+
+def _top_level_args(args):
+    """ObjectRef arguments: results of calls made here travel as their values (the callee gets
+    the value, as Ray's); put() objects travel as refs that the callee maps."""
+    if not any(isinstance(a, ObjectRef) for a in args):
+        return args
+    return tuple(a if not isinstance(a, ObjectRef) or isinstance(a, _StoredRef) else _ArgValue(get(a))
+                 for a in args)
+
+
+class _ArgValue:
+    """A resolved top-level argument (unwrapped by the callee's _resolve_args)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _identity, (self.value,)
+
+
+def _identity(value):
+    return value
+
+
+def _split(ref, num_returns):
+    if num_returns == 1:
+        return ref
+    if num_returns == 0:
+        return None
+    return [_ItemRef(ref, i, num_returns) for i in range(num_returns)]
+
+
+# ---- Object refs ----
 
 class ObjectRef:
-    """The future result of an actor call."""
+    """The future result of an actor call or task; also what troupe.put() returns."""
 
-    __slots__ = ("_ref", "_handle", "_method", "_value", "_done")
+    __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "__weakref__")
 
-    def __init__(self, ref, handle, method):
+    def __init__(self, ref, handle, method, retry=None):
         self._ref = ref
         self._handle = handle
         self._method = method
         self._done = False
         self._value = None
+        self._retry = retry
+
+    def _root(self):
+        """The call this ref waits for (itself, or the call whose result it is part of)."""
+        return self
 
     def _where(self):
         h = self._handle
+        if h is None:
+            return self._method
         return f"{h._type[3:] if h._is_python else h._type}.{self._method}"
 
     def _resolve(self, outcome, data):
         if outcome == 1:
-            if self._handle._is_python:
+            if self._handle is None or self._handle._is_python:
                 is_exc, value = _serialization.load_reply(data)
                 if is_exc:
                     exc, tb = value
-                    self._value = ActorError.wrap(exc, tb, self._where())
+                    if self._retry is not None and self._retry.exception(exc):
+                        return
+                    kind = TaskError if self._handle is None else ActorError
+                    self._value = kind.wrap(exc, tb, self._where())
                 else:
                     self._value = value
             else:
                 self._value = data
         elif outcome == 3:
-            self._value = ActorDiedError(data.decode(errors="replace"))
+            message = data.decode(errors="replace")
+            if self._retry is not None and self._retry.died(message):
+                return
+            self._value = ActorDiedError(message) if self._retry is None else \
+                WorkerCrashedError(f"task {self._method}: its worker died: {message}")
         else:
             self._value = ActorError(f"{self._where()}: {data.decode(errors='replace')}")
         self._done = True
+        if self._retry is not None:
+            self._retry.finished()
+
+    def _ready(self):
+        return self._done
+
+    def _get_value(self):
+        return self._value
+
+    def __reduce__(self):
+        # A ref passed inside a container: its value goes to this machine's object store.
+        return _StoredRef._from_value, (get(self),)
 
     def __repr__(self):
-        return f"ObjectRef({self._handle._type}.{self._method}#{self._ref})"
+        return f"ObjectRef({self._where()}#{self._ref})"
 
 
-def _collect(refs, timeout):
-    pending = [r for r in refs if not r._done]
-    if pending:
-        ids = [r._ref for r in pending]
-        done = set(_runtime().wait(ids, len(ids), -1.0 if timeout is None else float(timeout)))
-        for r in pending:
-            if r._ref in done:
-                outcome, data = _runtime().take(r._ref)
-                r._resolve(outcome, data)
-        if any(not r._done for r in refs):
-            raise GetTimeoutError(f"get() timed out after {timeout} s with "
-                                  f"{sum(not r._done for r in refs)} of {len(refs)} result(s) missing")
+class _ItemRef(ObjectRef):
+    """Result i of a call with num_returns=n."""
+
+    __slots__ = ("_parent", "_index", "_count")
+
+    def __init__(self, parent, index, count):
+        super().__init__(None, parent._handle, parent._method)
+        self._parent, self._index, self._count = parent, index, count
+
+    def _root(self):
+        return self._parent
+
+    def _ready(self):
+        return self._parent._done
+
+    def _get_value(self):
+        value = self._parent._value
+        if isinstance(value, BaseException):
+            return value
+        try:
+            items = tuple(value)
+        except TypeError:
+            items = None
+        if items is None or len(items) != self._count:
+            return ActorError(f"{self._where()} was declared with num_returns={self._count} but returned "
+                              f"{type(value).__name__}" + ("" if items is None else f" of length {len(items)}"))
+        return items[self._index]
+
+    def __repr__(self):
+        return f"ObjectRef({self._where()}#{self._parent._ref}[{self._index}])"
+
+
+class _StoredRef(ObjectRef):
+    """An object in this machine's shared-memory store (troupe.put, or a ref passed by value)."""
+
+    __slots__ = ("_object_id", "_host", "_owner", "_size", "_counted")
+
+    def __init__(self, object_id, host, owner, size, counted):
+        super().__init__(None, None, "put")
+        self._object_id, self._host, self._owner, self._size = object_id, host, owner, size
+        self._counted = counted
+        self._done = True
+        if counted:
+            _objects.store().ref_added(object_id)
+
+    @classmethod
+    def _from_value(cls, value):
+        store = _objects.store()
+        object_id, size = store.put(value)
+        return cls(object_id, store.host, store.pid, size, True)
+
+    def _get_value(self):
+        try:
+            return _objects.store().get(self._object_id, self._host, self._owner)
+        except BaseException as e:  # returned, so that get() raises it like a call's error
+            return e
+
+    def __reduce__(self):
+        if self._counted:
+            _objects.store().lent(self._object_id)
+        return _StoredRef, (self._object_id, self._host, self._owner, self._size, False)
+
+    def __del__(self):
+        if self._counted:
+            try:
+                _objects.store().ref_dropped(self._object_id)
+            except Exception:
+                pass
+
+    def hex(self):
+        return self._object_id
+
+    def __repr__(self):
+        return f"ObjectRef(put:{self._object_id}, {self._size} bytes)"
+
+
+class _PollRef(ObjectRef):
+    """A ref whose value comes from polling a condition (placement group ready)."""
+
+    __slots__ = ("_poll",)
+
+    def __init__(self, what, poll):
+        super().__init__(None, None, what)
+        self._poll = poll
+
+    def _ready(self):
+        if not self._done:
+            done, value = self._poll()
+            if done:
+                self._value, self._done = value, True
+        return self._done
+
+
+def put(value):
+    """Stores `value` in this machine's object store; returns an ObjectRef to pass to calls and
+    tasks (by ref, without copying it again) or to get()."""
+    if isinstance(value, ObjectRef):
+        raise TypeError("put() of an ObjectRef is not allowed: pass the ref itself")
+    return _StoredRef._from_value(value)
+
+
+# How long one wait runs before Python checks for Ctrl-C (the wait itself releases the GIL).
+_WAIT_SLICE = 0.5
+# A get() still waiting after this long says what it waits for, once.
+_SLOW_GET_NOTICE = 10.0
+
+
+def _settle(refs, need, timeout):
+    """Waits until `need` of refs are ready, or the timeout passes (returns False then)."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    started, noticed = time.monotonic(), False
+    while True:
+        ready = sum(1 for r in refs if r._ready())
+        if ready >= need:
+            return True
+        roots = {}
+        polling = False
+        for r in refs:
+            if not r._ready():
+                root = r._root()
+                if root._ref is None:
+                    polling = True
+                else:
+                    roots[root._ref] = root
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return False
+        left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, deadline - now)
+        if polling:
+            left = min(left, 0.05)
+        if roots:
+            rt = _runtime()
+            ids = list(roots)
+            for done in rt.wait(ids, min(len(ids), need - ready), left):
+                roots[done]._resolve(*rt.take(done))
+        else:
+            time.sleep(left)
+        if not noticed and timeout is None and time.monotonic() - started > _SLOW_GET_NOTICE:
+            noticed = True
+            why = _pending_reasons([r for r in refs if not r._ready()])
+            if why:
+                print(f"(troupe) still waiting after {_SLOW_GET_NOTICE:.0f} s: {why}", file=sys.stderr, flush=True)
+
+
+def _pending_reasons(refs):
+    """Why calls wait: the actors among theirs that are not ALIVE, with the controller's reason."""
+    seen, reasons = set(), []
+    for r in refs:
+        h = r._root()._handle
+        if h is None or h._id in seen:
+            continue
+        seen.add(h._id)
+        try:
+            info = _runtime().actor_info(h._id)
+        except Exception:
+            continue
+        if info["state"] != "ALIVE":
+            reasons.append(f"actor {h._type[3:] if h._is_python else h._type} ({h._id[:8]}) is {info['state']}"
+                           + (f": {info['death_reason']}" if info["death_reason"] else ""))
+    return "; ".join(reasons)
+
+
+def _value_of(r):
+    value = r._get_value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def get(refs, timeout=None):
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
-    if type(refs) is ObjectRef:  # the common synchronous case, without the list handling
+    if type(refs) is ObjectRef and refs._retry is None:  # the common synchronous case
         if not refs._done:
             rt = _runtime()
-            if rt.wait([refs._ref], 1, -1.0 if timeout is None else float(timeout)):
+            if rt.wait([refs._ref], 1, _WAIT_SLICE if timeout is None else min(float(timeout), _WAIT_SLICE)):
                 refs._resolve(*rt.take(refs._ref))
-            else:
-                raise GetTimeoutError(f"get() timed out after {timeout} s with 1 of 1 result(s) missing")
+            elif not _settle([refs], 1, None if timeout is None else max(0.0, float(timeout) - _WAIT_SLICE)):
+                raise _timeout_error(timeout, [refs], 1)
         if isinstance(refs._value, BaseException):
             raise refs._value
         return refs._value
@@ -464,41 +949,81 @@ def get(refs, timeout=None):
     for r in batch:
         if not isinstance(r, ObjectRef):
             raise TypeError(f"get() takes ObjectRefs, not {type(r).__name__}")
-    _collect(batch, timeout)
-    values = []
-    for r in batch:
-        if isinstance(r._value, BaseException):
-            raise r._value
-        values.append(r._value)
+    if not _settle(batch, len(batch), timeout):
+        raise _timeout_error(timeout, batch, len(batch))
+    values = [_value_of(r) for r in batch]
     return values[0] if single else values
 
 
-def wait(refs, num_returns=1, timeout=None):
+def _timeout_error(timeout, refs, total):
+    missing = [r for r in refs if not r._ready()]
+    why = _pending_reasons(missing)
+    return GetTimeoutError(f"get() timed out after {timeout} s with {len(missing)} of {total} result(s) missing"
+                           + (f"; {why}" if why else ""))
+
+
+def wait(refs, num_returns=1, timeout=None, fetch_local=True):
     """(ready, not_ready): returns once num_returns refs are done or timeout passes."""
+    if isinstance(refs, ObjectRef):
+        raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)
+    if len(set(map(id, refs))) != len(refs):
+        raise ValueError("wait() expects a list of unique ObjectRefs")
     if num_returns > len(refs):
         raise ValueError(f"num_returns ({num_returns}) is larger than the number of refs ({len(refs)})")
-    pending = [r for r in refs if not r._done]
-    if pending:
-        need = max(0, num_returns - (len(refs) - len(pending)))
-        done = set(_runtime().wait([r._ref for r in pending], need, -1.0 if timeout is None else float(timeout)))
-        for r in pending:
-            if r._ref in done:
-                r._resolve(*_runtime().take(r._ref))
-    ready = [r for r in refs if r._done][:max(num_returns, 0)] if num_returns else []
+    if num_returns <= 0:
+        raise ValueError(f"num_returns must be at least 1, not {num_returns}")
+    _settle(refs, num_returns, timeout)
+    ready = [r for r in refs if r._ready()][:num_returns]
     ready_ids = {id(r) for r in ready}
     return ready, [r for r in refs if id(r) not in ready_ids]
 
 
 def kill(handle, no_restart=True):
     """Kills the actor's worker; with no_restart it is DEAD afterwards."""
+    if not isinstance(handle, ActorHandle):
+        raise TypeError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
     _call(_runtime().kill, handle._id, bool(no_restart))
 
 
-def get_actor(name):
-    """The handle of the live actor named `name` (from any driver)."""
-    actor_id, type_name = _call(_runtime().get_actor, name)
+def exit_actor():
+    """Ends the calling actor once this call returns (atexit handlers run; no restart)."""
+    if not os.environ.get("TROUPE_ACTOR_ID"):
+        raise TypeError("exit_actor() called outside an actor")
+    raise ActorExit()
+
+
+def get_actor(name, namespace=None):
+    """The handle of the live actor named `name` in `namespace` (default: this job's)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"get_actor() takes a non-empty actor name, not {name!r}")
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a string, not {type(namespace).__name__}")
+    try:
+        actor_id, type_name = _call(_runtime().get_actor, _scoped_name(name, namespace))
+    except NotFoundError as e:
+        error = ActorNotFoundError(f"Failed to look up actor with name '{name}' in namespace "
+                                   f"'{namespace or _current_namespace()}': {e}")
+        error.code = "NOT_FOUND"
+        raise error from None
     return ActorHandle(actor_id, type_name)
+
+
+def get_runtime_context():
+    """What this process knows about where it runs (job id, namespace, actor id)."""
+    return _RuntimeContext()
+
+
+class _RuntimeContext:
+    @property
+    def namespace(self):
+        return _current_namespace()
+
+    def get_job_id(self):
+        return _job_id()
+
+    def get_actor_id(self):
+        return os.environ.get("TROUPE_ACTOR_ID")
 
 
 def nodes():
@@ -514,6 +1039,16 @@ def cluster_resources():
             for k, v in n["resources"].items():
                 total[k] = total.get(k, 0.0) + v
     return total
+
+
+def available_resources():
+    """Resources of the alive nodes not held by actors or placement groups."""
+    free = {}
+    for n in nodes():
+        if n["state"] == "ALIVE":
+            for k, v in n["resources"].items():
+                free[k] = free.get(k, 0.0) + max(0.0, v - n["used"].get(k, 0.0))
+    return free
 
 
 def actors():

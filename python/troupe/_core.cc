@@ -97,6 +97,11 @@ struct ExposeLoopGetter {
 };
 template struct ExposeLoopGetter<&kj::Executor::getLoop>;
 
+// Set on a Python worker's main thread, which runs the actor server's own event loop: a thread
+// has at most one KJ loop, so there a Runtime (the actor calling other actors) never runs its
+// loop on the calling thread; it waits while its background thread runs it.
+thread_local bool tHasServerLoop = false;
+
 // How long the loop stays with the Python thread that ran it last before the background thread
 // takes it back: longer than the gap between two calls of a synchronous loop in Python.
 constexpr auto kIdleHandBack = std::chrono::milliseconds(2);
@@ -248,7 +253,7 @@ class Runtime {
     bool idle = inFlight_ == 0 && submitted_.empty();
     ++inFlight_;
     completions_[ref];
-    if (idle && holder_ == Holder::kNone && !stopping_) {
+    if (idle && holder_ == Holder::kNone && !stopping_ && !tHasServerLoop) {
       holder_ = Holder::kCaller;
       lock.unlock();
       {
@@ -262,7 +267,7 @@ class Runtime {
     }
     submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
     if (submitted_.size() == 1) poke(wakeFd_);
-    if (idle) askForLoop(lock);  // so that the get() that usually follows runs the loop itself
+    if (idle && !tHasServerLoop) askForLoop(lock);  // so that the get() that usually follows runs the loop itself
     return ref;
   }
 
@@ -308,7 +313,9 @@ class Runtime {
                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(
                         timeout < 0 ? 1e9 : timeout));
     while (countDone(refs) < need && std::chrono::steady_clock::now() < deadline) {
-      if (holder_ == Holder::kNone && !stopping_) {
+      if (tHasServerLoop) {
+        cv_.wait_until(lock, deadline);  // the background thread runs the loop
+      } else if (holder_ == Holder::kNone && !stopping_) {
         holder_ = Holder::kCaller;
         lock.unlock();
         runLoopUntil(refs, need, deadline);
@@ -518,8 +525,9 @@ class Runtime {
     std::string id = actor.id.hex();
     auto cursor = followed_.count(id) ? followed_[id] : Cursor{};
     if (actor.pid != 0) cursor.pid = followed_[id].pid = actor.pid;
-    std::string label = fmt::format("({} pid={})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type,
-                                    cursor.pid);
+    // An actor that died before any read has no pid left in its record: name it by id.
+    std::string who = cursor.pid != 0 ? fmt::format("pid={}", cursor.pid) : fmt::format("actor={}", id.substr(0, 8));
+    std::string label = fmt::format("({} {})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type, who);
     return nodeAgent(nodeAddress).then([id, cursor](rpc::NodeAgent::Client agent) {
       auto request = agent.readLogsRequest();
       request.setId(id);
@@ -714,11 +722,13 @@ class Runtime {
   bool closing_ = false;                                    // guarded by mutex_
 };
 
-// Serves one Python actor: `dispatch(method, payload) -> bytes` runs with the GIL held, one
-// call at a time in arrival order.
+// Serves one Python actor. Inline (the default): `dispatch(method, payload) -> bytes` runs on
+// the loop thread with the GIL held, one call at a time in arrival order. Concurrent (threaded
+// and async actors, task workers): `dispatch(method, payload, reply)` only hands the call to
+// Python's own executor and returns; `reply(bytes)`, called once from any thread, answers it.
 class PythonActor final : public rpc::Actor::Server {
  public:
-  explicit PythonActor(py::object dispatch) : dispatch_(std::move(dispatch)) {}
+  PythonActor(py::object dispatch, bool concurrent) : dispatch_(std::move(dispatch)), concurrent_(concurrent) {}
   ~PythonActor() {
     py::gil_scoped_acquire acquire;
     dispatch_ = py::object();
@@ -727,22 +737,36 @@ class PythonActor final : public rpc::Actor::Server {
  protected:
   kj::Promise<void> call(CallContext context) override {
     auto p = context.getParams();
-    auto reply = run(p.getMethod().cStr(), p.getPayload());
-    context.getResults().setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
+    if (concurrent_) {
+      return start(p.getMethod().cStr(), p.getPayload()).then([context](std::string reply) mutable {
+        setResult(context.getResults(), reply);
+      });
+    }
+    setResult(context.getResults(), run(p.getMethod().cStr(), p.getPayload()));
     return kj::READY_NOW;
   }
 
   kj::Promise<void> callBatch(CallBatchContext context) override {
     auto calls = context.getParams().getCalls();
-    auto replies = context.getResults().initReplies(calls.size());
-    for (unsigned i = 0; i < calls.size(); ++i) {
-      auto reply = run(calls[i].getMethod().cStr(), calls[i].getPayload());
-      replies[i].setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
+    if (concurrent_) {
+      auto started = kj::heapArrayBuilder<kj::Promise<std::string>>(calls.size());
+      for (unsigned i = 0; i < calls.size(); ++i) started.add(start(calls[i].getMethod().cStr(), calls[i].getPayload()));
+      return kj::joinPromises(started.finish()).then([context](kj::Array<std::string> replies) mutable {
+        auto out = context.getResults().initReplies(replies.size());
+        for (unsigned i = 0; i < replies.size(); ++i) setResult(out[i], replies[i]);
+      });
     }
+    auto replies = context.getResults().initReplies(calls.size());
+    for (unsigned i = 0; i < calls.size(); ++i) setResult(replies[i], run(calls[i].getMethod().cStr(), calls[i].getPayload()));
     return kj::READY_NOW;
   }
 
  private:
+  template <typename Builder>
+  static void setResult(Builder builder, const std::string& reply) {
+    builder.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
+  }
+
   // Exceptions are part of the reply (the Python layer encodes them), so this only fails if
   // the dispatcher itself is broken.
   std::string run(const char* method, capnp::Data::Reader payload) {
@@ -751,18 +775,34 @@ class PythonActor final : public rpc::Actor::Server {
     return result;
   }
 
+  kj::Promise<std::string> start(const char* method, capnp::Data::Reader payload) {
+    auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
+    auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<std::string>>>(kj::mv(paf.fulfiller));
+    py::gil_scoped_acquire acquire;
+    py::cpp_function reply([fulfiller](py::bytes data) {
+      std::string bytes = data;
+      py::gil_scoped_release release;
+      if ((*fulfiller)->isWaiting()) (*fulfiller)->fulfill(kj::mv(bytes));
+    });
+    dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()), reply);
+    return kj::mv(paf.promise);
+  }
+
   py::object dispatch_;
+  bool concurrent_;
 };
 
 // The Python worker's main loop: serve the actor, report ready, run until SIGTERM.
 void serveActor(const std::string& actorId, uint32_t incarnation, const std::string& controller,
-                const std::string& ip, const std::string& token, py::object dispatch) {
+                const std::string& ip, const std::string& token, py::object dispatch, bool concurrent) {
   auto controllerAddr = parseHostPort(controller);
   if (!controllerAddr.isOk()) throw py::value_error(controllerAddr.status().message());
   py::gil_scoped_release release;
+  tHasServerLoop = true;
   kj::UnixEventPort::captureSignal(SIGTERM);
   auto io = kj::setupAsyncIo();
-  auto server = RpcServer::listen(io, HostPort{ip, 0}, token, rpc::Actor::Client(kj::heap<PythonActor>(dispatch)));
+  auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
+                                  rpc::Actor::Client(kj::heap<PythonActor>(dispatch, concurrent)));
   if (!server.isOk()) throw std::runtime_error(server.status().message());
   std::string address = HostPort{ip, (*server)->port()}.toString();
   auto cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);
@@ -822,6 +862,7 @@ PYBIND11_MODULE(_core, m) {
       .def("remove_group", &Runtime::removeGroup)
       .def("group", &Runtime::group)
       .def("groups", &Runtime::groups);
-  m.def("serve_actor", &troupe::serveActor);
+  m.def("serve_actor", &troupe::serveActor, py::arg("actor_id"), py::arg("incarnation"), py::arg("controller"),
+        py::arg("ip"), py::arg("token"), py::arg("dispatch"), py::arg("concurrent") = false);
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
 }

@@ -54,8 +54,44 @@ def loads(data: bytes):
     return pickle.loads(main, buffers=buffers)
 
 
-def dump_reply(value) -> bytes:
-    return dumps(value, b"\x00")
+# A result whose out-of-band buffers (arrays, tensors) are at least this large goes to a caller
+# on the same host through a shared-memory file that the caller maps (no copy on the way, and
+# no limit from the RPC's message size); smaller ones travel in the reply.
+HANDOFF_MIN_BYTES = 1 << 20
+
+
+class _Handoff:
+    """Stands for a result written to shared memory; unpickles (in the caller) to the value."""
+
+    __slots__ = ("object_id",)
+
+    def __init__(self, object_id):
+        self.object_id = object_id
+
+    def __reduce__(self):
+        return _take, (self.object_id,)
+
+
+def _take(object_id):
+    from . import _objects
+
+    return _objects.store().take(object_id)
+
+
+def dump_reply(value, caller_host=None) -> bytes:
+    buffers = []
+    pickler = pickle.dumps if _plain(value) else cloudpickle.dumps
+    main = pickler(value, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    if caller_host is not None and sum(r.nbytes for r in raws) >= HANDOFF_MIN_BYTES:
+        from . import _objects
+
+        store = _objects.store()
+        if caller_host == store.host:
+            object_id, _ = store.write(main, raws)
+            return dumps(_Handoff(object_id), b"\x00")
+    header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
+    return b"".join([b"\x00", header, main, *raws])
 
 
 def dump_exception(exc, traceback_text) -> bytes:

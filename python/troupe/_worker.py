@@ -1,12 +1,55 @@
-"""A Python worker process: hosts one Python actor for a node agent.
+"""A Python worker process: hosts one Python actor (or a pool's task worker) for a node agent.
 
 Started as `python3 -m troupe._worker` with the same flags as troupe-worker. The actor's class,
-arguments and keyword arguments arrive (cloudpickled) in --args-file.
+arguments, keyword arguments and context (job, namespace, runtime_env, concurrency) arrive
+cloudpickled in --args-file.
+
+How calls run:
+- inline (the default): on the RPC loop's thread, one at a time in arrival order;
+- threaded (max_concurrency > 1): on a pool of that many threads;
+- async (the class has `async def` methods): as tasks on one asyncio loop, at most
+  max_concurrency (default 1000) at once; plain methods run on that loop too.
+An actor that calls other actors or tasks connects to the cluster on first use (troupe.get works
+inside methods). Exit codes 75 and 76 tell the controller not to restart the actor: it ended
+itself (exit_actor, a graceful terminate), or its constructor raised.
 """
 import argparse
+import asyncio
+import atexit
+import inspect
 import os
 import sys
+import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+from troupe.exceptions import ActorExit
+
+EXIT_ACTOR_ENDED = 75  # runtime/include/troupe/runtime/actor.h kExitActorEnded
+EXIT_INIT_FAILED = 76  # kExitInitFailed
+
+TERMINATE_METHODS = ("__troupe_terminate__", "__ray_terminate__")
+
+
+def _end(code):
+    """Leaves the process now: atexit handlers run, output is flushed, nothing restarts it."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_context(context):
+    from . import _api
+
+    env = (context.get("runtime_env") or {})
+    os.environ.update({str(k): str(v) for k, v in (env.get("env_vars") or {}).items()})
+    if env.get("working_dir"):
+        os.chdir(env["working_dir"])
+        sys.path.insert(0, env["working_dir"])
+    _api._worker_context.update(context)
 
 
 def main():
@@ -28,26 +71,35 @@ def main():
     with open(args.args_file, "rb") as f:
         init = f.read()
     os.unlink(args.args_file)
-    cls, cargs, ckwargs = _serialization.loads(init)
     os.environ["TROUPE_ACTOR_ID"] = args.actor_id
-    os.environ["TROUPE_ADDRESS"] = args.controller  # troupe.init() in a process it starts (a job's driver)
+    os.environ["TROUPE_ADDRESS"] = args.controller  # troupe.init() here, or in a process it starts
+    cls, cargs, ckwargs, context = _serialization.loads(init)
     try:
+        _serve_context(context)
         instance = cls(*cargs, **ckwargs)
     except BaseException:
         print(f"troupe-worker: {cls.__name__}.__init__ raised:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
-        return 1
+        return EXIT_INIT_FAILED
 
     # Node agents start workers with PYTHONUNBUFFERED=1, so output reaches the log files as it is
     # written; flushing after every call would only cost time (two calls per actor call).
     buffered = not os.environ.get("PYTHONUNBUFFERED")
+    is_async = any(inspect.iscoroutinefunction(m) for _, m in inspect.getmembers(cls, inspect.isfunction))
+    concurrency = int(context.get("max_concurrency") or (1000 if is_async else 1))
 
-    def dispatch(method, payload):
+    def execute(method, payload):
+        """Runs one call; the reply bytes (the value, or the exception with its traceback)."""
         try:
-            call_args, call_kwargs = _serialization.loads(payload)
+            if method in TERMINATE_METHODS:
+                raise ActorExit()
+            call_args, call_kwargs, *meta = _serialization.loads(payload)
+            call_args = _resolve_args(call_args)
             result = getattr(instance, method)(*call_args, **call_kwargs)
-            return _serialization.dump_reply(result)
+            return _serialization.dump_reply(result, meta[0] if meta else None)
+        except ActorExit:
+            _end(EXIT_ACTOR_ENDED)
         except BaseException as exc:  # the caller re-raises it
             return _serialization.dump_exception(exc, traceback.format_exc())
         finally:
@@ -55,9 +107,60 @@ def main():
                 sys.stdout.flush()
                 sys.stderr.flush()
 
+    if is_async:
+        dispatch = _async_dispatch(instance, concurrency, buffered)
+    elif concurrency > 1:
+        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="troupe-call")
+
+        def dispatch(method, payload, reply):
+            pool.submit(lambda: reply(execute(method, payload)))
+    else:
+        dispatch = execute
     _core.serve_actor(args.actor_id, args.incarnation, args.controller, args.node_ip_address,
-                      os.environ["TROUPE_TOKEN"], dispatch)
+                      os.environ["TROUPE_TOKEN"], dispatch, concurrent=dispatch is not execute)
     return 0
+
+
+def _resolve_args(call_args):
+    """Top-level ObjectRef arguments become their values (put() objects are mapped here)."""
+    from . import _api
+
+    if any(isinstance(a, _api.ObjectRef) for a in call_args):
+        return tuple(_api.get(a) if isinstance(a, _api.ObjectRef) else a for a in call_args)
+    return call_args
+
+
+def _async_dispatch(instance, concurrency, buffered):
+    """Calls of an async actor run as tasks of one asyncio loop in its own thread."""
+    from troupe import _serialization
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="troupe-asyncio", daemon=True).start()
+    limit = asyncio.Semaphore(concurrency, **({"loop": loop} if sys.version_info < (3, 10) else {}))
+
+    async def run(method, payload, reply):
+        async with limit:
+            try:
+                if method in TERMINATE_METHODS:
+                    raise ActorExit()
+                call_args, call_kwargs, *meta = _serialization.loads(payload)
+                result = getattr(instance, method)(*_resolve_args(call_args), **call_kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+                data = _serialization.dump_reply(result, meta[0] if meta else None)
+            except ActorExit:
+                _end(EXIT_ACTOR_ENDED)
+            except BaseException as exc:
+                data = _serialization.dump_exception(exc, traceback.format_exc())
+            if buffered:
+                sys.stdout.flush()
+                sys.stderr.flush()
+        reply(data)
+
+    def dispatch(method, payload, reply):
+        loop.call_soon_threadsafe(lambda: loop.create_task(run(method, payload, reply)))
+
+    return dispatch
 
 
 if __name__ == "__main__":

@@ -15,20 +15,26 @@ class ActorError(TroupeError):
         self.remote_traceback = remote_traceback
         self.cause = cause
 
-    @staticmethod
-    def wrap(cause, remote_traceback, where):
-        """An exception that is both an ActorError and of type(cause)."""
+    @classmethod
+    def wrap(cls, cause, remote_traceback, where):
+        """An exception that is both a `cls` (ActorError or TaskError) and of type(cause)."""
         base = type(cause)
         message = f"{where} raised {base.__name__}: {cause}\n\nRemote traceback:\n{remote_traceback}"
+        if isinstance(cause, cls):  # raised again by a caller in between: keep the innermost
+            return cause
         try:
-            cls = type(f"ActorError({base.__name__})", (ActorError, base), {
+            wrapped = type(f"{cls.__name__}({base.__name__})", (cls, base), {
                 "__init__": lambda self, *a: ActorError.__init__(self, message, remote_traceback, cause),
                 "__str__": lambda self: message,
-                "__reduce__": lambda self: (ActorError, (message, remote_traceback)),
+                "__reduce__": lambda self: (cls, (message, remote_traceback)),
             })
-            return cls()
+            return wrapped()
         except TypeError:  # a type that cannot be subclassed (e.g. with __slots__ conflicts)
-            return ActorError(message, remote_traceback, cause)
+            return cls(message, remote_traceback, cause)
+
+
+class TaskError(ActorError):
+    """A remote function raised; like ActorError, also an instance of the original type."""
 
 
 class ActorDiedError(TroupeError):
@@ -104,3 +110,20 @@ def from_code(code, message):
     err = cls(message)
     err.code = code
     return err
+
+
+class ObjectLostError(TroupeError):
+    """An object cannot be read: its owner died or freed it, or it lives on another host."""
+
+
+class WorkerCrashedError(TroupeError):
+    """The worker running a task died (and the task's retries are spent); the message says why."""
+
+
+class ActorExit(BaseException):
+    """Raised by troupe.exit_actor() inside an actor: ends it once the current call is done. A
+    BaseException, so that `except Exception` in the actor's code does not swallow it."""
+
+
+class ActorNotFoundError(NotFoundError, ValueError):
+    """get_actor() found no live actor by that name (a ValueError, as in Ray)."""

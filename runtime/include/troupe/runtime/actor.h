@@ -23,6 +23,12 @@ namespace troupe {
 
 class ClusterClient;
 
+// Exit codes by which a worker tells its node agent (and so the controller) that its actor must
+// not be restarted, whatever its max_restarts: the actor ended itself (exit_actor, a graceful
+// terminate), or its constructor raised (a restart would raise again).
+inline constexpr int kExitActorEnded = 75;
+inline constexpr int kExitInitFailed = 76;
+
 // What an actor learns about itself at construction.
 struct ActorContext {
   ActorId id;

@@ -1,0 +1,276 @@
+"""Objects made with troupe.put(): one file per object in a per-machine shared-memory directory.
+
+Why files in /dev/shm: every process of the machine (drivers, actors, task workers, and the
+nodes of a test bed's network namespaces) maps the same pages, so a get() is an mmap and the
+numpy arrays it returns point into them (read-only, as Ray's plasma store returns them); a put()
+is one copy, written with writev straight from the pickle-5 buffers. No daemon owns the memory,
+so nothing has to be started, and an object's lifetime is its owner's (below).
+
+Ownership, as Ray's: the process that put an object owns it. The owner counts its own refs and
+deletes the object when the last one is gone, unless a ref was passed to another process (then
+the object lives until the owner exits: borrowers do not report back). An owner that exits
+deletes what it owns; one killed with -9 leaves files that the next process of the machine to
+open the store sweeps (their owner pid is dead). A get() of an object whose owner is gone raises
+ObjectLostError saying so.
+
+File: b"TOB1" | u32 count | u64 len(pickle) | u64 len(buffer) * count | pickle | buffers, each
+buffer at a 64-byte aligned offset (so arrays map aligned).
+"""
+import itertools
+import mmap
+import os
+import pickle
+import secrets
+import socket
+import stat
+import struct
+import threading
+
+import cloudpickle
+
+from .exceptions import ObjectLostError, TroupeError
+
+_MAGIC = b"TOB1"
+_ALIGN = 64
+_MAX_BUFFERS = 1 << 20
+
+
+_HOST = None
+
+
+def host_id():
+    """This machine (hostname and boot id): processes with the same one share /dev/shm."""
+    global _HOST
+    if _HOST is None:
+        _HOST = _host_id()
+    return _HOST
+
+
+def _host_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Store:
+    """This process's view of the machine's object directory."""
+
+    def __init__(self):
+        root = os.environ.get("TROUPE_OBJECT_DIR") or f"/dev/shm/troupe-objects-{os.getuid()}"
+        if not os.path.isdir(os.path.dirname(root) or "/"):
+            root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"troupe-objects-{os.getuid()}")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise TroupeError(f"the object directory {root} must be a directory owned by uid {os.getuid()} "
+                              f"with mode 0700 (it is {oct(st.st_mode & 0o777)}, uid {st.st_uid})")
+        self.root = root
+        self.host = host_id()
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.counter = itertools.count()
+        self.owned = {}  # object id -> [local ref count, lent]
+        self.sweep()
+
+    def sweep(self):
+        """Deletes the objects of owners that died without cleaning up (kill -9)."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            pid = _owner_pid(name)
+            if pid and not _alive(pid):
+                try:
+                    os.unlink(os.path.join(self.root, name))
+                except OSError:
+                    pass
+
+    def path(self, object_id):
+        return os.path.join(self.root, object_id)
+
+    def put(self, value):
+        main, raws = _pickle(value)
+        object_id, size = self.write(main, raws)
+        with self.lock:
+            self.owned[object_id] = [0, False]
+        return object_id, size
+
+    def write(self, main, raws):
+        """Writes one object file (not owned: put() and handoffs decide who deletes it)."""
+        header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
+        parts, offset = [header, main], len(header) + len(main)
+        for raw in raws:
+            pad = -offset % _ALIGN
+            if pad:
+                parts.append(b"\0" * pad)
+            parts.append(raw)
+            offset += pad + raw.nbytes
+        object_id = f"{self.pid}-{next(self.counter)}-{secrets.token_hex(4)}"
+        path = self.path(object_id)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        try:
+            for start in range(0, len(parts), 512):  # IOV_MAX is 1024
+                chunk = parts[start:start + 512]
+                want = sum(memoryview(p).nbytes for p in chunk)
+                if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
+                    raise OSError(28, "No space left on device")
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
+                              "(is the shared-memory file system full?)") from None
+        os.close(fd)
+        return object_id, offset
+
+    def take(self, object_id):
+        """The value of a handed-off object, which this process now holds alone: the file is
+        mapped, then unlinked (the mapping lives as long as the value's arrays)."""
+        path = self.path(object_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectLostError(f"a result handed over in shared memory ({object_id}) is gone") from None
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        if mm is None:
+            raise ObjectLostError(f"a result handed over in shared memory ({object_id}) is empty")
+        return _decode(memoryview(mm), object_id)
+
+    def get(self, object_id, host, owner):
+        if host != self.host:
+            raise ObjectLostError(f"object {object_id} lives in the shared memory of another host ({host}); "
+                                  "Troupe does not move put() objects between hosts yet: pass the value, or a ref "
+                                  "as a top-level argument from a process on that host")
+        if owner != self.pid and not _alive(owner):  # its file may be left (kill -9): it is lost all the same
+            try:
+                os.unlink(self.path(object_id))
+            except OSError:
+                pass
+            raise ObjectLostError(f"object {object_id} is lost: its owner (pid {owner}) died, and its objects "
+                                  "with it")
+        try:
+            fd = os.open(self.path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not _alive(owner):
+                raise ObjectLostError(f"object {object_id} is lost: its owner (pid {owner}) died, and its objects "
+                                      "with it") from None
+            raise ObjectLostError(f"object {object_id} was freed by its owner (pid {owner}): no ref to it was "
+                                  "left there") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < len(_MAGIC) + 12:
+                raise ObjectLostError(f"object {object_id} is corrupt: {size} bytes")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return _decode(memoryview(mm), object_id)
+
+    def ref_added(self, object_id):
+        with self.lock:
+            entry = self.owned.get(object_id)
+            if entry is not None:
+                entry[0] += 1
+
+    def ref_dropped(self, object_id):
+        with self.lock:
+            entry = self.owned.get(object_id)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] > 0 or entry[1]:
+                return
+            del self.owned[object_id]
+        try:
+            os.unlink(self.path(object_id))
+        except OSError:
+            pass
+
+    def lent(self, object_id):
+        with self.lock:
+            entry = self.owned.get(object_id)
+            if entry is not None:
+                entry[1] = True
+
+    def close(self):
+        """Deletes what this process owns (at exit)."""
+        with self.lock:
+            owned, self.owned = self.owned, {}
+        for object_id in owned:
+            try:
+                os.unlink(self.path(object_id))
+            except OSError:
+                pass
+
+
+def _pickle(value):
+    buffers = []
+    try:
+        main = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        buffers = []
+        main = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return main, [b.raw() for b in buffers]
+
+
+def _decode(view, object_id):
+    """The value in a mapped object file; every size is checked against the file first."""
+    if view[:4] != _MAGIC:
+        raise ObjectLostError(f"object {object_id} is corrupt: bad magic")
+    (count,) = struct.unpack_from("<I", view, 4)
+    if count > _MAX_BUFFERS or 8 + 8 * (count + 1) > len(view):
+        raise ObjectLostError(f"object {object_id} is corrupt: {count} buffers")
+    sizes = struct.unpack_from(f"<Q{count}Q", view, 8)
+    offset = 8 + 8 * (count + 1)
+    if offset + sizes[0] > len(view):
+        raise ObjectLostError(f"object {object_id} is corrupt: its pickle runs past the end")
+    main = view[offset:offset + sizes[0]]
+    offset += sizes[0]
+    buffers = []
+    for size in sizes[1:]:
+        offset += -offset % _ALIGN
+        if offset + size > len(view):
+            raise ObjectLostError(f"object {object_id} is corrupt: a buffer runs past the end")
+        buffers.append(view[offset:offset + size])
+        offset += size
+    return pickle.loads(main, buffers=buffers)
+
+
+def _owner_pid(name):
+    head = name.partition("-")[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+_store = None
+_store_lock = threading.Lock()
+
+
+def store():
+    global _store
+    if _store is None or _store.pid != os.getpid():
+        with _store_lock:
+            if _store is None or _store.pid != os.getpid():
+                _store = _Store()
+    return _store
+
+
+def close():
+    if _store is not None and _store.pid == os.getpid():
+        _store.close()

@@ -1,0 +1,114 @@
+"""Placement groups from Python, as ray.util offers them.
+
+    pg = troupe.util.placement_group([{"CPU": 1}, {"CPU": 1}], strategy="SPREAD")
+    troupe.get(pg.ready())
+    a = Actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+    troupe.util.remove_placement_group(pg)
+"""
+import time
+
+from . import _api
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class PlacementGroup:
+    """A handle to a placement group: its id, bundles, and readiness."""
+
+    def __init__(self, pg_id, bundle_specs=None):
+        self.id = pg_id
+        self.bundle_specs = bundle_specs or []
+
+    @property
+    def bundle_count(self):
+        return len(self.bundle_specs)
+
+    def _state(self):
+        return _api._call(_api._runtime().placement_group, self.id)
+
+    def ready(self):
+        """An ObjectRef that resolves (to this group) once every bundle is placed; get() of it
+        raises if the group was removed."""
+
+        def poll():
+            g = self._state()
+            if g["state"] == "CREATED":
+                return True, self
+            if g["state"] == "REMOVED":
+                return True, _api.TroupeError(f"placement group {self.id} was removed before it was ready")
+            return False, None
+
+        return _api._PollRef(f"placement_group({self.id[:8]}).ready", poll)
+
+    def wait(self, timeout_seconds=30):
+        """True once the group is placed, False if timeout_seconds pass first."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            state = self._state()["state"]
+            if state == "CREATED":
+                return True
+            if state == "REMOVED" or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def __reduce__(self):
+        return PlacementGroup, (self.id, self.bundle_specs)
+
+    def __eq__(self, other):
+        return isinstance(other, PlacementGroup) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __repr__(self):
+        return f"PlacementGroup({self.id})"
+
+
+def placement_group(bundles, strategy="PACK", name="", lifetime=None):
+    """Reserves `bundles` (a list of {resource: quantity}) with `strategy`; returns at once, with
+    the group PENDING until it is placed (see ready() and wait()). An infeasible group raises."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    if not isinstance(bundles, (list, tuple)) or not bundles:
+        raise ValueError("bundles must be a non-empty list of {resource: quantity} dicts")
+    specs = []
+    for i, b in enumerate(bundles):
+        if not isinstance(b, dict) or not b or any(not isinstance(v, (int, float)) or v < 0 for v in b.values()):
+            raise ValueError(f"bundle {i} must be a non-empty dict of quantities >= 0, not {b!r}")
+        if all(v == 0 for v in b.values()):
+            raise ValueError(f"bundle {i} asks for no resources: {b!r}")
+        specs.append({k: float(v) for k, v in b.items()})
+    if lifetime not in (None, "detached"):
+        raise ValueError(f"lifetime must be None or 'detached', not {lifetime!r}")
+    g = _api._call(_api._runtime().create_placement_group, strategy, specs, name or "")
+    return PlacementGroup(g["id"], specs)
+
+
+def remove_placement_group(pg):
+    """Releases the group's bundles; actors in it end."""
+    _api._call(_api._runtime().remove_placement_group, getattr(pg, "id", pg))
+
+
+def placement_group_table(pg=None):
+    """The state of one group (or, with no argument, raises: listing all is `troupe status`)."""
+    if pg is None:
+        raise TypeError("placement_group_table() needs a placement group (see `troupe status` for all)")
+    return _api._call(_api._runtime().placement_group, getattr(pg, "id", pg))
+
+
+class PlacementGroupSchedulingStrategy:
+    """Schedules an actor or task into a bundle of a placement group (index -1: bundle 0)."""
+
+    def __init__(self, placement_group, placement_group_bundle_index=-1, placement_group_capture_child_tasks=None):
+        self.placement_group = placement_group
+        self.placement_group_bundle_index = placement_group_bundle_index
+
+
+class NodeAffinitySchedulingStrategy:
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("NodeAffinitySchedulingStrategy is not supported by Troupe; use a custom "
+                                  "resource of the node (start --resources) or a placement group")
+
+
+__all__ = ["PlacementGroup", "PlacementGroupSchedulingStrategy", "placement_group", "placement_group_table",
+           "remove_placement_group"]

@@ -1,0 +1,128 @@
+"""Failures, as Ray's test_actor_failures.py exercises them: calls keep their order across a
+restart, a constructor that raises ends the actor, Ctrl-C interrupts a get(), and init()'s
+keywords are honoured or refused clearly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from troupe_testing import PYTHON_PACKAGE, eventually, import_troupe, run_driver
+
+troupe = import_troupe()
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    troupe.init(num_cpus=2)
+    yield
+    troupe.shutdown()
+
+
+@troupe.remote(max_restarts=-1, max_task_retries=-1)
+class Journal:
+    """Appends each call's number to a file that outlives its incarnations."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def record(self, i, hold_first=None):
+        if hold_first and not os.path.exists(hold_first):
+            open(hold_first, "w").write(str(os.getpid()))
+            time.sleep(60)  # killed while it sleeps
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return i
+
+
+def test_calls_keep_their_order_across_a_restart(tmp_path):
+    journal, marker = tmp_path / "journal", tmp_path / "started"
+    j = Journal.remote(str(journal))
+    refs = [j.record.remote(0, str(marker))] + [j.record.remote(i) for i in range(1, 100)]
+    eventually(lambda: marker.exists() and marker.read_text(), 60, "the first call to start")
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert troupe.get(refs, timeout=90) == list(range(100))
+    assert journal.read_text().split() == [str(i) for i in range(100)]  # retried in the order sent
+
+
+@troupe.remote(max_restarts=-1)
+class BadInit:
+    def __init__(self):
+        raise RuntimeError("no config file")
+
+    def ping(self):
+        return "never"
+
+
+def test_a_constructor_that_raises_ends_the_actor_with_its_error():
+    b = BadInit.remote()
+    with pytest.raises(troupe.ActorDiedError, match="constructor raised.*no config file"):
+        troupe.get(b.ping.remote(), timeout=60)
+    info = troupe._api._runtime().actor_info(b.actor_id)
+    assert info["state"] == "DEAD" and info["restarts"] == 0
+
+
+def test_ctrl_c_interrupts_a_get_waiting_on_a_pending_actor():
+    code = (
+        "import troupe, sys\n"
+        "troupe.init(num_cpus=1)\n"
+        "@troupe.remote(num_cpus=1)\n"
+        "class A:\n"
+        "    def f(self): return 1\n"
+        "a, b = A.remote(), A.remote()\n"
+        "troupe.get(a.f.remote())\n"
+        "try:\n"
+        "    print('waiting', flush=True)\n"
+        "    troupe.get(b.f.remote())\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE))
+    p = subprocess.Popen([sys.executable if sys.executable.startswith("/usr/bin") else "/usr/bin/python3", "-c", code],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 3 and "interrupted" in out, err
+
+
+def test_init_refuses_what_it_cannot_honour():
+    with pytest.raises(TypeError, match="does not support \\['object_store_memory'\\]"):
+        troupe.init(object_store_memory=10)
+    with pytest.raises(ValueError, match="runtime_env keys \\['pip'\\]"):
+        troupe.init(runtime_env={"pip": ["requests"]})
+    with pytest.raises(ValueError, match="working_dir"):
+        troupe.init(runtime_env={"working_dir": "s3://bucket/code.zip"})
+    with pytest.raises(ValueError, match="namespace"):
+        troupe.init(namespace="a/b")
+
+
+def test_runtime_env_reaches_actors_and_tasks(tmp_path):
+    (tmp_path / "helper_mod.py").write_text("VALUE = 'from working_dir'\n")
+    code = (
+        "import troupe, os, json\n"
+        f"troupe.init(num_cpus=1, runtime_env={{'env_vars': {{'MY_FLAG': 'on'}}, 'working_dir': {str(tmp_path)!r}}})\n"
+        "@troupe.remote\n"
+        "class Probe:\n"
+        "    def look(self):\n"
+        "        import helper_mod\n"
+        "        return os.environ.get('MY_FLAG'), helper_mod.VALUE, os.getcwd()\n"
+        "@troupe.remote\n"
+        "def task():\n"
+        "    return os.environ.get('MY_FLAG')\n"
+        "print(json.dumps([troupe.get(Probe.remote().look.remote()), troupe.get(task.remote())]))\n"
+    )
+    p = run_driver(code, timeout=90)
+    assert p.returncode == 0, p.stderr
+    (flag, value, cwd), task_flag = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (flag, value, cwd, task_flag) == ("on", "from working_dir", str(tmp_path), "on")

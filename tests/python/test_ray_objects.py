@@ -1,0 +1,125 @@
+"""Objects: put/get, refs as arguments (resolved at the top level, kept as refs when nested),
+results passed between calls, zero-copy arrays, freeing, owners that die, corrupt objects."""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from troupe_testing import eventually, import_troupe
+
+troupe = import_troupe()
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    troupe.init(num_cpus=2)
+    yield
+    troupe.shutdown()
+
+
+def store_dir():
+    from troupe import _objects
+
+    return _objects.store().root
+
+
+@troupe.remote
+def total(x):
+    return float(np.asarray(x).sum())
+
+
+@troupe.remote
+def describe(arg):
+    return [type(v).__name__ for v in arg]
+
+
+@troupe.remote
+def fetch_nested(arg):
+    return [troupe.get(v) for v in arg]
+
+
+@troupe.remote
+class Holder:
+    def put_array(self, n):
+        return troupe.put(np.full(n, 2.0))
+
+    def big(self, n):
+        return np.ones(n)
+
+    def pid(self):
+        return os.getpid()
+
+    def add(self, a, b):
+        return a + b
+
+
+def test_put_get_is_zero_copy_and_read_only():
+    x = np.arange(1_000_000, dtype=np.float64)
+    ref = troupe.put(x)
+    y = troupe.get(ref)
+    assert np.array_equal(x, y)
+    assert not y.flags.writeable  # mapped from shared memory, as Ray's plasma gives it
+    assert troupe.get(troupe.put({"a": [1, 2], "b": "text"})) == {"a": [1, 2], "b": "text"}
+    with pytest.raises(TypeError):
+        troupe.put(ref)
+
+
+def test_refs_as_arguments_top_level_resolved_nested_kept():
+    ref = troupe.put(np.ones(1000))
+    assert troupe.get(total.remote(ref)) == 1000.0
+    assert troupe.get(describe.remote([ref, 1])) == ["_StoredRef", "int"]
+    assert troupe.get(fetch_nested.remote([troupe.put("deep")])) == ["deep"]
+    # The result of one call as the argument of the next, without a get() in between.
+    h = Holder.remote()
+    first = h.add.remote(1, 2)
+    second = h.add.remote(first, 10)
+    assert troupe.get(total.remote(second)) == 13.0
+    assert troupe.get(fetch_nested.remote([first])) == [3]
+
+
+def test_large_results_and_arguments_move_through_shared_memory():
+    h = Holder.remote()
+    big = troupe.get(h.big.remote(10_000_000))  # 80 MB: more than one RPC message may carry
+    assert big.shape == (10_000_000,) and big[-1] == 1.0
+    assert troupe.get(total.remote(troupe.put(np.ones(10_000_000)))) == 1e7
+
+
+def test_an_object_is_freed_when_its_last_ref_is_gone():
+    ref = troupe.put(np.zeros(1000))
+    path = os.path.join(store_dir(), ref.hex())
+    assert os.path.exists(path)
+    copy = ref
+    del ref
+    assert os.path.exists(path)
+    del copy
+    assert not os.path.exists(path)
+
+
+def test_a_get_of_an_object_whose_owner_died_says_so():
+    h = Holder.remote()
+    inner = troupe.get(h.put_array.remote(10))  # the actor owns it; we borrow the ref
+    assert list(troupe.get(inner)) == [2.0] * 10
+    os.kill(troupe.get(h.pid.remote()), signal.SIGKILL)
+    eventually(lambda: troupe._api._runtime().actor_info(h.actor_id)["state"] == "DEAD", 30, "the owner to die")
+    with pytest.raises(troupe.ObjectLostError, match="owner .* died"):
+        troupe.get(inner)
+
+
+def test_a_corrupt_object_file_is_an_error_not_a_crash():
+    ref = troupe.put(np.arange(100))
+    path = os.path.join(store_dir(), ref.hex())
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff" * 8)  # the pickle's length now runs past the end
+    with pytest.raises(troupe.ObjectLostError, match="corrupt"):
+        troupe.get(ref)
+
+
+def test_the_object_directory_is_private():
+    st = os.stat(store_dir())
+    assert st.st_mode & 0o777 == 0o700
+    ref = troupe.put(b"secret")
+    assert os.stat(os.path.join(store_dir(), ref.hex())).st_mode & 0o777 == 0o600
