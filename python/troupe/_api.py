@@ -317,7 +317,8 @@ def _call(fn, *args):
 _OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "name", "namespace", "max_restarts",
                  "max_task_retries", "max_concurrency", "lifetime", "placement_group", "bundle_index",
                  "placement_group_bundle_index", "scheduling_strategy", "get_if_exists", "runtime_env",
-                 "placement_group_capture_child_tasks", "concurrency_groups"}
+                 "placement_group_capture_child_tasks", "concurrency_groups",
+                 "_task_worker"}  # internal: the actor is a task pool's worker (_tasks.py)
 
 
 def _check_options(options, what="actor"):
@@ -490,6 +491,7 @@ class ActorClass:
             "namespace": options.get("namespace") or _current_namespace(),
             "runtime_env": options.get("runtime_env") or session_env,
             "max_concurrency": options.get("max_concurrency"),
+            "task_worker": bool(options.get("_task_worker")),
         }
         init_args = _serialization.dumps((self._cls, args, kwargs, context))
         actor_id = _create("py:" + self._cls.__qualname__, init_args, options)
@@ -870,14 +872,22 @@ _WAIT_SLICE = 0.5
 _SLOW_GET_NOTICE = 10.0
 
 
+# Set in a task worker: called before a get() or wait() blocks (see _worker._Drainer).
+_blocking_hook = None
+
+
 def _settle(refs, need, timeout):
     """Waits until `need` of refs are ready, or the timeout passes (returns False then)."""
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     started, noticed = time.monotonic(), False
+    hooked = False
     while True:
         ready = sum(1 for r in refs if r._ready())
         if ready >= need:
             return True
+        if not hooked and _blocking_hook is not None:
+            hooked = True
+            _blocking_hook()
         roots = {}
         polling = False
         for r in refs:
@@ -937,6 +947,8 @@ def get(refs, timeout=None):
     if type(refs) is ObjectRef and refs._retry is None:  # the common synchronous case
         if not refs._done:
             rt = _runtime()
+            if _blocking_hook is not None:
+                _blocking_hook()
             if rt.wait([refs._ref], 1, _WAIT_SLICE if timeout is None else min(float(timeout), _WAIT_SLICE)):
                 refs._resolve(*rt.take(refs._ref))
             elif not _settle([refs], 1, None if timeout is None else max(0.0, float(timeout) - _WAIT_SLICE)):

@@ -23,15 +23,16 @@ def _plain(value, depth=0):
     if t in _PLAIN:
         return True
     if t is tuple or t is list:
-        return depth < 2 and all(_plain(v, depth + 1) for v in value)
+        return depth < 3 and all(_plain(v, depth + 1) for v in value)
     if t is dict:
-        return depth < 2 and all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+        return depth < 3 and all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
     return t.__module__.partition(".")[0] in _PLAIN_MODULES and t.__module__ != "__main__"
 
 
-def dumps(obj, tag=b"") -> bytes:
+def dumps(obj, tag=b"", plain=None) -> bytes:
+    """plain=True: the caller knows obj needs no cloudpickle (saves the walk over it)."""
     buffers = []
-    pickler = pickle.dumps if _plain(obj) else cloudpickle.dumps
+    pickler = pickle.dumps if (plain if plain is not None else _plain(obj)) else cloudpickle.dumps
     main = pickler(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])

@@ -31,6 +31,7 @@ THREADS_PER_WORKER = 256
 
 _lock = threading.Lock()
 _pools = {}
+_generation = 0  # bumped by reset(): pools cached on RemoteFunctions are stale
 
 
 class RemoteFunction:
@@ -155,6 +156,7 @@ def _make_pool(shape, pg, index, runtime_env):
         worker["runtime_env"] = runtime_env
     if pg:
         worker.update(placement_group=pg, placement_group_bundle_index=index, max_concurrency=THREADS_PER_WORKER,
+                      _task_worker=True,
                       resources={k: v for k, v in shape.items() if k not in ("GPU", "memory")},
                       num_gpus=shape.get("GPU", 0) or None, memory=shape.get("memory"))
         size, name = 1, f"pg-{pg}-{index}"
@@ -169,7 +171,7 @@ def _make_pool(shape, pg, index, runtime_env):
         name = "-".join(f"{k}={v:g}" for k, v in sorted(shape.items()))
     else:
         size = max(1, min(MAX_POOL, int(total.get("CPU", 1.0))))
-        worker.update(num_cpus=0, max_concurrency=THREADS_PER_WORKER)
+        worker.update(num_cpus=0, max_concurrency=THREADS_PER_WORKER, _task_worker=True)
         name = "cpu"
     if runtime_env:
         name += "-env" + hashlib.blake2b(repr(runtime_env).encode(), digest_size=4).hexdigest()
@@ -216,9 +218,16 @@ class _Retry:
 
 def submit(rf, args, kwargs):
     options = rf._options
-    pool = _pool_for(options)
+    cached = rf.__dict__.get("_pool_cache")
+    if cached is not None and cached[0] == _generation:
+        pool = cached[1]
+    else:
+        pool = _pool_for(options)
+        rf._pool_cache = (_generation, pool)
     key, blob = rf._pickled()
-    payload = _serialization.dumps(((key, blob, _api._top_level_args(args), kwargs), {}, _objects.host_id()))
+    args = _api._top_level_args(args)
+    plain = _serialization._plain(args) and _serialization._plain(kwargs)
+    payload = _serialization.dumps(((key, blob, args, kwargs), {}, _objects.host_id()), plain=plain)
     runtime = _api._runtime()
 
     def send(i):
@@ -241,8 +250,10 @@ def submit(rf, args, kwargs):
 
 def reset():
     """Forgets the pools (at shutdown: their workers end with this process's session)."""
+    global _generation
     with _lock:
         _pools.clear()
+        _generation += 1
 
 
 __all__ = ["RemoteFunction", "TroupeError"]

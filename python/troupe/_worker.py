@@ -16,6 +16,7 @@ itself (exit_actor, a graceful terminate), or its constructor raised.
 import argparse
 import asyncio
 import atexit
+import collections
 import inspect
 import os
 import sys
@@ -109,6 +110,8 @@ def main():
 
     if is_async:
         dispatch = _async_dispatch(instance, concurrency, buffered)
+    elif context.get("task_worker"):
+        dispatch = _Drainer(execute, concurrency).dispatch
     elif concurrency > 1:
         pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="troupe-call")
 
@@ -119,6 +122,59 @@ def main():
     _core.serve_actor(args.actor_id, args.incarnation, args.controller, args.node_ip_address,
                       os.environ["TROUPE_TOKEN"], dispatch, concurrent=dispatch is not execute)
     return 0
+
+
+class _Drainer:
+    """Runs a task worker's calls in arrival order on one thread at a time (cheap for bursts of
+    small tasks), except that a task which blocks in get() hands the queue to a new thread first,
+    so a nested task queued behind it still runs (as Ray lends a blocked task's CPU)."""
+
+    def __init__(self, execute, threads):
+        from . import _api
+
+        self.execute = execute
+        self.pending = collections.deque()
+        self.lock = threading.Lock()
+        self.runner = None  # the thread draining the queue now
+        self.starting = False
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="troupe-task")
+        _api._blocking_hook = self.blocking
+
+    def dispatch(self, method, payload, reply):
+        self.pending.append((method, payload, reply))
+        with self.lock:
+            if self.runner is not None or self.starting:
+                return
+            self.starting = True
+        self.pool.submit(self.drain)
+
+    def drain(self):
+        me = threading.current_thread()
+        with self.lock:
+            self.starting = False
+            if self.runner is not None:
+                return
+            self.runner = me
+        while True:
+            with self.lock:
+                if self.runner is not me:
+                    return  # it blocked in get() meanwhile: the queue has a new runner
+                if not self.pending:
+                    self.runner = None
+                    return
+                method, payload, reply = self.pending.popleft()
+            reply(self.execute(method, payload))
+
+    def blocking(self):
+        """Called by get()/wait() before they wait: a runner gives the queue up."""
+        with self.lock:
+            if self.runner is not threading.current_thread():
+                return
+            self.runner = None
+            if not self.pending or self.starting:
+                return
+            self.starting = True
+        self.pool.submit(self.drain)
 
 
 def _resolve_args(call_args):

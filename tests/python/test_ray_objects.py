@@ -123,3 +123,21 @@ def test_the_object_directory_is_private():
     assert st.st_mode & 0o777 == 0o700
     ref = troupe.put(b"secret")
     assert os.stat(os.path.join(store_dir(), ref.hex())).st_mode & 0o777 == 0o600
+
+
+def test_a_freed_object_file_is_reused_only_when_no_value_maps_it():
+    x = np.arange(1 << 18, dtype=np.float64)  # 2 MB: files this large are kept for reuse
+    ref = troupe.put(x)
+    held = troupe.get(ref)  # a live value maps the file
+    path = os.path.join(store_dir(), ref.hex())
+    del ref
+    assert not os.path.exists(path)
+    again = troupe.put(np.zeros_like(x))
+    assert np.array_equal(held, x)  # not written over: its file was not reused
+    del held
+    ref2 = troupe.put(x)
+    del ref2, again  # nothing maps these: their files are kept...
+    third = troupe.put(np.ones_like(x))  # ...and one is written over by the next put
+    assert np.array_equal(troupe.get(third), np.ones_like(x))
+    kept = [n for n in os.listdir(store_dir()) if n.startswith(f"{os.getpid()}-free-")]
+    assert kept, "no freed file was kept for reuse"
