@@ -438,22 +438,33 @@ def _by_value(cls):
             pass
 
 
-def method(*, num_returns=None, concurrency_group=None, **others):
-    """@troupe.method(num_returns=N) on an actor method: its calls return N ObjectRefs."""
+def method(*, num_returns=None, retry_exceptions=None, concurrency_group=None, **others):
+    """@troupe.method(num_returns=N, retry_exceptions=...) on an actor method: its calls return
+    N ObjectRefs; an exception it raises (True: any; a list: those types) is retried within the
+    actor's max_task_retries."""
     if others:
-        raise TypeError(f"@troupe.method takes num_returns only, not {sorted(others)}")
+        raise TypeError(f"@troupe.method takes num_returns and retry_exceptions, not {sorted(others)}")
     if num_returns is not None and (not isinstance(num_returns, int) or num_returns < 0):
         raise ValueError(f"num_returns must be an integer >= 0, not {num_returns!r}")
+    _check_retry_exceptions(retry_exceptions)
 
     def mark(fn):
-        fn.__troupe_num_returns__ = 1 if num_returns is None else num_returns
+        fn.__troupe_method__ = (1 if num_returns is None else num_returns, retry_exceptions)
         return fn
 
     return mark
 
 
+def _check_retry_exceptions(value):
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, type) and issubclass(t, BaseException)
+                                                        for t in value):
+        raise TypeError(f"retry_exceptions must be a bool or a list of exception types, not {value!r}")
+
+
 def _methods_of(cls):
-    """{method name: num_returns} of an actor class: what its handles expose."""
+    """{method name: (num_returns, retry_exceptions)} of an actor class: what its handles expose."""
     out = {}
     for name in dir(cls):
         if name.startswith("__") and name.endswith("__"):
@@ -461,7 +472,7 @@ def _methods_of(cls):
         member = inspect.getattr_static(cls, name, None)
         fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
         if callable(fn):
-            out[name] = getattr(fn, "__troupe_num_returns__", 1)
+            out[name] = getattr(fn, "__troupe_method__", (1, None))
     return out
 
 
@@ -497,7 +508,8 @@ class ActorClass:
         actor_id = _create("py:" + self._cls.__qualname__, init_args, options)
         # Ray ends an unnamed, non-detached actor once no handle to it is left.
         owned = not options.get("name") and options.get("lifetime") != "detached"
-        return ActorHandle(actor_id, "py:" + self._cls.__qualname__, _methods_of(self._cls), owned=owned)
+        return ActorHandle(actor_id, "py:" + self._cls.__qualname__, _methods_of(self._cls), owned=owned,
+                           max_task_retries=int(options.get("max_task_retries") or 0))
 
     def bind(self, *args, **kwargs):
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
@@ -576,11 +588,12 @@ class ActorHandle:
     """A handle to an actor: `handle.method.remote(*args)` returns an ObjectRef. Handles can be
     passed to other actors and tasks, and survive restarts."""
 
-    def __init__(self, actor_id, type_name, methods=None, owned=False):
+    def __init__(self, actor_id, type_name, methods=None, owned=False, max_task_retries=0):
         self._id = actor_id
         self._type = type_name
         self._methods = methods
         self._owned = owned
+        self._max_task_retries = max_task_retries
         if owned:
             with _handle_lock:
                 _handle_counts[actor_id] = _handle_counts.get(actor_id, 0) + 1
@@ -595,17 +608,18 @@ class ActorHandle:
 
     def __getattr__(self, name):
         if name in ("__troupe_terminate__", "__ray_terminate__"):
-            return ActorMethod(self, "__troupe_terminate__", 1)
+            return ActorMethod(self, "__troupe_terminate__")
         if name.startswith("_"):
             raise AttributeError(name)
         if self._methods is not None and name not in self._methods:
             raise AttributeError(f"actor {self._type[3:] if self._is_python else self._type} has no method "
                                  f"{name!r}")
-        return ActorMethod(self, name, self._methods.get(name, 1) if self._methods else 1)
+        num_returns, retry_exceptions = self._methods.get(name, (1, None)) if self._methods else (1, None)
+        return ActorMethod(self, name, num_returns, retry_exceptions)
 
     def __reduce__(self):
         _lend(self._id)
-        return ActorHandle, (self._id, self._type, self._methods)
+        return ActorHandle, (self._id, self._type, self._methods, False, self._max_task_retries)
 
     def __del__(self):
         if not self._owned:
@@ -639,15 +653,18 @@ def _lend(actor_id):
 
 
 class ActorMethod:
-    def __init__(self, handle, name, num_returns=1):
+    def __init__(self, handle, name, num_returns=1, retry_exceptions=None):
         self._handle = handle
         self._name = name
         self._num_returns = num_returns
+        self._retry_exceptions = retry_exceptions
 
-    def options(self, num_returns=None, **others):
+    def options(self, num_returns=None, retry_exceptions=None, **others):
         if others:
-            raise TypeError(f"actor method options take num_returns only, not {sorted(others)}")
-        return ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns)
+            raise TypeError(f"actor method options take num_returns and retry_exceptions, not {sorted(others)}")
+        _check_retry_exceptions(retry_exceptions)
+        return ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
+                           self._retry_exceptions if retry_exceptions is None else retry_exceptions)
 
     def remote(self, *args, **kwargs):
         h = self._handle
@@ -659,12 +676,40 @@ class ActorMethod:
             payload = args[0] if args else b""
             if isinstance(payload, str):
                 payload = payload.encode()
-        ref = ObjectRef(_call(_runtime().submit, h._id, self._name, payload), h, self._name)
+        rt = _runtime()
+        ref = ObjectRef(_call(rt.submit, h._id, self._name, payload), h, self._name)
+        if self._retry_exceptions and h._max_task_retries != 0:
+            ref._retry = _ExceptionRetry(lambda: _call(rt.submit, h._id, self._name, payload), ref,
+                                         h._max_task_retries, self._retry_exceptions)
         return _split(ref, self._num_returns)
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"Actor methods cannot be called directly. Instead of running "
                         f"'object.{self._name}()', try 'object.{self._name}.remote()'.")
+
+
+class _ExceptionRetry:
+    """Sends an actor call again when it raised an exception that retry_exceptions names, within
+    the actor's max_task_retries (-1: no limit). Calls lost with a worker are retried by the
+    client itself."""
+
+    def __init__(self, send, ref, left, retry_exceptions):
+        self.send, self.ref, self.left, self.retry_exceptions = send, ref, left, retry_exceptions
+
+    def died(self, message):
+        return False
+
+    def exception(self, exc):
+        wanted = self.retry_exceptions
+        if self.left == 0 or (isinstance(wanted, (list, tuple)) and not isinstance(exc, tuple(wanted))):
+            return False
+        if self.left > 0:
+            self.left -= 1
+        self.ref._ref = self.send()
+        return True
+
+    def finished(self):
+        pass
 
 
 def _top_level_args(args):
@@ -743,7 +788,7 @@ class ObjectRef:
             message = data.decode(errors="replace")
             if self._retry is not None and self._retry.died(message):
                 return
-            self._value = ActorDiedError(message) if self._retry is None else \
+            self._value = ActorDiedError(message) if self._handle is not None else \
                 WorkerCrashedError(f"task {self._method}: its worker died: {message}")
         else:
             self._value = ActorError(f"{self._where()}: {data.decode(errors='replace')}")

@@ -126,3 +126,32 @@ def test_runtime_env_reaches_actors_and_tasks(tmp_path):
     assert p.returncode == 0, p.stderr
     (flag, value, cwd), task_flag = json.loads(p.stdout.strip().splitlines()[-1])
     assert (flag, value, cwd, task_flag) == ("on", "from working_dir", str(tmp_path), "on")
+
+
+@troupe.remote(max_task_retries=3)
+class Flaky:
+    def __init__(self):
+        self.calls = 0
+
+    @troupe.method(retry_exceptions=[ConnectionError])
+    def fetch(self, fail_times):
+        self.calls += 1
+        if self.calls <= fail_times:
+            raise ConnectionError(f"attempt {self.calls}")
+        return self.calls
+
+    def plain(self):
+        self.calls += 1
+        raise ConnectionError("not retried")
+
+
+def test_actor_methods_retry_the_exceptions_they_name_within_max_task_retries():
+    f = Flaky.remote()
+    assert troupe.get(f.fetch.remote(2)) == 3
+    with pytest.raises(ConnectionError, match="not retried"):
+        troupe.get(f.plain.remote())
+    g = Flaky.remote()
+    with pytest.raises(ConnectionError, match="attempt 4"):  # the first try and three retries
+        troupe.get(g.fetch.remote(10))
+    with pytest.raises(TypeError, match="retry_exceptions"):
+        f.fetch.options(retry_exceptions="yes")
