@@ -127,6 +127,20 @@ TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports a
   CHECK(c.used(node) == 0);
 }
 
+TEST_CASE("core: a final exit (the actor ended itself, its constructor raised) is never restarted") {
+  Core c;
+  NodeId node = c.addNode(2);
+  auto a = *c.core.createActor(c.spec(1, -1), c.actions);
+  REQUIRE(c.core.actorReady(a.id, 1, "x:1", 1).isOk());
+  REQUIRE(c.core.workerExited(a.id, 1, "its constructor raised (not restarted)", c.actions, true).isOk());
+  auto r = *c.core.getActor(a.id);
+  CHECK(r.state == ActorState::kDead);  // max_restarts=-1, yet DEAD
+  CHECK(r.restarts == 0);
+  CHECK(r.deathReason == "its constructor raised (not restarted)");
+  CHECK(c.spawns() == 1);
+  CHECK(c.used(node) == 0);
+}
+
 TEST_CASE("core: an actor that keeps ending soon after it starts restarts with a back-off; a long run resets it") {
   using std::chrono::milliseconds;
   Core c;
