@@ -127,3 +127,17 @@ def one_line_error(p):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("troupe: error:"), p.stderr
     return lines[0]
+
+
+def cluster_fixture(**init_kwargs):
+    """A module-scoped, autouse fixture: one embedded cluster (troupe.init(**init_kwargs)) shared
+    by every test of the module. Use as `cluster = cluster_fixture(num_cpus=2)`."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def cluster():
+        troupe = import_troupe()
+        troupe.init(**init_kwargs)
+        yield
+        troupe.shutdown()
+
+    return cluster

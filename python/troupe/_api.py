@@ -28,11 +28,15 @@ DEFAULT_NAMESPACE = "default"
 class _Session:
     """One driver's connection, and the embedded cluster it owns, if any."""
 
-    def __init__(self, runtime, address, cluster_process=None, run_root=None, log_to_driver=True):
+    def __init__(self, runtime, address, cluster_process=None, run_root=None, log_to_driver=True, job_id="",
+                 namespace=None, runtime_env=None):
         self.runtime = runtime
         self.address = address
         self.cluster_process = cluster_process
         self.run_root = run_root
+        self.job_id = job_id  # names the job's task pools; actors and tasks it starts inherit it
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.runtime_env = runtime_env
         self.closing = threading.Event()
         self.printer = None
         self.output = _OutputPrinter()
@@ -260,11 +264,10 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
             if proc is not None:
                 _stop_embedded(proc)
             raise UnavailableError(f"cannot reach the Troupe cluster at {address}: {e}") from None
-        _session = _Session(runtime, address, proc, run_root, log_to_driver)
-        ctx = _worker_context
-        _session.job_id = ctx.get("job_id") or secrets.token_hex(8)
-        _session.namespace = namespace or ctx.get("namespace") or DEFAULT_NAMESPACE
-        _session.runtime_env = runtime_env if runtime_env is not None else ctx.get("runtime_env")
+        ctx = _worker_context  # in a worker: the job that started it
+        _session = _Session(runtime, address, proc, run_root, log_to_driver, ctx.get("job_id") or secrets.token_hex(8),
+                            namespace or ctx.get("namespace"),
+                            runtime_env if runtime_env is not None else ctx.get("runtime_env"))
 
 
 def shutdown():

@@ -7,18 +7,14 @@ import time
 
 import pytest
 
-from troupe_testing import eventually, import_troupe, run_driver
+from troupe_testing import cluster_fixture, eventually, import_troupe, run_driver
 
 troupe = import_troupe()
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    troupe.init(num_cpus=2)
-    yield
-    troupe.shutdown()
+cluster = cluster_fixture(num_cpus=2)
 
 
 def state_of(handle):
@@ -152,7 +148,6 @@ def test_names_conflicts_get_if_exists_and_namespaces():
 
 def test_namespace_of_a_driver_scopes_its_names():
     address = troupe._api._session.address
-    token = troupe._api._runtime  # noqa: F841 (the token is read from the run directory below)
     cluster_file = os.path.join(troupe._api._session.run_root, "latest", "cluster.json")
     import json
 

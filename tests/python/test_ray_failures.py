@@ -10,18 +10,14 @@ import time
 
 import pytest
 
-from troupe_testing import PYTHON_PACKAGE, eventually, import_troupe, run_driver
+from troupe_testing import PYTHON_PACKAGE, cluster_fixture, eventually, import_troupe, run_driver
 
 troupe = import_troupe()
 
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    troupe.init(num_cpus=2)
-    yield
-    troupe.shutdown()
+cluster = cluster_fixture(num_cpus=2)
 
 
 @troupe.remote(max_restarts=-1, max_task_retries=-1)

@@ -6,18 +6,14 @@ import time
 
 import pytest
 
-from troupe_testing import eventually, import_troupe
+from troupe_testing import cluster_fixture, eventually, import_troupe
 
 troupe = import_troupe()
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    troupe.init(num_cpus=2, resources={"slot": 2})
-    yield
-    troupe.shutdown()
+cluster = cluster_fixture(num_cpus=2, resources={"slot": 2})
 
 
 @troupe.remote
