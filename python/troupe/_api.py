@@ -479,6 +479,33 @@ def _methods_of(cls):
     return out
 
 
+def _signatures_of(cls):
+    """{method name: signature as the caller sees it (no self)}: calls are checked against them
+    at .remote(), as Ray does, so a wrong call fails where it is made."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        member = inspect.getattr_static(cls, name, None)
+        try:
+            if isinstance(member, (staticmethod, classmethod)):
+                out[name] = inspect.signature(getattr(cls, name))
+            elif inspect.isfunction(member):
+                sig = inspect.signature(member)
+                out[name] = sig.replace(parameters=list(sig.parameters.values())[1:])
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def _check_call(signature, args, kwargs, what):
+    if signature is not None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{what}: {e}") from None
+
+
 class ActorClass:
     """A class made remote with @troupe.remote. `Cls.remote(*args)` starts an actor."""
 
@@ -486,6 +513,11 @@ class ActorClass:
         _check_options(options)
         self._cls = cls
         self._options = dict(options)
+        try:
+            self._init_signature = inspect.signature(cls)
+        except (TypeError, ValueError):
+            self._init_signature = None
+        self._signatures = None
         self.__name__ = cls.__name__
         self.__qualname__ = cls.__qualname__
         self.__doc__ = cls.__doc__
@@ -497,6 +529,7 @@ class ActorClass:
         return ActorClass(self._cls, merged)
 
     def remote(self, *args, **kwargs):
+        _check_call(self._init_signature, args, kwargs, f"{self.__name__}.remote()")
         _by_value(self._cls)
         options = self._options
         session_env = (_session.runtime_env if _session is not None else _worker_context.get("runtime_env"))
@@ -511,8 +544,12 @@ class ActorClass:
         actor_id = _create("py:" + self._cls.__qualname__, init_args, options)
         # Ray ends an unnamed, non-detached actor once no handle to it is left.
         owned = not options.get("name") and options.get("lifetime") != "detached"
-        return ActorHandle(actor_id, "py:" + self._cls.__qualname__, _methods_of(self._cls), owned=owned,
-                           max_task_retries=int(options.get("max_task_retries") or 0))
+        if self._signatures is None:
+            self._signatures = _signatures_of(self._cls)
+        handle = ActorHandle(actor_id, "py:" + self._cls.__qualname__, _methods_of(self._cls), owned=owned,
+                             max_task_retries=int(options.get("max_task_retries") or 0))
+        handle._signatures = self._signatures
+        return handle
 
     def bind(self, *args, **kwargs):
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
@@ -524,11 +561,11 @@ class ActorClass:
     def __getattr__(self, name):
         if name.startswith("__") or name == "_cls":
             raise AttributeError(name)
-        value = getattr(self._cls, name)  # class attributes read through the class, as in Ray
-        if callable(value):
-            raise AttributeError(f"'{self.__name__}' is an actor class: its methods are called on a handle "
-                                 f"({self.__name__}.remote() gives one), not on the class")
-        return value
+        return getattr(self._cls, name)  # class attributes and static methods, as in Ray
+
+    def __mro_entries__(self, bases):
+        raise TypeError("Inheriting from actor classes is not currently supported. Inherit from the plain "
+                        "class and decorate the subclass with @troupe.remote.")
 
 
 def _job_id():
@@ -557,9 +594,9 @@ def remote(*args, **options):
     if len(args) == 1 and not options and (isinstance(args[0], type) or callable(args[0])):
         target = args[0]
         return ActorClass(target, {}) if isinstance(target, type) else _tasks.RemoteFunction(target, {})
-    if args:
-        raise TypeError("@troupe.remote takes keyword options only, or decorates a class or function directly "
-                        "(e.g. @troupe.remote(num_cpus=1))")
+    if args or not options:
+        raise TypeError("@troupe.remote decorates a class or function directly (@troupe.remote), or takes "
+                        "keyword options (@troupe.remote(num_cpus=1)); not @troupe.remote() or positional arguments")
 
     def wrap(target):
         if isinstance(target, type):
@@ -597,6 +634,7 @@ class ActorHandle:
         self._methods = methods
         self._owned = owned
         self._max_task_retries = max_task_retries
+        self._signatures = None  # set where the class is known (not on handles passed here)
         if owned:
             with _handle_lock:
                 _handle_counts[actor_id] = _handle_counts.get(actor_id, 0) + 1
@@ -604,6 +642,10 @@ class ActorHandle:
     @property
     def actor_id(self):
         return self._id
+
+    @property
+    def _actor_id(self):
+        return _Id(self._id)
 
     @property
     def _is_python(self):
@@ -618,7 +660,10 @@ class ActorHandle:
             raise AttributeError(f"actor {self._type[3:] if self._is_python else self._type} has no method "
                                  f"{name!r}")
         num_returns, retry_exceptions = self._methods.get(name, (1, None)) if self._methods else (1, None)
-        return ActorMethod(self, name, num_returns, retry_exceptions)
+        method = ActorMethod(self, name, num_returns, retry_exceptions)
+        if self._signatures is not None:
+            method._signature = self._signatures.get(name)
+        return method
 
     def __reduce__(self):
         _lend(self._id)
@@ -655,22 +700,34 @@ def _lend(actor_id):
             _handle_counts[actor_id] = float("inf")  # another process may use it: never ended from here
 
 
+class _Id(str):
+    """An id that also answers .hex(), as Ray's ids do."""
+
+    def hex(self):
+        return str(self)
+
+
 class ActorMethod:
     def __init__(self, handle, name, num_returns=1, retry_exceptions=None):
         self._handle = handle
         self._name = name
         self._num_returns = num_returns
         self._retry_exceptions = retry_exceptions
+        self._signature = None
 
-    def options(self, num_returns=None, retry_exceptions=None, **others):
+    def options(self, num_returns=None, retry_exceptions=None, name=None, **others):
+        """num_returns, retry_exceptions; name (a label in Ray's dashboard) is accepted and unused."""
         if others:
-            raise TypeError(f"actor method options take num_returns and retry_exceptions, not {sorted(others)}")
+            raise TypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
         _check_retry_exceptions(retry_exceptions)
-        return ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
-                           self._retry_exceptions if retry_exceptions is None else retry_exceptions)
+        method = ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
+                             self._retry_exceptions if retry_exceptions is None else retry_exceptions)
+        method._signature = self._signature
+        return method
 
     def remote(self, *args, **kwargs):
         h = self._handle
+        _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
         if h._is_python:
             payload = _serialization.dumps((_top_level_args(args), kwargs, _objects.host_id()))
         else:

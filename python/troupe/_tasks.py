@@ -15,6 +15,7 @@ times (default 3, as Ray's), then raises WorkerCrashedError with the death reaso
 the task raises is retried only with retry_exceptions.
 """
 import hashlib
+import inspect
 import threading
 
 import cloudpickle
@@ -50,6 +51,10 @@ class RemoteFunction:
         self.__wrapped__ = fn
         self._blob = None
         self._key = None
+        try:
+            self._signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._signature = None
 
     def options(self, **options):
         merged = dict(self._options)
@@ -59,6 +64,7 @@ class RemoteFunction:
         return twin
 
     def remote(self, *args, **kwargs):
+        _api._check_call(self._signature, args, kwargs, f"{self.__name__}.remote()")
         return submit(self, args, kwargs)
 
     def bind(self, *args, **kwargs):

@@ -40,9 +40,14 @@ def test_positional_and_keyword_arguments_reach_init_and_methods():
     assert troupe.get(k.echo.remote(1, z=3, y=2)) == (1, 2, 3)
     with pytest.raises(TypeError, match="unexpected keyword"):
         troupe.get(k.echo.remote(1, w=0))
-    # A missing argument: __init__ raises, and the actor is DEAD with that error (Ray's rule).
-    with pytest.raises(troupe.ActorDiedError, match="constructor raised.*missing 1 required positional"):
-        troupe.get(Keywords.remote().seen.remote())
+    # Wrong arguments fail where the call is made, checked against the signature (as in Ray).
+    with pytest.raises(TypeError, match="Keywords.remote\\(\\): missing a required argument: 'a'"):
+        Keywords.remote()
+    with pytest.raises(TypeError, match="multiple values for argument 'x'"):
+        k.echo.remote(1, x=2)
+    # A handle from elsewhere knows no signature: the actor's own TypeError comes back.
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        troupe.get(troupe.ActorHandle(k.actor_id, k._type).echo.remote(1, w=0))
 
 
 class Base:
@@ -85,9 +90,11 @@ def test_class_and_static_attributes_behave_as_in_ray():
         d.missing.remote()
     with pytest.raises(TypeError, match="cannot be instantiated directly"):
         Derived()
-    assert Derived.kind == "derived"  # class attributes read through the class, as in Ray
-    with pytest.raises(AttributeError, match="methods are called on a handle"):
-        Derived.who
+    assert Derived.kind == "derived"  # class attributes and static methods through the class, as in Ray
+    assert Derived.static(5) == 15
+    with pytest.raises(TypeError, match="Inheriting from actor classes is not currently supported"):
+        class Again(Derived):
+            pass
     with pytest.raises(TypeError, match=r"try 'object.who.remote\(\)'"):
         d.who()
 
@@ -356,7 +363,9 @@ def test_decorator_and_option_arguments_are_checked():
         Counter.options(max_restarts=-2)
     with pytest.raises(ValueError, match="lifetime"):
         Counter.options(lifetime="forever")
-    with pytest.raises(TypeError, match="keyword options only"):
+    with pytest.raises(TypeError, match="decorates a class or function directly"):
         troupe.remote(1, 2)
+    with pytest.raises(TypeError, match=r"not @troupe.remote\(\)"):
+        troupe.remote()
     with pytest.raises(ValueError, match="num_returns"):
         troupe.method(num_returns=-1)
