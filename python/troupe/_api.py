@@ -728,8 +728,11 @@ class ActorMethod:
     def remote(self, *args, **kwargs):
         h = self._handle
         _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
+        files = []
         if h._is_python:
-            payload = _serialization.dumps((_top_level_args(args), kwargs, _objects.host_id()))
+            args, kwargs = _top_level_args(args, kwargs)
+            plain = _serialization._plain(args) and _serialization._plain(kwargs)
+            payload = _serialization.dumps_call((args, kwargs, _objects.host_id()), plain, files)
         else:
             if kwargs or len(args) > 1:
                 raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
@@ -738,6 +741,7 @@ class ActorMethod:
                 payload = payload.encode()
         rt = _runtime()
         ref = ObjectRef(_call(rt.submit, h._id, self._name, payload), h, self._name)
+        ref._files = files or None
         if self._retry_exceptions and h._max_task_retries != 0:
             ref._retry = _ExceptionRetry(lambda: _call(rt.submit, h._id, self._name, payload), ref,
                                          h._max_task_retries, self._retry_exceptions)
@@ -772,13 +776,17 @@ class _ExceptionRetry:
         pass
 
 
-def _top_level_args(args):
-    """ObjectRef arguments: results of calls made here travel as their values (the callee gets
-    the value, as Ray's); put() objects travel as refs that the callee maps."""
-    if not any(isinstance(a, ObjectRef) for a in args):
-        return args
-    return tuple(a if not isinstance(a, ObjectRef) or isinstance(a, _StoredRef) else _ArgValue(get(a))
-                 for a in args)
+def _top_level_args(args, kwargs):
+    """ObjectRef arguments (positional or keyword): results of calls made here travel as their
+    values (the callee gets the value, as Ray's); put() objects travel as refs the callee maps."""
+    def resolved(a):
+        return a if not isinstance(a, ObjectRef) or isinstance(a, _StoredRef) else _ArgValue(get(a))
+
+    if any(isinstance(a, ObjectRef) for a in args):
+        args = tuple(resolved(a) for a in args)
+    if any(isinstance(v, ObjectRef) for v in kwargs.values()):
+        kwargs = {k: resolved(v) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 class _ArgValue:
@@ -810,7 +818,7 @@ def _split(ref, num_returns):
 class ObjectRef:
     """The future result of an actor call or task; also what troupe.put() returns."""
 
-    __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "__weakref__")
+    __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "_files", "__weakref__")
 
     def __init__(self, ref, handle, method, retry=None):
         self._ref = ref
@@ -819,6 +827,7 @@ class ObjectRef:
         self._done = False
         self._value = None
         self._retry = retry
+        self._files = None  # shared-memory files holding the call's arguments, deleted once it is over
 
     def _root(self):
         """The call this ref waits for (itself, or the call whose result it is part of)."""
@@ -855,6 +864,8 @@ class ObjectRef:
         self._done = True
         if self._retry is not None:
             self._retry.finished()
+        if self._files:
+            _objects.store().unlink(self._files)
 
     def _ready(self):
         return self._done
@@ -1084,6 +1095,8 @@ def wait(refs, num_returns=1, timeout=None, fetch_local=True):
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)
+    if not refs:
+        return [], []
     if len(set(map(id, refs))) != len(refs):
         raise ValueError("wait() expects a list of unique ObjectRefs")
     if num_returns > len(refs):
@@ -1099,7 +1112,7 @@ def wait(refs, num_returns=1, timeout=None, fetch_local=True):
 def kill(handle, no_restart=True):
     """Kills the actor's worker; with no_restart it is DEAD afterwards."""
     if not isinstance(handle, ActorHandle):
-        raise TypeError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
+        raise ValueError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
     _call(_runtime().kill, handle._id, bool(no_restart))
 
 

@@ -187,6 +187,23 @@ class _Store:
                     pass
         _unlink(path)
 
+    def map(self, object_id):
+        """The value of a file another process of this host wrote for this one (call arguments)."""
+        try:
+            fd = os.open(self.path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectLostError(f"call arguments passed in shared memory ({object_id}) are gone: the caller "
+                                  "is on another host, or ended") from None
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return _decode(memoryview(mm), object_id)
+
+    def unlink(self, object_ids):
+        for object_id in object_ids:
+            _unlink(self.path(object_id))
+
     def take(self, object_id):
         """The value of a handed-off object, which this process now holds alone: the file is
         mapped, then unlinked (the mapping lives as long as the value's arrays)."""

@@ -79,6 +79,44 @@ def _take(object_id):
     return _objects.store().take(object_id)
 
 
+# A call whose arguments' buffers total at least this much could not fit one RPC message (64 MB):
+# its arguments go through a shared-memory file that the callee maps, and that the caller deletes
+# once the call is over (a retry sends the same file again).
+ARG_HANDOFF_MIN_BYTES = 48 << 20
+
+
+class _ArgHandoff:
+    __slots__ = ("object_id",)
+
+    def __init__(self, object_id):
+        self.object_id = object_id
+
+    def __reduce__(self):
+        return _map_arguments, (self.object_id,)
+
+
+def _map_arguments(object_id):
+    from . import _objects
+
+    return _objects.store().map(object_id)
+
+
+def dumps_call(obj, plain, files) -> bytes:
+    """A call's payload; a large one is written to shared memory and its file id appended to
+    `files` (the caller deletes them when the call is over)."""
+    buffers = []
+    main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    if sum(r.nbytes for r in raws) >= ARG_HANDOFF_MIN_BYTES:
+        from . import _objects
+
+        object_id, _ = _objects.store().write(main, raws)
+        files.append(object_id)
+        return dumps(_ArgHandoff(object_id))
+    header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
+    return b"".join([header, main, *raws])
+
+
 def dump_reply(value, caller_host=None) -> bytes:
     buffers = []
     pickler = pickle.dumps if _plain(value) else cloudpickle.dumps

@@ -102,7 +102,8 @@ class _TaskWorker:
             fn = self._fns[key] = cloudpickle.loads(blob)
         from ._worker import _resolve_args
 
-        return fn(*_resolve_args(args), **kwargs)
+        args, kwargs = _resolve_args(args, kwargs)
+        return fn(*args, **kwargs)
 
 
 class _Pool:
@@ -231,9 +232,10 @@ def submit(rf, args, kwargs):
         pool = _pool_for(options)
         rf._pool_cache = (_generation, pool)
     key, blob = rf._pickled()
-    args = _api._top_level_args(args)
+    args, kwargs = _api._top_level_args(args, kwargs)
     plain = _serialization._plain(args) and _serialization._plain(kwargs)
-    payload = _serialization.dumps(((key, blob, args, kwargs), {}, _objects.host_id()), plain=plain)
+    files = []
+    payload = _serialization.dumps_call(((key, blob, args, kwargs), {}, _objects.host_id()), plain, files)
     runtime = _api._runtime()
 
     def send(i):
@@ -249,6 +251,7 @@ def submit(rf, args, kwargs):
     retry = _Retry(send, pool, index, DEFAULT_MAX_RETRIES if retries is None else retries,
                    options.get("retry_exceptions"))
     ref = _api.ObjectRef(first, None, options.get("name") or rf.__name__, retry)
+    ref._files = files or None
     retry.ref = ref
     num_returns = options.get("num_returns")
     return _api._split(ref, 1 if num_returns is None else num_returns)

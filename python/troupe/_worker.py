@@ -96,7 +96,7 @@ def main():
             if method in TERMINATE_METHODS:
                 raise ActorExit()
             call_args, call_kwargs, *meta = _serialization.loads(payload)
-            call_args = _resolve_args(call_args)
+            call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
             result = getattr(instance, method)(*call_args, **call_kwargs)
             return _serialization.dump_reply(result, meta[0] if meta else None)
         except ActorExit:
@@ -177,13 +177,16 @@ class _Drainer:
         self.pool.submit(self.drain)
 
 
-def _resolve_args(call_args):
+def _resolve_args(call_args, call_kwargs):
     """Top-level ObjectRef arguments become their values (put() objects are mapped here)."""
     from . import _api
 
-    if any(isinstance(a, _api.ObjectRef) for a in call_args):
-        return tuple(_api.get(a) if isinstance(a, _api.ObjectRef) else a for a in call_args)
-    return call_args
+    ref = _api.ObjectRef
+    if any(isinstance(a, ref) for a in call_args):
+        call_args = tuple(_api.get(a) if isinstance(a, ref) else a for a in call_args)
+    if any(isinstance(v, ref) for v in call_kwargs.values()):
+        call_kwargs = {k: _api.get(v) if isinstance(v, ref) else v for k, v in call_kwargs.items()}
+    return call_args, call_kwargs
 
 
 def _async_dispatch(instance, concurrency, buffered):
@@ -200,7 +203,8 @@ def _async_dispatch(instance, concurrency, buffered):
                 if method in TERMINATE_METHODS:
                     raise ActorExit()
                 call_args, call_kwargs, *meta = _serialization.loads(payload)
-                result = getattr(instance, method)(*_resolve_args(call_args), **call_kwargs)
+                call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
+                result = getattr(instance, method)(*call_args, **call_kwargs)
                 if inspect.isawaitable(result):
                     result = await result
                 data = _serialization.dump_reply(result, meta[0] if meta else None)

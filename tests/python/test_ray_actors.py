@@ -369,3 +369,6 @@ def test_decorator_and_option_arguments_are_checked():
         troupe.remote()
     with pytest.raises(ValueError, match="num_returns"):
         troupe.method(num_returns=-1)
+    with pytest.raises(ValueError, match="kill\\(\\) takes an ActorHandle"):
+        troupe.kill("not an actor handle")
+    assert troupe.wait([]) == ([], [])

@@ -76,11 +76,21 @@ def test_refs_as_arguments_top_level_resolved_nested_kept():
     assert troupe.get(fetch_nested.remote([first])) == [3]
 
 
+@troupe.remote
+def keyword_total(*, x):
+    return float(np.asarray(x).sum())
+
+
 def test_large_results_and_arguments_move_through_shared_memory():
     h = Holder.remote()
     big = troupe.get(h.big.remote(10_000_000))  # 80 MB: more than one RPC message may carry
     assert big.shape == (10_000_000,) and big[-1] == 1.0
     assert troupe.get(total.remote(troupe.put(np.ones(10_000_000)))) == 1e7
+    before = set(os.listdir(store_dir()))
+    assert troupe.get(total.remote(np.ones(10_000_000))) == 1e7  # an 80 MB argument, by value
+    assert troupe.get(h.add.remote(np.ones(10_000_000), 1.0))[-1] == 2.0
+    assert troupe.get(keyword_total.remote(x=h.big.remote(10_000_000))) == 1e7  # a keyword's ref is resolved
+    assert set(os.listdir(store_dir())) <= before  # the argument files are gone once the calls are over
 
 
 def test_an_object_is_freed_when_its_last_ref_is_gone():
