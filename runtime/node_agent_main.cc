@@ -111,6 +111,10 @@ int main(int argc, char** argv) {
   } else {
     options.pythonPath = executableDir() + "/python";
   }
+  // Modules on the starting environment's PYTHONPATH (a driver's own) stay importable, after troupe.
+  if (const char* inherited = std::getenv("PYTHONPATH"); inherited && *inherited) {
+    options.pythonPath += std::string(":") + inherited;
+  }
   if (const char* dir = std::getenv("TROUPE_BIN_DIR"); dir && *dir) options.workerBinary = std::string(dir) + "/troupe-worker";
   std::string workerDir = options.workerBinary.substr(0, options.workerBinary.rfind('/') + 1);
   if (::access((workerDir + "troupe-worker-torch").c_str(), X_OK) == 0) {

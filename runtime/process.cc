@@ -54,8 +54,19 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   std::vector<char*> argv;
   for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  // The overrides replace inherited variables of the same name (getenv reads the first one).
+  auto overridden = [&](const char* entry) {
+    const char* eq = std::strchr(entry, '=');
+    size_t len = eq ? static_cast<size_t>(eq - entry) + 1 : std::strlen(entry);
+    for (const auto& o : options.env) {
+      if (o.size() >= len && o.compare(0, len, entry, len) == 0) return true;
+    }
+    return false;
+  };
   std::vector<char*> env;
-  for (char** e = environ; *e; ++e) env.push_back(*e);
+  for (char** e = environ; *e; ++e) {
+    if (!overridden(*e)) env.push_back(*e);
+  }
   for (const auto& e : options.env) env.push_back(const_cast<char*>(e.c_str()));
   env.push_back(nullptr);
   pid_t pid = 0;

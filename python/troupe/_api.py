@@ -540,7 +540,9 @@ class ActorClass:
             "max_concurrency": options.get("max_concurrency"),
             "task_worker": bool(options.get("_task_worker")),
         }
-        init_args = _serialization.dumps((self._cls, args, kwargs, context))
+        # The context is read first: its runtime_env (working_dir on sys.path) may be what makes
+        # the class's own imports work when the worker unpickles it.
+        init_args = _serialization.dumps((context, _serialization.dumps((self._cls, args, kwargs))))
         actor_id = _create("py:" + self._cls.__qualname__, init_args, options)
         # Ray ends an unnamed, non-detached actor once no handle to it is left.
         owned = not options.get("name") and options.get("lifetime") != "detached"
@@ -1095,6 +1097,9 @@ def wait(refs, num_returns=1, timeout=None, fetch_local=True):
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)
+    for r in refs:
+        if not isinstance(r, ObjectRef):
+            raise TypeError(f"wait() takes ObjectRefs, not {type(r).__name__}")
     if not refs:
         return [], []
     if len(set(map(id, refs))) != len(refs):

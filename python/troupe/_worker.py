@@ -21,6 +21,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,12 +75,13 @@ def main():
     os.unlink(args.args_file)
     os.environ["TROUPE_ACTOR_ID"] = args.actor_id
     os.environ["TROUPE_ADDRESS"] = args.controller  # troupe.init() here, or in a process it starts
-    cls, cargs, ckwargs, context = _serialization.loads(init)
+    context, created = _serialization.loads(init)
     try:
         _serve_context(context)
+        cls, cargs, ckwargs = _serialization.loads(created)
         instance = cls(*cargs, **ckwargs)
     except BaseException:
-        print(f"troupe-worker: {cls.__name__}.__init__ raised:", file=sys.stderr)
+        print(f"troupe-worker: creating {args.type[3:]} raised:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
         return EXIT_INIT_FAILED
@@ -126,8 +128,12 @@ def main():
 
 class _Drainer:
     """Runs a task worker's calls in arrival order on one thread at a time (cheap for bursts of
-    small tasks), except that a task which blocks in get() hands the queue to a new thread first,
-    so a nested task queued behind it still runs (as Ray lends a blocked task's CPU)."""
+    small tasks), except that the queue moves to a new thread when the running task blocks in
+    get() (so a nested task queued behind it still runs, as Ray lends a blocked task's CPU) or has
+    run for HANDOVER_S while calls wait (so a long task does not hold up short ones sent here by
+    a submitter that cannot see it is busy). A watchdog thread looks for the second case."""
+
+    HANDOVER_S = 0.01
 
     def __init__(self, execute, threads):
         from . import _api
@@ -135,15 +141,21 @@ class _Drainer:
         self.execute = execute
         self.pending = collections.deque()
         self.lock = threading.Lock()
+        self.backlog = threading.Condition(self.lock)  # calls wait behind a busy runner
         self.runner = None  # the thread draining the queue now
+        self.started = 0.0  # when the runner's current call started
         self.starting = False
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="troupe-task")
+        threading.Thread(target=self.watch, name="troupe-task-watchdog", daemon=True).start()
         _api._blocking_hook = self.blocking
 
     def dispatch(self, method, payload, reply):
-        self.pending.append((method, payload, reply))
         with self.lock:
-            if self.runner is not None or self.starting:
+            self.pending.append((method, payload, reply))
+            if self.starting:
+                return
+            if self.runner is not None:
+                self.backlog.notify()
                 return
             self.starting = True
         self.pool.submit(self.drain)
@@ -158,23 +170,41 @@ class _Drainer:
         while True:
             with self.lock:
                 if self.runner is not me:
-                    return  # it blocked in get() meanwhile: the queue has a new runner
+                    return  # it blocked or ran long meanwhile: the queue has a new runner
                 if not self.pending:
                     self.runner = None
                     return
                 method, payload, reply = self.pending.popleft()
+                self.started = time.monotonic()
             reply(self.execute(method, payload))
+
+    def hand_over(self):
+        """Gives the queue to a new runner (caller holds the lock); False if none is needed."""
+        self.runner = None
+        if not self.pending or self.starting:
+            return False
+        self.starting = True
+        return True
 
     def blocking(self):
         """Called by get()/wait() before they wait: a runner gives the queue up."""
         with self.lock:
-            if self.runner is not threading.current_thread():
+            if self.runner is not threading.current_thread() or not self.hand_over():
                 return
-            self.runner = None
-            if not self.pending or self.starting:
-                return
-            self.starting = True
         self.pool.submit(self.drain)
+
+    def watch(self):
+        while True:
+            with self.lock:
+                while not (self.pending and self.runner is not None):
+                    self.backlog.wait()
+                runner, started = self.runner, self.started
+            time.sleep(self.HANDOVER_S)
+            with self.lock:
+                stuck = self.runner is runner and self.started == started and self.pending
+                if not stuck or not self.hand_over():
+                    continue
+            self.pool.submit(self.drain)
 
 
 def _resolve_args(call_args, call_kwargs):

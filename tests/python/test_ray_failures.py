@@ -105,8 +105,15 @@ def test_init_refuses_what_it_cannot_honour():
 
 def test_runtime_env_reaches_actors_and_tasks(tmp_path):
     (tmp_path / "helper_mod.py").write_text("VALUE = 'from working_dir'\n")
+    (tmp_path / "top_mod.py").write_text("NAME = 'imported at the top'\n")
     code = (
-        "import troupe, os, json\n"
+        "import troupe, os, json, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import top_mod\n"  # the class refers to it: the worker must find it to unpickle the class
+        "@troupe.remote\n"
+        "class Top:\n"
+        "    def name(self):\n"
+        "        return top_mod.NAME\n"
         f"troupe.init(num_cpus=1, runtime_env={{'env_vars': {{'MY_FLAG': 'on'}}, 'working_dir': {str(tmp_path)!r}}})\n"
         "@troupe.remote\n"
         "class Probe:\n"
@@ -116,12 +123,32 @@ def test_runtime_env_reaches_actors_and_tasks(tmp_path):
         "@troupe.remote\n"
         "def task():\n"
         "    return os.environ.get('MY_FLAG')\n"
-        "print(json.dumps([troupe.get(Probe.remote().look.remote()), troupe.get(task.remote())]))\n"
+        "print(json.dumps([troupe.get(Probe.remote().look.remote()), troupe.get(task.remote()),\n"
+        "                  troupe.get(Top.remote().name.remote())]))\n"
     )
     p = run_driver(code, timeout=90)
     assert p.returncode == 0, p.stderr
-    (flag, value, cwd), task_flag = json.loads(p.stdout.strip().splitlines()[-1])
-    assert (flag, value, cwd, task_flag) == ("on", "from working_dir", str(tmp_path), "on")
+    (flag, value, cwd), task_flag, top = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (flag, value, cwd, task_flag, top) == ("on", "from working_dir", str(tmp_path), "on", "imported at the top")
+
+
+def test_workers_import_from_the_drivers_pythonpath_after_troupe(tmp_path):
+    (tmp_path / "user_mod.py").write_text("def hello():\n    return 'hello from PYTHONPATH'\n")
+    code = (
+        f"import sys; sys.path.insert(0, {str(PYTHON_PACKAGE)!r})\n"
+        "import troupe\n"
+        "troupe.init(num_cpus=1)\n"
+        "@troupe.remote\n"
+        "class A:\n"
+        "    def f(self):\n"
+        "        import user_mod\n"
+        "        return user_mod.hello()\n"
+        "print(troupe.get(A.remote().f.remote()))\n"
+    )
+    # The driver's PYTHONPATH names only the user's directory, not troupe's.
+    p = run_driver(code, env={"PYTHONPATH": str(tmp_path)}, timeout=90)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "hello from PYTHONPATH"
 
 
 @troupe.remote(max_task_retries=3)

@@ -187,3 +187,4 @@ def test_placement_groups_from_python():
                "the actor in the removed group to end")
     assert big.wait(30)
     remove_placement_group(big)
+
