@@ -61,44 +61,32 @@ def loads(data: bytes):
 HANDOFF_MIN_BYTES = 1 << 20
 
 
-class _Handoff:
-    """Stands for a result written to shared memory; unpickles (in the caller) to the value."""
+class _SharedFile:
+    """Stands for a value written to a shared-memory file of this host; unpickles to the value.
+    take=True (a result handed to its caller): the file is unlinked once mapped. take=False (a
+    call's arguments): the caller deletes it when the call is over, as a retry sends it again."""
 
-    __slots__ = ("object_id",)
+    __slots__ = ("object_id", "take")
 
-    def __init__(self, object_id):
+    def __init__(self, object_id, take):
         self.object_id = object_id
+        self.take = take
 
     def __reduce__(self):
-        return _take, (self.object_id,)
+        return _open_shared, (self.object_id, self.take)
 
 
-def _take(object_id):
+def _open_shared(object_id, take):
     from . import _objects
 
-    return _objects.store().take(object_id)
+    store = _objects.store()
+    return store.take(object_id) if take else store.map(object_id)
 
 
 # A call whose arguments' buffers total at least this much could not fit one RPC message (64 MB):
 # its arguments go through a shared-memory file that the callee maps, and that the caller deletes
 # once the call is over (a retry sends the same file again).
 ARG_HANDOFF_MIN_BYTES = 48 << 20
-
-
-class _ArgHandoff:
-    __slots__ = ("object_id",)
-
-    def __init__(self, object_id):
-        self.object_id = object_id
-
-    def __reduce__(self):
-        return _map_arguments, (self.object_id,)
-
-
-def _map_arguments(object_id):
-    from . import _objects
-
-    return _objects.store().map(object_id)
 
 
 def dumps_call(obj, plain, files) -> bytes:
@@ -112,7 +100,7 @@ def dumps_call(obj, plain, files) -> bytes:
 
         object_id, _ = _objects.store().write(main, raws)
         files.append(object_id)
-        return dumps(_ArgHandoff(object_id))
+        return dumps(_SharedFile(object_id, False))
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([header, main, *raws])
 
@@ -128,7 +116,7 @@ def dump_reply(value, caller_host=None) -> bytes:
         store = _objects.store()
         if caller_host == store.host:
             object_id, _ = store.write(main, raws)
-            return dumps(_Handoff(object_id), b"\x00")
+            return dumps(_SharedFile(object_id, True), b"\x00")
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([b"\x00", header, main, *raws])
 

@@ -97,10 +97,8 @@ def main():
         try:
             if method in TERMINATE_METHODS:
                 raise ActorExit()
-            call_args, call_kwargs, *meta = _serialization.loads(payload)
-            call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
-            result = getattr(instance, method)(*call_args, **call_kwargs)
-            return _serialization.dump_reply(result, meta[0] if meta else None)
+            result, caller_host = _invoke(instance, method, payload)
+            return _serialization.dump_reply(result, caller_host)
         except ActorExit:
             _end(EXIT_ACTOR_ENDED)
         except BaseException as exc:  # the caller re-raises it
@@ -207,6 +205,15 @@ class _Drainer:
             self.pool.submit(self.drain)
 
 
+def _invoke(instance, method, payload):
+    """Decodes a call and runs the method: (its result, the caller's host id or None)."""
+    from troupe import _serialization
+
+    call_args, call_kwargs, *meta = _serialization.loads(payload)
+    call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
+    return getattr(instance, method)(*call_args, **call_kwargs), (meta[0] if meta else None)
+
+
 def _resolve_args(call_args, call_kwargs):
     """Top-level ObjectRef arguments become their values (put() objects are mapped here)."""
     from . import _api
@@ -232,12 +239,10 @@ def _async_dispatch(instance, concurrency, buffered):
             try:
                 if method in TERMINATE_METHODS:
                     raise ActorExit()
-                call_args, call_kwargs, *meta = _serialization.loads(payload)
-                call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
-                result = getattr(instance, method)(*call_args, **call_kwargs)
+                result, caller_host = _invoke(instance, method, payload)
                 if inspect.isawaitable(result):
                     result = await result
-                data = _serialization.dump_reply(result, meta[0] if meta else None)
+                data = _serialization.dump_reply(result, caller_host)
             except ActorExit:
                 _end(EXIT_ACTOR_ENDED)
             except BaseException as exc:
