@@ -575,6 +575,23 @@ kj::Promise<std::vector<NodeRecord>> ClusterClient::listNodes() {
   });
 }
 
+kj::Promise<ClusterClient::Snapshot> ClusterClient::snapshot() {
+  return shared_->withController([](rpc::Controller::Client& c) {
+    return c.statusRequest().send().then([](auto response) {
+      Snapshot out;
+      for (auto n : response.getNodes()) out.nodes.push_back(fromNodeInfo(n));
+      for (auto a : response.getActors()) out.actors.push_back(fromActorInfo(a));
+      for (auto g : response.getPlacementGroups()) out.placementGroups.push_back(fromPlacementGroupInfo(g));
+      for (auto g : response.getGroups()) {
+        ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
+        for (auto e : g.getEvents()) record.events.push_back(e.cStr());
+        out.groups.push_back(std::move(record));
+      }
+      return out;
+    });
+  });
+}
+
 kj::Promise<PlacementGroupRecord> ClusterClient::createPlacementGroup(PlacementStrategy strategy,
                                                                       std::vector<Resources> bundles, std::string name) {
   // The id is chosen once, so a retry after a reconnect cannot create a second group.

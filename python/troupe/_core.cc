@@ -57,6 +57,19 @@ py::dict toDict(const ActorRecord& r) {
   return d;
 }
 
+py::dict toDict(const NodeRecord& n) {
+  py::dict d;
+  d["id"] = n.id.hex();
+  d["address"] = n.address;
+  d["state"] = nodeStateName(n.state);
+  d["pid"] = n.pid;
+  d["is_head"] = n.isHead;
+  d["resources"] = std::map<std::string, double>(n.total.begin(), n.total.end());
+  d["used"] = std::map<std::string, double>(n.used.begin(), n.used.end());
+  d["death_reason"] = n.deathReason;
+  return d;
+}
+
 py::dict toDict(const PlacementGroupRecord& g) {
   py::dict d;
   d["id"] = g.id.hex();
@@ -351,18 +364,31 @@ class Runtime {
   py::list nodes() {
     auto nodes = onLoop([this]() { return client_->listNodes(); });
     py::list out;
-    for (const auto& n : nodes) {
-      py::dict d;
-      d["id"] = n.id.hex();
-      d["address"] = n.address;
-      d["state"] = nodeStateName(n.state);
-      d["pid"] = n.pid;
-      d["is_head"] = n.isHead;
-      d["resources"] = std::map<std::string, double>(n.total.begin(), n.total.end());
-      d["used"] = std::map<std::string, double>(n.used.begin(), n.used.end());
-      d["death_reason"] = n.deathReason;
-      out.append(d);
+    for (const auto& n : nodes) out.append(toDict(n));
+    return out;
+  }
+
+  // Everything the controller's status call returns: nodes, actors, placement groups, groups.
+  py::dict snapshot() {
+    auto s = onLoop([this]() { return client_->snapshot(); });
+    py::dict out;
+    py::list nodes, actors, groups, training;
+    for (const auto& n : s.nodes) nodes.append(toDict(n));
+    for (const auto& a : s.actors) actors.append(toDict(a));
+    for (const auto& g : s.placementGroups) {
+      py::dict d = toDict(g);
+      d["name"] = g.name;
+      d["strategy"] = placementStrategyName(g.strategy);
+      py::list bundles;
+      for (const auto& b : g.bundles) bundles.append(std::map<std::string, double>(b.resources.begin(), b.resources.end()));
+      d["bundles"] = bundles;
+      groups.append(d);
     }
+    for (const auto& g : s.groups) training.append(groupDict(g));
+    out["nodes"] = nodes;
+    out["actors"] = actors;
+    out["placement_groups"] = groups;
+    out["groups"] = training;
     return out;
   }
 
@@ -849,6 +875,7 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Runtime::wait)
       .def("take", &Runtime::take)
       .def("status", &Runtime::status)
+      .def("snapshot", &Runtime::snapshot)
       .def("nodes", &Runtime::nodes)
       .def("poll_output", &Runtime::pollOutput)
       .def("flush_output", &Runtime::flushOutput)

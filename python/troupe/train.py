@@ -332,6 +332,15 @@ class ElasticTrainer:
             doc["tuner"] = self._tuner._id
         if self.history:  # the last step's time split, as the trainers measured it
             doc.update({k: self.history[-1][k] for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")})
+        # For the dashboard and /metrics: the recent loss curve, the split per rank, recoveries and
+        # the tuner's decisions (bounded: the record is rewritten every chunk).
+        doc["curve"] = [[h["step"], h["loss"], round(h["samples_per_s"], 3)] for h in self.history[-200:]]
+        doc["ranks"] = list(getattr(self, "_last_ranks", []))
+        doc["recovery_count"] = len(getattr(self, "recoveries", []))
+        doc["recoveries"] = list(getattr(self, "recoveries", [])[-20:])
+        doc["tuner_decisions"] = [{k: d.get(k) for k in ("action", "world_size", "target", "predicted_samples_per_s",
+                                                         "predicted_current_samples_per_s", "reason")}
+                                  for d in list(getattr(self, "tuner_decisions", []))[-10:] if isinstance(d, dict)]
         doc.update(extra or {})
         return doc
 
@@ -509,6 +518,8 @@ class ElasticTrainer:
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
+        self._last_ranks = [{"rank": j, **{k: r[-1][k] for k in ("compute_s", "comm_s", "wait_s", "snapshot_s")}}
+                            for j, r in enumerate(per_rank)]  # the last step's split, per rank (dashboard)
         self.step = per_rank[0][-1]["step"]
         # Every rank finished these steps: commit them in each node's queue (which hears only its
         # own ranks' completions), or its window of uncommitted steps would fill.

@@ -20,6 +20,7 @@ struct StartFlags {
   std::string address;          // --address: join this controller
   std::string token;            // --token / TROUPE_TOKEN
   int port = 6380;
+  int dashboardPort = 8265;  // tried first; a free port if it is taken
   std::string redisAddress;     // --redis-address: use this Redis instead of an embedded one
   std::string redisPassword;    // --redis-password / TROUPE_REDIS_PASSWORD
   std::string clusterName = "default";

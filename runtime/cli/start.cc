@@ -228,6 +228,30 @@ int startHead(StartFlags f) {
   });
   if (!ready.isOk()) return fail(ready);
 
+  // The dashboard and /metrics (python/troupe/dashboard.py), on loopback. The cluster works
+  // without it: if it cannot start, say so and go on (the supervisor keeps trying).
+  std::string dashboardLog = runDir + "/logs/dashboard.log";
+  const char* python = std::getenv("TROUPE_PYTHON");
+  const char* packagePath = std::getenv("TROUPE_PYTHONPATH");
+  std::string packageDir = packagePath && *packagePath ? packagePath : siblingExecutable("python");
+  supervised.push_back({"dashboard",
+                        {"/usr/bin/env", "PYTHONPATH=" + packageDir, python && *python ? python : "/usr/bin/python3",
+                         "-m", "troupe.dashboard", "--run-dir", runDir, "--port", std::to_string(f.dashboardPort)},
+                        dashboardLog});
+  std::string dashboardUrl;
+  auto dashboard = launch.spawn(supervised.back().argv, dashboardLog);
+  if (dashboard.isOk()) {
+    auto up = waitReady("the dashboard", *dashboard, dashboardLog, kStartLimit, [&]() {
+      std::ifstream in(runDir + "/dashboard.url");
+      return static_cast<bool>(std::getline(in, dashboardUrl)) && !dashboardUrl.empty();
+    });
+    if (!up.isOk()) {
+      dashboardUrl.clear();
+      std::cerr << "troupe: warning: the dashboard did not start (" << up.message() << "); see " << dashboardLog
+                << std::endl;
+    }
+  }
+
   NodeId nodeId = NodeId::generate();
   std::string nodeLog = fmt::format("{}/logs/node-{}.log", runDir, nodeId.hex());
   auto node = launch.spawn(nodeArgs(f, runDir, file.controllerAddress, nodeId), nodeLog);
@@ -241,6 +265,7 @@ int startHead(StartFlags f) {
             << "  redis:      " << file.redisAddress << (file.embeddedRedis ? " (embedded)" : "") << "\n"
             << "  gateway:    " << gatewayAddress << " (how other nodes reach the store)\n"
             << "  tls:        " << (f.tls ? "on (every connection encrypted)" : "off") << "\n"
+            << "  dashboard:  " << (dashboardUrl.empty() ? "(not running)" : dashboardUrl + " (and /metrics)") << "\n"
             << "  head node:  " << nodeId.hex() << "\n"
             << "  run dir:    " << runDir << "\n\n"
             << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token

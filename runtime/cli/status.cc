@@ -1,3 +1,4 @@
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -92,6 +93,15 @@ std::string ago(int64_t ms) {
   return s < 120 ? fmt::format("{:.1f}s ago", s) : fmt::format("{:.0f}m ago", s / 60);
 }
 
+// The head's dashboard URL (written by troupe.dashboard once it listens), or "" if this
+// machine's run directory has none.
+std::string dashboardUrl(const std::string& runDir) {
+  std::ifstream in(runDir + "/dashboard.url");
+  std::string url;
+  if (runDir.empty() || !std::getline(in, url)) return "";
+  return url;
+}
+
 }  // namespace
 
 int statusCommand(const StatusFlags& flags) {
@@ -103,7 +113,9 @@ int statusCommand(const StatusFlags& flags) {
   auto* nodes = &snapshot->nodes;
 
   if (flags.json) {
-    nlohmann::json out = {{"cluster", {{"address", target->controller.toString()}, {"run_dir", target->runDir}}},
+    nlohmann::json out = {{"cluster", {{"address", target->controller.toString()},
+                                       {"run_dir", target->runDir},
+                                       {"dashboard", dashboardUrl(target->runDir)}}},
                           {"nodes", nlohmann::json::array()},
                           {"actors", nlohmann::json::array()},
                           {"placement_groups", nlohmann::json::array()},
@@ -119,6 +131,7 @@ int statusCommand(const StatusFlags& flags) {
   for (const auto& n : *nodes) alive += n.state == NodeState::kAlive;
   std::cout << fmt::format("Cluster at {}: {} node(s) alive, {} dead\n", target->controller.toString(), alive,
                            nodes->size() - alive);
+  if (auto url = dashboardUrl(target->runDir); !url.empty()) std::cout << "Dashboard: " << url << "\n";
   std::cout << fmt::format("{:<18}{:<6}{:<22}{:<8}{:<9}{:<12}{}\n", "NODE", "HEAD", "ADDRESS", "PID", "STATE",
                            "HEARTBEAT", "RESOURCES (used / total)");
   for (const auto& n : *nodes) {

@@ -63,7 +63,7 @@ int stopRunDir(const std::string& runDir, bool verbose) {
       fs::remove(entry.path(), ec);  // stale: the process is gone or the pid was reused
       continue;
     }
-    int wave = name.rfind("node-", 0) == 0 ? 0 : name == "controller" || name == "gateway" ? 1 : 2;
+    int wave = name.rfind("node-", 0) == 0 || name == "dashboard" ? 0 : name == "controller" || name == "gateway" ? 1 : 2;
     waves[wave].push_back({name, entry.path(), pid});
   }
   int stopped = 0;

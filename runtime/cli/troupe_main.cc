@@ -18,6 +18,9 @@ int main(int argc, char** argv) {
   startCmd->add_option("--address", start.address, "Join the cluster whose controller is at HOST:PORT");
   startCmd->add_option("--token", start.token, "Cluster token (printed by start --head)")->envname("TROUPE_TOKEN");
   startCmd->add_option("--port", start.port, "Controller RPC port (head)")->check(CLI::Range(1, 65535));
+  startCmd->add_option("--dashboard-port", start.dashboardPort,
+                       "Dashboard and /metrics port on 127.0.0.1 (head; default 8265, a free one if taken)")
+      ->check(CLI::Range(1, 65535));
   startCmd->add_option("--redis-address", start.redisAddress, "Use this Redis (HOST:PORT) instead of an embedded one");
   startCmd->add_option("--redis-password", start.redisPassword, "Password of --redis-address")
       ->envname("TROUPE_REDIS_PASSWORD");

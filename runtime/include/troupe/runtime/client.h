@@ -82,6 +82,14 @@ class ClusterClient {
   kj::Promise<ActorRecord> actorInfo(const ActorId& id);
   kj::Promise<std::vector<ActorRecord>> listActors();
   kj::Promise<std::vector<NodeRecord>> listNodes();
+  // Everything `troupe status` shows, from one status call (the dashboard's view).
+  struct Snapshot {
+    std::vector<NodeRecord> nodes;
+    std::vector<ActorRecord> actors;
+    std::vector<PlacementGroupRecord> placementGroups;
+    std::vector<ElasticGroupRecord> groups;
+  };
+  kj::Promise<Snapshot> snapshot();
 
   // Placement groups: created all or nothing; PENDING (with a reason) while they cannot be
   // placed; infeasible rejects.

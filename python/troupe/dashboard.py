@@ -1,0 +1,284 @@
+"""The dashboard and Prometheus endpoint of a cluster, served by its head.
+
+`troupe start --head` runs `python3 -m troupe.dashboard --run-dir DIR` as one of the head's
+supervised daemons (restarted if it dies). It connects to the controller like a driver, reads the
+cluster's state with one status call (cached for 0.5 s, so many browsers cost the controller no
+more than one), and serves on 127.0.0.1 (port 8265, or a free one if that is taken):
+
+  /                      the page (plain HTML/JS/SVG, every asset served here; no internet)
+  /app.js                its script
+  /api/cluster           nodes, with resources used/total and death reasons; counts
+  /api/actors            actors, filtered and paginated here (?state= &node= &q= &offset= &limit=)
+  /api/placement_groups  placement groups
+  /api/groups            training groups: step, loss curve, samples/s, world size, the step time
+                         split per rank, recoveries, events, the tuner's decisions
+  /metrics               Prometheus text format (troupe_* metrics; Ray's meaning where it has one)
+
+It writes its URL to DIR/dashboard.url (0600) once it listens: `troupe status` shows it. It
+listens on loopback only, whatever the node's address: the pages show the cluster's state and
+the port has no authentication, so other machines reach it through `ssh -L 8265:127.0.0.1:PORT`.
+"""
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+DEFAULT_PORT = 8265
+CACHE_S = 0.5
+MAX_PAGE = 500
+
+
+class ClusterView:
+    """The cluster's state from the controller, at most CACHE_S old."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.lock = threading.Lock()
+        self.at = 0.0
+        self.state = None
+        self.error = None
+
+    def get(self):
+        with self.lock:
+            if self.state is None or time.monotonic() - self.at > CACHE_S:
+                try:
+                    self.state = self.runtime.snapshot()
+                    self.error = None
+                except Exception as e:  # the controller restarting: show the last state, and why
+                    self.error = f"cannot read the cluster's state: {e}"
+                    if self.state is None:
+                        self.state = {"nodes": [], "actors": [], "placement_groups": [], "groups": []}
+                self.at = time.monotonic()
+            return self.state, self.error
+
+
+def _groups(state):
+    out = []
+    for g in state["groups"]:
+        try:
+            doc = json.loads(g["doc"]) if g["doc"] else {}
+        except ValueError:
+            doc = {}
+        events = []
+        for line in g["events"][-50:]:
+            ms, _, text = line.partition(" ")
+            events.append({"time_ms": int(ms) if ms.isdigit() else 0, "text": text})
+        out.append({"id": g["id"], "epoch": g["epoch"], "name": doc.get("name", g["id"]),
+                    "state": doc.get("state", ""), "step": doc.get("step", 0), "world_size": doc.get("world_size", 0),
+                    "min_workers": doc.get("min_workers"), "max_workers": doc.get("max_workers"),
+                    "loss": doc.get("loss"), "samples_per_s": doc.get("samples_per_s", 0.0),
+                    "split": {k: doc.get(k) for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")},
+                    "ranks": doc.get("ranks", []), "curve": doc.get("curve", []),
+                    "members_per_node": _members_per_node(doc), "recovery_count": doc.get("recovery_count", 0),
+                    "recoveries": doc.get("recoveries", []), "tuner_decisions": doc.get("tuner_decisions", []),
+                    "heartbeat_ms": doc.get("heartbeat_ms"), "events": events})
+    return out
+
+
+def _members_per_node(doc):
+    counts = {}
+    for node in (doc.get("trainer_nodes") or {}).values():
+        counts[node] = counts.get(node, 0) + 1
+    return counts
+
+
+def _actors_page(state, query):
+    def one(name, default=""):
+        return (query.get(name) or [default])[0]
+
+    wanted_state, node, text = one("state").upper(), one("node"), one("q").lower()
+    try:
+        offset = max(0, int(one("offset", "0")))
+        limit = min(MAX_PAGE, max(1, int(one("limit", "100"))))
+    except ValueError:
+        raise ValueError("offset and limit must be integers") from None
+    rows = [a for a in state["actors"]
+            if (not wanted_state or a["state"] == wanted_state) and (not node or a["node_id"].startswith(node))
+            and (not text or text in a["type"].lower() or text in a["name"].lower() or a["id"].startswith(text))]
+    return {"total": len(rows), "offset": offset, "limit": limit, "actors": rows[offset:offset + limit]}
+
+
+# ---- Prometheus text format ----
+
+def _label(value):
+    return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+
+
+class _Metrics:
+    def __init__(self):
+        self.lines = []
+
+    def family(self, name, kind, help_text, samples):
+        """samples: [(labels dict, value)], written only if there are any."""
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            if value is None:
+                continue
+            text = ",".join(f'{k}="{_label(v)}"' for k, v in sorted(labels.items()))
+            self.lines.append(f"{name}{{{text}}} {float(value):.17g}" if text else f"{name} {float(value):.17g}")
+
+    def text(self):
+        return "\n".join(self.lines) + "\n"
+
+
+def metrics_text(state):
+    m = _Metrics()
+    node_states = {"ALIVE": 0, "DEAD": 0}
+    for n in state["nodes"]:
+        node_states[n["state"]] = node_states.get(n["state"], 0) + 1
+    m.family("troupe_cluster_nodes", "gauge", "Nodes by state.",
+             [({"state": s}, c) for s, c in sorted(node_states.items())])
+    resources = []
+    for name in sorted({r for n in state["nodes"] for r in n["resources"]}):
+        total = sum(n["resources"].get(name, 0.0) for n in state["nodes"] if n["state"] == "ALIVE")
+        used = sum(n["used"].get(name, 0.0) for n in state["nodes"] if n["state"] == "ALIVE")
+        resources += [({"name": name, "state": "USED"}, used), ({"name": name, "state": "AVAILABLE"}, total - used)]
+    m.family("troupe_resources", "gauge", "Resources of the alive nodes by state (as ray_resources).", resources)
+    actor_states = {s: 0 for s in ("PENDING", "ALIVE", "RESTARTING", "DEAD")}
+    restarts = 0
+    for a in state["actors"]:
+        actor_states[a["state"]] = actor_states.get(a["state"], 0) + 1
+        restarts += a["restarts"]
+    m.family("troupe_actors", "gauge", "Actors by state (as ray_actors).",
+             [({"state": s}, c) for s, c in sorted(actor_states.items())])
+    m.family("troupe_actor_restarts", "gauge", "Restarts of the actors the cluster knows, summed.", [({}, restarts)])
+    pg_states = {s: 0 for s in ("PENDING", "CREATED", "REMOVED")}
+    for g in state["placement_groups"]:
+        pg_states[g["state"]] = pg_states.get(g["state"], 0) + 1
+    m.family("troupe_placement_groups", "gauge", "Placement groups by state (as ray_placement_groups).",
+             [({"state": s}, c) for s, c in sorted(pg_states.items())])
+    groups = _groups(state)
+    per = {}
+    for key, help_text in (("step", "Training step reached."), ("loss", "Loss at the last step."),
+                           ("samples_per_s", "Samples per second at the last step."),
+                           ("world_size", "Trainers in the group."), ("epoch", "Membership epoch."),
+                           ("recovery_count", "Recoveries since the group started.")):
+        per[key] = help_text
+    names = {"step": "troupe_train_step", "loss": "troupe_train_loss",
+             "samples_per_s": "troupe_train_samples_per_second", "world_size": "troupe_train_world_size",
+             "epoch": "troupe_train_epoch", "recovery_count": "troupe_train_recoveries"}
+    for key, help_text in per.items():
+        m.family(names[key], "gauge", help_text, [({"group": g["name"]}, g[key]) for g in groups])
+    split = []
+    for g in groups:
+        for rank in g["ranks"]:
+            for phase, field in (("compute", "compute_s"), ("communication", "comm_s"), ("data_wait", "wait_s"),
+                                 ("snapshot", "snapshot_s")):
+                split.append(({"group": g["name"], "rank": rank.get("rank", 0), "phase": phase}, rank.get(field)))
+    m.family("troupe_train_step_phase_seconds", "gauge", "The last step's time per rank and phase.", split)
+    return m.text()
+
+
+# ---- HTTP ----
+
+def make_handler(view, assets):
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "troupe-dashboard"
+
+        def log_message(self, fmt, *args):  # quiet: a page polls every second
+            pass
+
+        def send(self, code, body, content_type):
+            data = body if isinstance(body, bytes) else body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' 'unsafe-inline'")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            url = urlparse(self.path)
+            if url.path in assets:
+                return self.send(200, *assets[url.path])
+            state, error = view.get()
+            try:
+                if url.path == "/metrics":
+                    return self.send(200, metrics_text(state), "text/plain; version=0.0.4; charset=utf-8")
+                if url.path == "/api/cluster":
+                    alive = [n for n in state["nodes"] if n["state"] == "ALIVE"]
+                    body = {"nodes": state["nodes"], "alive": len(alive), "dead": len(state["nodes"]) - len(alive),
+                            "actors": len(state["actors"]), "groups": len(state["groups"]), "error": error}
+                elif url.path == "/api/actors":
+                    body = _actors_page(state, parse_qs(url.query))
+                elif url.path == "/api/placement_groups":
+                    body = {"placement_groups": state["placement_groups"]}
+                elif url.path == "/api/groups":
+                    body = {"groups": _groups(state)}
+                else:
+                    return self.send(404, json.dumps({"error": f"no page {url.path}"}), "application/json")
+            except ValueError as e:
+                return self.send(400, json.dumps({"error": str(e)}), "application/json")
+            self.send(200, json.dumps(body), "application/json")
+
+    return Handler
+
+
+def _assets():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dashboard_assets")
+    out = {}
+    for name, kind in (("index.html", "text/html; charset=utf-8"), ("app.js", "text/javascript; charset=utf-8")):
+        with open(os.path.join(here, name), "rb") as f:
+            out["/" + name] = (f.read(), kind)
+    out["/"] = out["/index.html"]
+    return out
+
+
+def _listen(host, port, handler):
+    try:
+        return ThreadingHTTPServer((host, port), handler)
+    except OSError:
+        if port == 0:
+            raise
+        return ThreadingHTTPServer((host, 0), handler)  # the port is taken: any free one
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="troupe.dashboard", description="The cluster's dashboard and /metrics.")
+    parser.add_argument("--run-dir", required=True, help="the head's run directory (holds cluster.json)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to try first (a free one if taken)")
+    args = parser.parse_args(argv)
+    from . import _core
+
+    with open(os.path.join(args.run_dir, "cluster.json")) as f:
+        cluster = json.load(f)
+    runtime = _core.Runtime(cluster["controller_address"], cluster["token"])
+    server = _listen("127.0.0.1", args.port, make_handler(ClusterView(runtime), _assets()))
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}"
+    path = os.path.join(args.run_dir, "dashboard.url")
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url + "\n")
+    os.replace(tmp, path)
+    # Like the head's other daemons: a pid file that `troupe stop` and the supervisor read, and a
+    # clean exit on SIGTERM.
+    pid_path = os.path.join(args.run_dir, "pids", "dashboard.pid")
+    with open(pid_path, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    print(f"troupe dashboard at {url} (pid {os.getpid()}, host {socket.gethostname()})", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        for stale in (pid_path, path):
+            try:
+                os.unlink(stale)
+            except OSError:
+                pass
+        runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

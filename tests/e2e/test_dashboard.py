@@ -1,0 +1,144 @@
+"""The head's dashboard and /metrics on a real cluster: the URL in `start` and `status`, the
+Prometheus text parsed by a real parser, and the pages loaded by headless Chromium (Debian's
+chromium, installed by scripts/setup) while a real training group trains, loses a trainer to
+kill -9 and recovers. Screenshots are saved under build/ for people to look at."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+import urllib.request
+
+import pytest
+
+from troupe_testing import BUILD, PYTHON_PACKAGE, eventually, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+CHROMIUM = shutil.which("chromium")
+TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def fetch(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metrics(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(fetch(url + "/metrics")):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def browse(url, screenshot=None):
+    """The page's DOM after its script ran (headless Chromium), and a screenshot if asked."""
+    assert CHROMIUM, "chromium is missing: scripts/setup installs it"
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--virtual-time-budget=4000", "--window-size=1280,1400"]
+    dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
+    if screenshot:
+        subprocess.run(base + [f"--screenshot={screenshot}", url], capture_output=True, timeout=60)
+        assert os.path.getsize(screenshot) > 1000
+    return dom
+
+
+@pytest.fixture
+def head(troupe):
+    port = free_port()
+    out = troupe.run("start", "--head", "--port", str(free_port()), "--dashboard-port", str(port)).stdout
+    url = re.search(r"dashboard:\s+(http://127\.0\.0\.1:\d+)", out).group(1)
+    return troupe, url, port
+
+
+def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
+    troupe, url, port = head
+    assert url == f"http://127.0.0.1:{port}"
+    assert f"Dashboard: {url}" in troupe.run("status").stdout
+    assert troupe.status()["cluster"]["dashboard"] == url
+    m = metrics(url)
+    assert m[("troupe_cluster_nodes", (("state", "ALIVE"),))] == 1
+    assert m[("troupe_resources", (("name", "CPU"), ("state", "AVAILABLE")))] > 0
+    assert m[("troupe_actors", (("state", "ALIVE"),))] == 0
+    # A driver creates an actor holding a CPU: the metrics follow.
+    driver = subprocess.Popen(["/usr/bin/python3", "-c",
+                               textwrap.dedent("""
+                                   import sys, troupe
+                                   troupe.init("auto")
+                                   @troupe.remote(num_cpus=1)
+                                   class A:
+                                       def f(self): return 1
+                                   a = A.remote(); troupe.get(a.f.remote())
+                                   print("up", flush=True); sys.stdin.readline()
+                               """)],
+                              env=dict(troupe.env, PYTHONPATH=str(PYTHON_PACKAGE)),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "up"
+        # The dashboard reads the cluster at most every 0.5 s.
+        eventually(lambda: metrics(url)[("troupe_actors", (("state", "ALIVE"),))] == 1, 10, "the actor in /metrics")
+        assert metrics(url)[("troupe_resources", (("name", "CPU"), ("state", "USED")))] == 1
+        dom = browse(url + "/?tab=actors")
+        assert "py:A" in dom and "ALIVE" in dom
+    finally:
+        driver.communicate("\n", timeout=30)
+    eventually(lambda: metrics(url)[("troupe_actors", (("state", "ALIVE"),))] == 0, 30, "the driver's actor to end")
+    page = json.loads(fetch(url + "/api/actors?state=DEAD&limit=1"))
+    assert page["total"] == 1 and len(page["actors"]) == 1
+    with pytest.raises(urllib.error.HTTPError):
+        fetch(url + "/api/actors?limit=x")
+    dom = browse(url + "/", screenshot=str(BUILD / "dashboard-cluster.png"))
+    assert "1 node(s) alive, 0 dead" in dom
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BUILD, "troupe-worker-torch")), reason="built without LibTorch")
+def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
+    troupe, url, _ = head
+    stop = tmp_path / "stop"
+    code = textwrap.dedent(f"""
+        import os, troupe
+        from troupe.train import ElasticTrainer
+        troupe.init("auto", log_to_driver=False)
+        t = ElasticTrainer(model="tinylm", data={TEXT!r}, optimizer={{"name": "adamw", "lr": 3e-3}},
+                           global_batch_size=8, max_micro_batch=4, min_workers=1, max_workers=2, context=32,
+                           steps_per_call=3, progress=False, seed=7, checkpoint={{"snapshot_every": 1}},
+                           name="dash", _fault={{"rank": 1, "kill_at_step": 12}})
+        while not os.path.exists({str(stop)!r}) and t.step < 600:
+            t.fit(3)
+        t.close()
+    """)
+    driver = subprocess.Popen(["/usr/bin/python3", "-c", code], env=dict(troupe.env, PYTHONPATH=str(PYTHON_PACKAGE)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def group():
+            groups = json.loads(fetch(url + "/api/groups"))["groups"]
+            return groups[0] if groups else None
+
+        eventually(lambda: (group() or {}).get("step", 0) >= 3, 120, "the group to train its first steps")
+        first = int(re.search(r'class="group-step">step (\d+)', browse(url + "/?tab=training")).group(1))
+        eventually(lambda: group()["step"] > first, 60, "the group to train on")
+        dom = browse(url + "/?tab=training")
+        second = int(re.search(r'class="group-step">step (\d+)', dom).group(1))
+        assert second > first  # the page shows the step advancing between two loads
+        eventually(lambda: group()["recovery_count"] >= 1, 120, "the killed trainer's recovery")
+        dom = browse(url + "/?tab=training", screenshot=str(BUILD / "dashboard-training.png"))
+        assert "recovered in" in dom and "signal 9" in dom  # the event, with why the trainer died
+        assert re.search(r'class="recoveries">.*?<td>12</td>', dom, re.S), "the recovery is not listed"
+        assert "<polyline" in dom  # the loss curve
+        m = metrics(url)
+        assert m[("troupe_train_step", (("group", "dash"),))] >= second
+        assert m[("troupe_train_recoveries", (("group", "dash"),))] >= 1
+        assert m[("troupe_train_world_size", (("group", "dash"),))] == 2
+        assert m[("troupe_train_step_phase_seconds", (("group", "dash"), ("phase", "compute"), ("rank", "1")))] > 0
+    finally:
+        stop.touch()
+        try:
+            out, err = driver.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            out, err = driver.communicate()
+    assert driver.returncode == 0, err[-3000:]
