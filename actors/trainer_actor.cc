@@ -122,6 +122,7 @@ class Trainer final : public Actor {
         persistEvery_(spec.value("persist_every", 0)),
         slotRank_(spec.value("bundle", 0)),
         killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
+        slowMs_(spec.value("fault_slow_ms", int64_t{0})),
         options_(std::move(options)) {
     compute_ = std::thread([this]() { computeLoop(); });
   }
@@ -474,8 +475,12 @@ class Trainer final : public Actor {
       if (!batch.isOk()) return batch.status();
       double wait = since(t0);
       if (s == killAtStep_) ::raise(SIGKILL);  // holding a lease, before the all-reduce: the worst time
+      auto slow0 = Clock::now();
+      if (slowMs_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));  // tests: a straggler
+      double slow = since(slow0);
       auto m = engine_->step(*batch);
       if (!m.isOk()) return m.status();
+      m->compute_s += slow;  // the delay stands for a slower machine: it counts as compute
       auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", rank_}}.dump());
       if (!done.isOk()) return done.status();
       auto t1 = Clock::now();
@@ -539,6 +544,7 @@ class Trainer final : public Actor {
   int64_t persistEvery_;  // tell the checkpoint actor (persist, replicate) every n snapshots' steps
   int slotRank_;
   int64_t killAtStep_;
+  int64_t slowMs_;  // tests: every step's compute is this much longer (a straggler)
   int prefetch_ = 2;                                             // batches asked for ahead
   std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   TrainerEngineOptions options_;

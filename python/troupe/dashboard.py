@@ -75,6 +75,7 @@ def _groups(state):
                     "loss": doc.get("loss"), "samples_per_s": doc.get("samples_per_s", 0.0),
                     "split": {k: doc.get(k) for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")},
                     "ranks": doc.get("ranks", []), "curve": doc.get("curve", []),
+                    "stragglers": doc.get("stragglers", []),
                     "members_per_node": _members_per_node(doc), "recovery_count": doc.get("recovery_count", 0),
                     "recoveries": doc.get("recoveries", []), "tuner_decisions": doc.get("tuner_decisions", []),
                     "heartbeat_ms": doc.get("heartbeat_ms"), "events": events})
@@ -173,6 +174,13 @@ def metrics_text(state):
                                  ("snapshot", "snapshot_s")):
                 split.append(({"group": g["name"], "rank": rank.get("rank", 0), "phase": phase}, rank.get(field)))
     m.family("troupe_train_step_phase_seconds", "gauge", "The last step's time per rank and phase.", split)
+    flagged = []
+    for g in groups:
+        slow = {s.get("rank") for s in g["stragglers"]}
+        flagged += [({"group": g["name"], "rank": r.get("rank", 0)}, 1 if r.get("rank") in slow else 0)
+                    for r in g["ranks"]]
+    m.family("troupe_train_straggler", "gauge",
+             "1 for a rank computing more than 2x the other ranks' median over the last steps.", flagged)
     return m.text()
 
 

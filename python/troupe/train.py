@@ -232,7 +232,8 @@ class ElasticTrainer:
         spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader._id,
                 "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
                 "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
-                "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1}
+                "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
+                "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0}
         return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
                               placement_group=self.group_id, bundle_index=bundle, lifetime=self._lifetime)
 
@@ -336,6 +337,7 @@ class ElasticTrainer:
         # the tuner's decisions (bounded: the record is rewritten every chunk).
         doc["curve"] = [[h["step"], h["loss"], round(h["samples_per_s"], 3)] for h in self.history[-200:]]
         doc["ranks"] = list(getattr(self, "_last_ranks", []))
+        doc["stragglers"] = list(getattr(self, "stragglers", []))
         doc["recovery_count"] = len(getattr(self, "recoveries", []))
         doc["recoveries"] = list(getattr(self, "recoveries", [])[-20:])
         doc["tuner_decisions"] = [{k: d.get(k) for k in ("action", "world_size", "target", "predicted_samples_per_s",
@@ -520,6 +522,7 @@ class ElasticTrainer:
             self.history.append(row)
         self._last_ranks = [{"rank": j, **{k: r[-1][k] for k in ("compute_s", "comm_s", "wait_s", "snapshot_s")}}
                             for j, r in enumerate(per_rank)]  # the last step's split, per rank (dashboard)
+        self._watch_stragglers(per_rank)
         self.step = per_rank[0][-1]["step"]
         # Every rank finished these steps: commit them in each node's queue (which hears only its
         # own ranks' completions), or its window of uncommitted steps would fill.
@@ -596,6 +599,41 @@ class ElasticTrainer:
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         self.recoveries.append({"step": self.step, "recovery_s": took})
+
+    # A rank whose compute time per step is more than STRAGGLER_RATIO times the median of the
+    # other ranks' over the last STRAGGLER_WINDOW steps is a straggler (DLRover's rule, from the
+    # step times the ranks report anyway: no probes). Flagged and cleared as group events.
+    STRAGGLER_WINDOW = 6
+    STRAGGLER_RATIO = 2.0
+
+    def _watch_stragglers(self, per_rank):
+        window = getattr(self, "_compute_window", None)
+        if window is None or window["world"] != len(per_rank):
+            window = self._compute_window = {"world": len(per_rank), "steps": []}
+        for i in range(len(per_rank[0])):
+            window["steps"].append([r[i]["compute_s"] for r in per_rank])
+        del window["steps"][:-self.STRAGGLER_WINDOW]
+        flagged = {}
+        if len(per_rank) >= 2 and len(window["steps"]) >= self.STRAGGLER_WINDOW:
+            means = [sum(step[j] for step in window["steps"]) / len(window["steps"]) for j in range(len(per_rank))]
+            for j, mine in enumerate(means):
+                others = sorted(m for k, m in enumerate(means) if k != j)
+                median = others[len(others) // 2] if len(others) % 2 else (others[len(others) // 2 - 1] +
+                                                                             others[len(others) // 2]) / 2
+                if median > 0 and mine > self.STRAGGLER_RATIO * median:
+                    flagged[j] = {"rank": j, "compute_s": round(mine, 4), "others_median_s": round(median, 4),
+                                  "ratio": round(mine / median, 2)}
+        before = {s["rank"] for s in getattr(self, "stragglers", [])}
+        for j, f in flagged.items():
+            trainer = self.trainers[j]._id if j < len(self.trainers) else "?"
+            f.update(trainer=trainer, node=self._trainer_nodes.get(trainer, ""))
+            if j not in before:
+                self._event(f"straggler: rank {j} (Trainer {trainer}) computes {f['compute_s']:.3f} s per step, "
+                            f"{f['ratio']:.1f}x the other ranks' median {f['others_median_s']:.3f} s over the last "
+                            f"{self.STRAGGLER_WINDOW} steps")
+        for j in before - set(flagged):
+            self._event(f"straggler cleared: rank {j} is back within {self.STRAGGLER_RATIO:g}x the others' median")
+        self.stragglers = list(flagged.values())
 
     def _gather(self, refs):
         """The values of `refs`; raises the first failure as soon as it is known (a call to a

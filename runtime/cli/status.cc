@@ -176,6 +176,11 @@ int statusCommand(const StatusFlags& flags) {
                              g.value("state", std::string("?")), g["epoch"].get<int64_t>(), g["world_size"].get<int64_t>(),
                              g["step"].get<int64_t>(), g.value("samples_per_s", 0.0));
     std::cout << "  members: " << g["members"].dump() << "\n";
+    for (const auto& s : g.value("stragglers", nlohmann::json::array())) {
+      std::cout << fmt::format("  straggler: rank {} (Trainer {}) {:.3f} s compute per step, {:.1f}x the others' median\n",
+                               s.value("rank", -1), s.value("trainer", std::string("?")), s.value("compute_s", 0.0),
+                               s.value("ratio", 0.0));
+    }
     auto& events = g["events"];
     size_t from = events.size() > 5 ? events.size() - 5 : 0;
     for (size_t i = from; i < events.size(); ++i) {

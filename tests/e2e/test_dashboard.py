@@ -142,3 +142,24 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
             driver.kill()
             out, err = driver.communicate()
     assert driver.returncode == 0, err[-3000:]
+
+
+def test_metrics_text_parses_and_escapes_labels():
+    import sys as _sys
+
+    _sys.path.insert(0, str(PYTHON_PACKAGE))
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from troupe.dashboard import metrics_text
+
+    doc = {"name": 'odd "name"\nhere', "step": 9, "world_size": 2, "loss": 1.5, "samples_per_s": 10.0,
+           "ranks": [{"rank": 0, "compute_s": 0.1}, {"rank": 1, "compute_s": 0.5}], "stragglers": [{"rank": 1}]}
+    state = {"nodes": [], "actors": [], "placement_groups": [],
+             "groups": [{"id": "g", "doc": json.dumps(doc), "events": [], "epoch": 3}]}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics_text(state)) for s in f.samples}
+    group = ("group", 'odd "name"\nhere')
+    assert samples[("troupe_train_step", (group,))] == 9
+    assert samples[("troupe_train_epoch", (group,))] == 3
+    assert samples[("troupe_train_straggler", (group, ("rank", "1")))] == 1
+    assert samples[("troupe_train_straggler", (group, ("rank", "0")))] == 0

@@ -285,3 +285,19 @@ def test_a_lost_node_whose_replicas_lagged_is_restored_at_the_step_every_rank_pi
             assert hashes[0] == hashes[1]
     finally:
         troupe_api.shutdown()
+
+
+def test_a_slow_trainer_is_flagged_as_a_straggler_and_no_healthy_rank_is(cluster):
+    import json
+
+    with make(_fault={"slow_rank": 1, "slow_ms": 300}) as t:
+        t.fit(12)
+        record = group_record(t)
+        doc = json.loads(record["doc"])
+        assert [s["rank"] for s in doc["stragglers"]] == [1], doc["stragglers"]
+        assert doc["stragglers"][0]["ratio"] > 2 and doc["stragglers"][0]["trainer"] == t.trainers[1]._id
+        flagged = [e for e in t.events if "straggler: rank 1" in e["text"]]
+        assert len(flagged) == 1, t.events  # said once, not at every chunk
+        assert flagged[0]["step"] <= 9  # within the first chunks after the 6-step window filled
+        assert not any("straggler: rank 0" in e["text"] for e in t.events)
+        assert any("straggler: rank 1" in e for e in record["events"])

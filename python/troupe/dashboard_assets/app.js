@@ -96,9 +96,15 @@ async function drawTraining() {
          `loss ${num(g.loss, 4)} · ${num(g.samples_per_s, 1)} samples/s · epoch ${g.epoch} · ${g.recovery_count} recoveries`),
       el("p", {class: "muted"}, "members per node: " + Object.entries(g.members_per_node).map(([n, c]) => `${n}: ${c}`).join(", ")),
       lossCurve(g.curve));
+    const slow = new Set(g.stragglers.map(s => s.rank));
     const ranks = el("table", {});
-    table(ranks, ["rank", "compute s", "communication s", "data wait s", "snapshot s", "split"],
-          g.ranks.map(r => [r.rank, num(r.compute_s), num(r.comm_s), num(r.wait_s), num(r.snapshot_s), splitBars(r)]));
+    table(ranks, ["rank", "compute s", "communication s", "data wait s", "snapshot s", "split", ""],
+          g.ranks.map(r => [r.rank, num(r.compute_s), num(r.comm_s), num(r.wait_s), num(r.snapshot_s), splitBars(r),
+                            slow.has(r.rank) ? el("span", {class: "DEAD straggler"}, "straggler") : ""]));
+    if (g.stragglers.length) {
+      card.append(el("p", {class: "DEAD stragglers"}, "Stragglers: " + g.stragglers.map(s =>
+        `rank ${s.rank} (Trainer ${s.trainer}) ${num(s.compute_s)} s per step, ${num(s.ratio, 1)}x the others' median`).join("; ")));
+    }
     const rec = el("table", {class: "recoveries"});
     table(rec, ["recovered at step", "took s"], g.recoveries.map(r => [r.step, num(r.recovery_s, 2)]));
     const tuner = el("table", {});
