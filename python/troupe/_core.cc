@@ -368,6 +368,31 @@ class Runtime {
     return out;
   }
 
+  // The last `maxBytes` of an actor's stdout and stderr, read from its node's agent (any node).
+  std::pair<py::bytes, py::bytes> readLogs(const std::string& id, uint32_t maxBytes) {
+    auto logs = onLoop([this, id, maxBytes]() {
+      return client_->actorInfo(ActorId(id)).then([this](ActorRecord actor) {
+        return client_->listNodes().then([this, actor](std::vector<NodeRecord> nodes) {
+          for (const auto& n : nodes) {
+            if (n.id == actor.nodeId && n.state == NodeState::kAlive) return nodeAgent(n.address);
+          }
+          throwStatus(Status(StatusCode::kNotFound,
+                             fmt::format("actor {}'s node {} is not alive: its logs are in that node's run directory",
+                                         actor.id.hex(), actor.nodeId.hex())));
+        });
+      }).then([id, maxBytes](rpc::NodeAgent::Client agent) {
+        auto request = agent.readLogsRequest();
+        request.setId(id);
+        request.setMaxBytes(maxBytes);
+        return request.send();
+      }).then([](capnp::Response<rpc::NodeAgent::ReadLogsResults> r) {
+        auto text = [](capnp::Data::Reader d) { return std::string(reinterpret_cast<const char*>(d.begin()), d.size()); };
+        return std::make_pair(text(r.getStdout()), text(r.getStderr()));
+      });
+    });
+    return {py::bytes(logs.first), py::bytes(logs.second)};
+  }
+
   // Everything the controller's status call returns: nodes, actors, placement groups, groups.
   py::dict snapshot() {
     auto s = onLoop([this]() { return client_->snapshot(); });
@@ -876,6 +901,7 @@ PYBIND11_MODULE(_core, m) {
       .def("take", &Runtime::take)
       .def("status", &Runtime::status)
       .def("snapshot", &Runtime::snapshot)
+      .def("read_logs", &Runtime::readLogs)
       .def("nodes", &Runtime::nodes)
       .def("poll_output", &Runtime::pollOutput)
       .def("flush_output", &Runtime::flushOutput)

@@ -11,7 +11,8 @@ more than one), and serves on 127.0.0.1 (port 8265, or a free one if that is tak
   /api/actors            actors, filtered and paginated here (?state= &node= &q= &offset= &limit=)
   /api/placement_groups  placement groups
   /api/groups            training groups: step, loss curve, samples/s, world size, the step time
-                         split per rank, recoveries, events, the tuner's decisions
+                         split per rank, stragglers, recoveries, events, the tuner's decisions
+  /api/logs?actor=ID     the tail of an actor's stdout and stderr, from its node's agent
   /metrics               Prometheus text format (troupe_* metrics; Ray's meaning where it has one)
 
 It writes its URL to DIR/dashboard.url (0600) once it listens: `troupe status` shows it. It
@@ -32,6 +33,7 @@ from urllib.parse import parse_qs, urlparse
 DEFAULT_PORT = 8265
 CACHE_S = 0.5
 MAX_PAGE = 500
+LOG_TAIL_BYTES = 16 * 1024
 
 
 class ClusterView:
@@ -222,6 +224,16 @@ def make_handler(view, assets):
                     body = {"placement_groups": state["placement_groups"]}
                 elif url.path == "/api/groups":
                     body = {"groups": _groups(state)}
+                elif url.path == "/api/logs":
+                    actor = (parse_qs(url.query).get("actor") or [""])[0]
+                    if not actor or not all(c in "0123456789abcdef" for c in actor):
+                        raise ValueError("actor= must be an actor id (hex)")
+                    try:
+                        out, err = view.runtime.read_logs(actor, LOG_TAIL_BYTES)
+                    except Exception as e:  # its node is gone, or no such actor: say so on the page
+                        return self.send(404, json.dumps({"error": str(e)}), "application/json")
+                    body = {"actor": actor, "stdout": out.decode(errors="replace"),
+                            "stderr": err.decode(errors="replace")}
                 else:
                     return self.send(404, json.dumps({"error": f"no page {url.path}"}), "application/json")
             except ValueError as e:

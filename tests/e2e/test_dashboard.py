@@ -71,7 +71,9 @@ def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
                                    troupe.init("auto")
                                    @troupe.remote(num_cpus=1)
                                    class A:
-                                       def f(self): return 1
+                                       def f(self):
+                                           print("hello from the actor", flush=True)
+                                           return 1
                                    a = A.remote(); troupe.get(a.f.remote())
                                    print("up", flush=True); sys.stdin.readline()
                                """)],
@@ -84,6 +86,10 @@ def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
         assert metrics(url)[("troupe_resources", (("name", "CPU"), ("state", "USED")))] == 1
         dom = browse(url + "/?tab=actors")
         assert "py:A" in dom and "ALIVE" in dom
+        actor = json.loads(fetch(url + "/api/actors?state=ALIVE"))["actors"][0]["id"]
+        assert "hello from the actor" in json.loads(fetch(url + f"/api/logs?actor={actor}"))["stdout"]
+        dom = browse(url + f"/?tab=actors&logs={actor}")
+        assert re.search(r'<pre id="log-tail">hello from the actor', dom), "the actor's output is not shown"
     finally:
         driver.communicate("\n", timeout=30)
     eventually(lambda: metrics(url)[("troupe_actors", (("state", "ALIVE"),))] == 0, 30, "the driver's actor to end")

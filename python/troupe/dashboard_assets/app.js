@@ -41,7 +41,22 @@ async function drawActors() {
   const p = await json(`/api/actors?offset=${offset}&limit=${PAGE}&state=${s}&q=${q}`);
   document.getElementById("page").textContent = `${p.total ? p.offset + 1 : 0}-${p.offset + p.actors.length} of ${p.total}`;
   table(document.getElementById("actor-table"), ["actor", "type", "name", "state", "restarts", "node", "pid", "death / pending reason"],
-        p.actors.map(a => [a.id, a.type, a.name, stateCell(a.state), a.restarts, a.node_id, a.pid || "", a.death_reason]));
+        p.actors.map(a => {
+          const link = el("a", {href: `?tab=actors&logs=${a.id}`, class: "actor-link"}, a.id);
+          link.addEventListener("click", ev => { ev.preventDefault(); logsOf = a.id; drawLogs(); });
+          return [link, a.type, a.name, stateCell(a.state), a.restarts, a.node_id, a.pid || "", a.death_reason];
+        }));
+  if (logsOf) drawLogs();
+}
+
+let logsOf = new URLSearchParams(location.search).get("logs");
+async function drawLogs() {
+  const box = document.getElementById("logs");
+  const r = await fetch(`/api/logs?actor=${encodeURIComponent(logsOf)}`, {cache: "no-store"});
+  const body = await r.json();
+  box.replaceChildren(el("h4", {}, `Output of actor ${logsOf}`),
+    body.error ? el("p", {class: "error"}, body.error)
+               : el("pre", {id: "log-tail"}, body.stdout + (body.stderr ? "\n--- stderr ---\n" + body.stderr : "")));
 }
 
 async function drawPgs() {
