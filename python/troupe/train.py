@@ -25,6 +25,10 @@ ElasticTrainer.attach(name) from any other driver or notebook returns a GroupHan
 progress(), wait(step), resize(n) and stop() (carried out by the coordinator at its next
 chunk).
 
+tensorboard_dir=DIR writes each step's loss, samples/s and world size as TensorBoard scalars
+(`tensorboard --logdir DIR`). A rank that computes more than 2x the other ranks' median over
+the last steps is flagged as a straggler (an event; shown by `troupe status` and the dashboard).
+
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
@@ -36,7 +40,7 @@ import threading
 import time
 import uuid
 
-from . import _api
+from . import _api, _tensorboard
 from ._api import ActorDiedError, ActorError, TroupeError
 from .exceptions import ResourceExhaustedError, UnavailableError
 
@@ -94,8 +98,11 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, replace_timeout=10.0, tuner=False, detached=False, _fault=None):
+                 name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None, _fault=None):
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
+        # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
+        # coordinator, which receives every rank's results.
+        self._tensorboard = _tensorboard.ScalarWriter(tensorboard_dir) if tensorboard_dir else None
         self._rt = _api._runtime()
         self._closed = False
         self._lifetime = "detached" if detached else None
@@ -520,6 +527,11 @@ class ElasticTrainer:
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
+            if self._tensorboard is not None:
+                self._tensorboard.add(row["step"], {"train/loss": row["loss"], "train/samples_per_s": row["samples_per_s"],
+                                                    "train/world_size": row["world_size"]})
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
         self._last_ranks = [{"rank": j, **{k: r[-1][k] for k in ("compute_s", "comm_s", "wait_s", "snapshot_s")}}
                             for j, r in enumerate(per_rank)]  # the last step's split, per rank (dashboard)
         self._watch_stragglers(per_rank)
@@ -747,6 +759,8 @@ class ElasticTrainer:
             return
         self._closed = True
         self._stop_beat.set()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         try:
             _api.get([_json_call(c, "release") for _, c in self._node_services.values()], timeout=30)
         except Exception:

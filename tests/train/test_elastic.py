@@ -301,3 +301,86 @@ def test_a_slow_trainer_is_flagged_as_a_straggler_and_no_healthy_rank_is(cluster
         assert flagged[0]["step"] <= 9  # within the first chunks after the 6-step window filled
         assert not any("straggler: rank 0" in e["text"] for e in t.events)
         assert any("straggler: rank 1" in e for e in record["events"])
+
+
+def _read_tfrecords(path):
+    """An independent reader of TensorBoard's event files: TFRecord framing with masked CRC-32C,
+    then the protobuf fields of tensorflow.Event that scalars use."""
+    import struct
+
+    def crc32c(data):  # bitwise, unlike the writer's table
+        crc = 0xFFFFFFFF
+        for b in data:
+            crc ^= b
+            for _ in range(8):
+                crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+        return crc ^ 0xFFFFFFFF
+
+    def masked(data):
+        c = crc32c(data)
+        return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    def fields(buf):
+        i = 0
+        while i < len(buf):
+            key, shift = 0, 0
+            while True:
+                b = buf[i]; i += 1; key |= (b & 0x7F) << shift; shift += 7  # noqa: E702
+                if not b & 0x80:
+                    break
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                v, shift = 0, 0
+                while True:
+                    b = buf[i]; i += 1; v |= (b & 0x7F) << shift; shift += 7  # noqa: E702
+                    if not b & 0x80:
+                        break
+            elif wire == 1:
+                v = struct.unpack_from("<d", buf, i)[0]; i += 8  # noqa: E702
+            elif wire == 5:
+                v = struct.unpack_from("<f", buf, i)[0]; i += 4  # noqa: E702
+            else:
+                n, shift = 0, 0
+                while True:
+                    b = buf[i]; i += 1; n |= (b & 0x7F) << shift; shift += 7  # noqa: E702
+                    if not b & 0x80:
+                        break
+                v = buf[i:i + n]; i += n  # noqa: E702
+            yield number, v
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    data, events = open(path, "rb").read(), []
+    i = 0
+    while i < len(data):
+        (length,) = struct.unpack_from("<Q", data, i)
+        assert struct.unpack_from("<I", data, i + 8)[0] == masked(data[i:i + 8])
+        body = data[i + 12:i + 12 + length]
+        assert struct.unpack_from("<I", data, i + 12 + length)[0] == masked(body)
+        i += 16 + length
+        event = {"scalars": {}}
+        for number, v in fields(body):
+            if number == 2:
+                event["step"] = v
+            elif number == 3:
+                event["file_version"] = v.decode()
+            elif number == 5:
+                for _, value in fields(v):
+                    parts = dict(fields(value))
+                    event["scalars"][parts[1].decode()] = parts[2]
+        events.append(event)
+    return events
+
+
+def test_tensorboard_scalars_are_written_per_step(cluster, tmp_path):
+    with make(tensorboard_dir=str(tmp_path / "tb")) as t:
+        history = t.fit(6)
+    files = list((tmp_path / "tb").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("events.out.tfevents.")
+    assert files[0].stat().st_mode & 0o777 == 0o600
+    events = _read_tfrecords(files[0])
+    assert events[0]["file_version"] == "brain.Event:2"
+    steps = {e["step"]: e["scalars"] for e in events[1:]}
+    assert sorted(steps) == [row["step"] for row in history] == list(range(1, 7))
+    for row in history:
+        assert abs(steps[row["step"]]["train/loss"] - row["loss"]) < 1e-5 * max(1.0, abs(row["loss"]))
+        assert steps[row["step"]]["train/world_size"] == 2
