@@ -35,6 +35,11 @@ void registerDataloaderActor(ActorRegistry& registry);
 
 namespace {
 
+int64_t wallUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -182,6 +187,15 @@ class Trainer final : public Actor {
       return Json{{"pinned", *pinned}}.dump();
     }
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
+    if (method == "timeline") {
+      Json spans = Json::array();
+      for (const auto& sp : engine_->timeline()) {
+        spans.push_back({{"name", sp.name}, {"ts", sp.start_us}, {"dur", sp.dur_us}, {"step", sp.step},
+                         {"bucket", sp.bucket}, {"bytes", sp.bytes}});
+      }
+      return Json{{"rank", engine_->rank()}, {"world", engine_->worldSize()}, {"pid", ::getpid()},
+                  {"spans", spans}}.dump();
+    }
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
   }
 
@@ -474,6 +488,7 @@ class Trainer final : public Actor {
       auto batch = decodeBatch(*bytes);
       if (!batch.isOk()) return batch.status();
       double wait = since(t0);
+      engine_->record({"data wait", wallUs() - static_cast<int64_t>(wait * 1e6), static_cast<int64_t>(wait * 1e6), s + 1});
       if (s == killAtStep_) ::raise(SIGKILL);  // holding a lease, before the all-reduce: the worst time
       auto slow0 = Clock::now();
       if (slowMs_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));  // tests: a straggler
@@ -484,7 +499,11 @@ class Trainer final : public Actor {
       auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", rank_}}.dump());
       if (!done.isOk()) return done.status();
       auto t1 = Clock::now();
-      if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) TROUPE_RETURN_IF_ERROR(snapshot());
+      if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) {
+        int64_t snapshot_us = wallUs();
+        TROUPE_RETURN_IF_ERROR(snapshot());
+        engine_->record({"snapshot", snapshot_us, wallUs() - snapshot_us, m->step});
+      }
       metrics.push_back({{"step", m->step},
                          {"loss", m->loss},
                          {"compute_s", m->compute_s},

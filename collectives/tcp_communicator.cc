@@ -176,12 +176,19 @@ class WorkState final : public Work {
     std::lock_guard lock(mutex_);
     return done_;
   }
+  int64_t finishedAtUs() const override {
+    std::lock_guard lock(mutex_);
+    return finishedAtUs_;
+  }
   void complete(Status status) {
+    auto now = std::chrono::duration_cast<std::chrono::microseconds>(
+                   std::chrono::system_clock::now().time_since_epoch()).count();
     {
       std::lock_guard lock(mutex_);
       if (done_) return;
       status_ = std::move(status);
       done_ = true;
+      finishedAtUs_ = now;
     }
     ready_.notify_all();
   }
@@ -190,6 +197,7 @@ class WorkState final : public Work {
   mutable std::mutex mutex_;
   std::condition_variable ready_;
   bool done_ = false;
+  int64_t finishedAtUs_ = 0;
   Status status_;
 };
 

@@ -2,6 +2,7 @@
 // One of the two translation units of actors/train that include LibTorch (~30 s to compile).
 #include "troupe/actors/trainer_engine.h"
 
+#include <mutex>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/function.h>
@@ -35,6 +36,11 @@ using train::TrainModel;
 
 double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+int64_t wallUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 Status invalid(const std::string& message) {
@@ -301,6 +307,7 @@ class TrainerEngine::Impl {
     size_t pending = 0;          // gradients of the current pass not yet final
     std::shared_ptr<collectives::Work> work;
     uint64_t bytes = 0;
+    int64_t launched_us = 0;  // timeline
   };
 
   // What one forward/backward pass over this rank's rows produced.
@@ -417,16 +424,20 @@ class TrainerEngine::Impl {
 
   void launch(size_t index) {
     Bucket& b = buckets[index];
+    b.launched_us = wallUs();
     b.work = comm->allreduceAsync(b.flat.data_ptr(), b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
                                   collectives::DataType::kFloat32, collectives::ReduceOp::kSum);
   }
 
-  // Waits for every launched all-reduce; the first error wins.
+  // Waits for every launched all-reduce; the first error wins. Each one's span runs from its
+  // launch to its finish (as the communicator saw it, else when the wait returned).
   Status waitLaunched() {
     Status first;
-    for (auto& b : buckets) {
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      auto& b = buckets[i];
       if (!b.work) continue;
       Status s = b.work->wait();
+      span("allreduce", b.launched_us, static_cast<int32_t>(i), b.bytes, b.work->finishedAtUs());
       if (!s.isOk() && first.isOk()) first = s;
     }
     return first;
@@ -512,9 +523,13 @@ class TrainerEngine::Impl {
         const int64_t begin = m * micro;
         const int64_t size = std::min(micro, rows - begin);
         collecting = distributed() && m + 1 == pass.micro_batches;
+        const int64_t forward_us = wallUs();
         const at::Tensor sum = lossSum(model->forward(inputs.narrow(0, begin, size)),
                                        targets.narrow(0, begin, size));
+        const int64_t backward_us = wallUs();
+        span("forward", forward_us, -1, 0, backward_us);
         (sum / global).backward();
+        span("backward", backward_us);
         pass.loss_sum += sum.item<double>();
       }
     } catch (const std::exception& e) {
@@ -533,11 +548,13 @@ class TrainerEngine::Impl {
     // Buckets of parameters that got no gradient this pass (or all of them, for an empty slice).
     while (next_bucket < buckets.size()) launch(next_bucket++);
     double loss = pass.loss_sum;
+    const int64_t loss_us = wallUs();
     auto loss_work = comm->allreduceAsync(&loss, &loss, 1, collectives::DataType::kFloat64,
                                           collectives::ReduceOp::kSum);
     const auto wait_start = Clock::now();
     Status status = waitLaunched();
     Status loss_status = loss_work->wait();
+    span("allreduce loss", loss_us, -1, sizeof(double), loss_work->finishedAtUs());
     pass.comm_s = secondsSince(wait_start);
     if (status.isOk()) status = loss_status;
     if (!status.isOk()) return status;
@@ -570,6 +587,7 @@ class TrainerEngine::Impl {
     metrics.bytes_allreduced = first->bytes;
     metrics.bytes_reduced_in_backward = first->bytes_in_backward;
     metrics.micro_batches = first->micro_batches;
+    const int64_t optimizer_us = wallUs();
     try {
       torch::NoGradGuard no_grad;
       if (wsam) {
@@ -585,6 +603,7 @@ class TrainerEngine::Impl {
       return Status(StatusCode::kInternal,
                     fmt::format("optimizer {} step failed: {}", options.optimizer, e.what_without_backtrace()));
     }
+    span("optimizer", optimizer_us);
     ++steps;
     metrics.step = steps;
     metrics.loss = first->loss_sum / static_cast<double>(options.global_batch);
@@ -821,6 +840,23 @@ class TrainerEngine::Impl {
   int rank = 0;
   int world = 1;
   int64_t steps = 0;
+
+  // The timeline's ring (TrainerEngine::timeline): spans of the step in progress are tagged
+  // with steps + 1.
+  mutable std::mutex timeline_mutex;
+  std::vector<TimelineSpan> ring = std::vector<TimelineSpan>(kTimelineSpans);
+  size_t ring_next = 0;
+  size_t ring_size = 0;
+
+  void record(const TimelineSpan& span) {
+    std::lock_guard lock(timeline_mutex);
+    ring[ring_next] = span;
+    ring_next = (ring_next + 1) % ring.size();
+    ring_size = std::min(ring_size + 1, ring.size());
+  }
+  void span(const char* name, int64_t start_us, int32_t bucket = -1, uint64_t bytes = 0, int64_t end_us = 0) {
+    record(TimelineSpan{name, start_us, (end_us ? end_us : wallUs()) - start_us, steps + 1, bucket, bytes});
+  }
 };
 
 namespace {
@@ -877,6 +913,17 @@ RankSlice TrainerEngine::slice() const {
 Result<StepMetrics> TrainerEngine::step(const Batch& batch) { return impl_->step(batch); }
 Result<double> TrainerEngine::evaluate(const Batch& batch) { return impl_->evaluate(batch); }
 int64_t TrainerEngine::stepCount() const { return impl_->steps; }
+
+std::vector<TimelineSpan> TrainerEngine::timeline() const {
+  std::lock_guard lock(impl_->timeline_mutex);
+  std::vector<TimelineSpan> out;
+  out.reserve(impl_->ring_size);
+  size_t first = (impl_->ring_next + impl_->ring.size() - impl_->ring_size) % impl_->ring.size();
+  for (size_t i = 0; i < impl_->ring_size; ++i) out.push_back(impl_->ring[(first + i) % impl_->ring.size()]);
+  return out;
+}
+
+void TrainerEngine::record(const TimelineSpan& span) { impl_->record(span); }
 int64_t TrainerEngine::parameterCount() const {
   int64_t n = 0;
   for (const auto& p : impl_->params) n += p.numel();

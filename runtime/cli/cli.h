@@ -42,8 +42,9 @@ struct StatusFlags {
 int startCommand(const StartFlags& flags);
 int statusCommand(const StatusFlags& flags);
 int stopCommand();
-// `troupe job ARGS`: runs `python3 -m troupe.job ARGS` (argv[first..]); returns only on failure.
-int jobCommand(int argc, char** argv, int first);
+// `troupe job ARGS`, `troupe timeline ARGS`: runs `python3 -m troupe.<module> ARGS` (argv[first..];
+// exec: returns only on failure).
+int pythonCommand(const std::string& module, int argc, char** argv, int first);
 // Prints an actor's captured stdout and stderr (by id, id prefix or name), fetched from its node.
 int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes);
 int restartControllerCommand();

@@ -7,8 +7,9 @@
 
 int main(int argc, char** argv) {
   using namespace troupe::cli;
-  // Jobs are run by python/troupe/job.py, which parses its own flags.
-  if (argc >= 2 && std::string(argv[1]) == "job") return jobCommand(argc, argv, 2);
+  // Jobs (python/troupe/job.py) and timelines (timeline.py) are Python, which parses its own flags.
+  if (argc >= 2 && std::string(argv[1]) == "job") return pythonCommand("job", argc, argv, 2);
+  if (argc >= 2 && std::string(argv[1]) == "timeline") return pythonCommand("timeline", argc, argv, 2);
   CLI::App app{"Troupe: an actor runtime for elastic distributed training"};
   app.require_subcommand(1);
 
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   logsCmd->add_option("--token", logsToken, "Cluster token")->envname("TROUPE_TOKEN");
   logsCmd->add_option("--bytes", logsBytes, "At most this much from the end of each stream");
   app.add_subcommand("job", "Run driver scripts on the cluster: job submit|list|status|logs|stop (see job --help)");
+  app.add_subcommand("timeline", "Write a training group's recent steps as a Chrome trace: timeline [--group G] [-o FILE]");
   auto* restartCmd = app.add_subcommand("restart-controller",
                                         "Restart this machine's controller; it recovers the cluster from Redis");
 

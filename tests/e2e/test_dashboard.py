@@ -57,6 +57,8 @@ def head(troupe):
 
 def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
     troupe, url, port = head
+    no_group = troupe.run("timeline", check=False)
+    assert no_group.returncode == 1 and "name the group with --group (groups: none)" in no_group.stderr
     assert url == f"http://127.0.0.1:{port}"
     assert f"Dashboard: {url}" in troupe.run("status").stdout
     assert troupe.status()["cluster"]["dashboard"] == url
@@ -140,6 +142,12 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
         assert m[("troupe_train_recoveries", (("group", "dash"),))] >= 1
         assert m[("troupe_train_world_size", (("group", "dash"),))] == 2
         assert m[("troupe_train_step_phase_seconds", (("group", "dash"), ("phase", "compute"), ("rank", "1")))] > 0
+        # The CLI's timeline of the same group: a Chrome trace file with both ranks.
+        trace_file = tmp_path / "trace.json"
+        out = troupe.run("timeline", "--group", "dash", "-o", str(trace_file), timeout=120).stdout
+        assert "of 2 rank(s)" in out
+        trace = json.loads(trace_file.read_text())
+        assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "forward"} == {0, 1}
     finally:
         stop.touch()
         try:

@@ -384,3 +384,29 @@ def test_tensorboard_scalars_are_written_per_step(cluster, tmp_path):
     for row in history:
         assert abs(steps[row["step"]]["train/loss"] - row["loss"]) < 1e-5 * max(1.0, abs(row["loss"]))
         assert steps[row["step"]]["train/world_size"] == 2
+
+
+def test_the_timeline_shows_each_ranks_steps_as_a_chrome_trace(cluster, tmp_path):
+    from troupe import timeline
+
+    with make(name="traced") as t:
+        t.fit(6)
+        trace = timeline.collect("traced")
+        with pytest.raises(troupe.TroupeError, match="no training group named 'nope'"):
+            timeline.collect("nope")
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}  # a process per rank
+    names = {e["name"].split(" bucket")[0] for e in spans}
+    assert {"forward", "backward", "allreduce", "allreduce loss", "optimizer", "data wait", "snapshot"} <= names
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert {e["args"]["step"] for e in mine} >= set(range(1, 7))
+        step3 = sorted((e for e in mine if e["args"]["step"] == 3), key=lambda e: e["ts"])
+        forward = next(e for e in step3 if e["name"] == "forward")
+        optimizer = next(e for e in step3 if e["name"] == "optimizer")
+        assert forward["ts"] < optimizer["ts"] and all(e["dur"] >= 0 for e in step3)
+        buckets = [e for e in step3 if e["name"].startswith("allreduce bucket")]
+        assert buckets and all(e["args"]["bytes"] > 0 and e["tid"] == 1 for e in buckets)
+    assert trace["otherData"] == {"group": "traced", "epoch": trace["otherData"]["epoch"], "world_size": 2}
+    json_text = __import__("json").dumps(trace)  # what the CLI writes
+    assert json_text.startswith('{"traceEvents"')

@@ -100,6 +100,18 @@ struct StepMetrics {
   int64_t buckets = 0;                    // gradient all-reduces per backward pass
 };
 
+// One span of a rank's recent activity (the timeline): forward, backward, an all-reduce of a
+// gradient bucket (bucket >= 0) or of the loss, the optimizer, and the caller's data wait and
+// snapshot. Times are microseconds of the system clock, so ranks on one host line up.
+struct TimelineSpan {
+  const char* name = "";  // a string literal
+  int64_t start_us = 0;
+  int64_t dur_us = 0;
+  int64_t step = 0;        // the step it belongs to (1-based, as StepMetrics::step)
+  int32_t bucket = -1;
+  uint64_t bytes = 0;
+};
+
 class TrainerEngine {
  public:
   // Builds the model (initialised from options.seed, or loaded from the TorchScript file), the
@@ -138,6 +150,11 @@ class TrainerEngine {
   Result<double> evaluate(const Batch& batch);
   int64_t stepCount() const;
   int64_t parameterCount() const;
+  // The timeline: the newest spans (a ring of kTimelineSpans, always recording; about a clock
+  // read and a copy per span), oldest first. record() adds the caller's own spans. Thread-safe.
+  static constexpr size_t kTimelineSpans = 4096;
+  std::vector<TimelineSpan> timeline() const;
+  void record(const TimelineSpan& span);
   // FNV-1a over every parameter's 32-bit words in order: equal on all ranks while they agree.
   uint64_t parameterHash() const;
   // A collective (every rank calls it): Ok when every rank's parameterHash() is the same, e.g.

@@ -55,6 +55,9 @@ class Work {
   virtual Status wait() = 0;
   // True once the operation finished (wait() then returns at once).
   virtual bool done() const = 0;
+  // When it finished, in microseconds of the system clock (for timelines); 0 while it runs or
+  // where the backend does not know.
+  virtual int64_t finishedAtUs() const { return 0; }
 };
 
 class Communicator {
