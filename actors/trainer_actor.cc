@@ -94,7 +94,12 @@ class Trainer final : public Actor {
     return Status(StatusCode::kInternal, "Trainer::" + method + " runs through callAsync");
   }
 
+  // What it is doing (and its recent spans) is answered on the RPC thread, out of turn: a
+  // coordinator asks while a `run` hangs.
+  bool answersAtOnce(const std::string& method) const override { return method == "activity" || method == "timeline"; }
+
   kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+    if (method == "activity" || method == "timeline") return Result<std::string>(query(method));
     Json j = Json::parse(payload.empty() ? std::string("{}") : payload, nullptr, false);
     if (!j.is_object()) return Result<std::string>(Status(StatusCode::kInvalidArgument, "payload is not a JSON object"));
     auto done = kj::newPromiseAndCrossThreadFulfiller<Result<std::string>>();
@@ -128,6 +133,7 @@ class Trainer final : public Actor {
         slotRank_(spec.value("bundle", 0)),
         killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
         slowMs_(spec.value("fault_slow_ms", int64_t{0})),
+        hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
         options_(std::move(options)) {
     compute_ = std::thread([this]() { computeLoop(); });
   }
@@ -187,16 +193,27 @@ class Trainer final : public Actor {
       return Json{{"pinned", *pinned}}.dump();
     }
     if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
-    if (method == "timeline") {
-      Json spans = Json::array();
-      for (const auto& sp : engine_->timeline()) {
-        spans.push_back({{"name", sp.name}, {"ts", sp.start_us}, {"dur", sp.dur_us}, {"step", sp.step},
-                         {"bucket", sp.bucket}, {"bytes", sp.bytes}});
-      }
-      return Json{{"rank", engine_->rank()}, {"world", engine_->worldSize()}, {"pid", ::getpid()},
-                  {"spans", spans}}.dump();
-    }
+
     return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
+  }
+
+  // The engine is thread-safe for these two (its timeline mutex).
+  std::string query(const std::string& method) const {
+    auto spanJson = [](const TimelineSpan& sp) {
+      return Json{{"name", sp.name}, {"ts", sp.start_us}, {"dur", sp.dur_us}, {"step", sp.step},
+                  {"bucket", sp.bucket}, {"bytes", sp.bytes}};
+    };
+    Json out = {{"rank", engine_->rank()}, {"world", engine_->worldSize()}, {"pid", ::getpid()}};
+    if (method == "activity") {
+      auto now = engine_->activity();
+      out["activity"] = spanJson(now);
+      out["for_s"] = now.start_us ? static_cast<double>(wallUs() - now.start_us) / 1e6 : 0.0;
+      return out.dump();
+    }
+    Json spans = Json::array();
+    for (const auto& sp : engine_->timeline()) spans.push_back(spanJson(sp));
+    out["spans"] = spans;
+    return out.dump();
   }
 
   Result<std::string> join(const Json& j) {
@@ -482,12 +499,17 @@ class Trainer final : public Actor {
     Json metrics = Json::array();
     for (int64_t s = from; s < from + steps; ++s) {
       auto t0 = Clock::now();
+      engine_->setActivity("data wait");
       startTakes(s, std::min(from + steps, s + 1 + prefetch_));
       auto bytes = finishTake(s);
       if (!bytes.isOk()) return bytes.status();
       auto batch = decodeBatch(*bytes);
       if (!batch.isOk()) return batch.status();
       double wait = since(t0);
+      if (s == hangAtStep_) {  // tests: this rank stops making progress (until killed)
+        engine_->setActivity("hung (test fault)");
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
       engine_->record({"data wait", wallUs() - static_cast<int64_t>(wait * 1e6), static_cast<int64_t>(wait * 1e6), s + 1});
       if (s == killAtStep_) ::raise(SIGKILL);  // holding a lease, before the all-reduce: the worst time
       auto slow0 = Clock::now();
@@ -501,6 +523,7 @@ class Trainer final : public Actor {
       auto t1 = Clock::now();
       if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) {
         int64_t snapshot_us = wallUs();
+        engine_->setActivity("snapshot");
         TROUPE_RETURN_IF_ERROR(snapshot());
         engine_->record({"snapshot", snapshot_us, wallUs() - snapshot_us, m->step});
       }
@@ -564,6 +587,7 @@ class Trainer final : public Actor {
   int slotRank_;
   int64_t killAtStep_;
   int64_t slowMs_;  // tests: every step's compute is this much longer (a straggler)
+  int64_t hangAtStep_;  // tests: the step at which this rank hangs
   int prefetch_ = 2;                                             // batches asked for ahead
   std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   TrainerEngineOptions options_;

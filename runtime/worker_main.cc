@@ -36,7 +36,7 @@ class ActorService final : public rpc::Actor::Server {
     std::string method = params.getMethod().cStr();
     std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
     context.releaseParams();
-    return inTurn([this, method, bytes = kj::mv(bytes)]() mutable { return actor_->callAsync(method, kj::mv(bytes)); })
+    return schedule(kj::mv(method), kj::mv(bytes))
         .then([context](Result<std::string> result) mutable {
           // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
           // death to callers. The status code travels in the description.
@@ -58,7 +58,7 @@ class ActorService final : public rpc::Actor::Server {
     std::string method = calls[i].getMethod().cStr();
     auto payload = calls[i].getPayload();
     std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
-    return inTurn([this, method, bytes = kj::mv(bytes)]() mutable { return actor_->callAsync(method, kj::mv(bytes)); })
+    return schedule(kj::mv(method), kj::mv(bytes))
         .then([this, context, i](Result<std::string> result) mutable {
           auto reply = context.getResults().getReplies()[i];
           if (result.isOk()) {
@@ -68,6 +68,14 @@ class ActorService final : public rpc::Actor::Server {
           }
           return runBatch(context, i + 1);
         });
+  }
+
+  // A query the actor answers at once runs now; every other call in turn.
+  kj::Promise<Result<std::string>> schedule(std::string method, std::string bytes) {
+    if (actor_->answersAtOnce(method)) return actor_->callAsync(method, kj::mv(bytes));
+    return inTurn([this, method = kj::mv(method), bytes = kj::mv(bytes)]() mutable {
+      return actor_->callAsync(method, kj::mv(bytes));
+    });
   }
 
   // Runs `start` once every earlier call has finished: one call at a time, in arrival order,

@@ -436,6 +436,7 @@ class TrainerEngine::Impl {
     for (size_t i = 0; i < buckets.size(); ++i) {
       auto& b = buckets[i];
       if (!b.work) continue;
+      if (!b.work->done()) setActivity("allreduce wait", static_cast<int32_t>(i), b.bytes);
       Status s = b.work->wait();
       span("allreduce", b.launched_us, static_cast<int32_t>(i), b.bytes, b.work->finishedAtUs());
       if (!s.isOk() && first.isOk()) first = s;
@@ -524,10 +525,12 @@ class TrainerEngine::Impl {
         const int64_t size = std::min(micro, rows - begin);
         collecting = distributed() && m + 1 == pass.micro_batches;
         const int64_t forward_us = wallUs();
+        setActivity("forward");
         const at::Tensor sum = lossSum(model->forward(inputs.narrow(0, begin, size)),
                                        targets.narrow(0, begin, size));
         const int64_t backward_us = wallUs();
         span("forward", forward_us, -1, 0, backward_us);
+        setActivity("backward");
         (sum / global).backward();
         span("backward", backward_us);
         pass.loss_sum += sum.item<double>();
@@ -553,6 +556,7 @@ class TrainerEngine::Impl {
                                           collectives::ReduceOp::kSum);
     const auto wait_start = Clock::now();
     Status status = waitLaunched();
+    setActivity("allreduce wait (loss)");
     Status loss_status = loss_work->wait();
     span("allreduce loss", loss_us, -1, sizeof(double), loss_work->finishedAtUs());
     pass.comm_s = secondsSince(wait_start);
@@ -588,6 +592,7 @@ class TrainerEngine::Impl {
     metrics.bytes_reduced_in_backward = first->bytes_in_backward;
     metrics.micro_batches = first->micro_batches;
     const int64_t optimizer_us = wallUs();
+    setActivity("optimizer");
     try {
       torch::NoGradGuard no_grad;
       if (wsam) {
@@ -605,6 +610,7 @@ class TrainerEngine::Impl {
     }
     span("optimizer", optimizer_us);
     ++steps;
+    setActivity("idle");
     metrics.step = steps;
     metrics.loss = first->loss_sum / static_cast<double>(options.global_batch);
     metrics.samples = options.global_batch;
@@ -848,6 +854,13 @@ class TrainerEngine::Impl {
   size_t ring_next = 0;
   size_t ring_size = 0;
 
+  TimelineSpan now{"idle", 0, 0, 0, -1, 0};  // the current activity
+
+  void setActivity(const char* name, int32_t bucket = -1, uint64_t bytes = 0) {
+    std::lock_guard lock(timeline_mutex);
+    now = TimelineSpan{name, wallUs(), 0, steps + 1, bucket, bytes};
+  }
+
   void record(const TimelineSpan& span) {
     std::lock_guard lock(timeline_mutex);
     ring[ring_next] = span;
@@ -924,6 +937,15 @@ std::vector<TimelineSpan> TrainerEngine::timeline() const {
 }
 
 void TrainerEngine::record(const TimelineSpan& span) { impl_->record(span); }
+
+TimelineSpan TrainerEngine::activity() const {
+  std::lock_guard lock(impl_->timeline_mutex);
+  return impl_->now;
+}
+
+void TrainerEngine::setActivity(const char* name, int32_t bucket, uint64_t bytes) {
+  impl_->setActivity(name, bucket, bytes);
+}
 int64_t TrainerEngine::parameterCount() const {
   int64_t n = 0;
   for (const auto& p : impl_->params) n += p.numel();

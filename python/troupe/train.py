@@ -98,11 +98,13 @@ class ElasticTrainer:
     def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None, _fault=None):
+                 name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None,
+                 hang_timeout=120.0, _fault=None):
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
         # coordinator, which receives every rank's results.
         self._tensorboard = _tensorboard.ScalarWriter(tensorboard_dir) if tensorboard_dir else None
+        self.hang_timeout = float(hang_timeout)  # a chunk without progress this long is reported
         self._rt = _api._runtime()
         self._closed = False
         self._lifetime = "detached" if detached else None
@@ -240,7 +242,8 @@ class ElasticTrainer:
                 "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
                 "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
                 "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
-                "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0}
+                "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0,
+                "fault_hang_at_step": self._fault.get("hang_at_step", -1) if self._fault.get("hang_rank") == bundle else -1}
         return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
                               placement_group=self.group_id, bundle_index=bundle, lifetime=self._lifetime)
 
@@ -491,7 +494,7 @@ class ElasticTrainer:
                 t0 = time.monotonic()
                 refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
                 try:
-                    replies = [_load(x) for x in self._gather(refs)]
+                    replies = [_load(x) for x in self._gather(refs, watch=True)]
                 except (ActorDiedError, ActorError) as failure:
                     self._recover(failure, refs)
                     if bar is not None:
@@ -647,9 +650,11 @@ class ElasticTrainer:
             self._event(f"straggler cleared: rank {j} is back within {self.STRAGGLER_RATIO:g}x the others' median")
         self.stragglers = list(flagged.values())
 
-    def _gather(self, refs):
+    def _gather(self, refs, watch=False):
         """The values of `refs`; raises the first failure as soon as it is known (a call to a
-        member that is gone may never end, while its peers' calls fail at once)."""
+        member that is gone may never end, while its peers' calls fail at once). With watch,
+        a chunk with no progress for hang_timeout seconds is reported (see _report_hang)."""
+        started = reported = time.monotonic()
         while True:
             ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.5)
             for r in ready:
@@ -657,6 +662,28 @@ class ElasticTrainer:
                     raise r._value
             if not not_ready:
                 return [r._value for r in refs]
+            if watch and time.monotonic() - reported >= self.hang_timeout:
+                reported = time.monotonic()
+                self._report_hang(reported - started)
+
+    def _report_hang(self, waited):
+        """An event naming what each rank is doing and since when (asked out of turn, so a rank
+        stuck in its step still answers), e.g. that one waits in bucket 3's all-reduce while the
+        rank it needs is stuck in its data wait."""
+        refs = [t.activity.remote(b"{}") for t in self.trainers]
+        parts = []
+        for t, ref in zip(self.trainers, refs):
+            try:
+                a = _load(_api.get(ref, timeout=10))
+            except TroupeError as e:
+                parts.append(f"Trainer {t._id}: no answer ({e})")
+                continue
+            act = a["activity"]
+            where = act["name"] + (f" of bucket {act['bucket']} ({act['bytes']} bytes)" if act["bucket"] >= 0 else "")
+            parts.append(f"rank {a['rank']} (Trainer {t._id}, pid {a['pid']}): {where} at step {act['step']} "
+                         f"for {a['for_s']:.1f} s")
+        self._event(f"no progress for {waited:.0f} s (hang_timeout {self.hang_timeout:g} s): " + "; ".join(parts))
+        self._record({"state": "HUNG"})
 
     def _consult_tuner(self, chunk):
         rows = self.history[-chunk:]

@@ -410,3 +410,27 @@ def test_the_timeline_shows_each_ranks_steps_as_a_chrome_trace(cluster, tmp_path
     assert trace["otherData"] == {"group": "traced", "epoch": trace["otherData"]["epoch"], "world_size": 2}
     json_text = __import__("json").dumps(trace)  # what the CLI writes
     assert json_text.startswith('{"traceEvents"')
+
+
+def test_a_hung_step_is_reported_with_what_each_rank_is_doing(cluster):
+    import re
+    import threading
+
+    with make(_fault={"hang_rank": 1, "hang_at_step": 7}, hang_timeout=2.0) as t:
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(history=t.fit(12)), daemon=True)
+        runner.start()
+
+        def report():
+            return next((e for e in group_record(t)["events"] if "no progress for" in e), None)
+
+        eventually(report, 60, "the hang to be reported")
+        text = report()
+        assert "rank 1 " in text and "hung (test fault) at step 8" in text, text
+        assert re.search(r"rank 0 \(Trainer \w+, pid \d+\): allreduce wait", text), text  # waiting for rank 1
+        assert troupe._api._runtime().group(t.group_id)["doc"].count('"HUNG"') == 1
+        # The hung rank killed: the group recovers and the run completes.
+        os.kill(int(re.search(r"rank 1 \(Trainer \w+, pid (\d+)\)", text).group(1)), signal.SIGKILL)
+        runner.join(timeout=120)
+        assert not runner.is_alive() and result["history"][-1]["step"] == 12
+        assert len(t.recoveries) == 1

@@ -155,6 +155,11 @@ class TrainerEngine {
   static constexpr size_t kTimelineSpans = 4096;
   std::vector<TimelineSpan> timeline() const;
   void record(const TimelineSpan& span);
+  // What the rank is doing now and since when (start_us; dur_us unused): the engine sets it at
+  // each phase (forward, backward, an all-reduce it waits for, optimizer, "idle" after a
+  // step), the caller for its own (data wait, snapshot). A hung step shows where it hangs.
+  TimelineSpan activity() const;
+  void setActivity(const char* name, int32_t bucket = -1, uint64_t bytes = 0);
   // FNV-1a over every parameter's 32-bit words in order: equal on all ranks while they agree.
   uint64_t parameterHash() const;
   // A collective (every rank calls it): Ok when every rank's parameterHash() is the same, e.g.

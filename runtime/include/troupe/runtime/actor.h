@@ -54,6 +54,9 @@ class Actor {
   }
   // The actor's typed Cap'n Proto interface, for actors that have one.
   virtual kj::Maybe<capnp::Capability::Client> typed() { return nullptr; }
+  // True for a read-only query (e.g. "what are you doing now") that the worker runs at once,
+  // outside the one-at-a-time order, so it answers while an earlier call still waits.
+  virtual bool answersAtOnce(const std::string& /*method*/) const { return false; }
 };
 
 // Builds an actor from its context and the opaque bytes its creator passed. An error Status
