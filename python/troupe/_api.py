@@ -40,13 +40,38 @@ class _Session:
         self.closing = threading.Event()
         self.printer = None
         self.output = _OutputPrinter()
+        self.ipython = None
         if log_to_driver:
             self.printer = threading.Thread(target=_print_actor_output, args=(self,), daemon=True,
                                             name="troupe-actor-output")
             self.printer.start()
+            self._follow_cells()
+
+    def _follow_cells(self):
+        """In a notebook, a cell's actor output is printed before the cell ends: a thread's output
+        that arrives after that belongs to no cell and is lost by front ends such as nbclient."""
+        shell = sys.modules.get("IPython")
+        shell = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+        if shell is None or not hasattr(shell, "events"):
+            return
+        self.ipython = shell
+        shell.events.register("post_execute", self._flush_cell_output)
+
+    def _flush_cell_output(self):
+        if self.closing.is_set():
+            return
+        try:
+            self.output.write(self.runtime.flush_output())
+        except Exception:  # the periodic thread prints it later; never fail the user's cell
+            pass
 
     def close(self):
         self.closing.set()
+        if self.ipython is not None:
+            try:
+                self.ipython.events.unregister("post_execute", self._flush_cell_output)
+            except ValueError:
+                pass
         if self.printer is not None:
             self.printer.join(timeout=5)
             try:  # what the actors printed just before shutdown is shown, not lost

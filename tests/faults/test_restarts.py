@@ -199,6 +199,11 @@ def test_a_driver_call_made_while_redis_is_down_waits_for_it(troupe):
             driver = subprocess.Popen(["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE, stderr=err, text=True,
                                       env=dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE), **troupe.env))
         eventually(lambda: "asking again" in log.read_text(), 30, "the driver's call to meet the outage")
+        # The outage lasts until the failure detector (a 250 ms tick) has met it too: its
+        # all-clear is checked below.
+        controller = troupe.run_dir() / "logs" / "controller.log"
+        eventually(lambda: "failure detector cannot read Redis" in controller.read_text(), 30,
+                   "the failure detector to meet the outage")
     finally:
         os.kill(head, signal.SIGCONT)
     out, _ = driver.communicate(timeout=60)
