@@ -801,7 +801,12 @@ class PythonActor final : public rpc::Actor::Server {
     auto calls = context.getParams().getCalls();
     if (concurrent_) {
       auto started = kj::heapArrayBuilder<kj::Promise<std::string>>(calls.size());
-      for (unsigned i = 0; i < calls.size(); ++i) started.add(start(calls[i].getMethod().cStr(), calls[i].getPayload()));
+      {
+        // One GIL acquisition for the whole batch: taking it per call makes this thread and
+        // the one running the calls trade the GIL back and forth.
+        py::gil_scoped_acquire acquire;
+        for (unsigned i = 0; i < calls.size(); ++i) started.add(start(calls[i].getMethod().cStr(), calls[i].getPayload()));
+      }
       return kj::joinPromises(started.finish()).then([context](kj::Array<std::string> replies) mutable {
         auto out = context.getResults().initReplies(replies.size());
         for (unsigned i = 0; i < replies.size(); ++i) setResult(out[i], replies[i]);
@@ -829,7 +834,7 @@ class PythonActor final : public rpc::Actor::Server {
   kj::Promise<std::string> start(const char* method, capnp::Data::Reader payload) {
     auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
     auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<std::string>>>(kj::mv(paf.fulfiller));
-    py::gil_scoped_acquire acquire;
+    py::gil_scoped_acquire acquire;  // re-entrant: callBatch may hold it already
     py::cpp_function reply([fulfiller](py::bytes data) {
       std::string bytes = data;
       py::gil_scoped_release release;

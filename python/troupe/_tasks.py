@@ -88,6 +88,12 @@ class RemoteFunction:
         return self._key, self._blob
 
 
+def _resolve_args(args, kwargs):
+    from ._worker import _resolve_args as resolve
+
+    return resolve(args, kwargs)
+
+
 class _TaskWorker:
     """The actor a pool's workers host: runs functions it is sent, keeping them decoded."""
 
@@ -100,9 +106,7 @@ class _TaskWorker:
             if len(self._fns) >= 1024:
                 self._fns.clear()
             fn = self._fns[key] = cloudpickle.loads(blob)
-        from ._worker import _resolve_args
-
-        args, kwargs = _resolve_args(args, kwargs)
+        args, kwargs = _resolve_args(args, kwargs)  # the task's own top-level refs
         return fn(*args, **kwargs)
 
 

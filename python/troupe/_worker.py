@@ -25,6 +25,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+from troupe import _serialization
 from troupe.exceptions import ActorExit
 
 EXIT_ACTOR_ENDED = 75  # runtime/include/troupe/runtime/actor.h kExitActorEnded
@@ -165,16 +166,17 @@ class _Drainer:
             if self.runner is not None:
                 return
             self.runner = me
+        execute, pending, lock, clock = self.execute, self.pending, self.lock, time.monotonic
         while True:
-            with self.lock:
+            with lock:
                 if self.runner is not me:
                     return  # it blocked or ran long meanwhile: the queue has a new runner
-                if not self.pending:
+                if not pending:
                     self.runner = None
                     return
-                method, payload, reply = self.pending.popleft()
-                self.started = time.monotonic()
-            reply(self.execute(method, payload))
+                method, payload, reply = pending.popleft()
+                self.started = clock()
+            reply(execute(method, payload))
 
     def hand_over(self):
         """Gives the queue to a new runner (caller holds the lock); False if none is needed."""
@@ -207,8 +209,6 @@ class _Drainer:
 
 def _invoke(instance, method, payload):
     """Decodes a call and runs the method: (its result, the caller's host id or None)."""
-    from troupe import _serialization
-
     call_args, call_kwargs, *meta = _serialization.loads(payload)
     call_args, call_kwargs = _resolve_args(call_args, call_kwargs)
     return getattr(instance, method)(*call_args, **call_kwargs), (meta[0] if meta else None)
