@@ -779,6 +779,13 @@ class ActorMethod:
                         f"'object.{self._name}()', try 'object.{self._name}.remote()'.")
 
 
+def _wants_retry(exc, retry_exceptions):
+    """Whether retry_exceptions (True, or a list of exception types) names `exc`."""
+    if not retry_exceptions:
+        return False
+    return not isinstance(retry_exceptions, (list, tuple)) or isinstance(exc, tuple(retry_exceptions))
+
+
 class _ExceptionRetry:
     """Sends an actor call again when it raised an exception that retry_exceptions names, within
     the actor's max_task_retries (-1: no limit). Calls lost with a worker are retried by the
@@ -791,8 +798,7 @@ class _ExceptionRetry:
         return False
 
     def exception(self, exc):
-        wanted = self.retry_exceptions
-        if self.left == 0 or (isinstance(wanted, (list, tuple)) and not isinstance(exc, tuple(wanted))):
+        if self.left == 0 or not _wants_retry(exc, self.retry_exceptions):
             return False
         if self.left > 0:
             self.left -= 1

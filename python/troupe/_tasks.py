@@ -88,12 +88,6 @@ class RemoteFunction:
         return self._key, self._blob
 
 
-def _resolve_args(args, kwargs):
-    from ._worker import _resolve_args as resolve
-
-    return resolve(args, kwargs)
-
-
 class _TaskWorker:
     """The actor a pool's workers host: runs functions it is sent, keeping them decoded."""
 
@@ -106,6 +100,8 @@ class _TaskWorker:
             if len(self._fns) >= 1024:
                 self._fns.clear()
             fn = self._fns[key] = cloudpickle.loads(blob)
+        from ._worker import _resolve_args  # the worker's module, loaded by then
+
         args, kwargs = _resolve_args(args, kwargs)  # the task's own top-level refs
         return fn(*args, **kwargs)
 
@@ -216,12 +212,7 @@ class _Retry:
         return self._again()
 
     def exception(self, exc):
-        wanted = self.retry_exceptions
-        if not wanted:
-            return False
-        if isinstance(wanted, (list, tuple)) and not isinstance(exc, tuple(wanted)):
-            return False
-        return self._again()
+        return _api._wants_retry(exc, self.retry_exceptions) and self._again()
 
     def finished(self):
         self.pool.done(self.index)

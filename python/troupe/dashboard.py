@@ -158,17 +158,13 @@ def metrics_text(state):
     m.family("troupe_placement_groups", "gauge", "Placement groups by state (as ray_placement_groups).",
              [({"state": s}, c) for s, c in sorted(pg_states.items())])
     groups = _groups(state)
-    per = {}
-    for key, help_text in (("step", "Training step reached."), ("loss", "Loss at the last step."),
-                           ("samples_per_s", "Samples per second at the last step."),
-                           ("world_size", "Trainers in the group."), ("epoch", "Membership epoch."),
-                           ("recovery_count", "Recoveries since the group started.")):
-        per[key] = help_text
-    names = {"step": "troupe_train_step", "loss": "troupe_train_loss",
-             "samples_per_s": "troupe_train_samples_per_second", "world_size": "troupe_train_world_size",
-             "epoch": "troupe_train_epoch", "recovery_count": "troupe_train_recoveries"}
-    for key, help_text in per.items():
-        m.family(names[key], "gauge", help_text, [({"group": g["name"]}, g[key]) for g in groups])
+    for name, key, help_text in (("troupe_train_step", "step", "Training step reached."),
+                                 ("troupe_train_loss", "loss", "Loss at the last step."),
+                                 ("troupe_train_samples_per_second", "samples_per_s", "Samples per second at the last step."),
+                                 ("troupe_train_world_size", "world_size", "Trainers in the group."),
+                                 ("troupe_train_epoch", "epoch", "Membership epoch."),
+                                 ("troupe_train_recoveries", "recovery_count", "Recoveries since the group started.")):
+        m.family(name, "gauge", help_text, [({"group": g["name"]}, g[key]) for g in groups])
     split = []
     for g in groups:
         for rank in g["ranks"]:
