@@ -3,6 +3,7 @@ and loopback), every host started with the head's defaults: the embedded Redis s
 loopback and the other hosts reach it through the store gateway."""
 import json
 import os
+import signal
 import re
 import sys
 import textwrap
@@ -109,8 +110,18 @@ def test_join_fails_with_the_agents_reason_when_the_head_is_unreachable(testbed3
     # The controller answers but the store gateway is gone: the agent cannot run, and the CLI
     # says why instead of reporting a node that never worked.
     head_pids = Path(bed.hosts[0].env["TROUPE_TEMP_DIR"]) / "latest" / "pids"
-    os.kill(int((head_pids / "gateway.pid").read_text()), 9)
-    p = bed.hosts[2].troupe("start", "--address", controller, env={"TROUPE_TOKEN": token}, check=False, timeout=60)
+    # The head's node agent would restart the gateway at once: it waits while the join looks.
+    supervisor = [int(f.read_text()) for f in head_pids.glob("node-*.pid")]
+    for pid in supervisor:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(int((head_pids / "gateway.pid").read_text()), 9)
+        p = bed.hosts[2].troupe("start", "--address", controller, env={"TROUPE_TOKEN": token}, check=False,
+                                timeout=60)
+    finally:
+        for pid in supervisor:
+            os.kill(pid, signal.SIGCONT)
+    assert supervisor, "no head node agent found"
     assert p.returncode != 0 and "store gateway" in p.stderr, p.stderr
     assert bed.hosts[2].address not in alive_addresses(bed.hosts[0], controller, token)
     # A wrong token is refused by both sides, and says so.
