@@ -33,6 +33,7 @@
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/io_thread.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe::actors {
@@ -234,6 +235,9 @@ class Persister {
       return report;
     }
     last_[rank] = id;
+    persists_.add();
+    persistBytes_.add(outcome->bytes);
+    persistTime_.addTime(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(outcome->seconds)));
     report.persisted = true;
     report.stepComplete = outcome->stepComplete;
     TROUPE_LOG(kInfo, "persisted rank {} step {} ({} bytes in {:.3f} s{})", rank, slot->step, outcome->bytes,
@@ -247,6 +251,10 @@ class Persister {
   SegmentCache cache_;
   ck::CheckpointDirectory dir_;
   std::map<uint32_t, SnapshotId> last_;
+  // In this worker's counters, for the head's /metrics.
+  metrics::Counter& persists_ = metrics::counter("troupe_checkpoint_persists_total");
+  metrics::Counter& persistBytes_ = metrics::counter("troupe_checkpoint_persist_bytes_total");
+  metrics::Counter& persistTime_ = metrics::counter("troupe_checkpoint_persist_seconds_total", "", metrics::Unit::kSeconds);
 };
 
 // The blocking parts of a restore, run on the restore thread. Each stages step `step` of rank

@@ -26,6 +26,7 @@
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
 
@@ -208,6 +209,7 @@ class Trainer final : public Actor {
       auto now = engine_->activity();
       out["activity"] = spanJson(now);
       out["for_s"] = now.start_us ? static_cast<double>(wallUs() - now.start_us) / 1e6 : 0.0;
+      out["waiting_on"] = engine_->waitingOn();
       return out.dump();
     }
     Json spans = Json::array();
@@ -526,6 +528,13 @@ class Trainer final : public Actor {
         engine_->setActivity("snapshot");
         TROUPE_RETURN_IF_ERROR(snapshot());
         engine_->record({"snapshot", snapshot_us, wallUs() - snapshot_us, m->step});
+        static metrics::Counter& snapshots = metrics::counter("troupe_checkpoint_snapshots_total");
+        static metrics::Counter& snapshotBytes = metrics::counter("troupe_checkpoint_snapshot_bytes_total");
+        static metrics::Counter& snapshotTime =
+            metrics::counter("troupe_checkpoint_snapshot_seconds_total", "", metrics::Unit::kSeconds);
+        snapshots.add();
+        snapshotBytes.add(layout_->imageBytes());
+        snapshotTime.addTime(std::chrono::microseconds(wallUs() - snapshot_us));
       }
       metrics.push_back({{"step", m->step},
                          {"loss", m->loss},

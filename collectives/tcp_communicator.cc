@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -43,6 +44,7 @@
 #include "wire.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/metrics.h"
 
 namespace troupe::collectives {
 
@@ -121,6 +123,27 @@ const char* opKindName(OpKind kind) {
     case OpKind::kRecv: return "recv";
   }
   return "unknown";
+}
+
+// Per operation kind: finished operations, their bytes (the buffer's size) and their time on the
+// I/O thread, in the process's counters (troupe/runtime/metrics.h) for the head's /metrics.
+struct OpCounters {
+  metrics::Counter& ops;
+  metrics::Counter& bytes;
+  metrics::Counter& seconds;
+};
+OpCounters& opCounters(OpKind kind) {
+  static std::vector<OpCounters> table = [] {
+    std::vector<OpCounters> t;
+    for (int k = static_cast<int>(OpKind::kAllreduce); k <= static_cast<int>(OpKind::kRecv); ++k) {
+      std::string op = fmt::format("op=\"{}\"", opKindName(static_cast<OpKind>(k)));
+      t.push_back(OpCounters{metrics::counter("troupe_collective_ops_total", op),
+                             metrics::counter("troupe_collective_bytes_total", op),
+                             metrics::counter("troupe_collective_seconds_total", op, metrics::Unit::kSeconds)});
+    }
+    return t;
+  }();
+  return table[static_cast<size_t>(kind) - static_cast<size_t>(OpKind::kAllreduce)];
 }
 
 constexpr uint32_t kWireMagic = 0x31435254;  // "TRC1"
@@ -356,6 +379,15 @@ class TcpCommunicator final : public Communicator {
     return health_;
   }
 
+  // Asked on the I/O thread, which never blocks on a peer, so it answers even mid-hang.
+  std::string waitingOn() const override {
+    auto answer = std::make_shared<std::promise<std::string>>();
+    auto result = answer->get_future();
+    asio::post(io_, [this, answer] { answer->set_value(describeWaiting()); });
+    if (result.wait_for(std::chrono::seconds(1)) != std::future_status::ready) return "";
+    return result.get();
+  }
+
   std::shared_ptr<Work> allreduceAsync(const void* send, void* recv, size_t count, DataType type,
                                        ReduceOp op) override {
     return submit(Request{OpKind::kAllreduce, send, recv, count, type, op, -1, nullptr});
@@ -504,12 +536,17 @@ class TcpCommunicator final : public Communicator {
     for (auto& peer : peers_) {
       if (peer) peer->resetPlan();
     }
+    OpCounters& counters = opCounters(current_.kind);
+    counters.ops.add();
+    counters.bytes.add(current_.count * dataTypeSize(current_.type));
+    counters.seconds.addTime(std::chrono::steady_clock::now() - opStarted_);
     auto work = std::move(current_.work);
     work->complete(Status::ok());
   }
 
   void startCurrent() {
     active_ = true;
+    opStarted_ = std::chrono::steady_clock::now();
     ++opNumber_;
     events_.clear();
     finishReduce_ = false;
@@ -1152,6 +1189,25 @@ class TcpCommunicator final : public Communicator {
     return what + ")";
   }
 
+  // Which peers the current operation still waits for, and how far each direction got: a peer
+  // that has not even started this operation is the one to look at.
+  std::string describeWaiting() const {
+    if (!active_ || !broken_.isOk()) return "";
+    std::string out;
+    auto add = [&out](std::string part) { out += (out.empty() ? "" : "; ") + part; };
+    for (const auto& peer : peers_) {
+      if (!peer) continue;
+      if (!peer->recvsDone()) {
+        add(peer->headerReceived
+                ? fmt::format("{}: {} of {} parts received", peer->name, peer->nextRecv, peer->recvs.size())
+                : fmt::format("{}: has not started {}", peer->name, describeCurrent()));
+      } else if (!peer->sendsDone()) {
+        add(fmt::format("{}: {} of {} parts sent", peer->name, peer->nextSend, peer->sends.size()));
+      }
+    }
+    return out;
+  }
+
   Failure connectionError(const Peer& peer, std::string_view doing, const asio::error_code& ec) {
     if (peer.saidGoodbye) {
       return Failure{Status(StatusCode::kUnavailable,
@@ -1270,7 +1326,7 @@ class TcpCommunicator final : public Communicator {
   const size_t elementsPerChunkBytes_;
 
   // Declared before everything holding sockets or timers, so it is destroyed after them.
-  asio::io_context io_;
+  mutable asio::io_context io_;  // mutable: const queries (waitingOn) post to it
   asio::executor_work_guard<asio::io_context::executor_type> keepRunning_{io_.get_executor()};
   asio::steady_timer timer_;
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for this rank
@@ -1281,6 +1337,7 @@ class TcpCommunicator final : public Communicator {
   bool active_ = false;
   bool shuttingDown_ = false;
   uint64_t opNumber_ = 0;
+  std::chrono::steady_clock::time_point opStarted_;
   std::vector<uint8_t> events_;
   Status broken_;
   bool finishReduce_ = false;

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -95,6 +97,17 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     results.setStderr(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(err.data()), err.size()));
     results.setStdoutEnd(outEnd);
     results.setStderrEnd(errEnd);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> metrics(MetricsContext context) override {
+    auto samples = agent_.metrics();
+    auto out = context.getResults().initSamples(samples.size());
+    for (size_t i = 0; i < samples.size(); ++i) {
+      out[i].setName(samples[i].name);
+      out[i].setLabels(samples[i].labels);
+      out[i].setValue(samples[i].value);
+    }
     return kj::READY_NOW;
   }
 
@@ -293,11 +306,18 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
   // Checkpoint segments the worker makes are recorded here, for `troupe stop` to remove.
   std::string registry = options_.runDir + "/shm";
+  std::string countersDir = options_.runDir + "/metrics";
+  if (::mkdir(countersDir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return Status(StatusCode::kResourceExhausted, fmt::format("cannot make {}: {}", countersDir, std::strerror(errno)));
+  }
   if (::mkdir(registry.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TROUPE_SHM_REGISTRY=" + registry);
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
+  std::string counters = metricsPath(actor.id, actor.incarnation);
+  ::unlink(counters.c_str());  // left by an agent that died with its worker: the worker makes it anew
+  spawn.env.push_back("TROUPE_METRICS_FILE=" + counters);
   auto pid = spawnProcess(spawn);
   if (!pid.isOk()) return pid.status();
-  workers_[actor.id] = Worker{actor.incarnation, *pid};
+  workers_[actor.id] = Worker{actor.incarnation, *pid, actor.type};
   TROUPE_LOG(kInfo, "started worker {} for actor {} ({}) incarnation {}", *pid, actor.id.hex(), actor.type,
              actor.incarnation);
   tasks_->add(watchWorker(actor.id, actor.incarnation, *pid));
@@ -333,12 +353,34 @@ std::pair<std::string, int64_t> NodeAgent::readLog(const ActorId& id, const char
   return {out, from + static_cast<int64_t>(out.size())};
 }
 
+std::string NodeAgent::metricsPath(const ActorId& id, uint32_t incarnation) const {
+  return fmt::format("{}/metrics/actor-{}.{}", options_.runDir, id.hex(), incarnation);
+}
+
+std::vector<metrics::Sample> NodeAgent::metrics() const {
+  std::vector<metrics::Sample> out;
+  const std::string node = options_.id.hex();
+  for (const auto& [id, worker] : workers_) {
+    if (worker.pid <= 0) continue;
+    auto samples = metrics::read(metricsPath(id, worker.incarnation));
+    if (!samples.isOk()) continue;  // not made yet (the worker is starting), or not ours
+    std::string labels = fmt::format("node=\"{}\",actor=\"{}\",class=\"{}\"", node, id.hex(),
+                                     metrics::escapeLabel(worker.type));
+    for (auto& s : *samples) {
+      s.labels = s.labels.empty() ? labels : labels + "," + s.labels;
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
 kj::Promise<void> NodeAgent::watchWorker(ActorId id, uint32_t incarnation, pid_t pid) {
   auto watched = kj::heap<kj::Maybe<pid_t>>(pid);
   auto& ref = *watched;
   return io_.unixEventPort.onChildExit(ref).attach(kj::mv(watched)).then([this, id, incarnation](int status) {
     auto it = workers_.find(id);
     if (it != workers_.end() && it->second.incarnation == incarnation) it->second.pid = 0;
+    ::unlink(metricsPath(id, incarnation).c_str());
     return reportExit(id, incarnation, status, 0);
   });
 }

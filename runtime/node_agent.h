@@ -11,12 +11,14 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include <kj/async-io.h>
 
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/io_thread.h"
+#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe.capnp.h"
 
@@ -60,6 +62,9 @@ class NodeAgent {
   // The actor's captured output from byte `from` (< 0: the last `maxBytes`), at most `maxBytes`,
   // and the offset after it. `stream` is "out" or "err".
   std::pair<std::string, int64_t> readLog(const ActorId& id, const char* stream, int64_t from, size_t maxBytes) const;
+  // The counters of the running workers (their TROUPE_METRICS_FILE), labelled with this node,
+  // the actor and its class. A file a worker has not made yet is skipped.
+  std::vector<metrics::Sample> metrics() const;
 
   struct IoState;
 
@@ -67,7 +72,9 @@ class NodeAgent {
   struct Worker {
     uint32_t incarnation = 0;
     pid_t pid = 0;
+    std::string type;
   };
+  std::string metricsPath(const ActorId& id, uint32_t incarnation) const;
 
   NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOptions options);
   kj::Promise<void> watchWorker(ActorId id, uint32_t incarnation, pid_t pid);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <fstream>
 #include <iterator>
 
@@ -18,6 +19,7 @@
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe {
@@ -37,7 +39,8 @@ class ActorService final : public rpc::Actor::Server {
     std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
     context.releaseParams();
     return schedule(kj::mv(method), kj::mv(bytes))
-        .then([context](Result<std::string> result) mutable {
+        .then([context, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
+          counted(arrived, result.isOk());
           // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
           // death to callers. The status code travels in the description.
           if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
@@ -59,7 +62,8 @@ class ActorService final : public rpc::Actor::Server {
     auto payload = calls[i].getPayload();
     std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
     return schedule(kj::mv(method), kj::mv(bytes))
-        .then([this, context, i](Result<std::string> result) mutable {
+        .then([this, context, i, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
+          counted(arrived, result.isOk());
           auto reply = context.getResults().getReplies()[i];
           if (result.isOk()) {
             reply.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
@@ -68,6 +72,14 @@ class ActorService final : public rpc::Actor::Server {
           }
           return runBatch(context, i + 1);
         });
+  }
+
+  // An answered call in this worker's counters (the node agent reads them for /metrics).
+  static void counted(std::chrono::steady_clock::time_point arrived, bool ok) {
+    auto& c = metrics::actorCalls();
+    c.calls.add();
+    if (!ok) c.errors.add();
+    c.seconds.addTime(std::chrono::steady_clock::now() - arrived);
   }
 
   // A query the actor answers at once runs now; every other call in turn.

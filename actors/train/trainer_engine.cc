@@ -914,6 +914,7 @@ Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
     impl_->rank = 0;
     impl_->world = 1;
   }
+  std::lock_guard lock(impl_->timeline_mutex);  // waitingOn reads it out of turn
   impl_->comm = std::move(comm);
   return Status::ok();
 }
@@ -937,6 +938,15 @@ std::vector<TimelineSpan> TrainerEngine::timeline() const {
 }
 
 void TrainerEngine::record(const TimelineSpan& span) { impl_->record(span); }
+
+std::string TrainerEngine::waitingOn() const {
+  std::shared_ptr<collectives::Communicator> comm;
+  {
+    std::lock_guard lock(impl_->timeline_mutex);
+    comm = impl_->comm;
+  }
+  return comm ? comm->waitingOn() : "";
+}
 
 TimelineSpan TrainerEngine::activity() const {
   std::lock_guard lock(impl_->timeline_mutex);

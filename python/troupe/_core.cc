@@ -24,10 +24,12 @@
 #include <thread>
 
 #include <kj/async-unix.h>
+#include <kj/vector.h>
 
 #include "troupe.capnp.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 
 namespace py = pybind11;
@@ -393,6 +395,36 @@ class Runtime {
     return {py::bytes(logs.first), py::bytes(logs.second)};
   }
 
+  // The live counters of every alive node's workers (NodeAgent.metrics), as (name, labels,
+  // value); a node that does not answer within 2 s is left out, not waited for.
+  py::list nodeMetrics() {
+    using Samples = std::vector<std::tuple<std::string, std::string, double>>;
+    auto all = onLoop([this]() {
+      return client_->listNodes().then([this](std::vector<NodeRecord> nodes) {
+        kj::Vector<kj::Promise<Samples>> asks;
+        for (const auto& n : nodes) {
+          if (n.state != NodeState::kAlive) continue;
+          auto ask = nodeAgent(n.address).then([](rpc::NodeAgent::Client agent) {
+            return agent.metricsRequest().send();
+          }).then([](capnp::Response<rpc::NodeAgent::MetricsResults> r) {
+            Samples out;
+            for (auto s : r.getSamples()) out.emplace_back(s.getName().cStr(), s.getLabels().cStr(), s.getValue());
+            return out;
+          });
+          asks.add(io_->provider->getTimer().timeoutAfter(2 * kj::SECONDS, kj::mv(ask)).catch_([](kj::Exception&&) {
+            return Samples{};
+          }));
+        }
+        return kj::joinPromises(asks.releaseAsArray());
+      });
+    });
+    py::list out;
+    for (const auto& node : all) {
+      for (const auto& [name, labels, value] : node) out.append(py::make_tuple(name, labels, value));
+    }
+    return out;
+  }
+
   // Everything the controller's status call returns: nodes, actors, placement groups, groups.
   py::dict snapshot() {
     auto s = onLoop([this]() { return client_->snapshot(); });
@@ -560,14 +592,14 @@ class Runtime {
           for (const auto& n : nodes) {
             if (n.state == NodeState::kAlive) addresses[n.id] = n.address;
           }
-          auto reads = kj::heapArrayBuilder<kj::Promise<void>>(actors.size());
+          kj::Vector<kj::Promise<void>> reads;  // only the followed actors
           for (const auto& a : actors) {
             auto it = followed_.find(a.id.hex());
             auto where = addresses.find(a.nodeId);
             if (it == followed_.end() || where == addresses.end()) continue;
             reads.add(readOutput(a, where->second));
           }
-          return kj::joinPromises(reads.finish());
+          return kj::joinPromises(reads.releaseAsArray());
         });
       }).catch_([](kj::Exception&&) {});  // a node that went away: its output is in its logs
   }
@@ -826,17 +858,32 @@ class PythonActor final : public rpc::Actor::Server {
   // Exceptions are part of the reply (the Python layer encodes them), so this only fails if
   // the dispatcher itself is broken.
   std::string run(const char* method, capnp::Data::Reader payload) {
-    py::gil_scoped_acquire acquire;
-    py::bytes result = dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()));
-    return result;
+    auto arrived = std::chrono::steady_clock::now();
+    std::string reply;
+    {
+      py::gil_scoped_acquire acquire;
+      py::bytes result = dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()));
+      reply = result;
+    }
+    counted(arrived);
+    return reply;
+  }
+
+  // An answered call in this worker's counters (its errors are counted in Python: the reply
+  // encodes them).
+  static void counted(std::chrono::steady_clock::time_point arrived) {
+    auto& c = metrics::actorCalls();
+    c.calls.add();
+    c.seconds.addTime(std::chrono::steady_clock::now() - arrived);
   }
 
   kj::Promise<std::string> start(const char* method, capnp::Data::Reader payload) {
     auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
     auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<std::string>>>(kj::mv(paf.fulfiller));
     py::gil_scoped_acquire acquire;  // re-entrant: callBatch may hold it already
-    py::cpp_function reply([fulfiller](py::bytes data) {
+    py::cpp_function reply([fulfiller, arrived = std::chrono::steady_clock::now()](py::bytes data) {
       std::string bytes = data;
+      counted(arrived);
       py::gil_scoped_release release;
       if ((*fulfiller)->isWaiting()) (*fulfiller)->fulfill(kj::mv(bytes));
     });
@@ -907,6 +954,7 @@ PYBIND11_MODULE(_core, m) {
       .def("status", &Runtime::status)
       .def("snapshot", &Runtime::snapshot)
       .def("read_logs", &Runtime::readLogs)
+      .def("node_metrics", &Runtime::nodeMetrics)
       .def("nodes", &Runtime::nodes)
       .def("poll_output", &Runtime::pollOutput)
       .def("flush_output", &Runtime::flushOutput)
@@ -923,4 +971,6 @@ PYBIND11_MODULE(_core, m) {
   m.def("serve_actor", &troupe::serveActor, py::arg("actor_id"), py::arg("incarnation"), py::arg("controller"),
         py::arg("ip"), py::arg("token"), py::arg("dispatch"), py::arg("concurrent") = false);
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
+  // A call that raised, in this worker's counters (the node agent reads them for /metrics).
+  m.def("count_call_error", []() { troupe::metrics::actorCalls().errors.add(); });
 }

@@ -103,6 +103,7 @@ def main():
         except ActorExit:
             _end(EXIT_ACTOR_ENDED)
         except BaseException as exc:  # the caller re-raises it
+            _core.count_call_error()
             return _serialization.dump_exception(exc, traceback.format_exc())
         finally:
             if buffered:
@@ -228,7 +229,7 @@ def _resolve_args(call_args, call_kwargs):
 
 def _async_dispatch(instance, concurrency, buffered):
     """Calls of an async actor run as tasks of one asyncio loop in its own thread."""
-    from troupe import _serialization
+    from troupe import _core, _serialization
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="troupe-asyncio", daemon=True).start()
@@ -246,6 +247,7 @@ def _async_dispatch(instance, concurrency, buffered):
             except ActorExit:
                 _end(EXIT_ACTOR_ENDED)
             except BaseException as exc:
+                _core.count_call_error()
                 data = _serialization.dump_exception(exc, traceback.format_exc())
             if buffered:
                 sys.stdout.flush()

@@ -131,7 +131,7 @@ class _Metrics:
         return "\n".join(self.lines) + "\n"
 
 
-def metrics_text(state):
+def metrics_text(state, node_samples=()):
     m = _Metrics()
     node_states = {"ALIVE": 0, "DEAD": 0}
     for n in state["nodes"]:
@@ -179,7 +179,37 @@ def metrics_text(state):
                     for r in g["ranks"]]
     m.family("troupe_train_straggler", "gauge",
              "1 for a rank computing more than 2x the other ranks' median over the last steps.", flagged)
+    for name, lines in _node_families(node_samples):
+        m.lines.append(f"# HELP {name} {NODE_COUNTERS.get(name, 'A worker counter.')}")
+        m.lines.append(f"# TYPE {name} counter")
+        m.lines += lines
     return m.text()
+
+
+# The counters workers keep (troupe/runtime/metrics.h), read live from each node's agent; every
+# sample is labelled with its node, actor and class.
+NODE_COUNTERS = {
+    "troupe_actor_calls_total": "Calls the actor answered.",
+    "troupe_actor_call_errors_total": "Calls that raised (or returned an error) in the actor.",
+    "troupe_actor_call_seconds_total": "Time from a call's arrival at the actor to its reply, summed.",
+    "troupe_collective_ops_total": "Collective operations finished, by operation.",
+    "troupe_collective_bytes_total": "Bytes of the buffers of finished collective operations, by operation.",
+    "troupe_collective_seconds_total": "Time collective operations took from start to finish, by operation.",
+    "troupe_checkpoint_snapshots_total": "Flash snapshots a trainer wrote to shared memory.",
+    "troupe_checkpoint_snapshot_bytes_total": "Bytes of the flash snapshots written.",
+    "troupe_checkpoint_snapshot_seconds_total": "Time the flash snapshots took (the step waits for them).",
+    "troupe_checkpoint_persists_total": "Snapshots a checkpoint actor persisted to the directory.",
+    "troupe_checkpoint_persist_bytes_total": "Bytes persisted.",
+    "troupe_checkpoint_persist_seconds_total": "Time persisting took (in the background).",
+}
+
+
+def _node_families(samples):
+    """[(name, [sample lines])] in name order; labels come escaped from the node agents."""
+    by_name = {}
+    for name, labels, value in samples:
+        by_name.setdefault(name, []).append(f"{name}{{{labels}}} {float(value):.17g}")
+    return sorted(by_name.items())
 
 
 # ---- HTTP ----
@@ -209,7 +239,11 @@ def make_handler(view, assets):
             state, error = view.get()
             try:
                 if url.path == "/metrics":
-                    return self.send(200, metrics_text(state), "text/plain; version=0.0.4; charset=utf-8")
+                    try:
+                        samples = view.runtime.node_metrics()
+                    except Exception:  # the controller is away: the cluster gauges still come
+                        samples = []
+                    return self.send(200, metrics_text(state, samples), "text/plain; version=0.0.4; charset=utf-8")
                 if url.path == "/api/cluster":
                     alive = [n for n in state["nodes"] if n["state"] == "ALIVE"]
                     body = {"nodes": state["nodes"], "alive": len(alive), "dead": len(state["nodes"]) - len(alive),

@@ -680,8 +680,9 @@ class ElasticTrainer:
                 continue
             act = a["activity"]
             where = act["name"] + (f" of bucket {act['bucket']} ({act['bytes']} bytes)" if act["bucket"] >= 0 else "")
+            waiting = f", waiting on {a['waiting_on']}" if a.get("waiting_on") else ""
             parts.append(f"rank {a['rank']} (Trainer {t._id}, pid {a['pid']}): {where} at step {act['step']} "
-                         f"for {a['for_s']:.1f} s")
+                         f"for {a['for_s']:.1f} s{waiting}")
         self._event(f"no progress for {waited:.0f} s (hang_timeout {self.hang_timeout:g} s): " + "; ".join(parts))
         self._record({"state": "HUNG"})
 

@@ -170,6 +170,15 @@ interface NodeAgent {
   # end of each; with offsets (for following), up to maxBytes from there, and where to go on.
   readLogs @3 (id :Text, maxBytes :UInt32, stdoutFrom :Int64 = -1, stderrFrom :Int64 = -1)
       -> (stdout :Data, stderr :Data, stdoutEnd :Int64, stderrEnd :Int64);
+  # The counters of this node's running workers (troupe/runtime/metrics.h), each labelled with
+  # its node, actor and class, read live for the head's /metrics.
+  metrics @4 () -> (samples :List(MetricSample));
+}
+
+struct MetricSample {
+  name @0 :Text;
+  labels @1 :Text;   # Prometheus label text, values escaped
+  value @2 :Float64;
 }
 
 struct ActorCall {

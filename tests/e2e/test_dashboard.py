@@ -35,6 +35,12 @@ def metrics(url):
     return out
 
 
+def counter(m, name, **labels):
+    """The sum of a worker counter's samples whose labels include `labels` (None if none)."""
+    found = [v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items()]
+    return sum(found) if found else None
+
+
 def browse(url, screenshot=None):
     """The page's DOM after its script ran (headless Chromium), and a screenshot if asked."""
     assert CHROMIUM, "chromium is missing: scripts/setup installs it"
@@ -89,6 +95,13 @@ def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
         dom = browse(url + "/?tab=actors")
         assert "py:A" in dom and "ALIVE" in dom
         actor = json.loads(fetch(url + "/api/actors?state=ALIVE"))["actors"][0]["id"]
+        # Its worker's counters, read live from its node's agent, labelled with node, actor, class.
+        m = metrics(url)
+        assert counter(m, "troupe_actor_calls_total", actor=actor, **{"class": "py:A"}) >= 1
+        assert counter(m, "troupe_actor_call_seconds_total", actor=actor) > 0
+        assert counter(m, "troupe_actor_call_errors_total", actor=actor) == 0
+        node = troupe.status()["nodes"][0]["id"]
+        assert counter(m, "troupe_actor_calls_total", node=node) >= 1
         assert "hello from the actor" in json.loads(fetch(url + f"/api/logs?actor={actor}"))["stdout"]
         dom = browse(url + f"/?tab=actors&logs={actor}")
         assert re.search(r'<pre id="log-tail">hello from the actor', dom), "the actor's output is not shown"
@@ -113,7 +126,8 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
         troupe.init("auto", log_to_driver=False)
         t = ElasticTrainer(model="tinylm", data={TEXT!r}, optimizer={{"name": "adamw", "lr": 3e-3}},
                            global_batch_size=8, max_micro_batch=4, min_workers=1, max_workers=2, context=32,
-                           steps_per_call=3, progress=False, seed=7, checkpoint={{"snapshot_every": 1}},
+                           steps_per_call=3, progress=False, seed=7,
+                           checkpoint={{"snapshot_every": 1, "dir": {str(tmp_path / "ckpt")!r}, "persist_every": 3}},
                            name="dash", _fault={{"rank": 1, "kill_at_step": 12}})
         while not os.path.exists({str(stop)!r}) and t.step < 600:
             t.fit(3)
@@ -142,6 +156,17 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
         assert m[("troupe_train_recoveries", (("group", "dash"),))] >= 1
         assert m[("troupe_train_world_size", (("group", "dash"),))] == 2
         assert m[("troupe_train_step_phase_seconds", (("group", "dash"), ("phase", "compute"), ("rank", "1")))] > 0
+        # Where the data lives: the trainers' collectives and snapshots, the checkpoint actors'
+        # persists, each counted in its worker and read from its node's agent; they keep counting.
+        allreduced = counter(m, "troupe_collective_bytes_total", op="allreduce", **{"class": "Trainer"})
+        assert allreduced > 0 and counter(m, "troupe_collective_seconds_total", op="allreduce") > 0
+        assert counter(m, "troupe_checkpoint_snapshots_total", **{"class": "Trainer"}) >= 1
+        assert counter(m, "troupe_checkpoint_snapshot_seconds_total") > 0
+        eventually(lambda: (counter(metrics(url), "troupe_checkpoint_persists_total") or 0) >= 1, 60,
+                   "a persisted snapshot in the checkpoint actors' counters")
+        assert counter(metrics(url), "troupe_checkpoint_persist_bytes_total") > 0
+        eventually(lambda: counter(metrics(url), "troupe_collective_bytes_total", op="allreduce") > allreduced, 60,
+                   "the all-reduced bytes to grow")
         # The CLI's timeline of the same group: a Chrome trace file with both ranks.
         trace_file = tmp_path / "trace.json"
         out = troupe.run("timeline", "--group", "dash", "-o", str(trace_file), timeout=120).stdout

@@ -428,6 +428,8 @@ def test_a_hung_step_is_reported_with_what_each_rank_is_doing(cluster):
         text = report()
         assert "rank 1 " in text and "hung (test fault) at step 8" in text, text
         assert re.search(r"rank 0 \(Trainer \w+, pid \d+\): allreduce wait", text), text  # waiting for rank 1
+        # ... and the communicator names the peer it waits on, which never started that all-reduce.
+        assert re.search(r"rank 0 [^;]*waiting on rank 1 \([^)]*\): has not started allreduce #\d+", text), text
         assert troupe._api._runtime().group(t.group_id)["doc"].count('"HUNG"') == 1
         # The hung rank killed: the group recovers and the run completes.
         os.kill(int(re.search(r"rank 1 \(Trainer \w+, pid (\d+)\)", text).group(1)), signal.SIGKILL)

@@ -160,6 +160,8 @@ class TrainerEngine {
   // step), the caller for its own (data wait, snapshot). A hung step shows where it hangs.
   TimelineSpan activity() const;
   void setActivity(const char* name, int32_t bucket = -1, uint64_t bytes = 0);
+  // The peers the collective in progress waits for (Communicator::waitingOn). Thread-safe.
+  std::string waitingOn() const;
   // FNV-1a over every parameter's 32-bit words in order: equal on all ranks while they agree.
   uint64_t parameterHash() const;
   // A collective (every rank calls it): Ok when every rank's parameterHash() is the same, e.g.

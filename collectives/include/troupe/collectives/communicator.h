@@ -70,6 +70,10 @@ class Communicator {
   virtual int64_t epoch() const = 0;
   // Ok while usable; otherwise the error that made it unusable.
   virtual Status health() const = 0;
+  // For hang reports: which peers the operation in progress waits for and how far it got
+  // ("rank 1 (pid 42 on h2, 10.0.0.2:4100): has not started allreduce #8 (...)"); empty when
+  // none runs or the backend cannot say. Any thread; may take up to a second.
+  virtual std::string waitingOn() const { return ""; }
 
   // ---- Asynchronous operations: each returns at once; its Work reports the outcome ----
   // recv[i] = op over ranks of send[i], for i < count. send == recv is allowed (in place).
