@@ -567,7 +567,9 @@ kj::Promise<std::vector<ActorRecord>> ClusterClient::listActors() {
 
 kj::Promise<std::vector<NodeRecord>> ClusterClient::listNodes() {
   return shared_->withController([](rpc::Controller::Client& c) {
-    return c.statusRequest().send().then([](auto response) {
+    auto request = c.statusRequest();
+    request.setActors(false);
+    return request.send().then([](auto response) {
       std::vector<NodeRecord> out;
       for (auto n : response.getNodes()) out.push_back(fromNodeInfo(n));
       return out;
@@ -643,7 +645,9 @@ kj::Promise<void> ClusterClient::removeGroup(const std::string& id) {
 
 kj::Promise<std::vector<ElasticGroupRecord>> ClusterClient::listGroups() {
   return shared_->withController([](rpc::Controller::Client& c) {
-    return c.statusRequest().send().then([](auto response) {
+    auto request = c.statusRequest();
+    request.setActors(false);
+    return request.send().then([](auto response) {
       std::vector<ElasticGroupRecord> out;
       for (auto g : response.getGroups()) {
         ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};

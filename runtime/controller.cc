@@ -127,10 +127,11 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       std::vector<PlacementGroupRecord> groups;
       std::vector<ElasticGroupRecord> elastic;
     };
-    return onIo([](Controller::IoState& s) -> Result<Snapshot> {
+    const bool withActors = context.getParams().getActors();
+    return onIo([withActors](Controller::IoState& s) -> Result<Snapshot> {
              auto nodes = s.store->listNodes();
              if (!nodes.isOk()) return nodes.status();
-             auto actors = s.store->listActors();
+             auto actors = withActors ? s.store->listActors() : Result<std::vector<ActorRecord>>(std::vector<ActorRecord>{});
              if (!actors.isOk()) return actors.status();
              auto groups = s.store->listPlacementGroups();
              if (!groups.isOk()) return groups.status();

@@ -341,6 +341,7 @@ class FakeClusterStore final : public ClusterStore {
       std::lock_guard lock(state_->mutex);
       for (const auto& [id, actor] : state_->actors) actors.push_back(actor);
     }
+    for (auto& a : actors) a.initArgs.clear();  // as Redis lists them
     // Redis' zset order: by score (created_ms), then by member (the id).
     std::sort(actors.begin(), actors.end(), [](const ActorRecord& a, const ActorRecord& b) {
       return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
@@ -349,12 +350,16 @@ class FakeClusterStore final : public ClusterStore {
   }
 
   Result<std::vector<ActorRecord>> listLiveActors() override {
-    auto all = listActors();
-    if (!all.isOk()) return all;
     std::vector<ActorRecord> live;
-    for (auto& a : *all) {
-      if (a.state != ActorState::kDead) live.push_back(std::move(a));
+    {
+      std::lock_guard lock(state_->mutex);
+      for (const auto& [id, actor] : state_->actors) {
+        if (actor.state != ActorState::kDead) live.push_back(actor);
+      }
     }
+    std::sort(live.begin(), live.end(), [](const ActorRecord& a, const ActorRecord& b) {
+      return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
+    });
     return live;
   }
 

@@ -504,10 +504,21 @@ return 1
 
 // KEYS: an index zset (nodes, actors, pgs). ARGV: the prefix of its record hashes.
 // One consistent snapshot in one round trip, in zset order (score, then id).
+// ARGV[2]: a field left out of every record ('' for none).
 constexpr const char* kListScript = R"lua(
 local out = {}
+local skip = ARGV[2]
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local fields = redis.call('HGETALL', ARGV[1] .. id)
+  if skip ~= '' then
+    for i = 1, #fields, 2 do
+      if fields[i] == skip then
+        table.remove(fields, i)
+        table.remove(fields, i)
+        break
+      end
+    end
+  end
   if #fields > 0 then table.insert(out, fields) end
 end
 return out
@@ -1192,13 +1203,15 @@ return 1
     return std::optional<ActorRecord>(std::move(actor).value());
   }
 
-  Result<std::vector<ActorRecord>> listActors() override { return listActorsIn(actorsKey(), "listActors"); }
+  Result<std::vector<ActorRecord>> listActors() override {
+    return listActorsIn(actorsKey(), "init_args", "listActors");
+  }
   Result<std::vector<ActorRecord>> listLiveActors() override {
-    return listActorsIn(liveActorsKey(), "listLiveActors");
+    return listActorsIn(liveActorsKey(), "", "listLiveActors");
   }
 
-  Result<std::vector<ActorRecord>> listActorsIn(const std::string& index, const char* what) {
-    auto reply = connection_.run({"EVAL", kListScript, "1", index, actorKeyPrefix()}, what);
+  Result<std::vector<ActorRecord>> listActorsIn(const std::string& index, const char* skip, const char* what) {
+    auto reply = connection_.run({"EVAL", kListScript, "1", index, actorKeyPrefix(), skip}, what);
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listActors", **reply);
     std::vector<ActorRecord> actors;

@@ -395,28 +395,25 @@ class Runtime {
     return {py::bytes(logs.first), py::bytes(logs.second)};
   }
 
-  // The live counters of every alive node's workers (NodeAgent.metrics), as (name, labels,
-  // value); a node that does not answer within 2 s is left out, not waited for.
-  py::list nodeMetrics() {
+  // The live counters of the workers of the node agents at `addresses` (NodeAgent.metrics), as
+  // (name, labels, value); a node that does not answer within 2 s is left out, not waited for.
+  py::list nodeMetrics(const std::vector<std::string>& addresses) {
     using Samples = std::vector<std::tuple<std::string, std::string, double>>;
-    auto all = onLoop([this]() {
-      return client_->listNodes().then([this](std::vector<NodeRecord> nodes) {
-        kj::Vector<kj::Promise<Samples>> asks;
-        for (const auto& n : nodes) {
-          if (n.state != NodeState::kAlive) continue;
-          auto ask = nodeAgent(n.address).then([](rpc::NodeAgent::Client agent) {
-            return agent.metricsRequest().send();
-          }).then([](capnp::Response<rpc::NodeAgent::MetricsResults> r) {
-            Samples out;
-            for (auto s : r.getSamples()) out.emplace_back(s.getName().cStr(), s.getLabels().cStr(), s.getValue());
-            return out;
-          });
-          asks.add(io_->provider->getTimer().timeoutAfter(2 * kj::SECONDS, kj::mv(ask)).catch_([](kj::Exception&&) {
-            return Samples{};
-          }));
-        }
-        return kj::joinPromises(asks.releaseAsArray());
-      });
+    auto all = onLoop([this, addresses]() {
+      kj::Vector<kj::Promise<Samples>> asks;
+      for (const auto& address : addresses) {
+        auto ask = kj::evalNow([&]() { return nodeAgent(address); }).then([](rpc::NodeAgent::Client agent) {
+          return agent.metricsRequest().send();
+        }).then([](capnp::Response<rpc::NodeAgent::MetricsResults> r) {
+          Samples out;
+          for (auto s : r.getSamples()) out.emplace_back(s.getName().cStr(), s.getLabels().cStr(), s.getValue());
+          return out;
+        });
+        asks.add(io_->provider->getTimer().timeoutAfter(2 * kj::SECONDS, kj::mv(ask)).catch_([](kj::Exception&&) {
+          return Samples{};
+        }));
+      }
+      return kj::joinPromises(asks.releaseAsArray());
     });
     py::list out;
     for (const auto& node : all) {

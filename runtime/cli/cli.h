@@ -68,7 +68,8 @@ struct ClusterSnapshot {
   std::vector<ElasticGroupRecord> groups;
 };
 // Calls Controller.status on an authenticated connection, within `timeout`.
-Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout);
+Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout,
+                                    bool withActors = true);
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout);
 

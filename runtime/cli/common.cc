@@ -48,16 +48,19 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
 
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout) {
-  auto snapshot = fetchStatus(io, target, timeout);
+  auto snapshot = fetchStatus(io, target, timeout, /*withActors=*/false);
   if (!snapshot.isOk()) return snapshot.status();
   return std::move(snapshot->nodes);
 }
 
-Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout) {
+Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout,
+                                    bool withActors) {
   ClusterSnapshot snap;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     auto client = RpcClient::connect(io, target.controller, target.token, timeout).wait(io.waitScope);
-    auto call = client->bootstrap<rpc::Controller>().statusRequest().send();
+    auto request = client->bootstrap<rpc::Controller>().statusRequest();
+    request.setActors(withActors);
+    auto call = request.send();
     auto response = io.provider->getTimer().timeoutAfter(timeout, kj::mv(call)).wait(io.waitScope);
     for (auto node : response.getNodes()) snap.nodes.push_back(fromNodeInfo(node));
     for (auto actor : response.getActors()) snap.actors.push_back(fromActorInfo(actor));

@@ -105,8 +105,9 @@ interface Controller {
   ping @0 () -> (pid :Int64, version :Text);
   # Records the node as ALIVE (again, if it registers twice) and says where to heartbeat.
   registerNode @1 (node :NodeInfo) -> (redis :RedisEndpoint);
-  # Everything `troupe status` shows, read from Redis at the time of the call.
-  status @2 () -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo),
+  # Everything `troupe status` shows, read from Redis at the time of the call. Without actors
+  # when `actors` is false: listing nodes costs nothing per actor.
+  status @2 (actors :Bool = true) -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo),
                    groups :List(ElasticGroupInfo));
 
   # Actors. The caller picks the id, which makes creation idempotent: a retry returns the

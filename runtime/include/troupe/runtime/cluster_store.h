@@ -199,7 +199,8 @@ class ClusterStore {
   virtual Status putActor(const ActorRecord& actor) = 0;
   virtual Result<std::optional<ActorRecord>> getActor(const ActorId& id) = 0;
   // The actors not DEAD and the newest DEAD ones (older DEAD records are deleted; Redis keeps
-  // RedisOptions::keepDeadActors), sorted by creation time: what status shows.
+  // RedisOptions::keepDeadActors), sorted by creation time: what status shows. Without their
+  // initArgs (the bulk of a record, which status never shows).
   virtual Result<std::vector<ActorRecord>> listActors() = 0;
   // Only the actors not DEAD, sorted by creation time: what the controller scans, so its cost
   // follows what is alive, not the cluster's history.
