@@ -43,18 +43,24 @@ def main():
     before = median(r["samples_per_s"] for r in history if r["world_size"] == args.start)
     after = median(r["samples_per_s"] for r in history if r["world_size"] == chosen)
     changes = [d for d in decisions if d["action"] != "keep"]
-    # The chosen configuration's predicted throughput (from the decision that chose it) against
-    # the median measured at it.
-    choice = changes[-1] if changes else decisions[-1]
-    predicted = choice["predicted_samples_per_s"] or 0.0
-    error = abs(predicted - after) / after if after else None
+    # The chosen configuration's throughput as the tuner last predicted it (a change to it, or a
+    # "keep" at it), against the median measured at it. A decision without a prediction (no model
+    # fitted yet) is passed over, never read as 0.
+    predictions = [(d["index"], d["predicted_samples_per_s"]) for d in changes if d["target"] == chosen]
+    predictions += [(d["index"], d.get("predicted_current_samples_per_s")) for d in decisions
+                    if d["action"] == "keep" and d["world_size"] == chosen]
+    predictions = sorted(p for p in predictions if p[1] is not None)
+    predicted = predictions[-1][1] if predictions else None
+    error = abs(predicted - after) / after if after and predicted is not None else None
     print(f"cores {len(os.sched_getaffinity(0))}, start {args.start} trainers, {args.steps} steps")
     print(f"{'chunk':>5} {'N':>3} {'action':>7} {'target':>6} {'measured/s':>11} {'predicted/s':>12}  reason")
     for d in decisions:
         print(f"{d['index']:5d} {d['world_size']:3d} {d['action']:>7} {d['target']:6d} "
               f"{(d['measured_samples_per_s'] or 0):11.1f} {(d['predicted_samples_per_s'] or 0):12.1f}  {d['reason'][:70]}")
     print(f"throughput at {args.start}: {before:.1f} samples/s; at {chosen} (chosen): {after:.1f} samples/s "
-          f"({after / before if before else 0:.2f}x); predicted {predicted:.1f}, error {error if error is None else round(error, 3)}")
+          f"({after / before if before else 0:.2f}x); predicted "
+          f"{'none (no decision predicted it)' if predicted is None else f'{predicted:.1f}'}, "
+          f"error {error if error is None else round(error, 3)}")
     if args.json:
         print(json.dumps({"start_workers": args.start, "chosen_workers": chosen, "throughput_before": round(before, 2),
                           "throughput_after": round(after, 2), "prediction_error": None if error is None else round(error, 4),

@@ -155,6 +155,16 @@ def test_actors_spread_over_three_hosts_are_called_and_found_from_any_host(testb
         print("FOUND", troupe.get(a.where.remote(), timeout=60)[0])
     """)
     assert re.search(r"FOUND 10\.", out), out
+    # The head's /metrics reads each actor's counters from the agent of the host it runs on.
+    head = bed.hosts[0]
+    url = (Path(head.env["TROUPE_TEMP_DIR"]) / "latest" / "dashboard.url").read_text().strip()
+    text = head.run(["/usr/bin/python3", "-c", "import sys, urllib.request; "
+                     f"sys.stdout.write(urllib.request.urlopen({url + '/metrics'!r}, timeout=30).read().decode())"],
+                    timeout=60).stdout
+    calls = re.findall(r'troupe_actor_calls_total\{node="(\w+)",actor="\w+",class="py:Where"\} (\S+)', text)
+    node_ids = {n["id"] for n in status(head, controller, token)["nodes"] if n["state"] == "ALIVE"}
+    assert {node for node, _ in calls} == node_ids and len(node_ids) == 3, text
+    assert sum(float(v) for _, v in calls) >= 4  # three where() calls, and one more from host 2
 
 
 def test_a_cut_host_is_declared_dead_and_its_stale_agent_exits_when_the_link_returns(testbed3):
@@ -403,8 +413,11 @@ def test_an_elastic_group_trains_over_tls_collectives_across_hosts(testbed3):
         wire = capture.stop()
     assert r["world"] == 3 and len(set(r["hashes"])) == 1, r
     assert sorted(r["where"]) == sorted(h.address for h in bed.hosts), r
-    # The collectives' hello ("TRPC" and the group name after it) went through TLS. (A driver's
-    # first hello is plaintext: it learns the cluster speaks TLS from the answer.)
+    # The collectives' hellos ("TRPC", version 1, a data or control connection) went through TLS.
+    # (A driver's first hello is plaintext: it learns the cluster speaks TLS from the answer.)
+    # The whole 8-byte header is looked for: "TRPC" alone turns up by chance in megabytes of
+    # ciphertext (about once in 4 GiB of it).
     assert len(wire) > 100_000
-    assert b"TRPC" not in wire, [wire[i - 40:i + 60] for i in range(len(wire)) if wire.startswith(b"TRPC", i)][:3]
+    for hello in (b"TRPC\x01\x00\x01\x00", b"TRPC\x01\x00\x02\x00"):
+        assert hello not in wire, [wire[i - 40:i + 60] for i in range(len(wire)) if wire.startswith(hello, i)][:3]
     assert token.encode() not in wire
