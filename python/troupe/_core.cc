@@ -229,6 +229,7 @@ class Runtime {
       return client_->submitActor(o).then([this, type = o.type](ActorHandle h) {
         handles_.emplace(h.id().hex(), h);
         followed_[h.id().hex()] = Cursor{type};
+        relist_ = true;  // its first output should not wait for the next listing
         return h.id().hex();
       });
     });
@@ -460,7 +461,10 @@ class Runtime {
   // Reads the output still on the nodes now (at shutdown, so none is lost) and returns it with
   // whatever was queued.
   std::vector<std::tuple<std::string, std::string, std::string>> flushOutput() {
-    onLoop([this]() { return followOnce(); });
+    onLoop([this]() {
+      relist_ = true;  // where every actor is now, and which are dead: their last output
+      return followOnce();
+    });
     std::lock_guard lock(mutex_);
     std::vector<std::tuple<std::string, std::string, std::string>> lines;
     lines.swap(output_);
@@ -581,24 +585,38 @@ class Runtime {
     return round.addBranch();
   }
 
+  // Reads new output of the followed actors from their nodes' agents. Where they are comes from
+  // a listing of the cluster's actors, which costs the controller a read of every record: it is
+  // made again only every kRelistEvery, or sooner when an actor was added or a read failed, so
+  // a following driver does not keep a controller of 10k actors busy.
   kj::Promise<void> readRound() {
     if (followed_.empty()) return kj::READY_NOW;
+    if (!relist_ && std::chrono::steady_clock::now() - listedAt_ < kRelistEvery) return readListed();
+    relist_ = false;
+    listedAt_ = std::chrono::steady_clock::now();
     return client_->listActors().then([this](std::vector<ActorRecord> actors) {
-        return client_->listNodes().then([this, actors = kj::mv(actors)](std::vector<NodeRecord> nodes) {
-          std::map<NodeId, std::string> addresses;
+        return client_->listNodes().then([this, actors = kj::mv(actors)](std::vector<NodeRecord> nodes) mutable {
+          listed_.clear();
+          for (auto& a : actors) {
+            if (followed_.count(a.id.hex())) listed_.push_back(kj::mv(a));
+          }
+          addresses_.clear();
           for (const auto& n : nodes) {
-            if (n.state == NodeState::kAlive) addresses[n.id] = n.address;
+            if (n.state == NodeState::kAlive) addresses_[n.id] = n.address;
           }
-          kj::Vector<kj::Promise<void>> reads;  // only the followed actors
-          for (const auto& a : actors) {
-            auto it = followed_.find(a.id.hex());
-            auto where = addresses.find(a.nodeId);
-            if (it == followed_.end() || where == addresses.end()) continue;
-            reads.add(readOutput(a, where->second));
-          }
-          return kj::joinPromises(reads.releaseAsArray());
+          return readListed();
         });
-      }).catch_([](kj::Exception&&) {});  // a node that went away: its output is in its logs
+      }).catch_([this](kj::Exception&&) { relist_ = true; });  // a node that went away: its output is in its logs
+  }
+
+  kj::Promise<void> readListed() {
+    kj::Vector<kj::Promise<void>> reads;
+    for (const auto& a : listed_) {
+      auto where = addresses_.find(a.nodeId);
+      if (!followed_.count(a.id.hex()) || where == addresses_.end()) continue;
+      reads.add(readOutput(a, where->second).catch_([this](kj::Exception&&) { relist_ = true; }));
+    }
+    return kj::joinPromises(reads.releaseAsArray());
   }
 
   kj::Promise<void> readOutput(const ActorRecord& actor, const std::string& nodeAddress) {
@@ -792,6 +810,11 @@ class Runtime {
   std::map<int64_t, Completion> completions_;
   std::string token_;
   std::map<std::string, Cursor> followed_;                  // loop_ only
+  static constexpr auto kRelistEvery = std::chrono::seconds(2);
+  std::vector<ActorRecord> listed_;                         // loop_ only: the followed actors' records
+  std::map<NodeId, std::string> addresses_;                 // loop_ only: alive nodes' agents
+  std::chrono::steady_clock::time_point listedAt_;          // loop_ only
+  bool relist_ = true;                                      // loop_ only
   kj::Promise<void> lastRound_ = kj::READY_NOW;             // loop_ only
   struct AgentConnection {
     kj::Own<RpcClient> client;
