@@ -819,6 +819,52 @@ TEST_CASE_TEMPLATE("listActors sorts by creation time, then id", Backend,
   checkSameActor((*list)[0], early);
 }
 
+TEST_CASE_TEMPLATE("listActorsPage: a filtered page in list order, with every actor's state counted", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  const NodeId nodeA("aaaa" + randomHex(6)), nodeB("bbbb" + randomHex(6));
+  std::vector<ActorRecord> made;
+  for (int i = 0; i < 10; ++i) {
+    ActorRecord a = sampleActor();
+    a.id = ActorId::generate();
+    a.createdMs = 1000 + i;
+    a.state = i < 7 ? ActorState::kAlive : ActorState::kPending;
+    a.nodeId = i % 2 == 0 ? nodeA : nodeB;
+    REQUIRE(store->putActor(a).isOk());
+    made.push_back(a);
+  }
+  ActorQuery all;
+  all.limit = 3;
+  auto first = store->listActorsPage(all);
+  REQUIRE_MESSAGE(first.isOk(), first.status().toString());
+  CHECK(first->matching == 10);
+  CHECK(first->countsByState[ActorState::kAlive] == 7);
+  CHECK(first->countsByState[ActorState::kPending] == 3);
+  REQUIRE(first->actors.size() == 3);
+  CHECK(first->actors[0].id == made[0].id);
+  CHECK(first->actors[2].id == made[2].id);
+  CHECK(first->actors[0].initArgs.empty());  // as listActors: no init args
+
+  ActorQuery pendingOnB;  // pending: 7, 8, 9; on B: the odd ones
+  pendingOnB.state = ActorState::kPending;
+  pendingOnB.nodePrefix = "bbbb";
+  pendingOnB.offset = 1;
+  auto page = store->listActorsPage(pendingOnB);
+  REQUIRE(page.isOk());
+  CHECK(page->matching == 2);  // 7 and 9
+  REQUIRE(page->actors.size() == 1);
+  CHECK(page->actors[0].id == made[9].id);
+  CHECK(page->countsByState[ActorState::kAlive] == 7);  // counts ignore the filters
+
+  ActorQuery past;
+  past.offset = 50;
+  auto empty = store->listActorsPage(past);
+  REQUIRE(empty.isOk());
+  CHECK(empty->actors.empty());
+  CHECK(empty->matching == 10);
+}
+
 TEST_CASE_TEMPLATE("actor names: claim, lookup and release", Backend, TROUPE_STORE_BACKENDS) {
   Backend backend;
   auto store = backend.open();

@@ -8,6 +8,7 @@
 
 #include "controller_core.h"
 #include "schema_convert.h"
+#include "store_records.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/ids.h"
@@ -123,28 +124,60 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   kj::Promise<void> status(StatusContext context) override {
     struct Snapshot {
       std::vector<NodeRecord> nodes;
-      std::vector<ActorRecord> actors;
+      ActorPage actors;
       std::vector<PlacementGroupRecord> groups;
       std::vector<ElasticGroupRecord> elastic;
     };
-    const bool withActors = context.getParams().getActors();
-    return onIo([withActors](Controller::IoState& s) -> Result<Snapshot> {
+    auto params = context.getParams();
+    const bool withActors = params.getActors();
+    std::optional<ActorQuery> page;
+    if (params.getActorLimit() > 0) {
+      page.emplace();
+      page->limit = params.getActorLimit();
+      page->offset = params.getActorOffset();
+      page->nodePrefix = params.getActorNode().cStr();
+      std::string state = params.getActorState().cStr();
+      if (!state.empty()) {
+        page->state = store_records::parseActorState(state);
+        if (!page->state) throwStatus(Status(StatusCode::kInvalidArgument,
+                                             fmt::format("status: no actor state '{}' (PENDING, ALIVE, RESTARTING or DEAD)", state)));
+      }
+    }
+    return onIo([withActors, page](Controller::IoState& s) -> Result<Snapshot> {
              auto nodes = s.store->listNodes();
              if (!nodes.isOk()) return nodes.status();
-             auto actors = withActors ? s.store->listActors() : Result<std::vector<ActorRecord>>(std::vector<ActorRecord>{});
-             if (!actors.isOk()) return actors.status();
+             ActorPage actors;
+             if (page) {
+               auto got = s.store->listActorsPage(*page);
+               if (!got.isOk()) return got.status();
+               actors = std::move(*got);
+             } else if (withActors) {
+               auto got = s.store->listActors();
+               if (!got.isOk()) return got.status();
+               actors.actors = std::move(*got);
+               actors.matching = actors.actors.size();
+               for (const auto& a : actors.actors) actors.countsByState[a.state] += 1;
+             }
              auto groups = s.store->listPlacementGroups();
              if (!groups.isOk()) return groups.status();
              auto elastic = s.store->listElasticGroups();
              if (!elastic.isOk()) return elastic.status();
-             return Snapshot{std::move(*nodes), std::move(*actors), std::move(*groups), std::move(*elastic)};
+             return Snapshot{std::move(*nodes), std::move(actors), std::move(*groups), std::move(*elastic)};
            })
         .then([context](Snapshot snap) mutable {
           auto results = context.getResults();
           auto nodes = results.initNodes(static_cast<unsigned>(snap.nodes.size()));
           for (unsigned i = 0; i < snap.nodes.size(); ++i) toNodeInfo(snap.nodes[i], nodes[i]);
-          auto actors = results.initActors(static_cast<unsigned>(snap.actors.size()));
-          for (unsigned i = 0; i < snap.actors.size(); ++i) toActorInfo(snap.actors[i], actors[i]);
+          const auto& list = snap.actors.actors;
+          auto actors = results.initActors(static_cast<unsigned>(list.size()));
+          for (unsigned i = 0; i < list.size(); ++i) toActorInfo(list[i], actors[i]);
+          results.setActorsMatching(snap.actors.matching);
+          auto counts = results.initActorCounts(static_cast<unsigned>(snap.actors.countsByState.size()));
+          unsigned k = 0;
+          for (const auto& [state, n] : snap.actors.countsByState) {
+            counts[k].setState(actorStateName(state));
+            counts[k++].setCount(n);
+          }
           auto groups = results.initPlacementGroups(static_cast<unsigned>(snap.groups.size()));
           for (unsigned i = 0; i < snap.groups.size(); ++i) toPlacementGroupInfo(snap.groups[i], groups[i]);
           auto elastic = results.initGroups(static_cast<unsigned>(snap.elastic.size()));

@@ -349,6 +349,19 @@ class FakeClusterStore final : public ClusterStore {
     return actors;
   }
 
+  Result<ActorPage> listActorsPage(const ActorQuery& query) override {
+    auto all = listActors();
+    if (!all.isOk()) return all.status();
+    ActorPage page;
+    for (auto& a : *all) {
+      page.countsByState[a.state] += 1;
+      if ((query.state && a.state != *query.state) || !a.nodeId.hex().starts_with(query.nodePrefix)) continue;
+      if (page.matching >= query.offset && page.matching - query.offset < query.limit) page.actors.push_back(std::move(a));
+      page.matching += 1;
+    }
+    return page;
+  }
+
   Result<std::vector<ActorRecord>> listLiveActors() override {
     std::vector<ActorRecord> live;
     {

@@ -524,6 +524,42 @@ end
 return out
 )lua";
 
+// KEYS: the actors zset. ARGV: key prefix, state ('' any), node id prefix ('' any), offset,
+// limit. Returns {state/count pairs of every actor, how many pass the filters, the page's
+// records without init_args}. Only the page's records are read whole.
+constexpr const char* kListActorsPageScript = R"lua(
+local counts, page, matching = {}, {}, 0
+local first = tonumber(ARGV[4])
+local last = first + tonumber(ARGV[5])
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local key = ARGV[1] .. id
+  local f = redis.call('HMGET', key, 'state', 'node_id')
+  if f[1] then
+    counts[f[1]] = (counts[f[1]] or 0) + 1
+    if (ARGV[2] == '' or f[1] == ARGV[2]) and (ARGV[3] == '' or string.sub(f[2] or '', 1, #ARGV[3]) == ARGV[3]) then
+      if matching >= first and matching < last then
+        local fields = redis.call('HGETALL', key)
+        for i = 1, #fields, 2 do
+          if fields[i] == 'init_args' then
+            table.remove(fields, i)
+            table.remove(fields, i)
+            break
+          end
+        end
+        table.insert(page, fields)
+      end
+      matching = matching + 1
+    end
+  end
+end
+local flat = {}
+for state, n in pairs(counts) do
+  table.insert(flat, state)
+  table.insert(flat, n)
+end
+return {flat, matching, page}
+)lua";
+
 // KEYS: per reservation, its node hash and that node's claims hash.
 // ARGV: per reservation, the holder and its resources as a JSON object.
 // All or nothing: checks every node first and returns 0 without writing when one refuses.
@@ -1214,10 +1250,43 @@ return 1
     auto reply = connection_.run({"EVAL", kListScript, "1", index, actorKeyPrefix(), skip}, what);
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listActors", **reply);
+    return decodeActors(**reply);
+  }
+
+  Result<ActorPage> listActorsPage(const ActorQuery& query) override {
+    auto reply = connection_.run({"EVAL", kListActorsPageScript, "1", actorsKey(), actorKeyPrefix(),
+                                  query.state ? actorStateName(*query.state) : "", query.nodePrefix,
+                                  std::to_string(query.offset), std::to_string(query.limit)},
+                                 "listActorsPage");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type != REDIS_REPLY_ARRAY || r.elements != 3 || r.element[0]->type != REDIS_REPLY_ARRAY ||
+        r.element[0]->elements % 2 != 0 || r.element[1]->type != REDIS_REPLY_INTEGER ||
+        r.element[2]->type != REDIS_REPLY_ARRAY) {
+      return unexpected("listActorsPage", r);
+    }
+    ActorPage page;
+    const redisReply& counts = *r.element[0];
+    for (size_t i = 0; i + 1 < counts.elements; i += 2) {
+      if (counts.element[i]->type != REDIS_REPLY_STRING || counts.element[i + 1]->type != REDIS_REPLY_INTEGER) {
+        return unexpected("listActorsPage", r);
+      }
+      auto state = store_records::parseActorState(std::string(counts.element[i]->str, counts.element[i]->len));
+      if (state) page.countsByState[*state] += static_cast<uint64_t>(counts.element[i + 1]->integer);
+    }
+    page.matching = static_cast<uint64_t>(std::max<long long>(0, r.element[1]->integer));
+    auto actors = decodeActors(*r.element[2]);
+    if (!actors.isOk()) return actors.status();
+    page.actors = std::move(*actors);
+    return page;
+  }
+
+  // Records as the list scripts return them (an array of field arrays); malformed ones skipped.
+  Result<std::vector<ActorRecord>> decodeActors(const redisReply& reply) {
     std::vector<ActorRecord> actors;
-    actors.reserve((*reply)->elements);
-    for (size_t i = 0; i < (*reply)->elements; ++i) {
-      auto fields = fieldMap(*(*reply)->element[i], actorKeyPrefix() + "*");
+    actors.reserve(reply.elements);
+    for (size_t i = 0; i < reply.elements; ++i) {
+      auto fields = fieldMap(*reply.element[i], actorKeyPrefix() + "*");
       auto actor = fields ? store_records::decodeActor(*fields, actorKeyPrefix() + (*fields)["id"]) : Result<ActorRecord>(fields.status());
       if (!actor) {
         skipMalformed(actor.status());

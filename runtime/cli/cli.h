@@ -37,6 +37,10 @@ struct StatusFlags {
   std::string address;
   std::string token;
   bool json = false;
+  uint32_t limit = 1000;  // actors shown (0: all)
+  uint32_t offset = 0;
+  std::string state;      // only actors in this state
+  std::string node;       // only actors on nodes whose id starts with this
 };
 
 int startCommand(const StartFlags& flags);
@@ -63,13 +67,23 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
 // Everything Controller.status returns.
 struct ClusterSnapshot {
   std::vector<NodeRecord> nodes;
-  std::vector<ActorRecord> actors;
+  std::vector<ActorRecord> actors;            // all, or the page asked for
+  uint64_t actorsMatching = 0;                // actors that pass the filters
+  std::map<std::string, uint64_t> actorCounts;  // every actor, by state name
   std::vector<PlacementGroupRecord> placementGroups;
   std::vector<ElasticGroupRecord> groups;
 };
+// Which actors a status call returns: none, all (limit 0), or one filtered page.
+struct StatusQuery {
+  bool actors = true;
+  uint32_t limit = 0;
+  uint32_t offset = 0;
+  std::string state;
+  std::string node;
+};
 // Calls Controller.status on an authenticated connection, within `timeout`.
 Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout,
-                                    bool withActors = true);
+                                    const StatusQuery& query = {});
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout);
 

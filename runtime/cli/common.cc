@@ -48,22 +48,30 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
 
 Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const ClusterTarget& target,
                                            kj::Duration timeout) {
-  auto snapshot = fetchStatus(io, target, timeout, /*withActors=*/false);
+  StatusQuery nodesOnly;
+  nodesOnly.actors = false;
+  auto snapshot = fetchStatus(io, target, timeout, nodesOnly);
   if (!snapshot.isOk()) return snapshot.status();
   return std::move(snapshot->nodes);
 }
 
 Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout,
-                                    bool withActors) {
+                                    const StatusQuery& query) {
   ClusterSnapshot snap;
   KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
     auto client = RpcClient::connect(io, target.controller, target.token, timeout).wait(io.waitScope);
     auto request = client->bootstrap<rpc::Controller>().statusRequest();
-    request.setActors(withActors);
+    request.setActors(query.actors);
+    request.setActorLimit(query.limit);
+    request.setActorOffset(query.offset);
+    request.setActorState(query.state);
+    request.setActorNode(query.node);
     auto call = request.send();
     auto response = io.provider->getTimer().timeoutAfter(timeout, kj::mv(call)).wait(io.waitScope);
     for (auto node : response.getNodes()) snap.nodes.push_back(fromNodeInfo(node));
     for (auto actor : response.getActors()) snap.actors.push_back(fromActorInfo(actor));
+    snap.actorsMatching = response.getActorsMatching();
+    for (auto c : response.getActorCounts()) snap.actorCounts[c.getState().cStr()] = c.getCount();
     for (auto group : response.getPlacementGroups()) snap.placementGroups.push_back(fromPlacementGroupInfo(group));
     for (auto g : response.getGroups()) {
       ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};

@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -108,9 +111,20 @@ int statusCommand(const StatusFlags& flags) {
   auto target = resolveCluster(flags.address, flags.token);
   if (!target.isOk()) return fail(target.status());
   auto io = kj::setupAsyncIo();
-  auto snapshot = fetchStatus(io, *target, 3 * kj::SECONDS);
+  StatusQuery query;
+  query.limit = flags.limit;
+  query.offset = flags.offset;
+  query.state = flags.state;
+  std::transform(query.state.begin(), query.state.end(), query.state.begin(), ::toupper);
+  query.node = flags.node;
+  if (query.limit == 0 && (query.offset > 0 || !query.state.empty() || !query.node.empty())) {
+    query.limit = UINT32_MAX;  // filters need the paged call, which applies them in the store
+  }
+  auto snapshot = fetchStatus(io, *target, 10 * kj::SECONDS, query);
   if (!snapshot.isOk()) return fail(snapshot.status());
   auto* nodes = &snapshot->nodes;
+  uint64_t totalActors = 0;
+  for (const auto& [state, n] : snapshot->actorCounts) totalActors += n;
 
   if (flags.json) {
     nlohmann::json out = {{"cluster", {{"address", target->controller.toString()},
@@ -118,6 +132,8 @@ int statusCommand(const StatusFlags& flags) {
                                        {"dashboard", dashboardUrl(target->runDir)}}},
                           {"nodes", nlohmann::json::array()},
                           {"actors", nlohmann::json::array()},
+                          {"actors_matching", snapshot->actorsMatching},
+                          {"actor_counts", snapshot->actorCounts},
                           {"placement_groups", nlohmann::json::array()},
                           {"groups", nlohmann::json::array()}};
     for (const auto& n : *nodes) out["nodes"].push_back(toJson(n));
@@ -146,10 +162,17 @@ int statusCommand(const StatusFlags& flags) {
                              n.pid, nodeStateName(n.state), ago(n.lastHeartbeatMs), res);
     if (n.state == NodeState::kDead) std::cout << "    died: " << n.deathReason << "\n";
   }
+  std::string counts;
+  for (const auto& [state, n] : snapshot->actorCounts) counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", n, state);
   if (snapshot->actors.empty()) {
-    std::cout << "Actors: none\n";
+    std::cout << (totalActors == 0 ? std::string("Actors: none\n")
+                                   : fmt::format("Actors: none shown of {} ({})\n", totalActors, counts));
   } else {
-    std::cout << fmt::format("\nActors ({})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", snapshot->actors.size(), "ACTOR",
+    std::string shown = snapshot->actors.size() == totalActors
+                            ? fmt::format("{}", totalActors)
+                            : fmt::format("{} shown of {} matching, from {}; --limit 0 shows all",
+                                          snapshot->actors.size(), snapshot->actorsMatching, totalActors);
+    std::cout << fmt::format("\nActors ({}: {})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", shown, counts, "ACTOR",
                              "TYPE", "NAME", "NODE", "PID", "STATE", "RESTARTS", "REASON");
     for (const auto& a : snapshot->actors) {
       std::cout << fmt::format("{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), a.type,

@@ -44,6 +44,11 @@ int main(int argc, char** argv) {
   statusCmd->add_option("--address", status.address, "Controller HOST:PORT (default: this machine's cluster)");
   statusCmd->add_option("--token", status.token, "Cluster token")->envname("TROUPE_TOKEN");
   statusCmd->add_flag("--json", status.json, "Print one JSON object");
+  statusCmd->add_option("--limit", status.limit, "Actors to show, oldest first (0: all)")->capture_default_str();
+  statusCmd->add_option("--offset", status.offset, "Actors to skip before the first shown");
+  statusCmd->add_option("--state", status.state, "Only actors in this state")
+      ->check(CLI::IsMember({"PENDING", "ALIVE", "RESTARTING", "DEAD"}, CLI::ignore_case));
+  statusCmd->add_option("--node", status.node, "Only actors on nodes whose id starts with this");
 
   auto* stopCmd = app.add_subcommand("stop", "Stop every Troupe process this machine started");
   std::string logsActor, logsAddress, logsToken;

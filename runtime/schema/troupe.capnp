@@ -106,9 +106,14 @@ interface Controller {
   # Records the node as ALIVE (again, if it registers twice) and says where to heartbeat.
   registerNode @1 (node :NodeInfo) -> (redis :RedisEndpoint);
   # Everything `troupe status` shows, read from Redis at the time of the call. Without actors
-  # when `actors` is false: listing nodes costs nothing per actor.
-  status @2 (actors :Bool = true) -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo),
-                   groups :List(ElasticGroupInfo));
+  # when `actors` is false: listing nodes costs nothing per actor. With an actorLimit, actors is
+  # one page of the actors that pass the filters (state name, node id prefix), and only that
+  # page's records are read whole; actorsMatching and actorCounts (every actor by state) come
+  # either way.
+  status @2 (actors :Bool = true, actorLimit :UInt32 = 0, actorOffset :UInt32 = 0, actorState :Text,
+             actorNode :Text)
+      -> (nodes :List(NodeInfo), actors :List(ActorInfo), placementGroups :List(PlacementGroupInfo),
+          groups :List(ElasticGroupInfo), actorsMatching :UInt64, actorCounts :List(StateCount));
 
   # Actors. The caller picks the id, which makes creation idempotent: a retry returns the
   # same actor. Infeasible demands are an error; busy clusters leave the actor PENDING.
@@ -174,6 +179,11 @@ interface NodeAgent {
   # The counters of this node's running workers (troupe/runtime/metrics.h), each labelled with
   # its node, actor and class, read live for the head's /metrics.
   metrics @4 () -> (samples :List(MetricSample));
+}
+
+struct StateCount {
+  state @0 :Text;
+  count @1 :UInt64;
 }
 
 struct MetricSample {

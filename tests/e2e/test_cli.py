@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from troupe_testing import BUILD, eventually, free_port, processes_under, start_redis
+from troupe_testing import BUILD, eventually, free_port, processes_under, run_driver, start_redis
 
 
 def node_states(t):
@@ -48,6 +48,39 @@ def test_head_join_status_death_and_stop(troupe):
     # The cluster is gone: status says so in one line, quickly.
     p = troupe.run("status", check=False)
     assert p.returncode != 0 and "no running Troupe cluster" in p.stderr and p.seconds < 5
+
+
+def test_status_pages_and_filters_actors_in_the_store(troupe):
+    troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "2", "--resources", "slot=1")
+    code = """
+import troupe
+troupe.init("auto", log_to_driver=False)
+@troupe.remote(resources={"slot": 1})
+class Holder:
+    def ping(self):
+        return 1
+first = Holder.options(lifetime="detached").remote()
+troupe.get(first.ping.remote())  # it holds the slot: the others stay PENDING
+rest = [Holder.options(lifetime="detached").remote() for _ in range(4)]
+print(" ".join(h._id for h in [first] + rest))
+"""
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0, p.stderr
+    ids = p.stdout.split()
+    everything = troupe.status()
+    assert everything["actor_counts"] == {"ALIVE": 1, "PENDING": 4} and everything["actors_matching"] == 5
+    assert [a["id"] for a in everything["actors"]] == ids  # oldest first
+    page = troupe.status("--limit", "2", "--offset", "1")
+    assert [a["id"] for a in page["actors"]] == ids[1:3] and page["actors_matching"] == 5
+    pending = troupe.status("--state", "pending", "--offset", "1", "--limit", "10")
+    assert [a["id"] for a in pending["actors"]] == ids[2:] and pending["actors_matching"] == 4
+    head = everything["nodes"][0]["id"]
+    on_head = troupe.status("--node", head[:6])
+    assert [a["id"] for a in on_head["actors"]] == ids[:1] and on_head["actor_counts"]["PENDING"] == 4
+    text = troupe.run("status", "--limit", "2").stdout
+    assert "Actors (2 shown of 5 matching, from 5; --limit 0 shows all: 1 ALIVE, 4 PENDING)" in text, text
+    bad = troupe.run("status", "--state", "SLEEPING", check=False)
+    assert bad.returncode != 0 and "--state" in bad.stderr
 
 
 def test_controller_kill9_and_restart_keeps_the_nodes(troupe):

@@ -78,6 +78,19 @@ struct ActorRecord {
   int64_t updatedMs = 0;
 };
 
+// A page of the status list: `limit` actors from `offset` among those that pass the filters.
+struct ActorQuery {
+  std::optional<ActorState> state;  // only actors in this state
+  std::string nodePrefix;           // only actors whose node id starts with this
+  uint64_t offset = 0;
+  uint64_t limit = 100;
+};
+struct ActorPage {
+  std::vector<ActorRecord> actors;               // without initArgs, as listActors
+  uint64_t matching = 0;                         // actors that pass the filters
+  std::map<ActorState, uint64_t> countsByState;  // every listed actor, filters aside
+};
+
 enum class PlacementStrategy { kPack, kSpread, kStrictPack, kStrictSpread };
 const char* placementStrategyName(PlacementStrategy strategy);  // "PACK", ..., "STRICT_SPREAD"
 Result<PlacementStrategy> parsePlacementStrategy(const std::string& name);
@@ -202,6 +215,9 @@ class ClusterStore {
   // RedisOptions::keepDeadActors), sorted by creation time: what status shows. Without their
   // initArgs (the bulk of a record, which status never shows).
   virtual Result<std::vector<ActorRecord>> listActors() = 0;
+  // One page of listActors() after filters, and the counts by state of the whole list: what a
+  // status with a limit shows. Reads each record's state (and node) but only the page's whole.
+  virtual Result<ActorPage> listActorsPage(const ActorQuery& query) = 0;
   // Only the actors not DEAD, sorted by creation time: what the controller scans, so its cost
   // follows what is alive, not the cluster's history.
   virtual Result<std::vector<ActorRecord>> listLiveActors() = 0;
