@@ -170,8 +170,9 @@ int statusCommand(const StatusFlags& flags) {
   } else {
     std::string shown = snapshot->actors.size() == totalActors
                             ? fmt::format("{}", totalActors)
-                            : fmt::format("{} shown of {} matching, from {}; --limit 0 shows all",
-                                          snapshot->actors.size(), snapshot->actorsMatching, totalActors);
+                            : fmt::format("{} shown of {} matching, from {}{}", snapshot->actors.size(),
+                                          snapshot->actorsMatching, totalActors,
+                                          snapshot->actors.size() < snapshot->actorsMatching ? "; --limit 0 shows all" : "");
     std::cout << fmt::format("\nActors ({}: {})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", shown, counts, "ACTOR",
                              "TYPE", "NAME", "NODE", "PID", "STATE", "RESTARTS", "REASON");
     for (const auto& a : snapshot->actors) {

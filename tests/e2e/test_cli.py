@@ -79,6 +79,8 @@ print(" ".join(h._id for h in [first] + rest))
     assert [a["id"] for a in on_head["actors"]] == ids[:1] and on_head["actor_counts"]["PENDING"] == 4
     text = troupe.run("status", "--limit", "2").stdout
     assert "Actors (2 shown of 5 matching, from 5; --limit 0 shows all: 1 ALIVE, 4 PENDING)" in text, text
+    text = troupe.run("status", "--state", "PENDING").stdout
+    assert "Actors (4 shown of 4 matching, from 5: 1 ALIVE, 4 PENDING)" in text, text
     bad = troupe.run("status", "--state", "SLEEPING", check=False)
     assert bad.returncode != 0 and "--state" in bad.stderr
 
