@@ -3,7 +3,8 @@
 `troupe start --head` runs `python3 -m troupe.dashboard --run-dir DIR` as one of the head's
 supervised daemons (restarted if it dies). It connects to the controller like a driver, reads the
 cluster's state with one status call (refreshed in the background when over 0.5 s old, so many
-browsers cost the controller no more than one, and no page waits for it), and serves on 127.0.0.1 (port 8265, or a free one if that is taken):
+browsers cost the controller no more than one, and no page waits for it), and serves on
+127.0.0.1 (port 8265, or a free one if that is taken):
 
   /                      the page (plain HTML/JS/SVG, every asset served here; no internet)
   /app.js                its script
@@ -13,7 +14,8 @@ browsers cost the controller no more than one, and no page waits for it), and se
   /api/groups            training groups: step, loss curve, samples/s, world size, the step time
                          split per rank, stragglers, recoveries, events, the tuner's decisions
   /api/logs?actor=ID     the tail of an actor's stdout and stderr, from its node's agent
-  /metrics               Prometheus text format (troupe_* metrics; Ray's meaning where it has one)
+  /metrics               Prometheus text format (troupe_* metrics; Ray's meaning where it has one),
+                         with every worker's counters read live from its node's agent
 
 It writes its URL to DIR/dashboard.url (0600) once it listens: `troupe status` shows it. It
 listens on loopback only, whatever the node's address: the pages show the cluster's state and
