@@ -1,6 +1,9 @@
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -33,6 +36,24 @@ static void removeRecordedSegments(const std::string& runDir) {
     }
     fs::remove(entry.path(), ec);
   }
+}
+
+// Daemons of this run that no pid file names, e.g. a controller the head's supervisor started
+// in the same moment as `troupe restart-controller` started another: every process of ours
+// whose argv holds `--run-dir <runDir>`.
+static std::vector<pid_t> unrecordedDaemons(const std::string& runDir) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  const std::string arg = "--run-dir " + runDir + " ";
+  for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), [](unsigned char c) { return std::isdigit(c); })) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    struct stat st {};
+    if (pid == ::getpid() || ::stat(entry.path().c_str(), &st) != 0 || st.st_uid != ::geteuid()) continue;
+    if ((processCommandLine(pid) + " ").find(arg) != std::string::npos) out.push_back(pid);
+  }
+  return out;
 }
 
 int stopRunDir(const std::string& runDir, bool verbose) {
@@ -79,6 +100,17 @@ int stopRunDir(const std::string& runDir, bool verbose) {
       if (verbose) std::cout << "Stopped " << d.name << " (pid " << d.pid << ")" << std::endl;
       ++stopped;
     }
+  }
+  for (pid_t pid : unrecordedDaemons(runDir)) {
+    std::string what = processCommandLine(pid).substr(0, processCommandLine(pid).find(' '));
+    ::kill(pid, SIGTERM);
+    auto gone = waitReady(what, 0, "", std::chrono::seconds(5), [&]() { return !processAlive(pid); });
+    if (!gone.isOk()) {
+      ::kill(pid, SIGKILL);
+      (void)waitReady(what, 0, "", std::chrono::seconds(5), [&]() { return !processAlive(pid); });
+    }
+    if (verbose) std::cout << "Stopped " << what << " (pid " << pid << "), which no pid file named" << std::endl;
+    ++stopped;
   }
   // The token dies with the cluster; logs stay for post-mortems.
   if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);

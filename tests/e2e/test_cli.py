@@ -85,6 +85,21 @@ print(" ".join(h._id for h in [first] + rest))
     assert bad.returncode != 0 and "--state" in bad.stderr
 
 
+def test_stop_also_ends_a_daemon_no_pid_file_names(troupe):
+    troupe.run("start", "--head", "--port", str(free_port()))
+    run_dir = str(troupe.run_dir())
+    # As a controller the supervisor started in the same moment as restart-controller did.
+    stray = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(120)", "--run-dir", run_dir],
+                             start_new_session=True)
+    try:
+        out = troupe.run("stop").stdout
+        assert f"(pid {stray.pid}), which no pid file named" in out, out
+        assert stray.wait(timeout=10) is not None
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+
+
 def test_controller_kill9_and_restart_keeps_the_nodes(troupe):
     port = free_port()
     troupe.run("start", "--head", "--port", str(port))
