@@ -143,14 +143,14 @@ Result<std::vector<Sample>> read(const std::string& path) {
   if (got != static_cast<ssize_t>(kFileBytes)) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{}: {} bytes, not a counter file of {}", path, got, kFileBytes));
   }
-  Header header;
-  std::memcpy(header.magic, bytes.data(), sizeof(header.magic));
-  std::memcpy(&header.slotBytes, bytes.data() + offsetof(Header, slotBytes), sizeof(uint32_t));
-  std::memcpy(&header.slots, bytes.data() + offsetof(Header, slots), sizeof(uint32_t));
-  uint32_t used = 0;
-  std::memcpy(&used, bytes.data() + offsetof(Header, used), sizeof(uint32_t));
-  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0 || header.slotBytes != sizeof(Slot) ||
-      header.slots != kSlots || used > kSlots) {
+  auto word = [&bytes](size_t offset) {
+    uint32_t v = 0;
+    std::memcpy(&v, bytes.data() + offset, sizeof(v));
+    return v;
+  };
+  const uint32_t used = word(offsetof(Header, used));
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0 || word(offsetof(Header, slotBytes)) != sizeof(Slot) ||
+      word(offsetof(Header, slots)) != kSlots || used > kSlots) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{}: not a counter file (bad header)", path));
   }
   std::vector<Sample> out;
