@@ -13,6 +13,7 @@
 #include <cstring>
 #include <condition_variable>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -59,6 +60,8 @@ Result<TrainerEngineOptions> engineOptions(const Json& e) {
   o.global_batch = e.value("global_batch", o.global_batch);
   o.max_micro_batch = e.value("max_micro_batch", o.max_micro_batch);
   o.tinylm.context = e.value("context", o.tinylm.context);
+  o.zero = e.value("zero", o.zero);
+  o.wsam_base = e.value("wsam_base", o.wsam_base);
   if (e.contains("mlp_sizes")) o.mlp_sizes = e["mlp_sizes"].get<std::vector<int64_t>>();
   return o;
 }
@@ -132,6 +135,7 @@ class Trainer final : public Actor {
         snapshotEvery_(spec.value("snapshot_every", 1)),
         persistEvery_(spec.value("persist_every", 0)),
         slotRank_(spec.value("bundle", 0)),
+        minWorld_(std::max(1, spec.value("min_workers", 1))),
         killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
         slowMs_(spec.value("fault_slow_ms", int64_t{0})),
         hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
@@ -172,7 +176,8 @@ class Trainer final : public Actor {
       // from a live rank over the new communicator; every rank takes part.
       int root = j.value("broadcast_from", -1);
       if (!j.value("from_broadcast", false)) {
-        auto restored = restore(j.value("step", int64_t{0}), j.value("from_bundle", -1));
+        auto restored = restore(j.value("step", int64_t{0}), j.value("from_bundle", -1),
+                                j.value("from_bundles", std::vector<int>{}));
         if (root < 0 || !restored.isOk()) return restored;
       }
       TROUPE_RETURN_IF_ERROR(broadcastState(root));
@@ -312,7 +317,54 @@ class Trainer final : public Actor {
     return Status(StatusCode::kDeadlineExceeded, fmt::format("staging step {} for bundle {} took over 60 s", step, bundle));
   }
 
-  Result<std::string> restore(int64_t step, int fromBundle) {
+  // The tensors of `bundle`'s complete snapshot of `step`: from this node's memory, else staged
+  // by the node's checkpoint actor over the network from a peer's memory or replica, or from
+  // disk (the trainer moved here with its node lost, or joined a grow on a host where no member
+  // runs). `source` says which.
+  Result<std::vector<HostTensor>> readSnapshot(int64_t step, int bundle, std::string& source) {
+    auto o = segmentOptions(bundle);
+    if (!o.isOk()) return o.status();
+    std::optional<checkpoint::FlashSegment> existing;
+    const checkpoint::FlashSegment* seg = readableSegment(*o, bundle, existing);
+    auto slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
+    source = "memory";
+    if (!slot) {
+      if (bundle == slotRank_) {  // the checkpoint actor stages into this trainer's own segment
+        segment_.reset();
+        layout_.reset();
+      }
+      TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step, bundle));
+      source = "staged by the checkpoint actor";
+      seg = readableSegment(*o, bundle, existing);
+      slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
+    }
+    if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, bundle));
+    // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
+    auto header = seg->verify(*slot);
+    if (!header.isOk()) return header.status();
+    std::vector<HostTensor> state;
+    for (const auto& spec : header->layout.tensors()) {
+      HostTensor t;
+      t.name = spec.name;
+      t.dtype = spec.dtype;
+      t.shape = spec.shape;
+      t.bytes.resize(spec.bytes);
+      state.push_back(std::move(t));
+    }
+    std::vector<checkpoint::MutableBuffer> targets;
+    for (auto& t : state) targets.push_back({t.bytes.data(), t.bytes.size()});
+    auto restored = seg->restoreInto(*slot, targets);
+    if (!restored.isOk()) return restored.status();
+    return state;
+  }
+
+  // Restores `step`: from the seed (0), this bundle's snapshot, `fromBundle`'s (a new member
+  // copying one on its node), or, under ZeRO after the world changed, the snapshots of the old
+  // world's bundles `fromBundles` (in old rank order) whose shards overlap this rank's new one.
+  // A re-sharded state is snapshotted in the new layout at the next pin (called once every rank
+  // has restored: before, a peer may still be reading this bundle's old snapshot of `step`), so
+  // that this bundle's snapshot of `step` holds the pieces its rank now owns.
+  Result<std::string> restore(int64_t step, int fromBundle, const std::vector<int>& fromBundles) {
     std::string source;
     if (step == 0) {
       auto fresh = TrainerEngine::create(options_);
@@ -321,46 +373,26 @@ class Trainer final : public Actor {
       engine_ = std::move(*fresh);
       TROUPE_RETURN_IF_ERROR(engine_->join(comm));
       source = "seed";
-    } else {
-      int bundle = fromBundle >= 0 ? fromBundle : slotRank_;
-      auto o = segmentOptions(bundle);
-      if (!o.isOk()) return o.status();
-      std::optional<checkpoint::FlashSegment> existing;
-      const checkpoint::FlashSegment* seg = readableSegment(*o, bundle, existing);
-      auto slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
-      if (!slot) {
-        // Not in this node's memory (the trainer moved here with its node lost, or joined a
-        // grow on a host where no member runs): the node's checkpoint actor stages it over the
-        // network from a peer's memory or replica, or from disk.
-        if (fromBundle < 0) {
-          segment_.reset();
-          layout_.reset();
-        }
-        TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step, bundle));
-        source = "staged by the checkpoint actor: ";
-        seg = readableSegment(*o, bundle, existing);
-        slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
-      }
-      if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, bundle));
-      const checkpoint::FlashSegment& s = *seg;
-      // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
-      auto header = s.verify(*slot);
-      if (!header.isOk()) return header.status();
+    } else if (!fromBundles.empty()) {
       std::vector<HostTensor> state;
-      for (const auto& spec : header->layout.tensors()) {
-        HostTensor t;
-        t.name = spec.name;
-        t.dtype = spec.dtype;
-        t.shape = spec.shape;
-        t.bytes.resize(spec.bytes);
-        state.push_back(std::move(t));
+      std::vector<int> read;
+      for (int r : engine_->shardSources(static_cast<int>(fromBundles.size()))) {
+        std::string from;
+        auto part = readSnapshot(step, fromBundles[static_cast<size_t>(r)], from);
+        if (!part.isOk()) return part.status();
+        std::move(part->begin(), part->end(), std::back_inserter(state));
+        read.push_back(fromBundles[static_cast<size_t>(r)]);
       }
-      std::vector<checkpoint::MutableBuffer> targets;
-      for (auto& t : state) targets.push_back({t.bytes.data(), t.bytes.size()});
-      auto restored = s.restoreInto(*slot, targets);
-      if (!restored.isOk()) return restored.status();
       TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
-      source += fromBundle >= 0 ? fmt::format("snapshot of bundle {}", fromBundle) : "memory";
+      layout_.reset();
+      resnapshot_ = true;
+      source = fmt::format("re-sharded from the snapshots of bundle(s) {}", fmt::join(read, ", "));
+    } else {
+      const int bundle = fromBundle >= 0 ? fromBundle : slotRank_;
+      auto state = readSnapshot(step, bundle, source);
+      if (!state.isOk()) return state.status();
+      TROUPE_RETURN_IF_ERROR(engine_->loadState(*state));
+      if (fromBundle >= 0) source = fmt::format("snapshot of bundle {} ({})", fromBundle, source);
     }
     return Json{{"step", engine_->stepCount()}, {"source", source},
                 {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
@@ -438,10 +470,15 @@ class Trainer final : public Actor {
       if (!layout.isOk()) return layout.status();
       layout_.emplace(std::move(*layout));
     }
+    // A re-sharded state may need bigger slots (re-creating the segment drops its snapshots).
+    if (segment_ && segment_->slotCapacity() < layout_->imageBytes()) segment_.reset();
     if (!segment_) {
       auto o = segmentOptions();
       if (!o.isOk()) return o.status();
-      auto seg = checkpoint::FlashSegment::openForWrite(*o, layout_->imageBytes());
+      // Under ZeRO a rank's share grows as the world shrinks: room for the smallest world.
+      uint64_t room = layout_->imageBytes();
+      if (options_.zero > 0 && minWorld_ < world_) room = room / static_cast<uint64_t>(minWorld_) * static_cast<uint64_t>(world_);
+      auto seg = checkpoint::FlashSegment::openForWrite(*o, room);
       if (!seg.isOk()) return seg.status();
       segment_.emplace(std::move(*seg));
     }
@@ -559,6 +596,10 @@ class Trainer final : public Actor {
   // Returns the step pinned, or null when there is no snapshot.
   Result<Json> pin() {
     if (snapshotEvery_ <= 0) return Json(nullptr);
+    if (resnapshot_) {
+      TROUPE_RETURN_IF_ERROR(snapshot());
+      resnapshot_ = false;
+    }
     auto o = segmentOptions();
     if (!o.isOk()) return o.status();
     std::optional<checkpoint::FlashSegment> opened;
@@ -594,11 +635,12 @@ class Trainer final : public Actor {
   int64_t snapshotEvery_;
   int64_t persistEvery_;  // tell the checkpoint actor (persist, replicate) every n snapshots' steps
   int slotRank_;
-  int64_t killAtStep_;
+  int minWorld_;  // the smallest world the group may shrink to (ZeRO sizes its snapshots' room)
+  int64_t killAtStep_;  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   int64_t slowMs_;  // tests: every step's compute is this much longer (a straggler)
   int64_t hangAtStep_;  // tests: the step at which this rank hangs
   int prefetch_ = 2;                                             // batches asked for ahead
-  std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only  // tests: SIGKILL itself in the middle of this step (first incarnation only)
+  std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only
   TrainerEngineOptions options_;
   // Compute thread only:
   std::unique_ptr<TrainerEngine> engine_;
@@ -609,6 +651,7 @@ class Trainer final : public Actor {
   checkpoint::SegmentOptions ownSegment_;  // this bundle's segment; empty until asked for
   std::optional<checkpoint::ImageLayout> layout_;
   std::optional<checkpoint::FlashSegment> segment_;
+  bool resnapshot_ = false;  // ZeRO: the state was re-sharded; snapshot it at the next pin
   // The job queue (RPC thread -> compute thread):
   std::mutex mutex_;
   std::condition_variable wake_;

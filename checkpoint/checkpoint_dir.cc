@@ -206,6 +206,11 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
   if (auto existing = RankFile::open(final); existing.isOk() && existing->header().headerCrc == request.headerCrc &&
                                              existing->header().layout.imageBytes() == request.imageBytes) {
     outcome.alreadyPresent = true;
+  } else if (std::error_code ec; fs::exists(fs::path(stepDir) / kManifest, ec)) {
+    // A complete step is never rewritten: a snapshot saved again at a persisted step (a ZeRO
+    // group's re-sharded state: the same values in another layout) would make one of its files
+    // disagree with its manifest.
+    outcome.alreadyPresent = true;
   } else {
     std::string temp = tempPathFor(final);
     UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, options_.fileMode));

@@ -13,7 +13,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -121,8 +124,17 @@ struct StateField {
   int64_t* counter = nullptr;    // a step count
 };
 
+// A collective failed inside the sharded optimizer step (ZeRO): unwinds to step().
+struct CollectiveFailure {
+  Status status;
+};
+
 class UpdateRule {
  public:
+  // ZeRO: turns the per-piece partial norms of LAMB and LARS into whole-tensor norms (a sum
+  // across the group); unset when every rank holds whole tensors.
+  std::function<void(std::vector<optimizers::SquaredNorms>&)> whole_norms;
+
   virtual ~UpdateRule() = default;
   // One update of `params` from `grads` (called under a NoGradGuard).
   virtual void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) = 0;
@@ -183,7 +195,8 @@ class LambRule final : public UpdateRule {
   void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
     auto states = pointersTo(states_);
     // Whole tensors on every rank: the partial norms are the whole norms (no reducer).
-    const auto norms = optimizers::lambMoments(p, g, states, o_, threads_);
+    auto norms = optimizers::lambMoments(p, g, states, o_, threads_);
+    if (whole_norms) whole_norms(norms);
     optimizers::lambApply(p, states, o_, norms, threads_);
   }
   std::vector<StateField> fields(size_t i) override {
@@ -202,7 +215,8 @@ class LarsRule final : public UpdateRule {
  public:
   LarsRule(size_t n, optimizers::LarsOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
   void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
-    const auto norms = optimizers::larsNorms(p, g, threads_);
+    auto norms = optimizers::larsNorms(p, g, threads_);
+    if (whole_norms) whole_norms(norms);
     optimizers::larsApply(p, g, pointersTo(states_), o_, norms, threads_);
   }
   std::vector<StateField> fields(size_t i) override {
@@ -304,10 +318,29 @@ class TrainerEngine::Impl {
   struct Bucket {
     at::Tensor flat;             // float32; the gradients of `params` are views into it
     std::vector<size_t> params;
+    std::vector<int64_t> offsets;  // where each of `params` starts in the bucket (elements)
+    int64_t numel = 0;
     size_t pending = 0;          // gradients of the current pass not yet final
     std::shared_ptr<collectives::Work> work;
     uint64_t bytes = 0;
     int64_t launched_us = 0;  // timeline
+    // ZeRO: the parameters of `params` are views into param_flat; this rank owns `shard` of the
+    // bucket and its reduced gradient is shard_grad (ZeRO-1: a view into flat; ZeRO-2: a copy
+    // taken when the reduction is done, after which flat is freed).
+    at::Tensor param_flat;
+    collectives::Shard shard;
+    at::Tensor shard_grad;
+    bool harvested = false;
+  };
+
+  // ZeRO: one piece of this rank's shard: elements [lo, hi) of parameter `param` (flattened),
+  // at `at` in its bucket.
+  struct Piece {
+    size_t param = 0;
+    size_t bucket = 0;
+    int64_t lo = 0;
+    int64_t hi = 0;
+    int64_t at = 0;
   };
 
   // What one forward/backward pass over this rank's rows produced.
@@ -331,6 +364,9 @@ class TrainerEngine::Impl {
       return invalid(fmt::format("global_batch, max_micro_batch, threads and bucket_bytes must be >= 1; "
                                  "got {}, {}, {}, {}",
                                  o.global_batch, o.max_micro_batch, o.threads, o.bucket_bytes));
+    }
+    if (o.zero < 0 || o.zero > 2) {
+      return invalid(fmt::format("zero must be 0 (data parallel), 1 or 2, got {}", o.zero));
     }
     if (o.loss != "cross_entropy" && o.loss != "mse") {
       return invalid(fmt::format("unknown loss '{}': use cross_entropy or mse", o.loss));
@@ -358,14 +394,120 @@ class TrainerEngine::Impl {
       } catch (const c10::Error& e) {
         return invalid(fmt::format("optimizer wsam: {}", e.what_without_backtrace()));
       }
-      wsam_states.resize(params.size());
       for (const auto& p : params) wsam_saved.push_back(at::empty_like(p));
     }
-    auto r = makeRule(wsam ? o.wsam_base : o.optimizer, o, params.size());
+    buildBuckets();
+    return layout();
+  }
+
+  bool sharded() const { return options.zero > 0; }
+
+  // The optimizer over this rank's part: whole parameters (data parallel), or the pieces of
+  // this rank's shard of every bucket (ZeRO). A new layout starts with fresh optimizer state.
+  Status layout() {
+    size_t n = params.size();
+    if (sharded()) {
+      pieces.clear();
+      piece_params.clear();
+      piece_grads.clear();
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        Bucket& bucket = buckets[b];
+        bucket.shard = collectives::shardOf(static_cast<size_t>(bucket.numel), world, rank);
+        const auto begin = static_cast<int64_t>(bucket.shard.begin);
+        const auto end = static_cast<int64_t>(bucket.shard.end);
+        if (options.zero == 1) {
+          bucket.shard_grad = bucket.flat.narrow(0, begin, end - begin);
+        } else {
+          bucket.shard_grad = at::zeros({end - begin}, at::kFloat);
+        }
+        for (size_t j = 0; j < bucket.params.size(); ++j) {
+          const int64_t first = bucket.offsets[j];
+          const int64_t last = first + params[bucket.params[j]].numel();
+          const int64_t lo = std::max(first, begin);
+          const int64_t hi = std::min(last, end);
+          if (lo >= hi) continue;
+          pieces.push_back(Piece{bucket.params[j], b, lo - first, hi - first, lo});
+          piece_params.push_back(bucket.param_flat.narrow(0, lo, hi - lo));
+          piece_grads.push_back(bucket.shard_grad.narrow(0, lo - begin, hi - lo));
+        }
+      }
+      n = pieces.size();
+    }
+    if (wsam) wsam_states.assign(n, optimizers::WsamParamState());
+    auto r = makeRule(wsam ? options.wsam_base : options.optimizer, options, n);
     if (!r) return r.status();
     rule = std::move(r).value();
-    buildBuckets();
+    if (sharded()) rule->whole_norms = [this](std::vector<optimizers::SquaredNorms>& norms) { wholeNorms(norms); };
     return Status::ok();
+  }
+
+  // The optimizer's tensors: whole parameters, or this rank's pieces.
+  const std::vector<at::Tensor>& updateParams() const { return sharded() ? piece_params : params; }
+  const std::vector<at::Tensor>& updateGrads() const { return sharded() ? piece_grads : grads; }
+
+  // Whole-tensor squared norms from the pieces' partial ones: summed per parameter, then
+  // across the group.
+  void wholeNorms(std::vector<optimizers::SquaredNorms>& norms) {
+    std::vector<double> sums(2 * params.size(), 0.0);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      sums[2 * pieces[i].param] += norms[i].param;
+      sums[2 * pieces[i].param + 1] += norms[i].update;
+    }
+    if (distributed()) {
+      Status s = comm->allreduce(sums.data(), sums.size(), collectives::DataType::kFloat64,
+                                 collectives::ReduceOp::kSum);
+      if (!s.isOk()) throw CollectiveFailure{s};
+    }
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      norms[i].param = sums[2 * pieces[i].param];
+      norms[i].update = sums[2 * pieces[i].param + 1];
+    }
+  }
+
+  // ZeRO: every rank's updated shard of the parameters to every rank.
+  Status gatherParams(uint64_t& bytes) {
+    if (!distributed()) return Status::ok();
+    const int64_t start_us = wallUs();
+    setActivity("allgather wait");
+    std::vector<std::shared_ptr<collectives::Work>> works;
+    for (auto& b : buckets) {
+      float* flat = b.param_flat.data_ptr<float>();
+      works.push_back(comm->allgatherAsync(flat + b.shard.begin, flat, static_cast<size_t>(b.numel),
+                                           collectives::DataType::kFloat32));
+      bytes += b.bytes;
+    }
+    Status first;
+    for (auto& w : works) {
+      Status st = w->wait();
+      if (!st.isOk() && first.isOk()) first = st;
+    }
+    span("allgather", start_us);
+    return first;
+  }
+
+  // ZeRO: the shard's reduced gradient, once bucket `index`'s reduction is done; ZeRO-2 then
+  // frees the bucket's whole gradient (it is allocated again at the next pass).
+  void harvest(size_t index) {
+    Bucket& b = buckets[index];
+    if (b.harvested) return;
+    b.harvested = true;
+    if (options.zero != 2) return;
+    b.shard_grad.copy_(b.flat.narrow(0, static_cast<int64_t>(b.shard.begin), static_cast<int64_t>(b.shard.size())));
+    for (size_t k : b.params) {
+      grads[k] = at::Tensor();
+      params[k].mutable_grad() = at::Tensor();
+    }
+    b.flat = at::Tensor();
+  }
+
+  // ZeRO-2: a bucket's whole gradient exists only while a pass needs it.
+  void allocateGradients(Bucket& b) {
+    b.flat = at::zeros({b.numel}, at::kFloat);
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const size_t k = b.params[j];
+      grads[k] = b.flat.narrow(0, b.offsets[j], params[k].numel()).view(params[k].sizes());
+      params[k].mutable_grad() = grads[k];
+    }
   }
 
   // Buckets in reverse parameter order (roughly the order backward finishes gradients), each up
@@ -388,12 +530,21 @@ class TrainerEngine::Impl {
       Bucket bucket;
       int64_t total = 0;
       for (size_t k : members) total += params[k].numel();
+      bucket.numel = total;
       bucket.flat = at::zeros({total}, at::kFloat);
       bucket.bytes = static_cast<uint64_t>(total) * 4;
+      // ZeRO all-gathers each bucket's parameters in one operation: they move into one buffer.
+      if (sharded()) bucket.param_flat = at::empty({total}, at::kFloat);
       int64_t offset = 0;
       for (size_t k : members) {
         grads[k] = bucket.flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
         params[k].mutable_grad() = grads[k];
+        if (sharded()) {
+          at::Tensor place = bucket.param_flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
+          place.copy_(params[k].detach());
+          params[k].set_data(place);
+        }
+        bucket.offsets.push_back(offset);
         offset += params[k].numel();
         bucket_of[k] = buckets.size();
       }
@@ -420,11 +571,24 @@ class TrainerEngine::Impl {
     Bucket& bucket = buckets[bucket_of[param]];
     if (bucket.pending > 0) --bucket.pending;
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
+    if (options.zero == 2) {
+      for (size_t i = 0; i < next_bucket; ++i) {
+        if (!buckets[i].harvested && buckets[i].work && buckets[i].work->done() && buckets[i].work->wait().isOk()) {
+          harvest(i);
+        }
+      }
+    }
   }
 
   void launch(size_t index) {
     Bucket& b = buckets[index];
     b.launched_us = wallUs();
+    if (sharded()) {
+      float* flat = b.flat.data_ptr<float>();
+      b.work = comm->reduceScatterAsync(flat, flat + b.shard.begin, static_cast<size_t>(b.numel),
+                                        collectives::DataType::kFloat32, collectives::ReduceOp::kSum);
+      return;
+    }
     b.work = comm->allreduceAsync(b.flat.data_ptr(), b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
                                   collectives::DataType::kFloat32, collectives::ReduceOp::kSum);
   }
@@ -438,7 +602,8 @@ class TrainerEngine::Impl {
       if (!b.work) continue;
       if (!b.work->done()) setActivity("allreduce wait", static_cast<int32_t>(i), b.bytes);
       Status s = b.work->wait();
-      span("allreduce", b.launched_us, static_cast<int32_t>(i), b.bytes, b.work->finishedAtUs());
+      span(sharded() ? "reduce-scatter" : "allreduce", b.launched_us, static_cast<int32_t>(i), b.bytes,
+           b.work->finishedAtUs());
       if (!s.isOk() && first.isOk()) first = s;
     }
     return first;
@@ -510,9 +675,14 @@ class TrainerEngine::Impl {
   Result<Pass> runPass(const at::Tensor& inputs, const at::Tensor& targets) {
     Pass pass;
     for (auto& b : buckets) {
-      b.flat.zero_();
+      if (b.flat.defined()) {
+        b.flat.zero_();
+      } else {
+        allocateGradients(b);  // ZeRO-2
+      }
       b.pending = b.params.size();
       b.work.reset();
+      b.harvested = false;
     }
     next_bucket = 0;
     const int64_t rows = inputs.size(0);
@@ -544,7 +714,10 @@ class TrainerEngine::Impl {
                                  c10_error ? c10_error->what_without_backtrace() : e.what()));
     }
     collecting = false;
-    if (!distributed()) return pass;
+    if (!distributed()) {
+      for (size_t i = 0; i < buckets.size(); ++i) harvest(i);
+      return pass;
+    }
     for (const auto& b : buckets) {
       if (b.work && b.work->done()) pass.bytes_in_backward += b.bytes;
     }
@@ -562,6 +735,7 @@ class TrainerEngine::Impl {
     pass.comm_s = secondsSince(wait_start);
     if (status.isOk()) status = loss_status;
     if (!status.isOk()) return status;
+    for (size_t i = 0; i < buckets.size(); ++i) harvest(i);
     pass.loss_sum = loss;
     for (const auto& b : buckets) pass.bytes += b.bytes;
     pass.bytes += sizeof(double);
@@ -573,6 +747,10 @@ class TrainerEngine::Impl {
     if (comm) {
       Status health = comm->health();
       if (!health.isOk()) return health;
+    }
+    if (!torn.empty()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("a sharded step failed half way ({}): load a state before training on", torn));
     }
     const RankSlice mine = rankSlice(options.global_batch, world, rank);
     TROUPE_RETURN_IF_ERROR(checkBatch(batch, mine.size()));
@@ -602,13 +780,25 @@ class TrainerEngine::Impl {
         metrics.bytes_allreduced += second->bytes;
         metrics.bytes_reduced_in_backward += second->bytes_in_backward;
       } else {
-        rule->step(params, grads);
+        rule->step(updateParams(), updateGrads());
       }
     } catch (const c10::Error& e) {
       return Status(StatusCode::kInternal,
                     fmt::format("optimizer {} step failed: {}", options.optimizer, e.what_without_backtrace()));
+    } catch (const CollectiveFailure& failure) {
+      torn = failure.status.message();
+      return failure.status;
     }
     span("optimizer", optimizer_us);
+    if (sharded()) {
+      const auto gather_start = Clock::now();
+      Status gathered = gatherParams(metrics.bytes_allreduced);
+      metrics.comm_s += secondsSince(gather_start);
+      if (!gathered.isOk()) {
+        torn = gathered.message();
+        return gathered;
+      }
+    }
     ++steps;
     setActivity("idle");
     metrics.step = steps;
@@ -625,13 +815,30 @@ class TrainerEngine::Impl {
   // all-reduced too; the GradientReducer of the rule is the bucketed all-reduce itself. The
   // parameters are copied before the perturbation so that a failed second pass restores them
   // bit for bit (w + e - e need not equal w).
+  // Under ZeRO each rank perturbs, restores and corrects its pieces; the perturbed parameters
+  // are all-gathered for the second pass, and the norm is summed across the group.
   Result<Pass> wsamStep(const at::Tensor& inputs, const at::Tensor& targets) {
     const int t = options.threads;
     auto states = pointersTo(wsam_states);
+    const auto& p = updateParams();
+    const auto& g = updateGrads();
     for (size_t i = 0; i < params.size(); ++i) wsam_saved[i].copy_(params[i]);
-    const double norm = std::sqrt(optimizers::wsamGradSquaredNorm(params, grads, false, t));
-    optimizers::wsamPerturb(params, grads, states, false, options.wsam_rho / (norm + 1e-12), t);
-    optimizers::wsamSaveGrad(params, grads, states, t);
+    double squared = optimizers::wsamGradSquaredNorm(p, g, false, t);
+    if (sharded() && distributed()) {
+      Status s = comm->allreduce(&squared, 1, collectives::DataType::kFloat64, collectives::ReduceOp::kSum);
+      if (!s.isOk()) return s;
+    }
+    const double norm = std::sqrt(squared);
+    optimizers::wsamPerturb(p, g, states, false, options.wsam_rho / (norm + 1e-12), t);
+    if (sharded()) {
+      uint64_t ignored = 0;
+      Status gathered = gatherParams(ignored);
+      if (!gathered.isOk()) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(wsam_saved[i]);
+        return gathered;
+      }
+    }
+    optimizers::wsamSaveGrad(p, g, states, t);
     Result<Pass> second = [&] {
       torch::AutoGradMode enable(true);
       return runPass(inputs, targets);
@@ -641,9 +848,9 @@ class TrainerEngine::Impl {
       return second.status();
     }
     const double alpha = options.wsam_gamma / (1 - options.wsam_gamma);
-    optimizers::wsamRestore(params, grads, states, true, alpha, t);
-    rule->step(params, grads);
-    optimizers::wsamCorrect(params, states, rule->lr() * alpha, t);
+    optimizers::wsamRestore(p, g, states, true, alpha, t);
+    rule->step(p, g);
+    optimizers::wsamCorrect(p, states, rule->lr() * alpha, t);
     return second;
   }
 
@@ -704,9 +911,9 @@ class TrainerEngine::Impl {
     out.push_back(scalarHost("engine/step", steps));
     for (size_t i = 0; i < params.size(); ++i) out.push_back(toHost("param/" + names[i], params[i]));
     for (const auto& [name, b] : buffers) out.push_back(toHost("buffer/" + name, b));
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i = 0; i < updateParams().size(); ++i) {
       for (const auto& f : rule->fields(i)) {
-        const std::string name = fmt::format("optim/{}/{}", names[i], f.name);
+        const std::string name = optimEntry(i, f.name);
         if (f.counter != nullptr) {
           out.push_back(scalarHost(name, *f.counter));
         } else if (f.tensor->defined()) {
@@ -718,11 +925,29 @@ class TrainerEngine::Impl {
     return out;
   }
 
+  // The state entry of field `field` of update index i (a parameter, or a ZeRO piece).
+  std::string optimEntry(size_t i, const std::string& field) const {
+    if (!sharded()) return fmt::format("optim/{}/{}", names[i], field);
+    const Piece& p = pieces[i];
+    return fmt::format("optim/{}/{}@{}:{}", names[p.param], field, p.lo, p.hi);
+  }
+
+  // One optimizer entry as loadState reads it: elements [lo, hi) of the flattened parameter.
+  struct Part {
+    int64_t lo = 0;
+    int64_t hi = 0;
+    const HostTensor* entry = nullptr;
+  };
+
   Status loadState(const std::vector<HostTensor>& entries) {
     std::map<std::string, const HostTensor*> by_name;
     for (const auto& e : entries) {
       TROUPE_RETURN_IF_ERROR(checkHost(e, "state entry " + e.name));
-      if (!by_name.emplace(e.name, &e).second) return invalid(fmt::format("state entry {} appears twice", e.name));
+      auto [it, added] = by_name.emplace(e.name, &e);
+      // The states of several ranks repeat what every rank holds (parameters, step, rng).
+      if (!added && (it->second->dtype != e.dtype || it->second->shape != e.shape || it->second->bytes != e.bytes)) {
+        return invalid(fmt::format("state entry {} appears twice with different contents", e.name));
+      }
     }
     auto take = [&](const std::string& name) -> const HostTensor* {
       auto it = by_name.find(name);
@@ -755,11 +980,13 @@ class TrainerEngine::Impl {
     const HostTensor* step_entry = take("engine/step");
     if (step_entry == nullptr || !isScalar(*step_entry)) return invalid("state entry engine/step is missing or not an int64 scalar");
     std::vector<const HostTensor*> param_entries, buffer_entries;
+    std::map<std::string, size_t> index_of;
     for (size_t i = 0; i < params.size(); ++i) {
       const HostTensor* e = take("param/" + names[i]);
       if (e == nullptr) return invalid(fmt::format("state entry param/{} is missing", names[i]));
       TROUPE_RETURN_IF_ERROR(matches(*e, params[i]));
       param_entries.push_back(e);
+      index_of[names[i]] = i;
     }
     for (const auto& [name, b] : buffers) {
       const HostTensor* e = take("buffer/" + name);
@@ -767,15 +994,87 @@ class TrainerEngine::Impl {
       TROUPE_RETURN_IF_ERROR(matches(*e, b));
       buffer_entries.push_back(e);
     }
-    std::vector<std::vector<const HostTensor*>> field_entries(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      for (const auto& f : rule->fields(i)) {
-        const HostTensor* e = take(fmt::format("optim/{}/{}", names[i], f.name));
-        if (e != nullptr) {
-          if (f.counter != nullptr && !isScalar(*e)) return invalid(fmt::format("state entry {} must be an int64 scalar", e->name));
-          if (f.tensor != nullptr) TROUPE_RETURN_IF_ERROR(matches(*e, params[i]));
+    // Optimizer entries, whole ("optim/<param>/<field>") or pieces ("...@<lo>:<hi>"), by
+    // parameter and field. Which fields are counters: the rule says (the same for every index).
+    std::map<std::string, bool> counter_field;
+    if (!updateParams().empty()) {
+      for (const auto& f : rule->fields(0)) counter_field[f.name] = f.counter != nullptr;
+    }
+    std::map<std::pair<size_t, std::string>, std::vector<Part>> parts;
+    for (auto it = by_name.begin(); it != by_name.end();) {
+      const std::string& name = it->first;
+      const HostTensor& e = *it->second;
+      const size_t slash = name.rfind('/');
+      if (name.rfind("optim/", 0) != 0 || slash < 6) {
+        ++it;
+        continue;
+      }
+      auto param = index_of.find(name.substr(6, slash - 6));
+      std::string field = name.substr(slash + 1);
+      const size_t at_sign = field.find('@');
+      const std::string range = at_sign == std::string::npos ? "" : field.substr(at_sign + 1);
+      field = field.substr(0, at_sign);
+      auto kind = counter_field.find(field);
+      if (param == index_of.end() || (!counter_field.empty() && kind == counter_field.end())) {
+        ++it;  // not this engine's: reported below
+        continue;
+      }
+      if (counter_field.empty()) {  // this rank owns no piece: nothing to take
+        it = by_name.erase(it);
+        continue;
+      }
+      const int64_t numel = params[param->second].numel();
+      Part part{0, numel, &e};
+      if (!range.empty()) {
+        long long lo = -1, hi = -1;
+        char tail = 0;
+        if (std::sscanf(range.c_str(), "%lld:%lld%c", &lo, &hi, &tail) != 2 || lo < 0 || lo >= hi || hi > numel) {
+          return invalid(fmt::format("state entry {}: range '{}' is not within [0, {})", name, range, numel));
         }
-        field_entries[i].push_back(e);
+        part.lo = lo;
+        part.hi = hi;
+      }
+      const bool counter = kind != counter_field.end() && kind->second;
+      if (counter) {
+        if (!isScalar(e)) return invalid(fmt::format("state entry {} must be an int64 scalar", name));
+      } else if (!range.empty()) {
+        if (e.dtype != "float32" || e.shape != std::vector<int64_t>{part.hi - part.lo}) {
+          return invalid(fmt::format("state entry {} is {} [{}] but its range holds float32 [{}]", name, e.dtype,
+                                     fmt::join(e.shape, ", "), part.hi - part.lo));
+        }
+      } else {
+        TROUPE_RETURN_IF_ERROR(matches(e, params[param->second]));
+      }
+      parts[{param->second, field}].push_back(part);
+      it = by_name.erase(it);
+    }
+    // What each of this engine's optimizer fields takes: the parts overlapping its elements,
+    // which must cover them all (or none: a field not created yet).
+    std::vector<std::vector<std::vector<Part>>> field_parts(updateParams().size());
+    for (size_t i = 0; i < updateParams().size(); ++i) {
+      const size_t param = sharded() ? pieces[i].param : i;
+      const int64_t lo = sharded() ? pieces[i].lo : 0;
+      const int64_t hi = sharded() ? pieces[i].hi : params[i].numel();
+      for (const auto& f : rule->fields(i)) {
+        std::vector<Part> overlapping;
+        auto found = parts.find({param, f.name});
+        if (found != parts.end()) {
+          for (const auto& part : found->second) {
+            if (part.lo < hi && part.hi > lo) overlapping.push_back(part);
+          }
+        }
+        std::sort(overlapping.begin(), overlapping.end(), [](const Part& a, const Part& b) { return a.lo < b.lo; });
+        int64_t covered = lo;
+        for (const auto& part : overlapping) {
+          if (part.lo > covered) break;
+          covered = std::max(covered, part.hi);
+        }
+        if (found != parts.end() && covered < hi) {
+          return invalid(fmt::format("the state's entries optim/{}/{} cover elements [{}, {}) of this engine's [{}, {}) "
+                                     "only up to {}: give the states of every rank of the group that saved it",
+                                     names[param], f.name, lo, hi, lo, hi, covered));
+        }
+        field_parts[i].push_back(std::move(overlapping));
       }
     }
     const HostTensor* rng = take("rng/engine");
@@ -792,22 +1091,47 @@ class TrainerEngine::Impl {
     for (size_t i = 0; i < buffers.size(); ++i) {
       buffers[i].second.copy_(viewOf(*buffer_entries[i], buffers[i].second.scalar_type()));
     }
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i = 0; i < updateParams().size(); ++i) {
       auto fields = rule->fields(i);
+      const int64_t lo = sharded() ? pieces[i].lo : 0;
       for (size_t k = 0; k < fields.size(); ++k) {
-        const HostTensor* e = field_entries[i][k];
+        const std::vector<Part>& from = field_parts[i][k];
         if (fields[k].counter != nullptr) {
           int64_t v = 0;
-          if (e != nullptr) std::memcpy(&v, e->bytes.data(), 8);
+          if (!from.empty()) std::memcpy(&v, from.front().entry->bytes.data(), 8);
           *fields[k].counter = v;
-        } else {
-          *fields[k].tensor = e != nullptr ? viewOf(*e, at::kFloat).clone() : at::Tensor();
+          continue;
         }
+        if (from.empty()) {
+          *fields[k].tensor = at::Tensor();
+          continue;
+        }
+        const at::Tensor& like = updateParams()[i];
+        at::Tensor value = at::empty(like.sizes(), at::kFloat);
+        at::Tensor flat = value.view({-1});
+        const int64_t hi = lo + flat.numel();
+        for (const auto& part : from) {
+          const int64_t a = std::max(lo, part.lo);
+          const int64_t b = std::min(hi, part.hi);
+          flat.narrow(0, a - lo, b - a).copy_(viewOf(*part.entry, at::kFloat).reshape({-1}).narrow(0, a - part.lo, b - a));
+        }
+        *fields[k].tensor = value;
       }
     }
     generator.set_state(viewOf(*rng, at::kByte).clone());
     std::memcpy(&steps, step_entry->bytes.data(), 8);
+    torn.clear();
     return Status::ok();
+  }
+
+  uint64_t optimizerStateBytes() const {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < updateParams().size(); ++i) {
+      for (const auto& f : rule->fields(i)) {
+        if (f.tensor != nullptr && f.tensor->defined()) bytes += f.tensor->numel() * f.tensor->element_size();
+      }
+    }
+    return bytes;
   }
 
   // FNV-1a over 32-bit words (one multiply per float, not per byte: a 100M-parameter model
@@ -842,6 +1166,11 @@ class TrainerEngine::Impl {
   bool wsam = false;
   std::vector<optimizers::WsamParamState> wsam_states;
   std::vector<at::Tensor> wsam_saved;
+  // ZeRO: this rank's pieces and the optimizer's views of them.
+  std::vector<Piece> pieces;
+  std::vector<at::Tensor> piece_params;
+  std::vector<at::Tensor> piece_grads;
+  std::string torn;  // why a sharded step stopped half way; cleared by loadState
   std::shared_ptr<collectives::Communicator> comm;
   int rank = 0;
   int world = 1;
@@ -908,14 +1237,23 @@ Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
       return Status(StatusCode::kFailedPrecondition,
                     fmt::format("join: the communicator is already unusable: {}", health.message()));
     }
-    impl_->rank = comm->rank();
-    impl_->world = comm->worldSize();
-  } else {
-    impl_->rank = 0;
-    impl_->world = 1;
   }
-  std::lock_guard lock(impl_->timeline_mutex);  // waitingOn reads it out of turn
-  impl_->comm = std::move(comm);
+  const int rank = comm ? comm->rank() : 0;
+  const int world = comm ? comm->worldSize() : 1;
+  const bool reshard = impl_->sharded() && (rank != impl_->rank || world != impl_->world);
+  impl_->rank = rank;
+  impl_->world = world;
+  {
+    std::lock_guard lock(impl_->timeline_mutex);  // waitingOn reads it out of turn
+    impl_->comm = std::move(comm);
+  }
+  if (reshard) {
+    try {
+      return impl_->layout();
+    } catch (const c10::Error& e) {
+      return Status(StatusCode::kInternal, fmt::format("join: re-sharding failed: {}", e.what_without_backtrace()));
+    }
+  }
   return Status::ok();
 }
 
@@ -964,6 +1302,20 @@ int64_t TrainerEngine::parameterCount() const {
 uint64_t TrainerEngine::parameterHash() const { return impl_->parameterHash(); }
 Status TrainerEngine::checkReplicas() { return impl_->checkReplicas(); }
 std::vector<HostTensor> TrainerEngine::state() const { return impl_->state(); }
+uint64_t TrainerEngine::optimizerStateBytes() const { return impl_->optimizerStateBytes(); }
+std::vector<int> TrainerEngine::shardSources(int oldWorld) const {
+  std::vector<int> out;
+  for (int r = 0; r < oldWorld; ++r) {
+    bool needed = !impl_->sharded();
+    for (const auto& b : impl_->buckets) {
+      const auto theirs = collectives::shardOf(static_cast<size_t>(b.numel), oldWorld, r);
+      needed = needed || (theirs.begin < b.shard.end && b.shard.begin < theirs.end);
+    }
+    if (needed) out.push_back(r);
+  }
+  if (out.empty() && oldWorld > 0) out.push_back(0);  // this rank owns no element: the model alone
+  return out;
+}
 Status TrainerEngine::loadState(const std::vector<HostTensor>& state) {
   try {
     return impl_->loadState(state);

@@ -22,6 +22,8 @@ Values are torch tensors or numpy arrays (CPU; others are copied to the CPU firs
 belongs in `metadata` (bytes). Importing this module does not import torch.
 """
 import json
+import math
+import re
 import time
 import warnings
 from collections import namedtuple
@@ -162,19 +164,72 @@ def load(path, *, step=None, rank=0, as_numpy=False, with_metadata=False):
     """Loads rank `rank` of the newest complete step in `path` (at most `step` when given). A step
     whose files fail their checks is skipped with a warning and the next older one is used. Returns
     a dict of torch tensors (numpy arrays with as_numpy=True, or when torch is missing); with
-    with_metadata=True, (dict, info) where info has step, world_size, metadata and skipped."""
+    with_metadata=True, (dict, info) where info has step, world_size, metadata and skipped.
+
+    A step of a ZeRO trainer (ElasticTrainer(zero=1 or 2)) holds each rank's pieces of the
+    optimizer state, "optim/<param>/<field>@<lo>:<hi>": they are read from every rank's file and
+    put together, so the dict has the whole "optim/<param>/<field>", shaped as the parameter."""
     header, arrays, skipped = _call(_checkpoint.load_files, str(path), int(rank), step, _allocate)
     for reason in skipped:
         warnings.warn(f"troupe.checkpoint: skipped a checkpoint in {path}: {reason}", RuntimeWarning, stacklevel=2)
-    state = {}
-    it = iter(arrays)
-    for name, dtype, shape in header["tensors"]:
-        state[name] = _from_bytes(next(it), dtype, shape, as_numpy)
+    state = _state_of(header, arrays, as_numpy)
+    if any(_PIECE.match(name) for name in state):
+        states = [state]
+        for other in range(header["world_size"]):
+            if other != rank:
+                h, a, _ = _call(_checkpoint.load_files, str(path), other, header["step"], _allocate)
+                states.append(_state_of(h, a, as_numpy))
+        state = _whole(states)
     if with_metadata:
         info = {"step": header["step"], "world_size": header["world_size"], "metadata": header["metadata"],
                 "skipped": list(skipped)}
         return state, info
     return state
+
+
+_PIECE = re.compile(r"^(optim/.+/[^/@]+)@(\d+):(\d+)$")
+
+
+def _state_of(header, arrays, as_numpy):
+    it = iter(arrays)
+    return {name: _from_bytes(next(it), dtype, shape, as_numpy) for name, dtype, shape in header["tensors"]}
+
+
+def _whole(states):
+    """One state from the ranks' states of a ZeRO trainer: entries every rank holds once, and
+    the optimizer pieces joined into whole tensors shaped as their parameters."""
+    merged, pieces = {}, {}
+    for state in states:
+        for name, value in state.items():
+            m = _PIECE.match(name)
+            if m:
+                pieces.setdefault(m.group(1), []).append((int(m.group(2)), int(m.group(3)), value))
+            else:
+                merged.setdefault(name, value)
+    for name, parts in pieces.items():
+        param = merged.get("param/" + name[len("optim/"):name.rindex("/")])
+        first = parts[0][2]
+        if param is None or len(first.shape) == 0:  # a counter: the same in every piece
+            merged[name] = first
+            continue
+        numel = int(math.prod(param.shape))
+        if hasattr(first, "new_empty"):  # torch
+            flat = first.new_empty(numel)
+        else:
+            import numpy as np
+
+            flat = np.empty(numel, dtype=first.dtype)
+        covered = 0
+        for lo, hi, value in sorted(parts, key=lambda p: p[0]):
+            if lo > covered:
+                break
+            flat[lo:hi] = value.reshape(-1)
+            covered = max(covered, hi)
+        if covered < numel:
+            raise CheckpointCorruptError("FAILED_PRECONDITION", f"the pieces of {name} cover elements [0, {covered}) "
+                                         f"of {numel}: a rank's file is missing")
+        merged[name] = flat.reshape(tuple(param.shape))
+    return merged
 
 
 def steps(path):

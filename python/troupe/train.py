@@ -29,6 +29,12 @@ tensorboard_dir=DIR writes each step's loss, samples/s and world size as TensorB
 (`tensorboard --logdir DIR`). A rank that computes more than 2x the other ranks' median over
 the last steps is flagged as a straggler (an event; shown by `troupe status` and the dashboard).
 
+zero=1 shards the optimizer state over the ranks (ZeRO-1: each keeps 1/N of it; gradients are
+reduce-scattered and the parameters all-gathered), zero=2 the gradients too (ZeRO-2). Training
+equals zero=0's (data parallel). It stays elastic: when the world changes (a shrink after a
+loss, a resize, the tuner), every rank re-assembles its new shard from the snapshots of the old
+ranks, so nothing is lost; troupe.checkpoint.load() puts a persisted step back together whole.
+
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
@@ -99,7 +105,7 @@ class ElasticTrainer:
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
                  name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None,
-                 hang_timeout=120.0, _fault=None):
+                 hang_timeout=120.0, zero=0, _fault=None):
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
         # coordinator, which receives every rank's results.
@@ -127,6 +133,8 @@ class ElasticTrainer:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+        if zero not in (0, 1, 2):
+            raise ValueError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {zero!r}")
         if global_batch_size < max_workers:
             raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {max_workers}")
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
@@ -136,7 +144,7 @@ class ElasticTrainer:
             "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
             "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": int(threads_per_worker),
             "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
-            "context": int(context), **{k: v for k, v in opt.items()},
+            "context": int(context), "zero": int(zero), **{k: v for k, v in opt.items()},
         }
         self._data = _data_spec(data)
         self._snapshot_fixed = "snapshot_every" in checkpoint
@@ -223,6 +231,16 @@ class ElasticTrainer:
                                   name=self._ckpt_name(node), lifetime=self._lifetime)
             self._node_services[node] = (loader, ckpt)
 
+    def _drop_idle_services(self):
+        """A node with no trainer left loses its dataloader and checkpoint actor (replicas then
+        go to the next node that has members)."""
+        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles}
+        for node, (loader, ckpt) in list(self._node_services.items()):
+            if node not in live_nodes:
+                _api.kill(loader)
+                _api.kill(ckpt)
+                del self._node_services[node]
+
     def _tell_members(self):
         """Every live checkpoint actor learns the current members: replicas go to the next live
         node's actor, never to a lost node's."""
@@ -241,6 +259,7 @@ class ElasticTrainer:
         spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader._id,
                 "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
                 "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
+                "min_workers": self.min_workers,
                 "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
                 "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0,
                 "fault_hang_at_step": self._fault.get("hang_at_step", -1) if self._fault.get("hang_rank") == bundle else -1}
@@ -279,7 +298,8 @@ class ElasticTrainer:
             # newest snapshots: then an older step every member holds is used, down to the step
             # every rank pinned at the last chunk's end (held in memory and in every replica).
             candidates = sorted(common, reverse=True) if common else [0]
-            if not moved:
+            # A re-shard also needs the old ranks that left: an older step when they lack it.
+            if not moved and not self._resharding():
                 candidates = candidates[:1]
         for i, restore_step in enumerate(candidates):
             try:
@@ -295,7 +315,20 @@ class ElasticTrainer:
         _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
 
+    def _resharding(self):
+        """ZeRO, and the bundles (ranks) differ from those that saved the snapshots."""
+        sharded_as = getattr(self, "_sharded_as", None)
+        return bool(self._engine.get("zero")) and sharded_as is not None and sharded_as != list(self._bundles)
+
     def _restore_all(self, restore_step, fresh):
+        if self._resharding() and restore_step > 0:
+            # Every rank puts its new shard together from the old ranks' snapshots.
+            payload = {"step": restore_step, "from_bundles": self._sharded_as}
+            replies = _api.get([_json_call(t, "restore", payload) for t in self.trainers], timeout=self.recovery_timeout)
+            self._restored(replies)
+            self._event(f"re-sharded the optimizer state of step {restore_step} from the snapshots of bundle(s) "
+                        f"{payload['from_bundles']} onto {len(self.trainers)} rank(s)")
+            return
         # A new member copies the memory snapshot of a member on its node; on a host where no
         # member runs, it gets the state by a broadcast from a live rank (every rank takes part).
         held_on = {self._pg["bundle_nodes"][b]: b for o, b in zip(self.trainers, self._bundles) if o._id not in fresh}
@@ -311,11 +344,14 @@ class ElasticTrainer:
                 payload["broadcast_from"] = root
                 payload["from_broadcast"] = t._id in remote
             requests.append(_json_call(t, "restore", payload))
-        replies = _api.get(requests, timeout=self.recovery_timeout)
+        self._restored(_api.get(requests, timeout=self.recovery_timeout))
+
+    def _restored(self, replies):
         restored = {_load(x)["step"] for x in replies}
         if len(restored) != 1:
             raise TroupeError(f"ranks restored different steps {sorted(restored)}")
         self.step = restored.pop()
+        self._sharded_as = list(self._bundles)  # every rank's snapshot is now of this world
         # Steps after the restored one were undone (the state went back): they are trained again.
         self.history = [r for r in self.history if r["step"] <= self.step]
 
@@ -419,6 +455,7 @@ class ElasticTrainer:
         self._settings = {"threads": int(self._engine.get("threads", 1)), "prefetch": 2}
         self._pg = self._rt.placement_group(self.group_id)
         self._bundles = list(doc["bundles"])
+        self._sharded_as = list(doc.get("sharded_as") or doc["bundles"])
         self.trainers = [_api.ActorHandle(i, "Trainer") for i in doc["members"]]
         self._node_services = {n: (_api.ActorHandle(l, "Dataloader"), _api.ActorHandle(c, "Checkpoint"))
                                for n, (l, c) in doc["services"].items()}
@@ -599,12 +636,7 @@ class ElasticTrainer:
         self._pg = self._rt.placement_group(self.group_id)
         self._ensure_node_services()
         # The nodes' services restart in place too; a node with no trainer left loses them.
-        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles}
-        for node, (loader, ckpt) in list(self._node_services.items()):
-            if node not in live_nodes:
-                _api.kill(loader)
-                _api.kill(ckpt)
-                del self._node_services[node]
+        self._drop_idle_services()
         services = [s for pair in self._node_services.values() for s in pair]
         answering = self._answering(services, None, deadline + self.replace_timeout)
         if len(answering) != len(services):
@@ -760,6 +792,10 @@ class ElasticTrainer:
                 _api.kill(t)
             self.trainers, self._bundles = self.trainers[:workers], self._bundles[:workers]
             self._pg = self._rt.remove_bundles(self.group_id, leaving)
+            # The services of a node left without members may sit in a removed bundle (gone
+            # with it): no replica goes there any more.
+            self._drop_idle_services()
+            self._tell_members()
             self._join_all(restore_step=self.step)
         else:
             try:

@@ -19,11 +19,24 @@
 // when each rank computes whole micro-batches the single rank also computes (float addition of
 // two terms is commutative), e.g. G = 8, max_micro_batch = 4.
 //
+// ZeRO (options.zero = 1 or 2). Each gradient bucket is reduce-scattered instead of all-reduced:
+// rank r owns shardOf(bucket elements, W, r) of every bucket (communicator.h) and keeps the
+// optimizer state of that shard only; it updates its shard of the parameters, which are then
+// all-gathered, so every rank still holds the whole model. ZeRO-2 also frees each bucket's
+// full gradient as soon as its reduction is done, keeping only the shard. Every optimizer works:
+// the whole-tensor norms of LAMB, LARS and WSAM are the sums of the shards' partial norms. A
+// join() that changes (rank, world) re-shards: the optimizer state is dropped, so load a state
+// after it (the trainer always restores after joining). state() then holds the parameters whole
+// and the optimizer state of the shard, as ranged entries that loadState() re-assembles at any
+// world size (pass it the states of every rank of the old world).
+//
 // Failures. A communicator error (a peer died or left, the epoch moved on, a timeout) makes
 // step() return that error as soon as the communicator reports it; the parameters, optimizer
 // state and step count are those from before the step, so the group can restore or retry after
 // join()ing a new communicator. The communicator itself is then unusable (recreate it at
-// epoch + 1).
+// epoch + 1). Under ZeRO a communicator error after the gradients are reduced (a norm reduction
+// or the parameters' all-gather) leaves the shard updated but not the whole model: step() then
+// refuses to run (kFailedPrecondition) until loadState().
 //
 // Thread-safety: not thread-safe; one thread at a time calls the engine (the trainer's compute
 // thread). LibTorch's intra-op thread count is set to `threads` on each thread that calls step().
@@ -83,6 +96,9 @@ struct TrainerEngineOptions {
   // Gradients are all-reduced in buckets of about this many bytes, in reverse parameter order
   // (the order backward produces them); a parameter larger than this is a bucket of its own.
   size_t bucket_bytes = size_t{25} << 20;
+  // 0: data parallel (every rank holds the whole optimizer state); 1: ZeRO-1 (optimizer state
+  // sharded); 2: ZeRO-2 (gradients sharded too). See the header comment.
+  int zero = 0;
 };
 
 // What one step did. Times are wall-clock seconds on the calling thread.
@@ -173,10 +189,21 @@ class TrainerEngine {
   // "buffer/<name>" (the model), "optim/<param>/<field>" (optimizer state; counters are int64
   // scalars), "rng/engine" (the generator's state), "engine/step" and "meta/optimizer". Loading it
   // into an engine with the same options makes the next steps bitwise equal to the saver's.
+  // Under ZeRO the optimizer entries are this rank's pieces, "optim/<param>/<field>@<lo>:<hi>":
+  // elements [lo, hi) of the flattened parameter (1-D; counters stay scalars).
   std::vector<HostTensor> state() const;
-  // Loads state() output. Checks everything first (every parameter present, names, dtypes,
-  // shapes, the optimizer) and changes nothing on error: kInvalidArgument naming the entry.
+  // Loads state() output, or the concatenated states of every rank of a ZeRO group of any world
+  // size (an entry given more than once must be identical each time). Whole and ranged optimizer
+  // entries are cut and joined to this engine's pieces. Checks everything first (every parameter
+  // present, names, dtypes, shapes, the optimizer, pieces that cover only part of what this
+  // engine needs) and changes nothing on error: kInvalidArgument naming the entry.
   Status loadState(const std::vector<HostTensor>& state);
+  // The ranks of a group of `oldWorld` whose states hold optimizer state this rank needs: under
+  // ZeRO those whose shards overlap this rank's, else every rank (a state saved by a ZeRO group
+  // of that size is spread over all of them). Every rank's state holds the whole model.
+  std::vector<int> shardSources(int oldWorld) const;
+  // Bytes of optimizer state this rank holds (every defined state tensor; not counters).
+  uint64_t optimizerStateBytes() const;
 
   class Impl;  // internal (trainer_engine.cc); public only for its gradient hooks
 
