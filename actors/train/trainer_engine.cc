@@ -485,35 +485,42 @@ class TrainerEngine::Impl {
     return first;
   }
 
-  // ZeRO: the shard's reduced gradient, once bucket `index`'s reduction is done; ZeRO-2 then
-  // frees the bucket's whole gradient (it is allocated again at the next pass).
+  // ZeRO-2 keeps no whole gradient between passes: parameters accumulate theirs in .grad
+  // (as autograd makes them) and each final gradient is moved into its bucket, made when the
+  // bucket's first gradient arrives and freed once the bucket is reduced.
+  bool freesGradients() const { return options.zero == 2; }
+
+  Bucket& bucketBuffer(size_t index) {
+    Bucket& b = buckets[index];
+    if (!b.flat.defined()) b.flat = at::zeros({b.numel}, at::kFloat);
+    return b;
+  }
+
+  // ZeRO-2: parameter k's final gradient into its bucket; .grad is freed.
+  void stage(size_t k) {
+    at::Tensor& grad = params[k].mutable_grad();
+    if (!grad.defined()) return;
+    bucketBuffer(bucket_of[k]).flat.narrow(0, offset_of[k], params[k].numel()).copy_(grad.reshape({-1}));
+    grad = at::Tensor();
+  }
+
+  // ZeRO: the shard's reduced gradient, once bucket `index`'s reduction is done; ZeRO-2 copies
+  // it out and frees the bucket.
   void harvest(size_t index) {
     Bucket& b = buckets[index];
     if (b.harvested) return;
     b.harvested = true;
-    if (options.zero != 2) return;
+    if (!freesGradients()) return;
+    bucketBuffer(index);  // a bucket no gradient reached holds zeros
     b.shard_grad.copy_(b.flat.narrow(0, static_cast<int64_t>(b.shard.begin), static_cast<int64_t>(b.shard.size())));
-    for (size_t k : b.params) {
-      grads[k] = at::Tensor();
-      params[k].mutable_grad() = at::Tensor();
-    }
     b.flat = at::Tensor();
-  }
-
-  // ZeRO-2: a bucket's whole gradient exists only while a pass needs it.
-  void allocateGradients(Bucket& b) {
-    b.flat = at::zeros({b.numel}, at::kFloat);
-    for (size_t j = 0; j < b.params.size(); ++j) {
-      const size_t k = b.params[j];
-      grads[k] = b.flat.narrow(0, b.offsets[j], params[k].numel()).view(params[k].sizes());
-      params[k].mutable_grad() = grads[k];
-    }
   }
 
   // Buckets in reverse parameter order (roughly the order backward finishes gradients), each up
   // to bucket_bytes; every gradient becomes a view into its bucket, allocated once.
   void buildBuckets() {
     bucket_of.assign(params.size(), 0);
+    offset_of.assign(params.size(), 0);
     std::vector<std::vector<size_t>> groups;
     uint64_t current = 0;
     for (size_t k = params.size(); k-- > 0;) {
@@ -545,11 +552,19 @@ class TrainerEngine::Impl {
           params[k].set_data(place);
         }
         bucket.offsets.push_back(offset);
+        offset_of[k] = offset;
         offset += params[k].numel();
         bucket_of[k] = buckets.size();
       }
       bucket.params = members;
       buckets.push_back(std::move(bucket));
+    }
+    if (freesGradients()) {
+      for (size_t k = 0; k < params.size(); ++k) {
+        grads[k] = at::Tensor();
+        params[k].mutable_grad() = at::Tensor();
+      }
+      for (auto& b : buckets) b.flat = at::Tensor();
     }
     for (size_t k = 0; k < params.size(); ++k) {
       auto accumulator = torch::autograd::impl::grad_accumulator(params[k]);
@@ -568,6 +583,7 @@ class TrainerEngine::Impl {
   // in bucket order, so all ranks issue the same all-reduces in the same order.
   void gradReady(size_t param) {
     if (!collecting) return;
+    if (freesGradients()) stage(param);
     Bucket& bucket = buckets[bucket_of[param]];
     if (bucket.pending > 0) --bucket.pending;
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
@@ -581,7 +597,7 @@ class TrainerEngine::Impl {
   }
 
   void launch(size_t index) {
-    Bucket& b = buckets[index];
+    Bucket& b = bucketBuffer(index);
     b.launched_us = wallUs();
     if (sharded()) {
       float* flat = b.flat.data_ptr<float>();
@@ -675,10 +691,11 @@ class TrainerEngine::Impl {
   Result<Pass> runPass(const at::Tensor& inputs, const at::Tensor& targets) {
     Pass pass;
     for (auto& b : buckets) {
-      if (b.flat.defined()) {
-        b.flat.zero_();
+      if (freesGradients()) {
+        b.flat = at::Tensor();
+        for (size_t k : b.params) params[k].mutable_grad() = at::Tensor();
       } else {
-        allocateGradients(b);  // ZeRO-2
+        b.flat.zero_();
       }
       b.pending = b.params.size();
       b.work.reset();
@@ -715,6 +732,9 @@ class TrainerEngine::Impl {
     }
     collecting = false;
     if (!distributed()) {
+      if (freesGradients()) {
+        for (size_t k = 0; k < params.size(); ++k) stage(k);
+      }
       for (size_t i = 0; i < buckets.size(); ++i) harvest(i);
       return pass;
     }
@@ -1158,6 +1178,7 @@ class TrainerEngine::Impl {
   NamedTensors buffers;
   std::vector<Bucket> buckets;
   std::vector<size_t> bucket_of;
+  std::vector<int64_t> offset_of;  // where each parameter's gradient starts in its bucket
   size_t next_bucket = 0;
   bool collecting = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
@@ -1303,6 +1324,17 @@ uint64_t TrainerEngine::parameterHash() const { return impl_->parameterHash(); }
 Status TrainerEngine::checkReplicas() { return impl_->checkReplicas(); }
 std::vector<HostTensor> TrainerEngine::state() const { return impl_->state(); }
 uint64_t TrainerEngine::optimizerStateBytes() const { return impl_->optimizerStateBytes(); }
+uint64_t TrainerEngine::gradientBytes() const {
+  uint64_t bytes = 0;
+  for (const auto& b : impl_->buckets) {
+    if (b.flat.defined()) bytes += static_cast<uint64_t>(b.flat.numel()) * 4;
+    if (impl_->freesGradients()) bytes += static_cast<uint64_t>(b.shard_grad.numel()) * 4;
+  }
+  for (const auto& p : impl_->params) {
+    if (impl_->freesGradients() && p.grad().defined()) bytes += static_cast<uint64_t>(p.grad().numel()) * 4;
+  }
+  return bytes;
+}
 std::vector<int> TrainerEngine::shardSources(int oldWorld) const {
   std::vector<int> out;
   for (int r = 0; r < oldWorld; ++r) {

@@ -133,12 +133,13 @@ TEST_CASE("ZeRO-1 and ZeRO-2 train as data parallel does, for every optimizer") 
   }
 }
 
-TEST_CASE("a ZeRO rank holds 1/N of the optimizer state") {
+TEST_CASE("a ZeRO rank holds 1/N of the optimizer state; ZeRO-2 also 1/N of the gradients") {
   TextData text(16);
   auto whole = makeEngine(zeroOptions("adamw", 0));
   REQUIRE(whole->step(text.step(0, 8)).isOk());
   const double full = static_cast<double>(whole->optimizerStateBytes());
   REQUIRE(full > 0);
+  const double gradients = static_cast<double>(whole->gradientBytes());
   for (int zero : {1, 2}) {
     Group group(zeroOptions("adamw", zero), 4, fmt::format("quarter-{}", zero));
     group.step(text.step(0, 8));
@@ -146,6 +147,10 @@ TEST_CASE("a ZeRO rank holds 1/N of the optimizer state") {
       const double mine = static_cast<double>(r->optimizerStateBytes());
       CAPTURE(mine / full);
       CHECK(std::fabs(mine / (full / 4) - 1) < 0.05);
+      // ZeRO-2 keeps only its shard of the gradients between steps; ZeRO-1 all of them.
+      const double held = static_cast<double>(r->gradientBytes());
+      CAPTURE(held / gradients);
+      CHECK(std::fabs(held / (zero == 2 ? gradients / 4 : gradients) - 1) < 0.05);
     }
   }
 }

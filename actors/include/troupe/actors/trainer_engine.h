@@ -204,6 +204,9 @@ class TrainerEngine {
   std::vector<int> shardSources(int oldWorld) const;
   // Bytes of optimizer state this rank holds (every defined state tensor; not counters).
   uint64_t optimizerStateBytes() const;
+  // Bytes of gradient buffers this rank holds between steps: the whole buckets (data parallel,
+  // ZeRO-1) or this rank's shards of them (ZeRO-2).
+  uint64_t gradientBytes() const;
 
   class Impl;  // internal (trainer_engine.cc); public only for its gradient hooks
 

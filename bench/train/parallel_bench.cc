@@ -1,0 +1,277 @@
+// parallel_bench (bench/run parallel [--json]): memory and step time of data parallel against
+// ZeRO-1 and ZeRO-2 for one model of about 50M parameters (the built-in MLP, 2048-4096-4096-
+// 4096-2048, MSE on random features) with AdamW, at world sizes 2 and 4. Each rank is a process
+// with one intra-op thread; ranks meet through a real redis-server and talk over the CPU ring.
+// Prints a table and, with --json, one JSON object on the last line:
+//   {"benchmark": "parallel", "config": {...}, "rows": [{"mode": "dp" | "zero1" | "zero2",
+//    "world_size", "opt_state_bytes_per_rank", "opt_state_vs_dp_over_n", "peak_rss_bytes",
+//    "step_s", "step_s_min", "step_s_max", "step_vs_dp", "parameters"}, ...]}
+//
+// Per rank: optimizer-state bytes (every state tensor it holds), peak resident memory (VmHWM
+// of its process) and the median step time after warm-up; a row reports the largest over its
+// ranks (a synchronous step is as slow as the slowest rank, memory as big as the biggest).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "testing/redis_server.h"
+#include "troupe/actors/trainer_engine.h"
+#include "troupe/collectives/communicator.h"
+#include "troupe/runtime/process.h"
+
+namespace troupe::actors {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+struct Config {
+  std::vector<int64_t> sizes = {2048, 4096, 4096, 4096, 2048};
+  int64_t global_batch = 16;
+  int steps = 5;
+  int warmup = 2;
+  double bucket_mb = 25;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+std::string readText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+int fail(const Status& status) {
+  std::fprintf(stderr, "parallel_bench: %s\n", status.toString().c_str());
+  return 1;
+}
+
+// Peak resident bytes of this process (VmHWM).
+uint64_t peakRssBytes() {
+  std::istringstream lines(readText("/proc/self/status"));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+// Rows [begin, end) of step `step`'s global batch: random features and targets, the same on
+// every rank and in every mode.
+Batch batchOf(const Config& c, int64_t step, RankSlice slice) {
+  const int64_t in = c.sizes.front(), out = c.sizes.back();
+  auto fill = [&](HostTensor& t, int64_t width, uint64_t salt) {
+    t.dtype = "float32";
+    t.shape = {slice.size(), width};
+    t.bytes.resize(static_cast<size_t>(slice.size() * width) * 4);
+    auto* v = reinterpret_cast<float*>(t.bytes.data());
+    for (int64_t r = 0; r < slice.size(); ++r) {
+      std::mt19937_64 rng(static_cast<uint64_t>(step * c.global_batch + slice.begin + r) * 2 + salt);
+      std::normal_distribution<float> normal;
+      for (int64_t k = 0; k < width; ++k) v[r * width + k] = normal(rng);
+    }
+  };
+  Batch b;
+  fill(b.inputs, in, 0);
+  fill(b.targets, out, 1);
+  return b;
+}
+
+// ---- One rank (a child process) ----
+
+int serveRank(const Config& c, int rank, int world, int zero) {
+  TrainerEngineOptions o;
+  o.model = "mlp";
+  o.mlp_sizes = c.sizes;
+  o.loss = "mse";
+  o.optimizer = "adamw";
+  o.lr = 1e-4;
+  o.threads = 1;
+  o.global_batch = c.global_batch;
+  o.max_micro_batch = c.global_batch;
+  o.bucket_bytes = static_cast<size_t>(c.bucket_mb * (1 << 20));
+  o.zero = zero;
+  auto engine = TrainerEngine::create(o);
+  if (!engine) return fail(engine.status());
+  RedisOptions redis;
+  redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
+  redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
+  redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
+  redis.cluster = "bench";
+  auto store = connectRedisStore(redis);
+  if (!store) return fail(store.status());
+  collectives::CommunicatorOptions options;
+  options.group = fmt::format("parallel-{}-{}", world, zero);
+  options.epoch = 1;
+  options.rank = rank;
+  options.worldSize = world;
+  auto connected = collectives::connectCpuCommunicator(**store, options);
+  if (!connected) return fail(connected.status());
+  if (Status s = (*engine)->join(std::move(connected).value()); !s.isOk()) return fail(s);
+
+  std::vector<double> step_s;
+  for (int step = 0; step < c.warmup + c.steps; ++step) {
+    const Batch batch = batchOf(c, step, (*engine)->slice());
+    const auto start = Clock::now();
+    auto metrics = (*engine)->step(batch);
+    if (!metrics) return fail(metrics.status());
+    if (step >= c.warmup) step_s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  json result = {{"rank", rank},
+                 {"step_s", median(step_s)},
+                 {"step_s_min", *std::min_element(step_s.begin(), step_s.end())},
+                 {"step_s_max", *std::max_element(step_s.begin(), step_s.end())},
+                 {"opt_state_bytes", (*engine)->optimizerStateBytes()},
+                 {"peak_rss_bytes", peakRssBytes()},
+                 {"parameters", (*engine)->parameterCount()}};
+  std::printf("RESULT %s\n", result.dump().c_str());
+  return 0;
+}
+
+// ---- The driver ----
+
+std::vector<json> runRanks(int world, const std::function<SpawnOptions(int)>& spawnFor, const std::string& dir,
+                           const std::string& side) {
+  std::vector<ChildProcess> children;
+  std::vector<std::string> outputs, errors;
+  for (int r = 0; r < world; ++r) {
+    SpawnOptions spawn = spawnFor(r);
+    spawn.outputPath = fmt::format("{}/{}-{}-{}.out", dir, side, world, r);
+    spawn.errorPath = fmt::format("{}/{}-{}-{}.err", dir, side, world, r);
+    outputs.push_back(spawn.outputPath);
+    errors.push_back(spawn.errorPath);
+    auto pid = spawnProcess(spawn);
+    if (!pid) {
+      fail(pid.status());
+      return {};
+    }
+    children.emplace_back(*pid);
+  }
+  std::vector<json> results;
+  for (int r = 0; r < world; ++r) {
+    auto exit = children[r].wait(std::chrono::seconds(900));
+    if (!exit || exit->exitCode != 0) {
+      std::fprintf(stderr, "parallel_bench: %s rank %d of %d failed (%s): %s\n", side.c_str(), r, world,
+                   exit ? exit->toString().c_str() : "timed out", readText(errors[r]).c_str());
+      return {};
+    }
+    std::istringstream lines(readText(outputs[r]));
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("RESULT ", 0) == 0) results.push_back(json::parse(line.substr(7)));
+    }
+  }
+  return results;
+}
+
+double largest(const std::vector<json>& ranks, const char* key) {
+  double m = 0;
+  for (const auto& r : ranks) m = std::max(m, r[key].get<double>());
+  return m;
+}
+
+}  // namespace
+}  // namespace troupe::actors
+
+int main(int argc, char** argv) {
+  using namespace troupe;
+  using namespace troupe::actors;
+  Config c;
+  bool emit_json = false;
+  int serve = -1, world = 0, zero = 0;
+  std::vector<int> worlds = {2, 4};
+  CLI::App app("Data parallel vs ZeRO-1 vs ZeRO-2: optimizer state, peak memory and step time per rank");
+  app.add_flag("--json", emit_json, "print one JSON object as the last line");
+  app.add_option("--worlds", worlds, "world sizes")->delimiter(',');
+  app.add_option("--steps", c.steps, "timed steps");
+  app.add_option("--warmup", c.warmup, "untimed first steps");
+  app.add_option("--global-batch", c.global_batch);
+  app.add_option("--sizes", c.sizes, "MLP layer widths")->delimiter(',');
+  app.add_option("--bucket-mb", c.bucket_mb);
+  app.add_option("--serve-rank", serve)->group("");  // internal: run one rank
+  app.add_option("--world", world)->group("");
+  app.add_option("--zero", zero)->group("");
+  CLI11_PARSE(app, argc, argv);
+  if (serve >= 0) return serveRank(c, serve, world, zero);
+
+  testing::RedisServerProcess redis;
+  char pattern[] = "/tmp/troupe-bench-parallel-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  const std::string self = executableDir() + "/parallel_bench";
+  std::vector<std::string> common = {"--steps", std::to_string(c.steps), "--warmup", std::to_string(c.warmup),
+                                     "--global-batch", std::to_string(c.global_batch), "--bucket-mb",
+                                     fmt::format("{}", c.bucket_mb), "--sizes", fmt::format("{}", fmt::join(c.sizes, ","))};
+  const char* kModes[] = {"dp", "zero1", "zero2"};
+  json rows = json::array();
+  bool ok = true;
+  std::printf("MLP %s, MSE, AdamW, global batch %ld, one intra-op thread per rank; step: median of %d after %d "
+              "warm-up (min-max)\n",
+              fmt::format("{}", fmt::join(c.sizes, "-")).c_str(), static_cast<long>(c.global_batch), c.steps, c.warmup);
+  std::printf("%5s %6s | %14s %10s | %13s | %9s %17s %8s\n", "world", "mode", "opt state MB", "vs DP/N", "peak RSS MB",
+              "step s", "(min-max)", "vs DP");
+  for (int w : worlds) {
+    double dp_state = 0, dp_step = 0;
+    for (int z = 0; z < 3; ++z) {
+      std::fprintf(stderr, "parallel_bench: %s, world %d...\n", kModes[z], w);
+      auto ranks = runRanks(w, [&](int r) {
+        SpawnOptions spawn;
+        spawn.argv = {self, "--serve-rank", std::to_string(r), "--world", std::to_string(w), "--zero", std::to_string(z)};
+        spawn.argv.insert(spawn.argv.end(), common.begin(), common.end());
+        spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(), fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
+                     "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(), "OMP_NUM_THREADS=1"};
+        return spawn;
+      }, dir, kModes[z]);
+      if (ranks.size() != static_cast<size_t>(w)) {
+        ok = false;
+        continue;
+      }
+      const double state = largest(ranks, "opt_state_bytes");
+      const double step = largest(ranks, "step_s");
+      if (z == 0) {
+        dp_state = state;
+        dp_step = step;
+      }
+      const double vs_share = dp_state > 0 ? state / (dp_state / w) : 0;
+      const double vs_dp = dp_step > 0 ? step / dp_step : 0;
+      std::printf("%5d %6s | %14.1f %9.3fx | %13.1f | %9.3f %8.3f-%-8.3f %7.2fx\n", w, kModes[z], state / 1e6, vs_share,
+                  largest(ranks, "peak_rss_bytes") / 1e6, step, largest(ranks, "step_s_min"),
+                  largest(ranks, "step_s_max"), vs_dp);
+      rows.push_back(json{{"mode", kModes[z]},
+                          {"world_size", w},
+                          {"opt_state_bytes_per_rank", static_cast<uint64_t>(state)},
+                          {"opt_state_vs_dp_over_n", vs_share},
+                          {"peak_rss_bytes", static_cast<uint64_t>(largest(ranks, "peak_rss_bytes"))},
+                          {"step_s", step},
+                          {"step_s_min", largest(ranks, "step_s_min")},
+                          {"step_s_max", largest(ranks, "step_s_max")},
+                          {"step_vs_dp", vs_dp},
+                          {"parameters", ranks[0]["parameters"]}});
+    }
+  }
+  std::printf("vs DP/N = this rank's optimizer state / (data parallel's / world): 1.00x is a perfect 1/N share; "
+              "vs DP = step time / data parallel's at the same world size\n");
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  if (emit_json) {
+    json config = {{"model", "mlp"}, {"sizes", c.sizes}, {"optimizer", "adamw"}, {"global_batch", c.global_batch},
+                   {"steps", c.steps}, {"warmup", c.warmup}, {"bucket_mb", c.bucket_mb}};
+    std::printf("%s\n", json{{"benchmark", "parallel"}, {"config", config}, {"rows", rows}}.dump().c_str());
+  }
+  return ok ? 0 : 1;
+}
