@@ -48,48 +48,6 @@
 
 namespace troupe::collectives {
 
-const char* dataTypeName(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return "float32";
-    case DataType::kFloat64: return "float64";
-    case DataType::kBFloat16: return "bfloat16";
-    case DataType::kFloat16: return "float16";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
-  }
-  return "unknown";
-}
-
-const char* reduceOpName(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kMin: return "min";
-    case ReduceOp::kMax: return "max";
-  }
-  return "unknown";
-}
-
-size_t dataTypeSize(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kBFloat16: return 2;
-    case DataType::kFloat16: return 2;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-  }
-  return 0;
-}
-
-Shard shardOf(size_t count, int worldSize, int rank) {
-  const size_t n = static_cast<size_t>(worldSize);
-  const size_t r = static_cast<size_t>(rank);
-  const size_t base = count / n, extra = count % n;
-  const size_t begin = r * base + std::min(r, extra);
-  return Shard{begin, begin + base + (r < extra ? 1 : 0)};
-}
-
 namespace {
 
 using asio::ip::tcp;
@@ -110,6 +68,7 @@ enum class OpKind : uint8_t {
   kBarrier,
   kSend,
   kRecv,
+  kSendRecv,
 };
 
 const char* opKindName(OpKind kind) {
@@ -121,6 +80,7 @@ const char* opKindName(OpKind kind) {
     case OpKind::kBarrier: return "barrier";
     case OpKind::kSend: return "send";
     case OpKind::kRecv: return "recv";
+    case OpKind::kSendRecv: return "sendrecv";
   }
   return "unknown";
 }
@@ -135,7 +95,7 @@ struct OpCounters {
 OpCounters& opCounters(OpKind kind) {
   static std::vector<OpCounters> table = [] {
     std::vector<OpCounters> t;
-    for (int k = static_cast<int>(OpKind::kAllreduce); k <= static_cast<int>(OpKind::kRecv); ++k) {
+    for (int k = static_cast<int>(OpKind::kAllreduce); k <= static_cast<int>(OpKind::kSendRecv); ++k) {
       std::string op = fmt::format("op=\"{}\"", opKindName(static_cast<OpKind>(k)));
       t.push_back(OpCounters{metrics::counter("troupe_collective_ops_total", op),
                              metrics::counter("troupe_collective_bytes_total", op),
@@ -231,8 +191,9 @@ struct Request {
   size_t count = 0;
   DataType type = DataType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
-  int root = -1;  // broadcast root, or the p2p peer
+  int root = -1;  // broadcast root, or the p2p peer (sendrecv: the rank sent to)
   std::shared_ptr<WorkState> work;
+  int from = -1;  // sendrecv: the rank received from
 };
 
 // 64-byte aligned, pre-faulted memory allocated once (no first-touch faults on the hot path).
@@ -419,6 +380,11 @@ class TcpCommunicator final : public Communicator {
     return submit(
         Request{OpKind::kRecv, nullptr, buffer, count, type, ReduceOp::kSum, peer, nullptr});
   }
+  // Both directions in one operation: the peers' sockets carry them at once.
+  std::shared_ptr<Work> sendRecvAsync(const void* send, int to, void* recv, int from, size_t count,
+                                      DataType type) override {
+    return submit(Request{OpKind::kSendRecv, send, recv, count, type, ReduceOp::kSum, to, nullptr, from});
+  }
 
  private:
   // ---- Caller side ----
@@ -453,6 +419,14 @@ class TcpCommunicator final : public Communicator {
                                 request.count));
     }
     const bool p2p = request.kind == OpKind::kSend || request.kind == OpKind::kRecv;
+    if (request.kind == OpKind::kSendRecv &&
+        (request.root < 0 || request.root >= n_ || request.root == me_ || request.from < 0 ||
+         request.from >= n_ || request.from == me_)) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("sendrecv: to {} and from {} must be other ranks of this communicator (rank "
+                                "{} of {})",
+                                request.root, request.from, me_, n_));
+    }
     if (p2p && (request.root < 0 || request.root >= n_ || request.root == me_)) {
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("{}: peer {} is not another rank of this communicator (rank {} "
@@ -604,6 +578,12 @@ class TcpCommunicator final : public Communicator {
       case OpKind::kRecv:
         activate(r.root, false, true);
         addRecv(r.root, static_cast<char*>(r.recv), bytes, -1);
+        break;
+      case OpKind::kSendRecv:
+        activate(r.root, true, false);
+        addSend(r.root, r.send, bytes, -1);
+        activate(r.from, false, true);
+        addRecv(r.from, static_cast<char*>(r.recv), bytes, -1);
         break;
     }
     for (auto& peer : peers_) {
@@ -1185,6 +1165,7 @@ class TcpCommunicator final : public Communicator {
     if (r.kind == OpKind::kSend || r.kind == OpKind::kRecv) {
       what += fmt::format(", peer {}", r.root);
     }
+    if (r.kind == OpKind::kSendRecv) what += fmt::format(", to {}, from {}", r.root, r.from);
     if (r.kind == OpKind::kBroadcast) what += fmt::format(", root {}", r.root);
     return what + ")";
   }

@@ -246,6 +246,15 @@ class Matrix {
                 0);
           check(received, "recv", type, ReduceOp::kSum, count,
                 [&](size_t i) { return double(valueOf(left, i, salt)); }, out.data(), 0, count);
+          // the same ring in one duplex step each way: right, then back to the left
+          for (const bool rightwards : {true, false}) {
+            ++salt;
+            const int to = rightwards ? right : left, from = rightwards ? left : right;
+            fill(type, in.data(), count, me_, salt);
+            std::memset(out.data(), 0x7f, out.size());
+            check(comm_.sendRecv(in.data(), to, out.data(), from, count, type), "sendrecv", type, ReduceOp::kSum,
+                  count, [&](size_t i) { return double(valueOf(from, i, salt)); }, out.data(), 0, count);
+          }
         }
       }
       check(comm_.barrier(), "barrier", DataType::kFloat32, ReduceOp::kSum, 0,

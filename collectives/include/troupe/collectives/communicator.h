@@ -1,5 +1,5 @@
 // Communicator: collective operations (all-reduce, reduce-scatter, all-gather, broadcast,
-// barrier, send/recv) over the ranks of one (group, epoch) of an elastic group.
+// barrier, send/recv, ring send-receive) over the ranks of one (group, epoch) of an elastic group.
 //
 // Ranks meet through the cluster store: each publishes its address in the rendezvous of
 // (group, epoch), connects to the others and then talks to them directly. A communicator belongs
@@ -99,6 +99,12 @@ class Communicator {
                                           int peer) = 0;
   virtual std::shared_ptr<Work> recvAsync(void* buffer, size_t count, DataType type,
                                           int peer) = 0;
+  // One step of a ring exchange: `count` elements of `send` to rank `to` and as many from rank
+  // `from` into `recv` (to == from is allowed). Every rank of the exchange must call it in the
+  // same order. The CPU backend moves both directions at once; the default issues a send and a
+  // receive in an order that cannot deadlock in a ring.
+  virtual std::shared_ptr<Work> sendRecvAsync(const void* send, int to, void* recv, int from, size_t count,
+                                              DataType type);
 
   // ---- Blocking forms: submit, then wait ----
   Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
@@ -122,6 +128,9 @@ class Communicator {
   }
   Status recv(void* buffer, size_t count, DataType type, int peer) {
     return recvAsync(buffer, count, type, peer)->wait();
+  }
+  Status sendRecv(const void* send, int to, void* recv, int from, size_t count, DataType type) {
+    return sendRecvAsync(send, to, recv, from, count, type)->wait();
   }
 };
 
