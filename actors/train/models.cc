@@ -33,14 +33,20 @@ struct BlockImpl : nn::Module {
     fc2 = register_module("fc2", nn::Linear(4 * d, d));
   }
 
-  at::Tensor forward(at::Tensor x, const at::Tensor& mask) {
+  // ring: causal attention over the ring's whole sequence (ring_attention.h), else over x's.
+  at::Tensor forward(at::Tensor x, const at::Tensor& mask, const Ring* ring) {
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2), dh = c / heads_;
     // [B, T, 3, H, dh] -> [3, B, H, T, dh]
     auto parts = qkv(ln1(x)).view({b, t, 3, heads_, dh}).permute({2, 0, 3, 1, 4});
     const auto q = parts[0], k = parts[1], v = parts[2];
-    auto att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(dh)));
-    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
-    auto y = at::matmul(att, v).transpose(1, 2).reshape({b, t, c});
+    at::Tensor y;
+    if (ring != nullptr) {
+      y = ringAttention(q, k, v, /*causal=*/true, *ring).transpose(1, 2).reshape({b, t, c});
+    } else {
+      auto att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(dh)));
+      att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
+      y = at::matmul(att, v).transpose(1, 2).reshape({b, t, c});
+    }
     x = x + proj(y);
     return x + fc2(at::gelu(fc1(ln2(x))));
   }
@@ -65,11 +71,19 @@ struct TinyLmImpl : nn::Module {
 
   at::Tensor forward(const at::Tensor& tokens) {
     const int64_t t = tokens.size(1);
+    if (ring != nullptr) {  // tokens at `positions` of a sequence spread over the ring
+      TORCH_CHECK(positions.numel() == t, "tinylm: ", t, " tokens per row but ", positions.numel(), " positions");
+      TORCH_CHECK(t * ring->size() <= options.context, "tinylm: ", t * ring->size(),
+                  " tokens per sample but the context is ", options.context);
+      auto x = tok_emb(tokens) + pos_emb.index_select(0, positions);
+      for (const auto& block : *blocks) x = block->as<Block>()->forward(x, at::Tensor(), ring);
+      return head(ln_f(x));
+    }
     TORCH_CHECK(t <= options.context, "tinylm: ", t, " tokens per sample but the context is ",
                 options.context);
     auto x = tok_emb(tokens) + pos_emb.slice(0, 0, t);
     const auto mask = causal.slice(0, 0, t).slice(1, 0, t);
-    for (const auto& block : *blocks) x = block->as<Block>()->forward(x, mask);
+    for (const auto& block : *blocks) x = block->as<Block>()->forward(x, mask, nullptr);
     return head(ln_f(x));
   }
 
@@ -102,6 +116,8 @@ struct TinyLmImpl : nn::Module {
   nn::LayerNorm ln_f{nullptr};
   nn::Linear head{nullptr};
   at::Tensor causal;
+  const Ring* ring = nullptr;  // sequence parallelism: see TrainModel::setSequenceParallel
+  at::Tensor positions;
 };
 TORCH_MODULE(TinyLm);
 
@@ -116,6 +132,11 @@ class TinyLmModel final : public TrainModel {
   std::string inputDtype() const override { return "int64"; }
   int64_t vocab() const override { return net_->options.vocab; }
   void train(bool on) override { net_->train(on); }
+  Status setSequenceParallel(const Ring* ring, const at::Tensor& positions) override {
+    net_->ring = ring;
+    net_->positions = ring != nullptr ? positions : at::Tensor();
+    return Status::ok();
+  }
 
  private:
   TinyLm net_;

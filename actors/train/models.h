@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ring_attention.h"
 #include "troupe/actors/trainer_engine.h"
 
 namespace troupe::actors::train {
@@ -29,6 +30,14 @@ class TrainModel {
   // Largest token id + 1 for token models (inputs are checked against it), 0 otherwise.
   virtual int64_t vocab() const { return 0; }
   virtual void train(bool on) = 0;
+  // Sequence parallelism: from now on each input row holds the tokens at `positions` of a
+  // longer sequence, and attention runs as a ring over `ring` (which must outlive its use);
+  // nullptr: whole sequences, attention over the row alone. Only tinylm can.
+  virtual Status setSequenceParallel(const Ring* ring, const at::Tensor& positions) {
+    (void)positions;
+    if (ring == nullptr) return Status::ok();
+    return Status(StatusCode::kInvalidArgument, "only the built-in tinylm trains with sequence parallelism");
+  }
 };
 
 // The model named by options.model, with built-in models' parameters drawn from `generator`.

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <future>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "engine_testing.h"
@@ -86,3 +87,77 @@ TEST_CASE("ring attention equals full attention, forward and backward, for 1 to 
 
 }  // namespace
 }  // namespace troupe::actors::train
+
+namespace troupe::actors {
+namespace {
+
+using namespace testing;
+
+TEST_CASE("sequence parallelism trains tinylm as one rank does: rings of 2 and 4, and 2 x 2 with data parallel") {
+  TextData text(16);
+  const TrainerEngineOptions o = tinyOptions();  // 16 tokens: 2S divides it for S = 2 and 4
+  auto single = makeEngine(o);
+  std::vector<double> losses;
+  for (int s = 0; s < 3; ++s) {
+    auto m = single->step(text.step(s, 8));
+    REQUIRE_MESSAGE(m.isOk(), m.status().toString());
+    losses.push_back(m->loss);
+  }
+  const auto expected = single->state();
+  for (const auto& [world, seq, zero] : std::vector<std::tuple<int, int, int>>{{2, 2, 0}, {4, 4, 0}, {4, 2, 0}, {4, 2, 2}}) {
+    CAPTURE(world);
+    CAPTURE(seq);
+    CAPTURE(zero);
+    TrainerEngineOptions so = o;
+    so.sequence_parallel = seq;
+    so.zero = zero;
+    auto comms = connectRanks(makeFakeClusterState(), fmt::format("sp-{}-{}-{}", world, seq, zero), world);
+    std::vector<std::unique_ptr<TrainerEngine>> ranks;
+    for (int r = 0; r < world; ++r) {
+      ranks.push_back(makeEngine(so));
+      REQUIRE(ranks[r]->join(comms[r]).isOk());
+      CHECK(ranks[r]->slice().size() == 8 * seq / world);  // the rows of its data-parallel group
+    }
+    double worst_loss = 0;
+    for (int s = 0; s < 3; ++s) {
+      for (auto& m : stepAll(ranks, text.step(s, 8))) {
+        REQUIRE_MESSAGE(m.isOk(), m.status().toString());
+        worst_loss = std::max(worst_loss, std::fabs(m->loss - losses[s]));
+      }
+    }
+    for (int r = 1; r < world; ++r) CHECK(ranks[r]->parameterHash() == ranks[0]->parameterHash());
+    const double diff = maxParamDifference(ranks[0]->state(), expected);
+    MESSAGE(world << " ranks, rings of " << seq << ", zero " << zero << ": max |loss - one rank's| " << worst_loss
+                  << ", max |parameter - one rank's| " << diff << " after 3 AdamW steps");
+    CHECK(worst_loss < 1e-5);
+    CHECK(diff < 1e-4);
+  }
+}
+
+TEST_CASE("sequence parallelism refuses what it cannot do") {
+  TrainerEngineOptions mlp = tinyOptions();
+  mlp.model = "mlp";
+  mlp.sequence_parallel = 2;
+  CHECK(TrainerEngine::create(mlp).status().message().find("only with the built-in tinylm") != std::string::npos);
+  TrainerEngineOptions o = tinyOptions();
+  o.sequence_parallel = 2;
+  auto comms = connectRanks(makeFakeClusterState(), "sp-three", 3);
+  auto engine = makeEngine(o);
+  Status joined = engine->join(comms[0]);
+  CHECK(joined.code() == StatusCode::kInvalidArgument);
+  CHECK(joined.message().find("does not divide the world size 3") != std::string::npos);
+  // 14 tokens do not split into 2 x 2 equal chunks.
+  TextData text(14);
+  auto two = connectRanks(makeFakeClusterState(), "sp-odd", 2);
+  std::vector<std::unique_ptr<TrainerEngine>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(makeEngine(o));
+    REQUIRE(ranks[r]->join(two[r]).isOk());
+  }
+  auto refused = ranks[0]->step(rowsOf(text.step(0, 8), ranks[0]->slice()));
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK(refused.status().message().find("multiple of 4 tokens") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace troupe::actors

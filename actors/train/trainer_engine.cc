@@ -368,6 +368,11 @@ class TrainerEngine::Impl {
     if (o.zero < 0 || o.zero > 2) {
       return invalid(fmt::format("zero must be 0 (data parallel), 1 or 2, got {}", o.zero));
     }
+    if (o.sequence_parallel < 1 || (o.sequence_parallel > 1 && o.model != "tinylm")) {
+      return invalid(fmt::format("sequence_parallel must be >= 1, and above 1 only with the built-in tinylm; got {} "
+                                 "with model {}",
+                                 o.sequence_parallel, o.model));
+    }
     if (o.loss != "cross_entropy" && o.loss != "mse") {
       return invalid(fmt::format("unknown loss '{}': use cross_entropy or mse", o.loss));
     }
@@ -578,6 +583,9 @@ class TrainerEngine::Impl {
   }
 
   bool distributed() const { return comm != nullptr && world > 1; }
+  // With sequence parallelism, the data-parallel group of this rank and their number.
+  int dpRank() const { return rank / seq_ranks; }
+  int dpWorld() const { return world / seq_ranks; }
 
   // A gradient is final (last micro-batch of the pass): launch every bucket that is complete,
   // in bucket order, so all ranks issue the same all-reduces in the same order.
@@ -678,11 +686,11 @@ class TrainerEngine::Impl {
                   " do not match targets ", targets.sizes(), " (logits need one more, last dimension)");
       return at::cross_entropy_loss(logits.reshape({-1, classes}), targets.reshape({-1}), c10::nullopt,
                                     at::Reduction::Sum) /
-             positions;
+             (positions * seq_share);
     }
     TORCH_CHECK(logits.sizes() == targets.sizes(), "mse: logits ", logits.sizes(), " and targets ",
                 targets.sizes(), " differ");
-    return (logits - targets).square().sum() / positions;
+    return (logits - targets).square().sum() / (positions * seq_share);
   }
 
   // Forward and backward over this rank's rows in micro-batches; on the last micro-batch the
@@ -722,6 +730,10 @@ class TrainerEngine::Impl {
         span("backward", backward_us);
         pass.loss_sum += sum.item<double>();
       }
+    } catch (const train::RingFailure& failure) {
+      collecting = false;
+      (void)waitLaunched();
+      return failure.status;
     } catch (const std::exception& e) {
       collecting = false;
       // Launched all-reduces write into the buckets: wait for them before reporting.
@@ -772,15 +784,29 @@ class TrainerEngine::Impl {
       return Status(StatusCode::kFailedPrecondition,
                     fmt::format("a sharded step failed half way ({}): load a state before training on", torn));
     }
-    const RankSlice mine = rankSlice(options.global_batch, world, rank);
+    const RankSlice mine = rankSlice(options.global_batch, dpWorld(), dpRank());
     TROUPE_RETURN_IF_ERROR(checkBatch(batch, mine.size()));
     auto input_type = scalarTypeOf(batch.inputs.dtype);
     auto target_type = scalarTypeOf(batch.targets.dtype);
     if (!input_type) return input_type.status();
     if (!target_type) return target_type.status();
     setThreads();
-    const at::Tensor inputs = viewOf(batch.inputs, *input_type);
-    const at::Tensor targets = viewOf(batch.targets, *target_type);
+    at::Tensor inputs = viewOf(batch.inputs, *input_type);
+    at::Tensor targets = viewOf(batch.targets, *target_type);
+    seq_share = 1;
+    if (seq_ranks > 1) {  // this rank's zigzag share of every sequence
+      const int64_t length = inputs.dim() >= 2 ? inputs.size(1) : 0;
+      if (length % (2 * seq_ranks) != 0 || targets.dim() < 2 || targets.size(1) != length) {
+        return invalid(fmt::format("sequence parallelism over {} ranks needs sequences of a multiple of {} tokens "
+                                   "(inputs and targets alike); got inputs [{}]",
+                                   seq_ranks, 2 * seq_ranks, fmt::join(batch.inputs.shape, ", ")));
+      }
+      const at::Tensor positions = train::zigzagPositions(length, seq_ranks, seq_ring.index);
+      inputs = inputs.index_select(1, positions);
+      targets = targets.index_select(1, positions);
+      TROUPE_RETURN_IF_ERROR(model->setSequenceParallel(&seq_ring, positions));
+      seq_share = seq_ranks;
+    }
 
     auto first = runPass(inputs, targets);
     if (!first) return first.status();
@@ -882,6 +908,8 @@ class TrainerEngine::Impl {
     if (!input_type) return input_type.status();
     if (!target_type) return target_type.status();
     setThreads();
+    TROUPE_RETURN_IF_ERROR(model->setSequenceParallel(nullptr, at::Tensor()));  // whole sequences, locally
+    seq_share = 1;
     try {
       torch::NoGradGuard no_grad;
       const at::Tensor sum = lossSum(model->forward(viewOf(batch.inputs, *input_type)),
@@ -1192,6 +1220,11 @@ class TrainerEngine::Impl {
   std::vector<at::Tensor> piece_params;
   std::vector<at::Tensor> piece_grads;
   std::string torn;  // why a sharded step stopped half way; cleared by loadState
+  // Sequence parallelism: the ring of this rank's data-parallel group (its size is seq_ranks
+  // once joined), and the share of each sequence the current step's rows hold (1 or seq_ranks).
+  train::Ring seq_ring;
+  int seq_ranks = 1;
+  int64_t seq_share = 1;
   std::shared_ptr<collectives::Communicator> comm;
   int rank = 0;
   int world = 1;
@@ -1261,6 +1294,17 @@ Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
   }
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->worldSize() : 1;
+  const int seq = impl_->options.sequence_parallel;
+  if (world > 1 && world % seq != 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("join: sequence_parallel {} does not divide the world size {}", seq, world));
+  }
+  const int seq_ranks = world > 1 ? seq : 1;
+  impl_->seq_ranks = seq_ranks;
+  impl_->seq_ring.comm = comm.get();
+  impl_->seq_ring.ranks.clear();
+  for (int i = 0; i < seq_ranks; ++i) impl_->seq_ring.ranks.push_back(rank / seq_ranks * seq_ranks + i);
+  impl_->seq_ring.index = rank % seq_ranks;
   const bool reshard = impl_->sharded() && (rank != impl_->rank || world != impl_->world);
   impl_->rank = rank;
   impl_->world = world;
@@ -1281,7 +1325,7 @@ Status TrainerEngine::join(std::shared_ptr<collectives::Communicator> comm) {
 int TrainerEngine::rank() const { return impl_->rank; }
 int TrainerEngine::worldSize() const { return impl_->world; }
 RankSlice TrainerEngine::slice() const {
-  return rankSlice(impl_->options.global_batch, impl_->world, impl_->rank);
+  return rankSlice(impl_->options.global_batch, impl_->dpWorld(), impl_->dpRank());
 }
 Result<StepMetrics> TrainerEngine::step(const Batch& batch) { return impl_->step(batch); }
 Result<double> TrainerEngine::evaluate(const Batch& batch) { return impl_->evaluate(batch); }

@@ -30,6 +30,14 @@
 // and the optimizer state of the shard, as ranged entries that loadState() re-assembles at any
 // world size (pass it the states of every rank of the old world).
 //
+// Sequence parallelism (options.sequence_parallel = S > 1, tinylm only). The W ranks form W/S
+// data-parallel groups of S consecutive ranks: ranks d*S .. d*S+S-1 compute the same rows,
+// rankSlice(G, W/S, d), each the positions of its zigzag share of every sequence (chunks s and
+// 2S-1-s of 2S), with attention as a ring over the S ranks (ring attention: forward and backward
+// equal full attention within float rounding). Batches still carry whole sequences (T a
+// multiple of 2S); the engine takes its positions. Gradients are summed over all W ranks as
+// before, which also sums the sequence's shares. evaluate() runs whole sequences locally.
+//
 // Failures. A communicator error (a peer died or left, the epoch moved on, a timeout) makes
 // step() return that error as soon as the communicator reports it; the parameters, optimizer
 // state and step count are those from before the step, so the group can restore or retry after
@@ -99,6 +107,8 @@ struct TrainerEngineOptions {
   // 0: data parallel (every rank holds the whole optimizer state); 1: ZeRO-1 (optimizer state
   // sharded); 2: ZeRO-2 (gradients sharded too). See the header comment.
   int zero = 0;
+  // Ranks per sequence (ring attention); must divide the world size. See the header comment.
+  int sequence_parallel = 1;
 };
 
 // What one step did. Times are wall-clock seconds on the calling thread.
@@ -147,11 +157,13 @@ class TrainerEngine {
   // Joins a group epoch: rank and world size come from `comm` (shared: the trainer may also use
   // it); nullptr or a world of 1 trains alone without all-reduce. Parameters are not exchanged:
   // every rank must hold the same state (same seed, or the same checkpoint loaded).
-  // kFailedPrecondition when `comm` is already unusable.
+  // kFailedPrecondition when `comm` is already unusable; kInvalidArgument when
+  // sequence_parallel does not divide its world size.
   Status join(std::shared_ptr<collectives::Communicator> comm);
   int rank() const;
   int worldSize() const;
-  // The rows of each step this rank computes: rankSlice(global_batch, worldSize(), rank()).
+  // The rows of each step this rank computes: rankSlice(global_batch, worldSize(), rank()), or
+  // with sequence parallelism S, those of its data-parallel group (see the header comment).
   RankSlice slice() const;
 
   // One training step on this rank's rows of the step (slice().size() rows; sample_ids may be
