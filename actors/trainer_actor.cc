@@ -61,6 +61,7 @@ Result<TrainerEngineOptions> engineOptions(const Json& e) {
   o.max_micro_batch = e.value("max_micro_batch", o.max_micro_batch);
   o.tinylm.context = e.value("context", o.tinylm.context);
   o.zero = e.value("zero", o.zero);
+  o.sequence_parallel = e.value("sequence_parallel", o.sequence_parallel);
   o.wsam_base = e.value("wsam_base", o.wsam_base);
   if (e.contains("mlp_sizes")) o.mlp_sizes = e["mlp_sizes"].get<std::vector<int64_t>>();
   return o;
@@ -496,12 +497,19 @@ class Trainer final : public Actor {
     return told.isOk() ? Status::ok() : told.status();
   }
 
+  // Sequence parallelism: trainers per ring in this world, and this trainer's data-parallel
+  // group among world / ringSize() (the dataloader's rank and world).
+  int ringSize() const { return world_ > 1 ? options_.sequence_parallel : 1; }
+  int dataRank() const { return rank_ / ringSize(); }
+  int dataWorld() const { return world_ / ringSize(); }
+
   // Batches are asked for up to prefetch_ steps ahead; the requests live on the RPC thread.
   void startTakes(int64_t from, int64_t until) {
     executor_->executeSync([this, from, until]() {
       for (int64_t k = from; k < until; ++k) {
         if (takes_.count(k)) continue;
-        std::string payload = Json{{"step", k}, {"rank", rank_}, {"world", world_}}.dump();
+        // A ring of sequence parallelism shares its data-parallel group's rows.
+        std::string payload = Json{{"step", k}, {"rank", dataRank()}, {"world", dataWorld()}}.dump();
         takes_.emplace(k, context_.cluster->actor(ActorId(dataloader_)).call("take", kj::mv(payload)).fork());
       }
     });
@@ -557,8 +565,12 @@ class Trainer final : public Actor {
       auto m = engine_->step(*batch);
       if (!m.isOk()) return m.status();
       m->compute_s += slow;  // the delay stands for a slower machine: it counts as compute
-      auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", rank_}}.dump());
-      if (!done.isOk()) return done.status();
+      // One member of each ring completes the rows (every member took them before the step's
+      // ring could run).
+      if (rank_ % ringSize() == 0) {
+        auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", dataRank()}}.dump());
+        if (!done.isOk()) return done.status();
+      }
       auto t1 = Clock::now();
       if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) {
         int64_t snapshot_us = wallUs();

@@ -35,6 +35,12 @@ equals zero=0's (data parallel). It stays elastic: when the world changes (a shr
 loss, a resize, the tuner), every rank re-assembles its new shard from the snapshots of the old
 ranks, so nothing is lost; troupe.checkpoint.load() puts a persisted step back together whole.
 
+sequence_parallel=S (tinylm) splits every sequence over rings of S trainers: each holds 1/S of
+each sequence (the zigzag split, so causal attention costs every rank the same) and attention
+runs as a ring (ring attention, equal to full attention). The trainers form a 2-D mesh: W/S
+data-parallel groups of S. The world size stays a multiple of S: a failure that leaves a broken
+ring shrinks the group to whole rings (never below min_workers), and resizes go by whole rings.
+
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
@@ -105,7 +111,7 @@ class ElasticTrainer:
                  min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
                  max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
                  name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None,
-                 hang_timeout=120.0, zero=0, _fault=None):
+                 hang_timeout=120.0, zero=0, sequence_parallel=1, _fault=None):
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
         # coordinator, which receives every rank's results.
@@ -135,6 +141,11 @@ class ElasticTrainer:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
         if zero not in (0, 1, 2):
             raise ValueError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {zero!r}")
+        seq = int(sequence_parallel)
+        if seq < 1 or min_workers % seq or max_workers % seq or context % (2 * seq):
+            raise ValueError(f"sequence_parallel={sequence_parallel!r} needs min_workers ({min_workers}) and "
+                             f"max_workers ({max_workers}) to be multiples of it and context ({context}) a multiple "
+                             f"of twice it")
         if global_batch_size < max_workers:
             raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {max_workers}")
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
@@ -144,7 +155,7 @@ class ElasticTrainer:
             "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
             "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": int(threads_per_worker),
             "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
-            "context": int(context), "zero": int(zero), **{k: v for k, v in opt.items()},
+            "context": int(context), "zero": int(zero), "sequence_parallel": seq, **{k: v for k, v in opt.items()},
         }
         self._data = _data_spec(data)
         self._snapshot_fixed = "snapshot_every" in checkpoint
@@ -180,7 +191,8 @@ class ElasticTrainer:
     def _place(self, workers):
         """Reserves `workers` trainer bundles (fewer, down to min_workers, if they do not fit)."""
         reasons = []
-        for n in range(workers, self.min_workers - 1, -1):
+        seq = self._seq()
+        for n in range(workers - workers % seq, self.min_workers - 1, -seq):
             try:
                 pg = self._rt.create_placement_group("PACK", [{"CPU": 1.0}] * n, self.name)
             except ResourceExhaustedError as e:  # infeasible: more CPUs than the cluster has
@@ -204,6 +216,10 @@ class ElasticTrainer:
         self._bundles = list(range(len(self._pg["bundle_nodes"])))
         self.trainers = [self._spawn_trainer(b) for b in self._bundles]
         self._join_all()
+
+    def _seq(self):
+        """Trainers per ring (sequence parallelism); the world size is a multiple of it."""
+        return int(self._engine.get("sequence_parallel", 1))
 
     def _ckpt_name(self, node):
         return f"ckpt-{self.group_id}-{node}"
@@ -494,6 +510,8 @@ class ElasticTrainer:
         """Grows or shrinks to `workers` trainers at the next chunk boundary."""
         if not self.min_workers <= workers <= self.max_workers:
             raise ValueError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
+        if workers % self._seq():
+            raise ValueError(f"resize({workers}): not a multiple of sequence_parallel={self._seq()}")
         self._resize_to = workers
 
     def fit(self, steps=None, until=None):
@@ -563,7 +581,8 @@ class ElasticTrainer:
                    "snapshot_s": max(r[i]["snapshot_s"] for r in per_rank),
                    "bytes_allreduced": max(r[i]["bytes_allreduced"] for r in per_rank),
                    "samples": m["samples"],
-                   "sample_ids": sorted(x for r in per_rank for x in r[i]["sample_ids"])}
+                   # the members of a ring share their rows: each row once
+                   "sample_ids": sorted(x for r in per_rank[::self._seq()] for x in r[i]["sample_ids"])}
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
@@ -624,6 +643,13 @@ class ElasticTrainer:
                 self._event(f"trainer {t._id} (bundle {bundle}) is not coming back (no room for a replacement "
                             f"within {self.replace_timeout:.0f} s): the group shrinks")
                 _api.kill(t)
+        broken = len(survivors) % self._seq()
+        if broken:  # sequence parallelism trains whole rings: the newest survivors leave too
+            for t in survivors[-broken:]:
+                self._event(f"trainer {t._id} leaves so that the group keeps whole rings of {self._seq()}")
+                _api.kill(t)
+                answering.discard(t._id)
+            survivors = survivors[:-broken]
         if len(survivors) < self.min_workers:
             raise TroupeError(f"group {self.name}: {len(survivors)} trainer(s) left, fewer than min_workers "
                               f"{self.min_workers}") from failure
@@ -738,7 +764,7 @@ class ElasticTrainer:
                         f"{' (exploring)' if decision['explore'] else ''}: {decision['reason']}; predicted "
                         f"{(decision['predicted_samples_per_s'] or 0):.1f} samples/s at {decision['target']} vs "
                         f"{(decision['predicted_current_samples_per_s'] or 0):.1f} now")
-            self.resize(decision["target"])
+            self.resize(max(self.min_workers, decision["target"] - decision["target"] % self._seq()))
         settings = {"threads": int(decision["threads"]), "prefetch": int(decision["prefetch"])}
         if settings != self._settings:
             # Applied now to the current trainers, and by _spawn_trainer to new ones.
