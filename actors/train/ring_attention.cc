@@ -4,6 +4,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -21,6 +22,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// Query rows per tile of a block: a block's scores and probabilities exist for one tile at a
+// time, so memory grows with the tokens a rank holds, not their square.
+constexpr int64_t kTileRows = 256;
 
 // -inf (a row that has seen no key yet) read as 0, so that exp(x - it) never makes a NaN.
 at::Tensor finite(const at::Tensor& lse) { return at::where(at::isinf(lse), at::zeros_like(lse), lse); }
@@ -103,21 +107,22 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       if (j + 1 < n) work = hop(ring, kv, incoming);  // the next block arrives during this one
       const Visible vis = visible(positions[static_cast<size_t>(ring.index)], positions[static_cast<size_t>(src)], causal);
       if (!nothingVisible(vis, tokens)) {
-        const int64_t rows = tokens - vis.row0;
-        const at::Tensor qs = q.narrow(2, vis.row0, rows);
         const at::Tensor kb = kv[0].narrow(2, 0, vis.cols);
         const at::Tensor vb = kv[1].narrow(2, 0, vis.cols);
-        at::Tensor s = at::matmul(qs, kb.transpose(-2, -1)) * scale;
-        if (vis.mask.defined()) s = s.masked_fill(vis.mask, -kInf);
-        const at::Tensor blk_lse = s.logsumexp(-1);
-        const at::Tensor blk_out = at::matmul((s - finite(blk_lse).unsqueeze(-1)).exp(), vb);
-        at::Tensor old_lse = lse.narrow(2, vis.row0, rows);
-        at::Tensor old_out = out.narrow(2, vis.row0, rows);
-        const at::Tensor m = finite(at::maximum(old_lse, blk_lse));
-        const at::Tensor new_lse = m + ((old_lse - m).exp() + (blk_lse - m).exp()).log();
-        const at::Tensor safe = finite(new_lse);
-        old_out.copy_(old_out * (old_lse - safe).exp().unsqueeze(-1) + blk_out * (blk_lse - safe).exp().unsqueeze(-1));
-        old_lse.copy_(new_lse);
+        for (int64_t row = vis.row0; row < tokens; row += kTileRows) {
+          const int64_t rows = std::min(kTileRows, tokens - row);
+          at::Tensor s = at::matmul(q.narrow(2, row, rows), kb.transpose(-2, -1)) * scale;
+          if (vis.mask.defined()) s = s.masked_fill(vis.mask.narrow(0, row - vis.row0, rows), -kInf);
+          const at::Tensor blk_lse = s.logsumexp(-1);
+          const at::Tensor blk_out = at::matmul((s - finite(blk_lse).unsqueeze(-1)).exp(), vb);
+          at::Tensor old_lse = lse.narrow(2, row, rows);
+          at::Tensor old_out = out.narrow(2, row, rows);
+          const at::Tensor m = finite(at::maximum(old_lse, blk_lse));
+          const at::Tensor new_lse = m + ((old_lse - m).exp() + (blk_lse - m).exp()).log();
+          const at::Tensor safe = finite(new_lse);
+          old_out.copy_(old_out * (old_lse - safe).exp().unsqueeze(-1) + blk_out * (blk_lse - safe).exp().unsqueeze(-1));
+          old_lse.copy_(new_lse);
+        }
       }
       if (work) {
         finish(work);
@@ -157,18 +162,22 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       if (j + 1 < n) work = hop(ring, kv, incoming);
       const Visible vis = visible(positions[static_cast<size_t>(ring.index)], positions[static_cast<size_t>(src)], causal);
       if (!nothingVisible(vis, tokens)) {
-        const int64_t rows = tokens - vis.row0;
-        const at::Tensor qs = q.narrow(2, vis.row0, rows);
-        const at::Tensor dos = dout.narrow(2, vis.row0, rows);
         const at::Tensor kb = kv[0].narrow(2, 0, vis.cols);
         const at::Tensor vb = kv[1].narrow(2, 0, vis.cols);
-        at::Tensor s = at::matmul(qs, kb.transpose(-2, -1)) * scale;
-        if (vis.mask.defined()) s = s.masked_fill(vis.mask, -kInf);
-        const at::Tensor p = (s - lse.narrow(2, vis.row0, rows).unsqueeze(-1)).exp();
-        const at::Tensor ds = p * (at::matmul(dos, vb.transpose(-2, -1)) - delta.narrow(2, vis.row0, rows).unsqueeze(-1));
-        dq.narrow(2, vis.row0, rows).add_(at::matmul(ds, kb), scale);
-        dkv[0].narrow(2, 0, vis.cols).add_(at::matmul(ds.transpose(-2, -1), qs), scale);
-        dkv[1].narrow(2, 0, vis.cols).add_(at::matmul(p.transpose(-2, -1), dos));
+        at::Tensor dk = dkv[0].narrow(2, 0, vis.cols);
+        at::Tensor dv = dkv[1].narrow(2, 0, vis.cols);
+        for (int64_t row = vis.row0; row < tokens; row += kTileRows) {
+          const int64_t rows = std::min(kTileRows, tokens - row);
+          const at::Tensor qs = q.narrow(2, row, rows);
+          const at::Tensor dos = dout.narrow(2, row, rows);
+          at::Tensor s = at::matmul(qs, kb.transpose(-2, -1)) * scale;
+          if (vis.mask.defined()) s = s.masked_fill(vis.mask.narrow(0, row - vis.row0, rows), -kInf);
+          const at::Tensor p = (s - lse.narrow(2, row, rows).unsqueeze(-1)).exp();
+          const at::Tensor ds = p * (at::matmul(dos, vb.transpose(-2, -1)) - delta.narrow(2, row, rows).unsqueeze(-1));
+          dq.narrow(2, row, rows).add_(at::matmul(ds, kb), scale);
+          dk.add_(at::matmul(ds.transpose(-2, -1), qs), scale);
+          dv.add_(at::matmul(p.transpose(-2, -1), dos));
+        }
       }
       if (n > 1) {  // this block's gradient goes on with it; after the last hop each is home
         auto grad_work = hop(ring, dkv, incoming_grad);

@@ -31,11 +31,13 @@ TEST_CASE("zigzag: each rank holds chunks s and 2S-1-s; a length that does not s
 
 TEST_CASE("ring attention equals full attention, forward and backward, for 1 to 4 ranks") {
   const int64_t B = 2, H = 3, D = 8;
+  // 3 tokens per zigzag chunk; and 150, so that a rank's 300 queries span two tiles of rows.
+  const std::vector<std::pair<int, int64_t>> rings = {{1, 6}, {2, 12}, {3, 18}, {4, 24}, {2, 600}};
   for (const bool causal : {false, true}) {
-    for (int S = 1; S <= 4; ++S) {
+    for (const auto& [S, L] : rings) {
       CAPTURE(causal);
       CAPTURE(S);
-      const int64_t L = 6 * S;  // 3 tokens per zigzag chunk
+      CAPTURE(L);
       auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 * S + causal));
       auto make = [&] { return at::randn({B, H, L, D}, gen, at::TensorOptions().dtype(at::kFloat)); };
       const at::Tensor q = make(), k = make(), v = make(), g = make();
@@ -47,7 +49,7 @@ TEST_CASE("ring attention equals full attention, forward and backward, for 1 to 
       (expected * g).sum().backward();
 
       std::vector<std::shared_ptr<collectives::Communicator>> comms;
-      if (S > 1) comms = connectRanks(makeFakeClusterState(), fmt::format("ring-{}-{}", S, causal), S);
+      if (S > 1) comms = connectRanks(makeFakeClusterState(), fmt::format("ring-{}-{}-{}", S, L, causal), S);
       struct Got {
         at::Tensor positions, out, dq, dk, dv;
       };
@@ -79,7 +81,7 @@ TEST_CASE("ring attention equals full attention, forward and backward, for 1 to 
                           maxDiff(got.dk, kr.grad().index_select(2, got.positions)),
                           maxDiff(got.dv, vr.grad().index_select(2, got.positions))});
       }
-      MESSAGE("ring of " << S << (causal ? std::string(", causal") : std::string()) << ": max |ring - full| over out, dq, dk, dv: " << worst);
+      MESSAGE("ring of " << S << ", " << L << " tokens" << (causal ? std::string(", causal") : std::string()) << ": max |ring - full| over out, dq, dk, dv: " << worst);
       CHECK(worst < 1e-5);
     }
   }

@@ -1,15 +1,24 @@
-// parallel_bench (bench/run parallel [--json]): memory and step time of data parallel against
-// ZeRO-1 and ZeRO-2 for one model of about 50M parameters (the built-in MLP, 2048-4096-4096-
-// 4096-2048, MSE on random features) with AdamW, at world sizes 2 and 4. Each rank is a process
-// with one intra-op thread; ranks meet through a real redis-server and talk over the CPU ring.
-// Prints a table and, with --json, one JSON object on the last line:
+// parallel_bench (bench/run parallel [--json]): what sharding buys, in two parts.
+//
+// 1. Memory and step time of data parallel against ZeRO-1 and ZeRO-2 for one model of about 50M
+//    parameters (the built-in MLP, 2048-4096-4096-4096-2048, MSE on random features) with AdamW,
+//    at world sizes 2 and 4. Per rank: optimizer-state bytes (every state tensor it holds), peak
+//    resident memory (VmHWM of its process) and the median step time after warm-up; a row reports
+//    the largest over its ranks (a synchronous step is as slow as the slowest rank).
+// 2. Ring attention: tinylm (d_model 64, 4 heads, 2 layers, one sequence per step) at doubling
+//    contexts, on one rank (ordinary attention) and on a ring of 4 (sequence parallelism): the
+//    peak resident memory per rank of a training step, the longest context whose peak stays
+//    within a per-rank budget (--ring-budget-mb), and tokens/s at a context both can run.
+//
+// Each rank is a process with one intra-op thread; ranks meet through a real redis-server and
+// talk over the CPU ring. Prints tables and, with --json, one JSON object on the last line:
 //   {"benchmark": "parallel", "config": {...}, "rows": [{"mode": "dp" | "zero1" | "zero2",
 //    "world_size", "opt_state_bytes_per_rank", "opt_state_vs_dp_over_n", "peak_rss_bytes",
-//    "step_s", "step_s_min", "step_s_max", "step_vs_dp", "parameters"}, ...]}
-//
-// Per rank: optimizer-state bytes (every state tensor it holds), peak resident memory (VmHWM
-// of its process) and the median step time after warm-up; a row reports the largest over its
-// ranks (a synchronous step is as slow as the slowest rank, memory as big as the biggest).
+//    "step_s", "step_s_min", "step_s_max", "step_vs_dp", "parameters"}, ...],
+//    "ring": [{"sequence_parallel", "context", "peak_rss_bytes", "step_s", "tokens_per_s"}, ...],
+//    "ring_budget_bytes", "ring_max_context": {"1": tokens, "4": tokens},
+//    "ring_max_context_is_lower_bound": {"1": bool, "4": bool} (true: the longest context tried),
+//    "ring_tokens_per_s": {"context", "1", "4"}}
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -44,6 +54,12 @@ struct Config {
   int steps = 5;
   int warmup = 2;
   double bucket_mb = 25;
+  // Ring attention part.
+  // Up to 8192: a step of a ring of 4 at 8192 tokens takes about 20 s on 2 cores, and one at
+  // 16384 four times that.
+  std::vector<int64_t> contexts = {512, 1024, 2048, 4096, 8192};
+  double ring_budget_mb = 1024;
+  int ring_steps = 2;
 };
 
 double median(std::vector<double> v) {
@@ -145,6 +161,59 @@ int serveRank(const Config& c, int rank, int world, int zero) {
   return 0;
 }
 
+// One rank of a tinylm ring of `seq` (a world of `seq`, one sequence of `context` tokens per
+// step): peak memory and step time.
+int serveRingRank(const Config& c, int rank, int seq, int64_t context) {
+  TrainerEngineOptions o;
+  o.model = "tinylm";
+  o.tinylm.context = context;
+  o.tinylm.d_model = 64;
+  o.tinylm.heads = 4;
+  o.tinylm.layers = 2;
+  o.optimizer = "adamw";
+  o.threads = 1;
+  o.global_batch = 1;
+  o.max_micro_batch = 1;
+  o.sequence_parallel = seq;
+  auto engine = TrainerEngine::create(o);
+  if (!engine) return fail(engine.status());
+  if (seq > 1) {
+    RedisOptions redis;
+    redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
+    redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
+    redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
+    redis.cluster = "bench";
+    auto store = connectRedisStore(redis);
+    if (!store) return fail(store.status());
+    collectives::CommunicatorOptions options;
+    options.group = fmt::format("ring-{}-{}", seq, context);
+    options.epoch = 1;
+    options.rank = rank;
+    options.worldSize = seq;
+    auto connected = collectives::connectCpuCommunicator(**store, options);
+    if (!connected) return fail(connected.status());
+    if (Status s = (*engine)->join(std::move(connected).value()); !s.isOk()) return fail(s);
+  }
+  Batch b;
+  for (HostTensor* t : {&b.inputs, &b.targets}) {
+    t->dtype = "int64";
+    t->shape = {1, context};
+    t->bytes.resize(static_cast<size_t>(context) * 8);
+    auto* v = reinterpret_cast<int64_t*>(t->bytes.data());
+    for (int64_t i = 0; i < context; ++i) v[i] = (i * 7919 + (t == &b.targets ? 1 : 0)) % 256;
+  }
+  std::vector<double> step_s;
+  for (int step = 0; step < c.ring_steps; ++step) {
+    const auto start = Clock::now();
+    auto metrics = (*engine)->step(b);
+    if (!metrics) return fail(metrics.status());
+    step_s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  json result = {{"rank", rank}, {"step_s", median(step_s)}, {"peak_rss_bytes", peakRssBytes()}};
+  std::printf("RESULT %s\n", result.dump().c_str());
+  return 0;
+}
+
 // ---- The driver ----
 
 std::vector<json> runRanks(int world, const std::function<SpawnOptions(int)>& spawnFor, const std::string& dir,
@@ -204,11 +273,22 @@ int main(int argc, char** argv) {
   app.add_option("--global-batch", c.global_batch);
   app.add_option("--sizes", c.sizes, "MLP layer widths")->delimiter(',');
   app.add_option("--bucket-mb", c.bucket_mb);
+  app.add_option("--contexts", c.contexts, "ring attention: contexts tried, ascending")->delimiter(',');
+  app.add_option("--ring-budget-mb", c.ring_budget_mb, "ring attention: peak resident memory allowed per rank");
+  bool skip_zero = false, skip_ring = false;
+  app.add_flag("--no-zero", skip_zero, "skip the data parallel vs ZeRO part");
+  app.add_flag("--no-ring", skip_ring, "skip the ring attention part");
+  int serve_ring = -1, seq = 1;
+  int64_t context = 0;
   app.add_option("--serve-rank", serve)->group("");  // internal: run one rank
+  app.add_option("--serve-ring", serve_ring)->group("");
+  app.add_option("--seq", seq)->group("");
+  app.add_option("--context", context)->group("");
   app.add_option("--world", world)->group("");
   app.add_option("--zero", zero)->group("");
   CLI11_PARSE(app, argc, argv);
   if (serve >= 0) return serveRank(c, serve, world, zero);
+  if (serve_ring >= 0) return serveRingRank(c, serve_ring, seq, context);
 
   testing::RedisServerProcess redis;
   char pattern[] = "/tmp/troupe-bench-parallel-XXXXXX";
@@ -225,7 +305,7 @@ int main(int argc, char** argv) {
               fmt::format("{}", fmt::join(c.sizes, "-")).c_str(), static_cast<long>(c.global_batch), c.steps, c.warmup);
   std::printf("%5s %6s | %14s %10s | %13s | %9s %17s %8s\n", "world", "mode", "opt state MB", "vs DP/N", "peak RSS MB",
               "step s", "(min-max)", "vs DP");
-  for (int w : worlds) {
+  for (int w : skip_zero ? std::vector<int>{} : worlds) {
     double dp_state = 0, dp_step = 0;
     for (int z = 0; z < 3; ++z) {
       std::fprintf(stderr, "parallel_bench: %s, world %d...\n", kModes[z], w);
@@ -266,12 +346,75 @@ int main(int argc, char** argv) {
   }
   std::printf("vs DP/N = this rank's optimizer state / (data parallel's / world): 1.00x is a perfect 1/N share; "
               "vs DP = step time / data parallel's at the same world size\n");
+
+  // Ring attention: each ring size tries doubling contexts until a rank's peak passes the budget.
+  json ring = json::array();
+  const double budget = c.ring_budget_mb * 1e6;
+  std::map<int, int64_t> longest;
+  std::map<std::pair<int, int64_t>, double> tokens_per_s;
+  if (!skip_ring) {
+    std::printf("\nring attention: tinylm d_model 64, 4 heads, 2 layers, one sequence per step, AdamW; budget %.0f MB "
+                "peak per rank\n",
+                c.ring_budget_mb);
+    std::printf("%5s %8s | %13s %9s %10s\n", "ranks", "context", "peak RSS MB", "step s", "tokens/s");
+    for (int s : {1, 4}) {
+      longest[s] = 0;
+      for (int64_t t : c.contexts) {
+        if (t % (2 * s) != 0) continue;
+        std::fprintf(stderr, "parallel_bench: ring of %d, context %ld...\n", s, static_cast<long>(t));
+        auto ranks = runRanks(s, [&](int r) {
+          SpawnOptions spawn;
+          spawn.argv = {self, "--serve-ring", std::to_string(r), "--seq", std::to_string(s), "--context",
+                        std::to_string(t)};
+          spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(), fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
+                       "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(), "OMP_NUM_THREADS=1"};
+          return spawn;
+        }, dir, fmt::format("ring{}-{}", s, t));
+        if (ranks.size() != static_cast<size_t>(s)) {
+          ok = false;
+          break;
+        }
+        const double peak = largest(ranks, "peak_rss_bytes"), step = largest(ranks, "step_s");
+        const double tps = step > 0 ? static_cast<double>(t) / step : 0;
+        std::printf("%5d %8ld | %13.1f %9.3f %10.0f%s\n", s, static_cast<long>(t), peak / 1e6, step, tps,
+                    peak > budget ? "  (over the budget)" : "");
+        ring.push_back(json{{"sequence_parallel", s}, {"context", t}, {"peak_rss_bytes", static_cast<uint64_t>(peak)},
+                            {"step_s", step}, {"tokens_per_s", tps}});
+        tokens_per_s[{s, t}] = tps;
+        if (peak > budget) break;
+        longest[s] = t;
+      }
+    }
+    auto bound = [&](int s) { return longest[s] == c.contexts.back() ? " (the longest tried: at least)" : ""; };
+    std::printf("longest context within the budget: %ld tokens on one rank%s, %ld on a ring of 4%s (%.1fx)\n",
+                static_cast<long>(longest[1]), bound(1), static_cast<long>(longest[4]), bound(4),
+                longest[1] > 0 ? static_cast<double>(longest[4]) / static_cast<double>(longest[1]) : 0.0);
+  }
+  // tokens/s at the longest context both ran within the budget
+  const int64_t both = std::min(longest[1], longest[4]);
+  json ring_tps = json::object();
+  if (both > 0) {
+    ring_tps = {{"context", both}, {"1", tokens_per_s[{1, both}]}, {"4", tokens_per_s[{4, both}]}};
+    std::printf("at %ld tokens: %.0f tokens/s on one rank, %.0f on a ring of 4 (%.2fx)\n", static_cast<long>(both),
+                tokens_per_s[{1, both}], tokens_per_s[{4, both}],
+                tokens_per_s[{1, both}] > 0 ? tokens_per_s[{4, both}] / tokens_per_s[{1, both}] : 0.0);
+  }
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
   if (emit_json) {
     json config = {{"model", "mlp"}, {"sizes", c.sizes}, {"optimizer", "adamw"}, {"global_batch", c.global_batch},
-                   {"steps", c.steps}, {"warmup", c.warmup}, {"bucket_mb", c.bucket_mb}};
-    std::printf("%s\n", json{{"benchmark", "parallel"}, {"config", config}, {"rows", rows}}.dump().c_str());
+                   {"steps", c.steps}, {"warmup", c.warmup}, {"bucket_mb", c.bucket_mb},
+                   {"ring_contexts", c.contexts}, {"ring_steps", c.ring_steps}};
+    json max_context = skip_ring ? json::object() : json{{"1", longest[1]}, {"4", longest[4]}};
+    // A context that is the longest tried is a lower bound of the ring's reach.
+    json at_least = skip_ring ? json::object()
+                              : json{{"1", longest[1] == c.contexts.back()}, {"4", longest[4] == c.contexts.back()}};
+    std::printf("%s\n", json{{"benchmark", "parallel"}, {"config", config}, {"rows", rows}, {"ring", ring},
+                              {"ring_budget_bytes", static_cast<uint64_t>(budget)}, {"ring_max_context", max_context},
+                              {"ring_max_context_is_lower_bound", at_least},
+                              {"ring_tokens_per_s", ring_tps}}
+                             .dump()
+                             .c_str());
   }
   return ok ? 0 : 1;
 }
