@@ -103,11 +103,22 @@ class NcclCommunicator final : public Communicator {
     cudaSetDevice(device_);
     if (health().isOk()) {
       cudaStreamSynchronize(stream_);
-      ncclCommFinalize(comm_);
-      ncclCommDestroy(comm_);
-    } else {
+      // Non-blocking: the finalize goes on after the call returns; destroy once it is done.
+      ncclResult_t state = ncclCommFinalize(comm_);
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      while (state == ncclInProgress && Clock::now() < deadline) {
+        std::this_thread::sleep_for(kPollInterval);
+        ncclCommGetAsyncError(comm_, &state);
+      }
+      if (state == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    } else if (!aborted_) {
       ncclCommAbort(comm_);
-    }
+    }  // an aborted communicator is already freed: a second abort crashed (seen on an H100)
+    if (barrier_ != nullptr) cudaFree(barrier_);
     cudaStreamDestroy(stream_);
   }
 
@@ -195,7 +206,11 @@ class NcclCommunicator final : public Communicator {
       if (query == cudaSuccess) return Status::ok();
       if (query != cudaErrorNotReady) return breakWith(cudaError("cudaEventQuery", query));
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async);
+      {
+        std::lock_guard lock(mutex_);  // the communicator lives until an abort, under this lock
+        if (aborted_) continue;        // health() says why on the next round
+        ncclCommGetAsyncError(comm_, &async);
+      }
       if (async != ncclSuccess && async != ncclInProgress) {
         return breakWith(ncclError("an NCCL operation", async, comm_));
       }
@@ -209,19 +224,21 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // NCCL calls are made under mutex_, so an abort from the epoch watcher (which frees the
+  // communicator) never runs in the middle of one.
   template <typename Call>
   std::shared_ptr<Work> enqueue(std::string_view what, DataType type, Call call) {
-    if (Status status = health(); !status.isOk()) {
-      return std::make_shared<NcclWork>(this, nullptr, status);
-    }
     auto t = ncclType(type);
     if (!t) return std::make_shared<NcclWork>(this, nullptr, t.status());
-    cudaSetDevice(device_);
-    ncclResult_t result = call(*t);
-    if (result != ncclSuccess && result != ncclInProgress) {
-      return std::make_shared<NcclWork>(this, nullptr,
-                                        breakWith(ncclError(what, result, comm_)));
+    Status failed;
+    {
+      std::lock_guard lock(mutex_);
+      if (!health_.isOk()) return std::make_shared<NcclWork>(this, nullptr, health_);
+      cudaSetDevice(device_);
+      ncclResult_t result = call(*t);
+      if (result != ncclSuccess && result != ncclInProgress) failed = ncclError(what, result, comm_);
     }
+    if (!failed.isOk()) return std::make_shared<NcclWork>(this, nullptr, breakWith(failed));
     cudaEvent_t event = nullptr;
     cudaError_t error = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     if (error == cudaSuccess) error = cudaEventRecord(event, stream_);
@@ -232,22 +249,19 @@ class NcclCommunicator final : public Communicator {
     return std::make_shared<NcclWork>(this, event, Status::ok());
   }
 
-  void* barrierBuffer() {
-    std::lock_guard lock(mutex_);
+  void* barrierBuffer() {  // under mutex_ (called from enqueue's call)
     if (barrier_ == nullptr) cudaMalloc(&barrier_, sizeof(float));
     return barrier_;
   }
 
   Status breakWith(Status status) {
-    {
-      std::lock_guard lock(mutex_);
-      if (!health_.isOk()) return health_;
-      health_ = Status(status.code(), fmt::format("rank {}: {}; {}", options_.rank,
-                                                  status.message(), recreateAdvice(options_)));
-      status = health_;
-    }
-    ncclCommAbort(comm_);  // ends every pending operation on the stream
-    return status;
+    std::lock_guard lock(mutex_);
+    if (!health_.isOk()) return health_;
+    health_ = Status(status.code(), fmt::format("rank {}: {}; {}", options_.rank,
+                                                status.message(), recreateAdvice(options_)));
+    ncclCommAbort(comm_);  // ends every pending operation on the stream, and frees the communicator
+    aborted_ = true;
+    return health_;
   }
 
   void watchEpoch() {
@@ -273,6 +287,7 @@ class NcclCommunicator final : public Communicator {
   void* barrier_ = nullptr;
   mutable std::mutex mutex_;
   Status health_;
+  bool aborted_ = false;  // comm_ is gone (ncclCommAbort frees it)
   std::unique_ptr<GroupEpochWatch> watch_;
   std::atomic<bool> stopping_{false};
   std::thread watcher_;
