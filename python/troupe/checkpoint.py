@@ -31,7 +31,7 @@ from collections import namedtuple
 from . import _checkpoint
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
-           "FlashCheckpoint", "Restored", "load", "save", "steps"]
+           "FlashCheckpoint", "Restored", "load", "load_into", "save", "steps"]
 
 
 class CheckpointError(RuntimeError):
@@ -230,6 +230,33 @@ def _whole(states):
                                          f"of {numel}: a rank's file is missing")
         merged[name] = flat.reshape(tuple(param.shape))
     return merged
+
+
+def load_into(state, model, optimizer=None):
+    """Puts a trainer's checkpoint (what load() returns for an ElasticTrainer's directory) into a
+    PyTorch model of the same architecture and, if given, its torch.optim optimizer:
+    "param/<name>" and "buffer/<name>" go through model.load_state_dict (strict), and
+    "optim/<name>/<field>" become the optimizer's per-parameter state (the counter "step" as
+    torch.optim keeps it). The optimizer must hold model.parameters() in order, one group."""
+    import torch
+
+    tensors = {}
+    for prefix in ("param/", "buffer/"):
+        tensors.update({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    model.load_state_dict(tensors, strict=True)
+    if optimizer is None:
+        return
+    per_param = {}
+    for index, (name, _) in enumerate(model.named_parameters()):
+        prefix = f"optim/{name}/"
+        fields = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and "/" not in k[len(prefix):]}
+        if fields:
+            per_param[index] = {f: torch.tensor(float(v)) if f == "step" else v.clone() for f, v in fields.items()}
+    if not per_param and any(k.startswith("optim/") for k in state):
+        raise ValueError("the checkpoint's optimizer state names no parameter of this model")
+    saved = optimizer.state_dict()
+    saved["state"] = per_param
+    optimizer.load_state_dict(saved)
 
 
 def steps(path):

@@ -11,6 +11,8 @@ import pytest
 
 from troupe_testing import BUILD, free_port, import_troupe, processes_under
 
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+
 troupe = import_troupe()
 troupe_api = troupe  # for the test whose `troupe` is the CLI fixture
 
@@ -76,6 +78,26 @@ def test_zero_groups_train_bitwise_as_data_parallel_through_resizes_and_persist_
         for name, value in plain.items():
             assert torch.equal(whole[name], value), name
     assert any(name.startswith("optim/") and name.endswith("/exp_avg") for name in plain)
+
+    # Into plain PyTorch: the same tinylm as a torch module (the train_step benchmark's peer) and
+    # torch.optim.AdamW take the ZeRO-2 step whole, and train on from it.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_peer", os.path.join(BENCH, "train", "torch_peer.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    model = peer.TinyLm(256, 32, 64, 2, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    checkpoint.load_into(whole, model, optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), whole["param/" + name]), name
+        assert torch.equal(optimizer.state[p]["exp_avg"], whole[f"optim/{name}/exp_avg"]), name
+        assert int(optimizer.state[p]["step"]) == info["step"]
+    tokens = torch.randint(0, 256, (2, 33))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+    optimizer.step()
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if p.grad is not None)
 
 
 def test_zero2_losing_a_node_shrinks_four_ranks_to_three_as_a_resize_would(troupe):  # noqa: F811 (the CLI fixture)
