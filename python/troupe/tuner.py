@@ -546,7 +546,9 @@ class ResourceTuner:
             self.model.add_observation(obs, self.cpus_per_trainer)
         decision = self._decide(obs, warming)
         self._decisions.append(decision)
-        if self._pending is None or self._pending.measured_samples_per_s is not None:
+        # The next measurement judges the newest change; an unmeasured keep before it does not
+        # hold its place (it did, and a change's outcome then went unmeasured: a flaky test).
+        if decision.changed or self._pending is None or self._pending.measured_samples_per_s is not None:
             self._pending = decision
         return decision
 

@@ -384,3 +384,17 @@ def test_warmup_chunks_are_not_fitted_and_the_outcome_waits_for_them():
     assert shrink.measured_samples_per_s is None
     t.observe(cluster.measure(2))
     assert shrink.measured_samples_per_s == pytest.approx(cluster.throughput(2))
+
+
+def test_the_outcome_of_a_change_is_measured_even_with_an_unmeasured_keep_before_it():
+    # Warm-up keeps at 4 are still unmeasured when a world of 5 (outside [1, 4]) forces a change
+    # back to 4: the first measurement after the warm-up at 4 judges that change, not the keep.
+    cluster = Cluster(cores=4, cpus=8)
+    t = ResourceTuner(min_workers=1, max_workers=4, warmup_chunks=2)
+    first = t.observe(cluster.measure(4))
+    assert not first.changed
+    change = t.observe(cluster.measure(5))
+    assert change.changed and change.target == 4
+    for _ in range(3):
+        t.observe(cluster.measure(4))
+    assert change.measured_samples_per_s is not None and change.measured_world_size == 4
