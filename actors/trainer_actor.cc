@@ -9,6 +9,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <condition_variable>
@@ -22,6 +23,7 @@
 
 #include "troupe/actors/train_actors.h"
 #include "troupe/actors/trainer_engine.h"
+#include "troupe/checkpoint/checkpoint_dir.h"
 #include "troupe/checkpoint/flash_segment.h"
 #include "troupe/checkpoint/image.h"
 #include "troupe/collectives/communicator.h"
@@ -187,6 +189,7 @@ class Trainer final : public Actor {
           .dump();
     }
     if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
+    if (method == "load_dir") return loadDirectory(j.value("dir", std::string()), j.value("step", int64_t{0}));
     if (method == "configure") {
       snapshotEvery_ = j.value("snapshot_every", snapshotEvery_);
       if (j.contains("threads")) TROUPE_RETURN_IF_ERROR(engine_->setThreads(j["threads"].get<int>()));
@@ -396,6 +399,54 @@ class Trainer final : public Actor {
       if (fromBundle >= 0) source = fmt::format("snapshot of bundle {} ({})", fromBundle, source);
     }
     return Json{{"step", engine_->stepCount()}, {"source", source},
+                {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
+        .dump();
+  }
+
+  // Loads step `step` (at most; the newest complete one at or below it) of the persisted
+  // checkpoint in `dir`, written by a group of any world size: rank 0's file, and under ZeRO
+  // (ranged optimizer entries) every rank's, of which the engine takes what its pieces need.
+  // The state is snapshotted in this group's layout at the next pin.
+  Result<std::string> loadDirectory(const std::string& dir, int64_t step) {
+    checkpoint::DirectoryOptions o;
+    o.path = dir;
+    checkpoint::CheckpointDirectory directory(o);
+    std::vector<HostTensor> state;
+    auto readRank = [&](uint32_t rank, uint64_t maxStep) -> Result<checkpoint::LoadedRank> {
+      std::vector<HostTensor> tensors;
+      auto loaded = checkpoint::loadRank(
+          directory, rank,
+          [&](size_t index, const checkpoint::TensorSpec& spec) -> Result<void*> {
+            if (index == 0) tensors.clear();  // a newer candidate failed its checks: start again
+            HostTensor t;
+            t.name = spec.name;
+            t.dtype = spec.dtype;
+            t.shape = spec.shape;
+            t.bytes.resize(spec.bytes);
+            tensors.push_back(std::move(t));
+            return static_cast<void*>(tensors.back().bytes.data());
+          },
+          maxStep);
+      if (loaded.isOk()) std::move(tensors.begin(), tensors.end(), std::back_inserter(state));
+      return loaded;
+    };
+    auto first = readRank(0, step > 0 ? static_cast<uint64_t>(step) : UINT64_MAX);
+    if (!first.isOk()) return first.status();
+    const bool sharded = std::any_of(state.begin(), state.end(),
+                                     [](const HostTensor& t) { return t.name.find('@') != std::string::npos; });
+    for (uint32_t r = 1; sharded && r < first->header.stamp.worldSize; ++r) {
+      auto other = readRank(r, first->step);
+      if (!other.isOk()) return other.status();
+      if (other->step != first->step) {
+        return Status(StatusCode::kFailedPrecondition,
+                      fmt::format("{}: rank {} of step {} fails its checks (its newest usable step is {})", dir, r,
+                                  first->step, other->step));
+      }
+    }
+    TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
+    layout_.reset();
+    resnapshot_ = true;
+    return Json{{"step", engine_->stepCount()}, {"source", fmt::format("{} step {}", dir, first->step)},
                 {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
         .dump();
   }

@@ -29,6 +29,9 @@ tensorboard_dir=DIR writes each step's loss, samples/s and world size as TensorB
 (`tensorboard --logdir DIR`). A rank that computes more than 2x the other ranks' median over
 the last steps is flagged as a straggler (an event; shown by `troupe status` and the dashboard).
 
+checkpoint={"dir": DIR, "resume": True} starts from the newest complete step persisted in DIR
+(by a group of any world size, ZeRO or not) instead of the seed.
+
 zero=1 shards the optimizer state over the ranks (ZeRO-1: each keeps 1/N of it; gradients are
 reduce-scattered and the parameters all-gathered), zero=2 the gradients too (ZeRO-2). Training
 equals zero=0's (data parallel). It stays elastic: when the world changes (a shrink after a
@@ -151,6 +154,9 @@ class ElasticTrainer:
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
         opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
         checkpoint = {"dir": checkpoint} if isinstance(checkpoint, str) else dict(checkpoint or {})
+        resume = bool(checkpoint.pop("resume", False))
+        if resume and not checkpoint.get("dir"):
+            raise ValueError("checkpoint={'resume': True} needs the checkpoint's 'dir'")
         self._engine = {
             "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
             "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": int(threads_per_worker),
@@ -174,6 +180,8 @@ class ElasticTrainer:
         self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s, "checkpoint": fault spec}
         self.recoveries = []
         self._place(workers or max_workers)
+        if resume:
+            self._resume_from_disk()
         self._tuner = None
         self._settings = {"threads": int(threads_per_worker), "prefetch": 2}
         self.tuner_decisions = []
@@ -329,6 +337,27 @@ class ElasticTrainer:
         # The restored step is pinned on every rank and replica before training goes on.
         _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
         _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        self._record({"state": "RUNNING"})
+
+    def _resume_from_disk(self):
+        """Every trainer loads the newest complete step persisted in the checkpoint directory,
+        whatever the world size (and ZeRO sharding) that wrote it; the data rewinds to it."""
+        from . import checkpoint as persisted
+
+        directory = self._checkpoint["dir"]
+        try:
+            complete = persisted.steps(directory)
+        except persisted.CheckpointError:
+            complete = []
+        if not complete:
+            self._event(f"resume: no complete step in {directory}; training starts from the seed")
+            return
+        replies = _api.get([_json_call(t, "load_dir", {"dir": directory, "step": complete[0]}) for t in self.trainers],
+                           timeout=self.recovery_timeout)
+        self._restored(replies)
+        _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
+        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        self._event(f"resumed at step {self.step} from {directory}")
         self._record({"state": "RUNNING"})
 
     def _resharding(self):

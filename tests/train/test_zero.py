@@ -136,3 +136,24 @@ def test_zero2_losing_a_node_shrinks_four_ranks_to_three_as_a_resize_would(troup
     assert sorted(got) == sorted(expected)
     worst = max(abs(got[s] - expected[s]) for s in expected)
     assert worst <= 1e-5, f"loss curves differ by up to {worst}"
+
+
+def test_a_persisted_zero2_step_resumes_a_new_group_of_another_size(cluster, tmp_path):
+    """Two ZeRO-2 trainers persist every step; a new group of one trainer resumes from the newest
+    complete step on disk (both ranks' shards put together) and ends bit for bit where a group
+    resized from 2 to 1 at that step does (world 2 and 1 add the same floats here)."""
+    ckpt = str(tmp_path / "ckpt")
+    with make(zero=2, checkpoint={"snapshot_every": 1, "dir": ckpt, "persist_every": 1}) as first:
+        first.fit(4)
+    with make(zero=2, min_workers=1, max_workers=1, checkpoint={"dir": ckpt, "resume": True}) as resumed:
+        start = resumed.step
+        assert start >= 1, resumed.events
+        assert any(f"resumed at step {start}" in e for e in events(resumed)), events(resumed)
+        resumed.fit(6 - start)
+        got = resumed.parameter_hash()
+    with make(zero=2) as resized:
+        resized.fit(start)
+        resized.resize(1)
+        resized.fit(6 - start)
+        expected = resized.parameter_hash()
+    assert got == expected
