@@ -37,6 +37,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bench_ranks.h"
 #include "testing/redis_server.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
@@ -47,6 +48,8 @@ namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
+using bench::median;
+using bench::readText;
 
 struct Config {
   std::vector<int64_t> sizes = {2048, 4096, 4096, 4096, 2048};
@@ -61,19 +64,6 @@ struct Config {
   double ring_budget_mb = 1024;
   int ring_steps = 2;
 };
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
-std::string readText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 int fail(const Status& status) {
   std::fprintf(stderr, "parallel_bench: %s\n", status.toString().c_str());
@@ -126,21 +116,9 @@ int serveRank(const Config& c, int rank, int world, int zero) {
   o.zero = zero;
   auto engine = TrainerEngine::create(o);
   if (!engine) return fail(engine.status());
-  RedisOptions redis;
-  redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
-  redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
-  redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
-  redis.cluster = "bench";
-  auto store = connectRedisStore(redis);
-  if (!store) return fail(store.status());
-  collectives::CommunicatorOptions options;
-  options.group = fmt::format("parallel-{}-{}", world, zero);
-  options.epoch = 1;
-  options.rank = rank;
-  options.worldSize = world;
-  auto connected = collectives::connectCpuCommunicator(**store, options);
-  if (!connected) return fail(connected.status());
-  if (Status s = (*engine)->join(std::move(connected).value()); !s.isOk()) return fail(s);
+  auto comm = bench::joinRanks(fmt::format("parallel-{}-{}", world, zero), rank, world);
+  if (!comm) return fail(comm.status());
+  if (Status s = (*engine)->join(*comm); !s.isOk()) return fail(s);
 
   std::vector<double> step_s;
   for (int step = 0; step < c.warmup + c.steps; ++step) {
@@ -178,21 +156,9 @@ int serveRingRank(const Config& c, int rank, int seq, int64_t context) {
   auto engine = TrainerEngine::create(o);
   if (!engine) return fail(engine.status());
   if (seq > 1) {
-    RedisOptions redis;
-    redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
-    redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
-    redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
-    redis.cluster = "bench";
-    auto store = connectRedisStore(redis);
-    if (!store) return fail(store.status());
-    collectives::CommunicatorOptions options;
-    options.group = fmt::format("ring-{}-{}", seq, context);
-    options.epoch = 1;
-    options.rank = rank;
-    options.worldSize = seq;
-    auto connected = collectives::connectCpuCommunicator(**store, options);
-    if (!connected) return fail(connected.status());
-    if (Status s = (*engine)->join(std::move(connected).value()); !s.isOk()) return fail(s);
+    auto comm = bench::joinRanks(fmt::format("ring-{}-{}", seq, context), rank, seq);
+    if (!comm) return fail(comm.status());
+    if (Status s = (*engine)->join(*comm); !s.isOk()) return fail(s);
   }
   Batch b;
   for (HostTensor* t : {&b.inputs, &b.targets}) {
@@ -215,39 +181,6 @@ int serveRingRank(const Config& c, int rank, int seq, int64_t context) {
 }
 
 // ---- The driver ----
-
-std::vector<json> runRanks(int world, const std::function<SpawnOptions(int)>& spawnFor, const std::string& dir,
-                           const std::string& side) {
-  std::vector<ChildProcess> children;
-  std::vector<std::string> outputs, errors;
-  for (int r = 0; r < world; ++r) {
-    SpawnOptions spawn = spawnFor(r);
-    spawn.outputPath = fmt::format("{}/{}-{}-{}.out", dir, side, world, r);
-    spawn.errorPath = fmt::format("{}/{}-{}-{}.err", dir, side, world, r);
-    outputs.push_back(spawn.outputPath);
-    errors.push_back(spawn.errorPath);
-    auto pid = spawnProcess(spawn);
-    if (!pid) {
-      fail(pid.status());
-      return {};
-    }
-    children.emplace_back(*pid);
-  }
-  std::vector<json> results;
-  for (int r = 0; r < world; ++r) {
-    auto exit = children[r].wait(std::chrono::seconds(900));
-    if (!exit || exit->exitCode != 0) {
-      std::fprintf(stderr, "parallel_bench: %s rank %d of %d failed (%s): %s\n", side.c_str(), r, world,
-                   exit ? exit->toString().c_str() : "timed out", readText(errors[r]).c_str());
-      return {};
-    }
-    std::istringstream lines(readText(outputs[r]));
-    for (std::string line; std::getline(lines, line);) {
-      if (line.rfind("RESULT ", 0) == 0) results.push_back(json::parse(line.substr(7)));
-    }
-  }
-  return results;
-}
 
 double largest(const std::vector<json>& ranks, const char* key) {
   double m = 0;
@@ -309,12 +242,11 @@ int main(int argc, char** argv) {
     double dp_state = 0, dp_step = 0;
     for (int z = 0; z < 3; ++z) {
       std::fprintf(stderr, "parallel_bench: %s, world %d...\n", kModes[z], w);
-      auto ranks = runRanks(w, [&](int r) {
+      auto ranks = bench::runRanks("parallel_bench", w, [&](int r) {
         SpawnOptions spawn;
         spawn.argv = {self, "--serve-rank", std::to_string(r), "--world", std::to_string(w), "--zero", std::to_string(z)};
         spawn.argv.insert(spawn.argv.end(), common.begin(), common.end());
-        spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(), fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
-                     "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(), "OMP_NUM_THREADS=1"};
+        spawn.env = bench::redisEnvironment(redis.host(), redis.port(), redis.password());
         return spawn;
       }, dir, kModes[z]);
       if (ranks.size() != static_cast<size_t>(w)) {
@@ -362,12 +294,11 @@ int main(int argc, char** argv) {
       for (int64_t t : c.contexts) {
         if (t % (2 * s) != 0) continue;
         std::fprintf(stderr, "parallel_bench: ring of %d, context %ld...\n", s, static_cast<long>(t));
-        auto ranks = runRanks(s, [&](int r) {
+        auto ranks = bench::runRanks("parallel_bench", s, [&](int r) {
           SpawnOptions spawn;
           spawn.argv = {self, "--serve-ring", std::to_string(r), "--seq", std::to_string(s), "--context",
                         std::to_string(t)};
-          spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(), fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
-                       "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(), "OMP_NUM_THREADS=1"};
+          spawn.env = bench::redisEnvironment(redis.host(), redis.port(), redis.password());
           return spawn;
         }, dir, fmt::format("ring{}-{}", s, t));
         if (ranks.size() != static_cast<size_t>(s)) {

@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bench_ranks.h"
 #include "testing/redis_server.h"
 #include "troupe/actors/dataset.h"
 #include "troupe/actors/shard_queue.h"
@@ -44,6 +45,8 @@ namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
+using bench::median;
+using bench::readText;
 
 struct Config {
   int64_t context = 64;
@@ -58,25 +61,12 @@ struct Config {
   double bucket_mb = 25;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 // CPU seconds this process used (all its threads): unlike wall time, it does not grow when other
 // jobs share the machine's cores.
 double processCpuSeconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
-
-std::string readText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 int fail(const Status& status) {
@@ -108,21 +98,9 @@ int serveRank(const Config& c, int rank, int world, const std::string& tokens) {
 
   std::shared_ptr<collectives::Communicator> comm;
   if (world > 1) {
-    RedisOptions redis;
-    redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
-    redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
-    redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
-    redis.cluster = "bench";
-    auto store = connectRedisStore(redis);
-    if (!store) return fail(store.status());
-    collectives::CommunicatorOptions options;
-    options.group = fmt::format("train-step-{}", world);
-    options.epoch = 1;
-    options.rank = rank;
-    options.worldSize = world;
-    auto connected = collectives::connectCpuCommunicator(**store, options);
+    auto connected = bench::joinRanks(fmt::format("train-step-{}", world), rank, world);
     if (!connected) return fail(connected.status());
-    comm = std::move(connected).value();
+    comm = *connected;
   }
   if (Status s = (*engine)->join(comm); !s.isOk()) return fail(s);
 
@@ -170,40 +148,6 @@ int serveRank(const Config& c, int rank, int world, const std::string& tokens) {
 }
 
 // ---- The driver ----
-
-// Starts `world` processes and returns each one's RESULT object (empty on failure).
-std::vector<json> runRanks(int world, const std::function<SpawnOptions(int)>& spawnFor,
-                           const std::string& dir, const std::string& side) {
-  std::vector<ChildProcess> children;
-  std::vector<std::string> outputs, errors;
-  for (int r = 0; r < world; ++r) {
-    SpawnOptions spawn = spawnFor(r);
-    spawn.outputPath = fmt::format("{}/{}-{}-{}.out", dir, side, world, r);
-    spawn.errorPath = fmt::format("{}/{}-{}-{}.err", dir, side, world, r);
-    outputs.push_back(spawn.outputPath);
-    errors.push_back(spawn.errorPath);
-    auto pid = spawnProcess(spawn);
-    if (!pid) {
-      fail(pid.status());
-      return {};
-    }
-    children.emplace_back(*pid);
-  }
-  std::vector<json> results;
-  for (int r = 0; r < world; ++r) {
-    auto exit = children[r].wait(std::chrono::seconds(900));
-    if (!exit || exit->exitCode != 0) {
-      std::fprintf(stderr, "train_step_bench: %s rank %d of %d failed (%s): %s\n", side.c_str(), r, world,
-                   exit ? exit->toString().c_str() : "timed out", readText(errors[r]).c_str());
-      return {};
-    }
-    std::istringstream lines(readText(outputs[r]));
-    for (std::string line; std::getline(lines, line);) {
-      if (line.rfind("RESULT ", 0) == 0) results.push_back(json::parse(line.substr(7)));
-    }
-  }
-  return results;
-}
 
 }  // namespace
 }  // namespace troupe::actors
@@ -265,13 +209,12 @@ int main(int argc, char** argv) {
               "comm ms", "data ms", "cpu ms", "samples/s", "overlap KB", "torch ms", "cpu ms", "ratio");
   for (int w : worlds) {
     std::fprintf(stderr, "train_step_bench: troupe, world %d...\n", w);
-    auto troupe = runRanks(w, [&](int r) {
+    auto troupe = bench::runRanks("train_step_bench", w, [&](int r) {
       SpawnOptions spawn;
       spawn.argv = {self, "--serve-rank", std::to_string(r), "--world", std::to_string(w), "--tokens", token_file,
                     "--bucket-mb", fmt::format("{}", c.bucket_mb)};
       spawn.argv.insert(spawn.argv.end(), common.begin(), common.end());
-      spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(), fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
-                   "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(), "OMP_NUM_THREADS=1"};
+      spawn.env = bench::redisEnvironment(redis.host(), redis.port(), redis.password());
       return spawn;
     }, dir, "troupe");
     if (troupe.size() != static_cast<size_t>(w)) {
@@ -288,7 +231,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "train_step_bench: torch DDP, world %d...\n", w);
       auto port = pickFreePort("127.0.0.1");
       if (!port) return fail(port.status());
-      auto torch = runRanks(w, [&](int r) {
+      auto torch = bench::runRanks("train_step_bench", w, [&](int r) {
         SpawnOptions spawn;
         spawn.argv = {python, peer, "--rank", std::to_string(r), "--world", std::to_string(w), "--port",
                       std::to_string(*port), "--tokens", token_file};

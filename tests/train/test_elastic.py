@@ -1,43 +1,16 @@
 """The elastic training group end to end: real clusters, real C++ trainer, dataloader and
 checkpoint actors, kill -9 of members, resizes, exactly-once data and bitwise determinism."""
-import glob
 import os
 import signal
 
 import pytest
 
-from troupe_testing import BUILD, eventually, import_troupe, processes_under
+from train_testing import group_record, make, needs_trainers, troupe
+from troupe_testing import eventually
 
-troupe = import_troupe()
 troupe_api = troupe  # for the tests whose `troupe` is the CLI fixture
 
-pytestmark = pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "libtroupe_train_actors.a")),
-                                reason="built without LibTorch: no trainer actors")
-
-TEXT = "/usr/share/common-licenses/GPL-3"
-
-
-@pytest.fixture
-def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
-
-
-def make(**overrides):
-    from troupe.train import ElasticTrainer
-
-    options = dict(model="tinylm", data=TEXT, optimizer={"name": "adamw", "lr": 3e-3}, global_batch_size=8,
-                   max_micro_batch=4, min_workers=1, max_workers=2, context=32, steps_per_call=3, progress=False,
-                   seed=7, checkpoint={"snapshot_every": 1})
-    options.update(overrides)
-    return ElasticTrainer(**options)
-
-
-def group_record(trainer):
-    return troupe._api._runtime().group(trainer.group_id)
+pytestmark = needs_trainers
 
 
 def attach_to_two_nodes(troupe):  # noqa: F811 (the CLI fixture)

@@ -2,42 +2,26 @@
 rings of two for ring attention, data parallel across the rings) on a real cluster. A trainer
 killed in either dimension (its ring partner's or the other ring's) is replaced and the run ends
 bit for bit where an uninterrupted one does; a resize goes by whole rings."""
-import glob
-import os
-
 import pytest
 
-from troupe_testing import BUILD, import_troupe, processes_under
+from train_testing import local_cluster, make, needs_trainers
 
-troupe = import_troupe()
-
-pytestmark = pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "libtroupe_train_actors.a")),
-                                reason="built without LibTorch: no trainer actors")
-
-TEXT = "/usr/share/common-licenses/GPL-3"
+pytestmark = needs_trainers
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    troupe.init(num_cpus=4, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
+    """Four CPUs (two cores really there) for the 2 x 2 mesh, shared by the module's tests."""
+    yield from local_cluster(4)
 
 
-def make(**overrides):
-    from troupe.train import ElasticTrainer
-
-    options = dict(model="tinylm", data=TEXT, optimizer={"name": "adamw", "lr": 3e-3}, global_batch_size=8,
-                   max_micro_batch=4, min_workers=2, max_workers=4, context=32, steps_per_call=3, progress=False,
-                   seed=7, checkpoint={"snapshot_every": 1}, sequence_parallel=2)
-    options.update(overrides)
-    return ElasticTrainer(**options)
+def mesh(**overrides):
+    """Four trainers as two rings of two (and never fewer than one ring)."""
+    return make(**{"min_workers": 2, "max_workers": 4, "sequence_parallel": 2, **overrides})
 
 
 def run(steps, **overrides):
-    with make(**overrides) as t:
+    with mesh(**overrides) as t:
         history = t.fit(steps)
         return t, t.parameter_hash(), {row["step"]: row["loss"] for row in history}
 
@@ -59,7 +43,7 @@ def test_a_trainer_killed_in_either_dimension_recovers_bitwise_equal(cluster, cl
 
 
 def test_the_mesh_trains_each_row_once_and_resizes_by_whole_rings(cluster):
-    with make() as t:
+    with mesh() as t:
         t.fit(2)
         assert all(len(row["sample_ids"]) == 8 for row in t.history), "a ring's rows were counted twice"
         with pytest.raises(ValueError, match="multiple of sequence_parallel"):
@@ -72,6 +56,6 @@ def test_the_mesh_trains_each_row_once_and_resizes_by_whole_rings(cluster):
 
 def test_sequence_parallel_options_are_checked(cluster):
     with pytest.raises(ValueError, match="multiples of it"):
-        make(min_workers=1)
+        mesh(min_workers=1)
     with pytest.raises(ValueError, match="multiple of twice it"):
-        make(context=30)
+        mesh(context=30)

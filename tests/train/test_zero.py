@@ -2,47 +2,18 @@
 bit for bit as data parallel does through resizes, a node lost under ZeRO-2 shrinks the group
 from 4 to 3 ranks with the shards re-assembled from the old ranks' snapshots (the lost one's from
 its replica), and a persisted ZeRO step loads whole."""
-import glob
 import json
 import os
 import signal
 
-import pytest
+from train_testing import events, make, needs_trainers, troupe
+from troupe_testing import free_port
 
-from troupe_testing import BUILD, free_port, import_troupe, processes_under
+troupe_api = troupe  # for the test whose `troupe` is the CLI fixture
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
-troupe = import_troupe()
-troupe_api = troupe  # for the test whose `troupe` is the CLI fixture
-
-pytestmark = pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "libtroupe_train_actors.a")),
-                                reason="built without LibTorch: no trainer actors")
-
-TEXT = "/usr/share/common-licenses/GPL-3"
-
-
-@pytest.fixture
-def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
-
-
-def make(**overrides):
-    from troupe.train import ElasticTrainer
-
-    options = dict(model="tinylm", data=TEXT, optimizer={"name": "adamw", "lr": 3e-3}, global_batch_size=8,
-                   max_micro_batch=4, min_workers=1, max_workers=2, context=32, steps_per_call=3, progress=False,
-                   seed=7, checkpoint={"snapshot_every": 1})
-    options.update(overrides)
-    return ElasticTrainer(**options)
-
-
-def events(trainer):
-    return troupe._api._runtime().group(trainer.group_id)["events"]
+pytestmark = needs_trainers
 
 
 def test_zero_groups_train_bitwise_as_data_parallel_through_resizes_and_persist_loadable_whole(cluster, tmp_path):
