@@ -69,6 +69,16 @@ Result<TrainerEngineOptions> engineOptions(const Json& e) {
   return o;
 }
 
+// An empty buffer for a checkpoint image's tensor.
+HostTensor hostFor(const checkpoint::TensorSpec& spec) {
+  HostTensor t;
+  t.name = spec.name;
+  t.dtype = spec.dtype;
+  t.shape = spec.shape;
+  t.bytes.resize(spec.bytes);
+  return t;
+}
+
 class Trainer final : public Actor {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view args) {
@@ -347,14 +357,7 @@ class Trainer final : public Actor {
     auto header = seg->verify(*slot);
     if (!header.isOk()) return header.status();
     std::vector<HostTensor> state;
-    for (const auto& spec : header->layout.tensors()) {
-      HostTensor t;
-      t.name = spec.name;
-      t.dtype = spec.dtype;
-      t.shape = spec.shape;
-      t.bytes.resize(spec.bytes);
-      state.push_back(std::move(t));
-    }
+    for (const auto& spec : header->layout.tensors()) state.push_back(hostFor(spec));
     std::vector<checkpoint::MutableBuffer> targets;
     for (auto& t : state) targets.push_back({t.bytes.data(), t.bytes.size()});
     auto restored = seg->restoreInto(*slot, targets);
@@ -418,12 +421,7 @@ class Trainer final : public Actor {
           directory, rank,
           [&](size_t index, const checkpoint::TensorSpec& spec) -> Result<void*> {
             if (index == 0) tensors.clear();  // a newer candidate failed its checks: start again
-            HostTensor t;
-            t.name = spec.name;
-            t.dtype = spec.dtype;
-            t.shape = spec.shape;
-            t.bytes.resize(spec.bytes);
-            tensors.push_back(std::move(t));
+            tensors.push_back(hostFor(spec));
             return static_cast<void*>(tensors.back().bytes.data());
           },
           maxStep);
