@@ -11,8 +11,6 @@
 #include <memory>
 #include <utility>
 
-#include <fmt/format.h>
-
 #include "troupe/collectives/communicator.h"
 
 namespace troupe::actors::train {

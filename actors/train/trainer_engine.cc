@@ -318,7 +318,6 @@ class TrainerEngine::Impl {
   struct Bucket {
     at::Tensor flat;             // float32; the gradients of `params` are views into it
     std::vector<size_t> params;
-    std::vector<int64_t> offsets;  // where each of `params` starts in the bucket (elements)
     int64_t numel = 0;
     size_t pending = 0;          // gradients of the current pass not yet final
     std::shared_ptr<collectives::Work> work;
@@ -333,14 +332,11 @@ class TrainerEngine::Impl {
     bool harvested = false;
   };
 
-  // ZeRO: one piece of this rank's shard: elements [lo, hi) of parameter `param` (flattened),
-  // at `at` in its bucket.
+  // ZeRO: one piece of this rank's shard: elements [lo, hi) of parameter `param` (flattened).
   struct Piece {
     size_t param = 0;
-    size_t bucket = 0;
     int64_t lo = 0;
     int64_t hi = 0;
-    int64_t at = 0;
   };
 
   // What one forward/backward pass over this rank's rows produced.
@@ -425,13 +421,12 @@ class TrainerEngine::Impl {
         } else {
           bucket.shard_grad = at::zeros({end - begin}, at::kFloat);
         }
-        for (size_t j = 0; j < bucket.params.size(); ++j) {
-          const int64_t first = bucket.offsets[j];
-          const int64_t last = first + params[bucket.params[j]].numel();
+        for (size_t k : bucket.params) {
+          const int64_t first = offset_of[k];
           const int64_t lo = std::max(first, begin);
-          const int64_t hi = std::min(last, end);
+          const int64_t hi = std::min(first + params[k].numel(), end);
           if (lo >= hi) continue;
-          pieces.push_back(Piece{bucket.params[j], b, lo - first, hi - first, lo});
+          pieces.push_back(Piece{k, lo - first, hi - first});
           piece_params.push_back(bucket.param_flat.narrow(0, lo, hi - lo));
           piece_grads.push_back(bucket.shard_grad.narrow(0, lo - begin, hi - lo));
         }
@@ -522,7 +517,8 @@ class TrainerEngine::Impl {
   }
 
   // Buckets in reverse parameter order (roughly the order backward finishes gradients), each up
-  // to bucket_bytes; every gradient becomes a view into its bucket, allocated once.
+  // to bucket_bytes; every gradient becomes a view into its bucket, allocated once (ZeRO-2
+  // instead makes a bucket per pass: bucketBuffer).
   void buildBuckets() {
     bucket_of.assign(params.size(), 0);
     offset_of.assign(params.size(), 0);
@@ -543,33 +539,28 @@ class TrainerEngine::Impl {
       int64_t total = 0;
       for (size_t k : members) total += params[k].numel();
       bucket.numel = total;
-      bucket.flat = at::zeros({total}, at::kFloat);
+      // ZeRO-2 makes a bucket's gradient buffer only while a pass needs it (bucketBuffer).
+      if (!freesGradients()) bucket.flat = at::zeros({total}, at::kFloat);
       bucket.bytes = static_cast<uint64_t>(total) * 4;
       // ZeRO all-gathers each bucket's parameters in one operation: they move into one buffer.
       if (sharded()) bucket.param_flat = at::empty({total}, at::kFloat);
       int64_t offset = 0;
       for (size_t k : members) {
-        grads[k] = bucket.flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
-        params[k].mutable_grad() = grads[k];
+        if (!freesGradients()) {
+          grads[k] = bucket.flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
+          params[k].mutable_grad() = grads[k];
+        }
         if (sharded()) {
           at::Tensor place = bucket.param_flat.narrow(0, offset, params[k].numel()).view(params[k].sizes());
           place.copy_(params[k].detach());
           params[k].set_data(place);
         }
-        bucket.offsets.push_back(offset);
         offset_of[k] = offset;
         offset += params[k].numel();
         bucket_of[k] = buckets.size();
       }
       bucket.params = members;
       buckets.push_back(std::move(bucket));
-    }
-    if (freesGradients()) {
-      for (size_t k = 0; k < params.size(); ++k) {
-        grads[k] = at::Tensor();
-        params[k].mutable_grad() = at::Tensor();
-      }
-      for (auto& b : buckets) b.flat = at::Tensor();
     }
     for (size_t k = 0; k < params.size(); ++k) {
       auto accumulator = torch::autograd::impl::grad_accumulator(params[k]);
@@ -595,7 +586,7 @@ class TrainerEngine::Impl {
     Bucket& bucket = buckets[bucket_of[param]];
     if (bucket.pending > 0) --bucket.pending;
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
-    if (options.zero == 2) {
+    if (freesGradients()) {
       for (size_t i = 0; i < next_bucket; ++i) {
         if (!buckets[i].harvested && buckets[i].work && buckets[i].work->done() && buckets[i].work->wait().isOk()) {
           harvest(i);
@@ -676,8 +667,9 @@ class TrainerEngine::Impl {
     return Status::ok();
   }
 
-  // The sum over the rows of per-sample losses (each the mean over that sample's positions).
-  at::Tensor lossSum(const at::Tensor& logits, const at::Tensor& targets) const {
+  // The sum over the rows of per-sample losses (each the mean over that sample's positions; rows
+  // holding 1/share of each sequence divide by the whole sequence's positions).
+  at::Tensor lossSum(const at::Tensor& logits, const at::Tensor& targets, int64_t share = 1) const {
     const int64_t rows = targets.size(0);
     const double positions = static_cast<double>(targets.numel()) / static_cast<double>(rows);
     if (options.loss == "cross_entropy") {
@@ -686,11 +678,11 @@ class TrainerEngine::Impl {
                   " do not match targets ", targets.sizes(), " (logits need one more, last dimension)");
       return at::cross_entropy_loss(logits.reshape({-1, classes}), targets.reshape({-1}), c10::nullopt,
                                     at::Reduction::Sum) /
-             (positions * seq_share);
+             (positions * static_cast<double>(share));
     }
     TORCH_CHECK(logits.sizes() == targets.sizes(), "mse: logits ", logits.sizes(), " and targets ",
                 targets.sizes(), " differ");
-    return (logits - targets).square().sum() / (positions * seq_share);
+    return (logits - targets).square().sum() / (positions * static_cast<double>(share));
   }
 
   // Forward and backward over this rank's rows in micro-batches; on the last micro-batch the
@@ -722,7 +714,7 @@ class TrainerEngine::Impl {
         const int64_t forward_us = wallUs();
         setActivity("forward");
         const at::Tensor sum = lossSum(model->forward(inputs.narrow(0, begin, size)),
-                                       targets.narrow(0, begin, size));
+                                       targets.narrow(0, begin, size), seq_ranks);
         const int64_t backward_us = wallUs();
         span("forward", forward_us, -1, 0, backward_us);
         setActivity("backward");
@@ -793,7 +785,6 @@ class TrainerEngine::Impl {
     setThreads();
     at::Tensor inputs = viewOf(batch.inputs, *input_type);
     at::Tensor targets = viewOf(batch.targets, *target_type);
-    seq_share = 1;
     if (seq_ranks > 1) {  // this rank's zigzag share of every sequence
       const int64_t length = inputs.dim() >= 2 ? inputs.size(1) : 0;
       if (length % (2 * seq_ranks) != 0 || targets.dim() < 2 || targets.size(1) != length) {
@@ -805,7 +796,6 @@ class TrainerEngine::Impl {
       inputs = inputs.index_select(1, positions);
       targets = targets.index_select(1, positions);
       TROUPE_RETURN_IF_ERROR(model->setSequenceParallel(&seq_ring, positions));
-      seq_share = seq_ranks;
     }
 
     auto first = runPass(inputs, targets);
@@ -909,7 +899,6 @@ class TrainerEngine::Impl {
     if (!target_type) return target_type.status();
     setThreads();
     TROUPE_RETURN_IF_ERROR(model->setSequenceParallel(nullptr, at::Tensor()));  // whole sequences, locally
-    seq_share = 1;
     try {
       torch::NoGradGuard no_grad;
       const at::Tensor sum = lossSum(model->forward(viewOf(batch.inputs, *input_type)),
@@ -1220,11 +1209,10 @@ class TrainerEngine::Impl {
   std::vector<at::Tensor> piece_params;
   std::vector<at::Tensor> piece_grads;
   std::string torn;  // why a sharded step stopped half way; cleared by loadState
-  // Sequence parallelism: the ring of this rank's data-parallel group (its size is seq_ranks
-  // once joined), and the share of each sequence the current step's rows hold (1 or seq_ranks).
+  // Sequence parallelism: the ring of this rank's data-parallel group (seq_ranks members once
+  // joined; each holds 1/seq_ranks of every sequence it trains on).
   train::Ring seq_ring;
   int seq_ranks = 1;
-  int64_t seq_share = 1;
   std::shared_ptr<collectives::Communicator> comm;
   int rank = 0;
   int world = 1;

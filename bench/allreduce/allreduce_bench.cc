@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "../bench_ranks.h"
 #include "testing/redis_server.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/process.h"
@@ -70,12 +71,7 @@ std::string label(size_t bytes) {
   return fmt::format("{} KB", bytes >> 10);
 }
 
-std::string readText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using bench::readText;
 
 // ---- One Troupe rank (a child process) ----
 
@@ -83,12 +79,7 @@ size_t chunkBytes = CommunicatorOptions{}.chunkBytes;
 size_t smallBytes = CommunicatorOptions{}.smallMessageBytes;
 
 int serveRank(int rank, int world, const std::string& group, const std::vector<SizeSpec>& sizes) {
-  RedisOptions redis;
-  redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
-  redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
-  redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
-  redis.cluster = "bench";
-  auto store = connectRedisStore(redis);
+  auto store = bench::connectBenchStore();
   if (!store) {
     std::fprintf(stderr, "%s\n", store.status().toString().c_str());
     return 1;

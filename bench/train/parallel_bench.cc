@@ -37,7 +37,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "bench_ranks.h"
+#include "../bench_ranks.h"
 #include "testing/redis_server.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"

@@ -28,7 +28,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "bench_ranks.h"
+#include "../bench_ranks.h"
 #include "testing/redis_server.h"
 #include "troupe/actors/dataset.h"
 #include "troupe/actors/shard_queue.h"

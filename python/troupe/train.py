@@ -334,7 +334,11 @@ class ElasticTrainer:
                     raise
                 self._event(f"step {restore_step} is not held for every member ({str(e).splitlines()[0][:160]}); "
                             f"restoring step {candidates[i + 1]}")
-        # The restored step is pinned on every rank and replica before training goes on.
+        self._settle()
+
+    def _settle(self):
+        """After a restore: the restored step is pinned on every rank and replica, and the data
+        rewinds to it, before training goes on."""
         _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
         _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
@@ -355,10 +359,8 @@ class ElasticTrainer:
         replies = _api.get([_json_call(t, "load_dir", {"dir": directory, "step": complete[0]}) for t in self.trainers],
                            timeout=self.recovery_timeout)
         self._restored(replies)
-        _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
-        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        self._settle()
         self._event(f"resumed at step {self.step} from {directory}")
-        self._record({"state": "RUNNING"})
 
     def _resharding(self):
         """ZeRO, and the bundles (ranks) differ from those that saved the snapshots."""
@@ -413,6 +415,7 @@ class ElasticTrainer:
                # What a new coordinator needs to adopt the group (ElasticTrainer(name=...) after
                # this one died), and how to tell whether this one is alive.
                "bundles": list(getattr(self, "_bundles", [])),
+               "sharded_as": getattr(self, "_sharded_as", None),
                "services": {n: [l._id, c._id] for n, (l, c) in getattr(self, "_node_services", {}).items()},
                "trainer_nodes": dict(getattr(self, "_trainer_nodes", {})),
                "engine": self._engine, "data": self._data, "checkpoint": self._checkpoint,

@@ -1,5 +1,5 @@
-// What the training benchmarks share (header-only, benchmark code): ranks as child processes
-// that meet through the benchmark's redis-server, and medians.
+// What the multi-process benchmarks share (header-only, benchmark code): ranks as child
+// processes that meet through the benchmark's redis-server, and medians.
 #pragma once
 
 #include <algorithm>
@@ -41,14 +41,19 @@ inline std::vector<std::string> redisEnvironment(const std::string& host, int po
           "TROUPE_BENCH_REDIS_PASSWORD=" + password, "OMP_NUM_THREADS=1"};
 }
 
-// In a rank process: joins (group, epoch 1) as `rank` of `world` over the CPU ring.
-inline Result<std::shared_ptr<collectives::Communicator>> joinRanks(const std::string& group, int rank, int world) {
+// In a rank process: the store of the benchmark's redis-server (redisEnvironment).
+inline Result<std::unique_ptr<ClusterStore>> connectBenchStore() {
   RedisOptions redis;
   redis.host = std::getenv("TROUPE_BENCH_REDIS_HOST");
   redis.port = std::atoi(std::getenv("TROUPE_BENCH_REDIS_PORT"));
   redis.password = std::getenv("TROUPE_BENCH_REDIS_PASSWORD");
   redis.cluster = "bench";
-  auto store = connectRedisStore(redis);
+  return connectRedisStore(redis);
+}
+
+// In a rank process: joins (group, epoch 1) as `rank` of `world` over the CPU ring.
+inline Result<std::shared_ptr<collectives::Communicator>> joinRanks(const std::string& group, int rank, int world) {
+  auto store = connectBenchStore();
   if (!store) return store.status();
   collectives::CommunicatorOptions options;
   options.group = group;
