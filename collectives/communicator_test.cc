@@ -1,7 +1,8 @@
 // The CPU communicator end to end: ranks are real processes (collectives_test_rank) or threads,
 // on real sockets on 127.0.0.1, meeting through a real redis-server (or the fake store for the
 // in-process cases). Faults are real: kill -9 of a rank, an epoch advance written to Redis, a
-// rank that never joins an operation.
+// rank that never joins an operation. Ranks on this machine use shared memory unless a case
+// turns it off; the cases check that it was in use and that nothing is left in /dev/shm.
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <time.h>
@@ -69,7 +70,7 @@ class TempDir {
 class RankProcess {
  public:
   RankProcess(const testing::RedisServerProcess& redis, const std::string& dir,
-              std::vector<std::string> args, int index)
+              std::vector<std::string> args, int index, const std::vector<std::string>& env = {})
       : out_(fmt::format("{}/rank{}.out", dir, index)),
         err_(fmt::format("{}/rank{}.err", dir, index)) {
     SpawnOptions spawn;
@@ -80,6 +81,7 @@ class RankProcess {
     spawn.env = {"TROUPE_TEST_REDIS_HOST=" + redis.host(),
                  fmt::format("TROUPE_TEST_REDIS_PORT={}", redis.port()),
                  "TROUPE_TEST_REDIS_PASSWORD=" + redis.password()};
+    spawn.env.insert(spawn.env.end(), env.begin(), env.end());
     auto pid = spawnProcess(spawn);
     REQUIRE_MESSAGE(pid.isOk(), pid.status().toString());
     child_ = ChildProcess(*pid);
@@ -129,14 +131,29 @@ class RankProcess {
 
 std::vector<std::unique_ptr<RankProcess>> spawnRanks(const testing::RedisServerProcess& redis,
                                                      const std::string& dir, int world,
-                                                     const std::vector<std::string>& common) {
+                                                     const std::vector<std::string>& common,
+                                                     const std::vector<std::string>& env = {}) {
   std::vector<std::unique_ptr<RankProcess>> ranks;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = common;
     args.insert(args.end(), {"--rank", std::to_string(r), "--world", std::to_string(world)});
-    ranks.push_back(std::make_unique<RankProcess>(redis, dir, args, r));
+    ranks.push_back(std::make_unique<RankProcess>(redis, dir, args, r, env));
   }
   return ranks;
+}
+
+// The shared-memory segments of `group` still named in /dev/shm (shm_transport.cc names them
+// troupe-coll-<group, at most 24 characters>-<epoch>-<random>). The segment is unlinked once every
+// rank of the host mapped it, so this must be empty once a communicator exists, and after any end.
+std::vector<std::string> shmLeftovers(const std::string& group) {
+  std::vector<std::string> found;
+  const std::string prefix = "troupe-coll-" + group.substr(0, 24) + "-";
+  std::error_code ignored;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ignored)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) found.push_back(name);
+  }
+  return found;
 }
 
 // "ERROR <ns> <CODE> <message>" -> its parts.
@@ -172,45 +189,123 @@ TEST_CASE("every operation, type and reduction matches the reference for 1 to 5 
       INFO(ranks[r]->errors());
       CHECK(exit->exitCode == 0);
       CHECK(ranks[r]->output().find("MATRIX OK") != std::string::npos);
+      // Ranks on one host exchange data through shared memory.
+      CHECK(ranks[r]->output().find(world > 1 ? " shm=1" : " shm=0") != std::string::npos);
     }
+    CHECK(shmLeftovers(fmt::format("matrix-{}", world)).empty());
+  }
+}
+
+TEST_CASE("TCP still works when shared memory is turned off (option or TROUPE_COLLECTIVES_SHM=0)") {
+  testing::RedisServerProcess redis;
+  TempDir dir;
+  const int world = 3;
+  for (const bool byEnvironment : {false, true}) {
+    CAPTURE(byEnvironment);
+    const std::string group = byEnvironment ? "tcp-env" : "tcp-option";
+    std::vector<std::string> args = {"--mode", "matrix", "--group", group, "--small-bytes", "4096",
+                                     "--chunk-bytes", "8192"};
+    std::vector<std::string> env;
+    if (byEnvironment) {
+      env.push_back("TROUPE_COLLECTIVES_SHM=0");
+    } else {
+      args.insert(args.end(), {"--shm", "0"});
+    }
+    auto ranks = spawnRanks(redis, dir.path(), world, args, env);
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      auto exit = ranks[r]->wait(90s);
+      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 90 s");
+      INFO(ranks[r]->errors());
+      CHECK(exit->exitCode == 0);
+      CHECK(ranks[r]->output().find("MATRIX OK") != std::string::npos);
+      CHECK(ranks[r]->output().find(" shm=0") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("shared memory gives the same bytes as TCP for every operation, type and reduction") {
+  testing::RedisServerProcess redis;
+  TempDir dir;
+  struct Case {
+    int world;
+    std::vector<std::string> tuning;  // small thresholds: both algorithms, pipes that wrap and fill
+    const char* count;
+  };
+  const Case cases[] = {
+      {2, {"--small-bytes", "4096", "--chunk-bytes", "8192"}, "300007"},
+      {3, {"--small-bytes", "4096", "--chunk-bytes", "8192"}, "300007"},
+      {4, {"--small-bytes", "4096", "--chunk-bytes", "8192"}, "300007"},
+      {4, {}, "3000017"},  // the default sizes: 1 MiB pipes, 256 KiB chunks
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.world);
+    CAPTURE(c.count);
+    const std::string group = fmt::format("compare-{}-{}", c.world, c.count);
+    std::vector<std::string> args = {"--mode", "compare", "--group", group, "--count", c.count};
+    args.insert(args.end(), c.tuning.begin(), c.tuning.end());
+    auto ranks = spawnRanks(redis, dir.path(), c.world, args);
+    for (int r = 0; r < c.world; ++r) {
+      CAPTURE(r);
+      auto exit = ranks[r]->wait(120s);
+      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 120 s");
+      INFO(ranks[r]->errors());
+      CHECK(exit->exitCode == 0);
+      CHECK(ranks[r]->output().find("COMPARE OK") != std::string::npos);
+      CHECK(ranks[r]->output().find(" shm=1") != std::string::npos);
+    }
+    CHECK(shmLeftovers(group).empty());
   }
 }
 
 TEST_CASE("kill -9 of a rank mid-allreduce: the others fail within 2 s naming it, then epoch+1 "
           "works without it") {
   testing::RedisServerProcess redis;
-  TempDir dir;
-  const int world = 4, victim = 2;
-  // 2M floats (8 MB) per all-reduce: each takes tens of ms, so the kill lands inside one.
-  auto ranks = spawnRanks(redis, dir.path(), world,
-                          {"--mode", "loop", "--group", "killed", "--epoch", "5", "--count",
-                           "2000000", "--victim", std::to_string(victim)});
-  for (int r = 0; r < world; ++r) {
-    CAPTURE(r);
-    REQUIRE_MESSAGE(!ranks[r]->waitForLine("READY", 30s).empty(), ranks[r]->errors());
-  }
-  const int64_t killedAt = monotonicNs();
-  ranks[victim]->kill9();
-  for (int r = 0; r < world; ++r) {
-    if (r == victim) continue;
-    CAPTURE(r);
-    const std::string line = ranks[r]->waitForLine("ERROR", 10s);
-    REQUIRE_MESSAGE(!line.empty(), ranks[r]->errors());
-    const ErrorLine error = parseError(line);
-    INFO(line);
-    CHECK(error.ns - killedAt < 2'000'000'000);
-    CHECK(error.code == "UNAVAILABLE");
-    CHECK(error.message.find(fmt::format("rank {} (pid {}", victim, ranks[victim]->pid())) !=
-          std::string::npos);
-    CHECK(error.message.find("recreate it at epoch 6") != std::string::npos);
-  }
-  for (int r = 0; r < world; ++r) {
-    if (r == victim) continue;
-    CAPTURE(r);
-    CHECK_MESSAGE(!ranks[r]->waitForLine("REJOINED OK", 30s).empty(), ranks[r]->errors());
-    auto exit = ranks[r]->wait(10s);
-    REQUIRE(exit.has_value());
-    CHECK(exit->exitCode == 0);
+  struct Case {
+    int world;
+    int victim;
+    const char* count;
+  };
+  // 2M floats (8 MB) at 4 ranks and 16M floats (64 MB) at 2: each all-reduce takes tens of ms,
+  // so the kill lands inside one, with pipes full and a survivor's writer blocked on one.
+  for (const Case c : {Case{4, 2, "2000000"}, Case{2, 0, "16000000"}}) {
+    const int world = c.world, victim = c.victim;
+    CAPTURE(world);
+    TempDir dir;  // per case: waitForLine must not read an earlier case's files
+    const std::string group = fmt::format("killed-{}", world);
+    auto ranks = spawnRanks(redis, dir.path(), world,
+                            {"--mode", "loop", "--group", group, "--epoch", "5", "--count", c.count, "--victim",
+                             std::to_string(victim)});
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      const std::string ready = ranks[r]->waitForLine("READY", 30s);
+      REQUIRE_MESSAGE(!ready.empty(), ranks[r]->errors());
+      CHECK(ready == "READY shm=1");
+    }
+    const int64_t killedAt = monotonicNs();
+    ranks[victim]->kill9();
+    for (int r = 0; r < world; ++r) {
+      if (r == victim) continue;
+      CAPTURE(r);
+      const std::string line = ranks[r]->waitForLine("ERROR", 10s);
+      REQUIRE_MESSAGE(!line.empty(), ranks[r]->errors());
+      const ErrorLine error = parseError(line);
+      INFO(line);
+      CHECK(error.ns - killedAt < 2'000'000'000);
+      CHECK(error.code == "UNAVAILABLE");
+      CHECK(error.message.find(fmt::format("rank {} (pid {}", victim, ranks[victim]->pid())) !=
+            std::string::npos);
+      CHECK(error.message.find("recreate it at epoch 6") != std::string::npos);
+    }
+    for (int r = 0; r < world; ++r) {
+      if (r == victim) continue;
+      CAPTURE(r);
+      CHECK_MESSAGE(!ranks[r]->waitForLine("REJOINED OK", 30s).empty(), ranks[r]->errors());
+      auto exit = ranks[r]->wait(10s);
+      REQUIRE(exit.has_value());
+      CHECK(exit->exitCode == 0);
+    }
+    CHECK(shmLeftovers(group).empty());
   }
 }
 
@@ -246,6 +341,7 @@ TEST_CASE("an epoch advance in Redis aborts blocked operations within 2 s") {
     REQUIRE(exit.has_value());
     CHECK(exit->exitCode == 0);
   }
+  CHECK(shmLeftovers("bumped").empty());
 }
 
 // ---- Threads, fake store: fast checks of the error paths ----

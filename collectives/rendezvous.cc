@@ -7,6 +7,7 @@
 // process that read this (group, epoch) from the password-protected store can join, and a stale
 // address reused by another process is refused instead of silently joined.
 #include "rendezvous.h"
+#include "shm_transport.h"
 #include "wire.h"
 
 #include "troupe/runtime/tls.h"
@@ -283,6 +284,14 @@ Result<std::vector<Entry>> waitForEntries(ClusterStore& store, GroupEpochWatch& 
 
 }  // namespace
 
+Status sendAllBefore(int fd, const void* data, size_t size, std::chrono::steady_clock::time_point deadline) {
+  return sendAll(fd, data, size, deadline);
+}
+
+Status recvAllBefore(int fd, void* data, size_t size, std::chrono::steady_clock::time_point deadline) {
+  return recvAll(fd, data, size, deadline);
+}
+
 Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptions& options,
                                     bool connectMesh, const std::string& extra,
                                     std::vector<std::string>* extras) {
@@ -319,6 +328,7 @@ Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptio
   ::gethostname(hostname, sizeof(hostname) - 1);
   self.hostname = hostname;
   self.nonce = randomHex(kNonceChars / 2);
+  self.hostId = localHostIdentity();
   self.extra = extra;
   if (connectMesh && options.worldSize > 1) {
     auto listening = listenOn(options.host);
@@ -342,6 +352,7 @@ Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptio
   for (int r = 0; r < options.worldSize; ++r) {
     result.peers[r].rank = r;
     result.peers[r].name = peerName(r, (*entries)[r]);
+    result.peers[r].hostId = (*entries)[r].hostId;
   }
   if (!connectMesh) return result;
 

@@ -41,6 +41,7 @@ class Fd {
 struct RendezvousPeer {
   int rank = -1;
   std::string name;  // "rank 2 (pid 4242 on host, 127.0.0.1:40123)", for error messages
+  std::string hostId;  // its localHostIdentity() (shm_transport.h); empty: unknown
   Fd data;
   Fd control;
 };
@@ -57,6 +58,12 @@ struct RendezvousResult {
 Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptions& options,
                                     bool connectMesh, const std::string& extra = "",
                                     std::vector<std::string>* extras = nullptr);
+
+// Blocking-with-deadline transfers on a non-blocking descriptor (the mesh's sockets before the
+// communicator takes them). kDeadlineExceeded when the deadline passes, kUnavailable when the
+// connection fails or ends.
+Status sendAllBefore(int fd, const void* data, size_t size, std::chrono::steady_clock::time_point deadline);
+Status recvAllBefore(int fd, void* data, size_t size, std::chrono::steady_clock::time_point deadline);
 
 // The message suffix every error of a broken communicator ends with.
 std::string recreateAdvice(const CommunicatorOptions& options);

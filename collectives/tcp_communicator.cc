@@ -14,6 +14,14 @@
 // count, root, per-connection sequence number) that the receiver checks against its own call:
 // a rank that issued a different operation is reported instead of corrupting data.
 //
+// Ranks on one host (shm_transport.h) exchange the same byte stream through shared-memory pipes
+// instead of their data connections: the plans, headers and reduction order do not change, so
+// results are bit-identical to TCP. A pipe receive reduces straight from the pipe into the output
+// (no scratch copy); a consumer with too little data spins briefly, then arms the producer to ring
+// its doorbell, which the shm waiter thread turns into a post to the I/O thread. The control
+// connections stay TCP, so a dead or aborting peer is noticed exactly as before; fail() also
+// wakes the sender thread if it is blocked on a full pipe.
+//
 // Failures: the first error (a data or control connection failing, a peer's ABORT, an epoch
 // advance seen by the watcher thread, a timeout, a mismatched header) is recorded, every socket
 // is closed, the current and queued operations fail with it, and an ABORT carrying it goes to
@@ -41,6 +49,7 @@
 
 #include "reduce.h"
 #include "rendezvous.h"
+#include "shm_transport.h"
 #include "wire.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/logging.h"
@@ -111,6 +120,14 @@ constexpr size_t kMaxGatherItems = 16;      // buffers per writev
 constexpr size_t kMaxWriteBytes = 4 << 20;  // bytes per write, so events are checked often
 constexpr size_t kLowWatermarkCap = 256 << 10;  // wake a reader for at most this much data
 constexpr size_t kInlineWriteBytes = 64 << 10;  // smaller writes skip the sender thread
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+constexpr auto kShmSpin = std::chrono::microseconds(20);  // a pipe reader polls this long before sleeping
 
 // Host byte order: Troupe runs on little-endian hosts (x86-64, arm64) only.
 struct WireHeader {
@@ -264,6 +281,11 @@ struct Peer {
   std::vector<iovec> writeIov;  // the sender thread's copy of writeBuffers while `writing`
   int dataFd = -1;              // data.native_handle(), for the sender thread
 
+  // Same host: the data goes through these pipes instead of `data` (which stays open, unused).
+  bool shm = false;
+  ShmPipe out, in;
+  bool shmWaiting = false;  // a read armed the doorbell and waits for the waiter's post
+
   // Control channel: bytes read but not yet parsed, and whether it ended.
   std::string controlBytes;
   bool controlEnded = false;
@@ -284,7 +306,7 @@ struct Peer {
 
 class TcpCommunicator final : public Communicator {
  public:
-  TcpCommunicator(const CommunicatorOptions& options, RendezvousResult met)
+  TcpCommunicator(const CommunicatorOptions& options, RendezvousResult met, std::optional<ShmLink> shm)
       : options_(options),
         n_(options.worldSize),
         me_(options.rank),
@@ -305,21 +327,35 @@ class TcpCommunicator final : public Communicator {
       TROUPE_CHECK(!ec, "assigning a control socket: {}", ec.message());
       peer->dataFd = peer->data.native_handle();
       peer->scratch.reserve(scratchBytes);
+      if (shm && shm->localOf(r) >= 0) {
+        peer->shm = true;
+        peer->out = shm->segment->pipe(shm->myLocal, shm->localOf(r));
+        peer->in = shm->segment->pipe(shm->localOf(r), shm->myLocal);
+      }
       peers_[r] = std::move(peer);
     }
     selfSlot_.reserve(options_.smallMessageBytes + 64);
     for (auto& peer : peers_) {
       if (peer) watchControl(*peer);
     }
+    shm_ = std::move(shm);
     ioThread_ = std::thread([this] { io_.run(); });  // runs until the guard goes (destructor)
     sender_ = std::thread([this] { senderLoop(); });
     watcher_ = std::thread([this] { watchEpoch(); });
+    if (shm_) shmWaiter_ = std::thread([this] { shmWaitLoop(); });
   }
 
   ~TcpCommunicator() override {
     stopping_.store(true);
     watch_->interrupt();
     watcher_.join();
+    if (shmWaiter_.joinable()) {
+      shmWaiterStop_.store(true);
+      std::atomic<uint32_t>& bell = shm_->segment->doorbell(shm_->myLocal);
+      bell.fetch_add(1);
+      futexWakeAll(bell);
+      shmWaiter_.join();
+    }
     asio::post(io_, [this] { shutdown(); });
     keepRunning_.reset();
     ioThread_.join();
@@ -880,7 +916,7 @@ class TcpCommunicator final : public Communicator {
     // add a wake-up to every small message's latency. What does not fit goes to the sender.
     if (bytes <= kInlineWriteBytes) {
       bool done = false;
-      const asio::error_code ec = sendIov(peer, /*block=*/false, done);
+      const asio::error_code ec = transmit(peer, /*block=*/false, done);
       if (ec || done) {
         asio::post(io_, [this, &peer, ec] { onWritten(peer, ec); });
         return;
@@ -910,9 +946,23 @@ class TcpCommunicator final : public Communicator {
         sendQueue_.pop_front();
       }
       bool done = false;
-      const asio::error_code ec = sendIov(*peer, /*block=*/true, done);
+      const asio::error_code ec = transmit(*peer, /*block=*/true, done);
       asio::post(io_, [this, peer, ec] { onWritten(*peer, ec); });
     }
+  }
+
+  // Sends peer.writeIov through the peer's pipe or its data socket (see sendIov).
+  asio::error_code transmit(Peer& peer, bool block, bool& done) {
+    if (!peer.shm) return sendIov(peer, block, done);
+    const ShmPipe::WriteResult result = peer.out.write(peer.writeIov, block, shmStop_);
+    done = result == ShmPipe::WriteResult::kDone;
+    switch (result) {
+      case ShmPipe::WriteResult::kDone:
+      case ShmPipe::WriteResult::kFull: return {};
+      case ShmPipe::WriteResult::kStopped: return asio::error::operation_aborted;
+      case ShmPipe::WriteResult::kCorrupt: return std::make_error_code(std::errc::protocol_error);
+    }
+    return {};
   }
 
   // Sends what it can of peer.writeIov, waiting for room only when `block`; what is not sent
@@ -957,6 +1007,10 @@ class TcpCommunicator final : public Communicator {
 
   void onWritten(Peer& peer, const asio::error_code& ec) {
     if (!broken_.isOk()) return;
+    if (ec && peer.shm) {
+      fail(shmCorruption(peer, "its consumer position"));
+      return;
+    }
     if (ec) {
       fail(connectionError(peer, "sending to", ec));
       return;
@@ -977,7 +1031,11 @@ class TcpCommunicator final : public Communicator {
   // matters most when ranks share few cores.
   void pumpReader(Peer& peer) {
     if (peer.reading || !peer.recvActive || !broken_.isOk()) return;
-    readLoop(peer);
+    if (peer.shm) {
+      shmReadLoop(peer);
+    } else {
+      readLoop(peer);
+    }
   }
 
   // Starts the next read of the plan; false when there is none.
@@ -1057,7 +1115,7 @@ class TcpCommunicator final : public Communicator {
       peer.headerReceived = true;
     } else {
       const RecvItem& item = peer.recvs[peer.nextRecv++];
-      if (item.reduceOut != nullptr) {
+      if (item.reduceOut != nullptr && !peer.shm) {  // a pipe's items are reduced as they are read
         reduceBuffers(current_.type, current_.op, item.reduceOut, item.local, item.dst,
                       item.count, item.divisor);
       }
@@ -1074,6 +1132,100 @@ class TcpCommunicator final : public Communicator {
       return false;
     }
     return true;
+  }
+
+  // ---- Shared-memory receives ----
+
+  // readLoop's twin for a pipe: copies (or, for a reducing item, reduces) what has been published,
+  // in place of the pipe, as it arrives; with nothing there it spins briefly, then arms the
+  // doorbell and returns until the waiter thread posts onShmDoorbell.
+  void shmReadLoop(Peer& peer) {
+    ShmPipe& pipe = peer.in;
+    for (;;) {
+      if (!peer.reading && !startRead(peer)) return;
+      while (peer.readLeft > 0) {
+        std::optional<size_t> available = pipe.available();
+        if (!available) {
+          fail(shmCorruption(peer, "its producer position"));
+          return;
+        }
+        if (*available == 0) {
+          available = spinForData(pipe);
+          if (!available) {
+            fail(shmCorruption(peer, "its producer position"));
+            return;
+          }
+          if (*available == 0) {
+            const size_t want = std::min({roundUpToPipeAlign(peer.readLeft), kLowWatermarkCap, pipe.capacity() / 2});
+            if (pipe.armWake(want)) {
+              peer.shmWaiting = true;
+              return;
+            }
+            continue;
+          }
+        }
+        const size_t n = std::min({*available, pipe.contiguous(), peer.readLeft});
+        const RecvItem* item = peer.readIsHeader ? nullptr : &peer.recvs[peer.nextRecv];
+        if (item != nullptr && item->reduceOut != nullptr) {
+          const size_t elem = dataTypeSize(current_.type);
+          const size_t offset = item->bytes - peer.readLeft;
+          reduceBuffers(current_.type, current_.op, item->reduceOut + offset, item->local + offset, pipe.peek(),
+                        n / elem, item->divisor);
+        } else {
+          std::memcpy(peer.readPtr, pipe.peek(), n);
+          peer.readPtr += n;
+        }
+        peer.readLeft -= n;
+        pipe.consume(peer.readLeft == 0 ? roundUpToPipeAlign(n) : n);
+      }
+      peer.reading = false;
+      if (!finishRead(peer)) return;
+    }
+  }
+
+  // Polls the pipe for up to kShmSpin (a peer in the middle of a copy publishes again within
+  // microseconds; sleeping would cost two wake-ups). Returns what is available then.
+  static std::optional<size_t> spinForData(const ShmPipe& pipe) {
+    const auto until = Clock::now() + kShmSpin;
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {
+        std::optional<size_t> available = pipe.available();
+        if (!available || *available > 0) return available;
+        cpuRelax();
+      }
+      if (Clock::now() >= until) return size_t{0};
+    }
+  }
+
+  // The shm waiter thread: sleeps on this rank's doorbell and posts onShmDoorbell whenever a
+  // producer rang it. The timeout only lets it notice shmWaiterStop_.
+  void shmWaitLoop() {
+    std::atomic<uint32_t>& bell = shm_->segment->doorbell(shm_->myLocal);
+    uint32_t posted = bell.load();
+    while (!shmWaiterStop_.load()) {
+      const uint32_t now = bell.load();
+      if (now != posted) {
+        posted = now;
+        asio::post(io_, [this] { onShmDoorbell(); });
+      }
+      futexWait(bell, now, std::chrono::milliseconds(200));
+    }
+  }
+
+  void onShmDoorbell() {
+    for (auto& peer : peers_) {
+      if (!broken_.isOk() || shuttingDown_) return;
+      if (peer && peer->shm && peer->shmWaiting) {
+        peer->shmWaiting = false;
+        if (peer->reading) shmReadLoop(*peer);
+      }
+    }
+  }
+
+  Status shmCorruption(const Peer& peer, std::string_view what) {
+    return Status(StatusCode::kInternal,
+                  fmt::format("the shared-memory pipe with {} holds an impossible value for {} during {}; {}",
+                              peer.name, what, describeCurrent(), recreateAdvice(options_)));
   }
 
   // ---- Control channel ----
@@ -1254,6 +1406,7 @@ class TcpCommunicator final : public Communicator {
     }
     TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: {}", options_.group, options_.epoch, me_,
                status.toString());
+    stopShmWriters();
     const std::string ourAbort = encodeAbort(status.code(), fmt::format("rank {} of group '{}' epoch {} failed: {}",
                                                                          me_, options_.group, options_.epoch,
                                                                          status.message()));
@@ -1275,6 +1428,14 @@ class TcpCommunicator final : public Communicator {
   // The data socket is only shut down here (which ends the sender thread's write on it) and
   // closed by its destructor once the sender thread is gone, so its descriptor is never reused
   // under a write.
+  // Ends a write the sender thread may be blocked in on a full pipe.
+  void stopShmWriters() {
+    shmStop_.store(true);
+    for (auto& peer : peers_) {
+      if (peer && peer->shm) peer->out.wakeProducer();
+    }
+  }
+
   static void closeSockets(Peer& peer) {
     asio::error_code ignored;
     peer.data.shutdown(tcp::socket::shutdown_both, ignored);
@@ -1294,6 +1455,7 @@ class TcpCommunicator final : public Communicator {
     queue_.clear();
     active_ = false;
     timer_.cancel();
+    stopShmWriters();
     for (auto& peer : peers_) {
       if (!peer) continue;
       if (broken_.isOk() && peer->control.is_open()) sendControl(*peer, encodeGoodbye());
@@ -1342,6 +1504,13 @@ class TcpCommunicator final : public Communicator {
   std::deque<Peer*> sendQueue_;
   bool sendStop_ = false;
   std::thread sender_;
+
+  // Shared memory with the ranks on this host (none: all TCP). The segment outlives every thread
+  // that touches it (they are joined in the destructor, before members go).
+  std::optional<ShmLink> shm_;
+  std::atomic<bool> shmStop_{false};  // set by fail() and shutdown(): blocked pipe writes give up
+  std::atomic<bool> shmWaiterStop_{false};
+  std::thread shmWaiter_;
 };
 
 }  // namespace
@@ -1356,8 +1525,11 @@ Result<std::unique_ptr<Communicator>> connectCpuCommunicator(ClusterStore& store
   }
   auto met = rendezvous(store, options, /*connectMesh=*/true);
   if (!met) return met.status();
+  auto shm = setUpSharedMemory(options, met->peers, localHostIdentity(),
+                               std::chrono::steady_clock::now() + options.rendezvousTimeout);
+  if (!shm) return shm.status();
   return std::unique_ptr<Communicator>(
-      std::make_unique<TcpCommunicator>(options, std::move(met).value()));
+      std::make_unique<TcpCommunicator>(options, std::move(met).value(), std::move(shm).value()));
 }
 
 }  // namespace troupe::collectives

@@ -5,7 +5,10 @@
 //   BLOCKING                   an operation that cannot finish was submitted (block mode)
 //   ERROR <monotonic ns> <CODE> <message>   an operation failed, and when
 //   REJOINED OK                the rank re-formed epoch + 1 without the victim and checked it
-//   MATRIX OK <operations>     every operation of the matrix matched the reference
+//   MATRIX OK <operations> shm=<0|1>   every operation of the matrix matched the reference;
+//                              shm=1 when this rank had the shared-memory segment mapped
+//   COMPARE OK <operations> shm=<0|1>  every operation gave the same bytes through shared memory
+//                              as through TCP (compare mode)
 // Exit code 0 when the mode's expectations held, 1 otherwise (with the reasons on stderr).
 #include <time.h>
 
@@ -14,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -38,6 +43,7 @@ struct Args {
   size_t count = 1 << 20;
   size_t chunkBytes = 256 * 1024;
   size_t smallBytes = 64 * 1024;
+  bool sharedMemory = true;
 };
 
 int64_t monotonicNs() {
@@ -86,7 +92,19 @@ CommunicatorOptions communicatorOptions(const Args& args, int64_t epoch, int ran
   options.operationTimeout = std::chrono::seconds(60);
   options.chunkBytes = args.chunkBytes;
   options.smallMessageBytes = args.smallBytes;
+  options.sharedMemory = args.sharedMemory;
   return options;
+}
+
+// Whether this process maps a communicator segment of `group` (shm_transport.cc names them
+// /troupe-coll-<group, at most 24 characters>-...; unlinked, so the map line ends "(deleted)").
+bool sharedMemoryMapped(const std::string& group) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string needle = "/dev/shm/troupe-coll-" + group.substr(0, 24) + "-";
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(needle) != std::string::npos) return true;
+  }
+  return false;
 }
 
 // ---- Values and references ----
@@ -309,7 +327,105 @@ int runMatrix(ClusterStore& store, const Args& args) {
   Matrix matrix(**comm);
   matrix.run();
   if (matrix.failures() > 0) return 1;
-  report(fmt::format("MATRIX OK {}", matrix.operations()));
+  report(fmt::format("MATRIX OK {} shm={}", matrix.operations(), sharedMemoryMapped(args.group) ? 1 : 0));
+  return 0;
+}
+
+// Random values whose sums depend on the order of the additions (floats of mixed magnitudes), so
+// a different reduction order would show in the bytes.
+void fillRandom(DataType type, void* buffer, size_t count, std::mt19937_64& random) {
+  std::uniform_real_distribution<double> mantissa(-1.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-12, 12);
+  std::uniform_int_distribution<int64_t> integer(-1'000'000, 1'000'000);
+  for (size_t i = 0; i < count; ++i) {
+    if (isInteger(type)) {
+      store(type, buffer, i, static_cast<double>(integer(random)));
+    } else {
+      store(type, buffer, i, std::ldexp(mantissa(random), exponent(random)));
+    }
+  }
+}
+
+// Every operation on the same random inputs through a shared-memory communicator and a TCP one
+// (the same ranks, options and algorithms): the outputs must be the same bytes.
+int runCompare(ClusterStore& store, const Args& args) {
+  CommunicatorOptions shmOptions = communicatorOptions(args, args.epoch, args.rank, args.world);
+  CommunicatorOptions tcpOptions = shmOptions;
+  tcpOptions.group += "-tcp";
+  tcpOptions.sharedMemory = false;
+  auto shm = connectCpuCommunicator(store, shmOptions);
+  if (!shm) {
+    reportError(shm.status());
+    return 1;
+  }
+  auto tcp = connectCpuCommunicator(store, tcpOptions);
+  if (!tcp) {
+    reportError(tcp.status());
+    return 1;
+  }
+  Communicator& a = **shm;
+  Communicator& b = **tcp;
+  const int n = args.world, me = args.rank;
+  int operations = 0, failures = 0;
+  auto same = [&](const Status& sa, const Status& sb, const char* what, DataType type, size_t count,
+                  const std::vector<char>& x, const std::vector<char>& y) {
+    ++operations;
+    if (!sa.isOk() || !sb.isOk()) {
+      std::fprintf(stderr, "rank %d: %s(%s, %zu): %s / %s\n", me, what, dataTypeName(type), count,
+                   sa.toString().c_str(), sb.toString().c_str());
+      ++failures;
+    } else if (x != y) {
+      size_t at = 0;
+      while (at < x.size() && x[at] == y[at]) ++at;
+      std::fprintf(stderr, "rank %d of %d: %s(%s, %zu elements): shared memory and TCP differ at byte %zu\n",
+                   me, n, what, dataTypeName(type), count, at);
+      ++failures;
+    }
+  };
+  const DataType types[] = {DataType::kFloat32, DataType::kFloat64, DataType::kBFloat16,
+                            DataType::kFloat16, DataType::kInt32,   DataType::kInt64};
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax};
+  std::mt19937_64 random(static_cast<uint64_t>(me) * 7919 + 17);
+  for (size_t count : {size_t{1}, size_t{7}, size_t{1000}, size_t{50021}, args.count}) {
+    for (DataType type : types) {
+      const size_t elem = dataTypeSize(type);
+      const Shard mine = shardOf(count, n, me);
+      // A few spare bytes: a rank whose shard is empty still passes a valid pointer.
+      std::vector<char> in(count * elem + 8), x(count * elem + 8), y(count * elem + 8);
+      for (ReduceOp op : ops) {
+        fillRandom(type, in.data(), count, random);
+        same(a.allreduce(in.data(), x.data(), count, type, op), b.allreduce(in.data(), y.data(), count, type, op),
+             "allreduce", type, count, x, y);
+        std::vector<char> xs(mine.size() * elem + 8), ys(mine.size() * elem + 8);
+        same(a.reduceScatter(in.data(), xs.data(), count, type, op),
+             b.reduceScatter(in.data(), ys.data(), count, type, op), "reduce_scatter", type, count, xs, ys);
+        // The ZeRO identity: reduce-scatter then all-gather is the all-reduce, bit for bit.
+        std::vector<char> gathered(count * elem + 8);
+        same(a.allgather(xs.data(), gathered.data(), count, type), Status::ok(), "reduce_scatter+allgather", type,
+             count, gathered, x);
+      }
+      fillRandom(type, in.data(), count, random);
+      std::vector<char> shard(in.begin() + static_cast<ptrdiff_t>(mine.begin * elem),
+                              in.begin() + static_cast<ptrdiff_t>(mine.end * elem));
+      shard.resize(shard.size() + 8);
+      same(a.allgather(shard.data(), x.data(), count, type), b.allgather(shard.data(), y.data(), count, type),
+           "allgather", type, count, x, y);
+      const int root = static_cast<int>(count % static_cast<size_t>(n));
+      x = in;
+      y = in;
+      same(a.broadcast(x.data(), count, type, root), b.broadcast(y.data(), count, type, root), "broadcast", type,
+           count, x, y);
+      if (n > 1) {
+        const int right = (me + 1) % n, left = (me + n - 1) % n;
+        same(a.sendRecv(in.data(), right, x.data(), left, count, type),
+             b.sendRecv(in.data(), right, y.data(), left, count, type), "sendrecv", type, count, x, y);
+      }
+    }
+  }
+  Status barrierA = a.barrier(), barrierB = b.barrier();
+  if (!barrierA.isOk() || !barrierB.isOk()) ++failures;
+  if (failures > 0) return 1;
+  report(fmt::format("COMPARE OK {} shm={}", operations, sharedMemoryMapped(args.group) ? 1 : 0));
   return 0;
 }
 
@@ -350,7 +466,7 @@ int runLoop(ClusterStore& store, const Args& args) {
         reportError(status);
         break;
       }
-      if (!ready) report("READY");
+      if (!ready) report(fmt::format("READY shm={}", sharedMemoryMapped(args.group) ? 1 : 0));
       ready = true;
     }
     // Later operations fail at once, with the same error.
@@ -409,7 +525,7 @@ int main(int argc, char** argv) {
   using namespace troupe::collectives;
   Args args;
   CLI::App app("One rank of a Troupe collectives test");
-  app.add_option("--mode", args.mode)->check(CLI::IsMember({"matrix", "loop", "block"}));
+  app.add_option("--mode", args.mode)->check(CLI::IsMember({"matrix", "loop", "block", "compare"}));
   app.add_option("--cluster", args.cluster);
   app.add_option("--group", args.group);
   app.add_option("--epoch", args.epoch);
@@ -419,6 +535,7 @@ int main(int argc, char** argv) {
   app.add_option("--count", args.count);
   app.add_option("--chunk-bytes", args.chunkBytes);
   app.add_option("--small-bytes", args.smallBytes);
+  app.add_option("--shm", args.sharedMemory, "use shared memory between the ranks of this host (1) or not (0)");
   CLI11_PARSE(app, argc, argv);
 
   auto store = openStore(args);
@@ -428,5 +545,6 @@ int main(int argc, char** argv) {
   }
   if (args.mode == "matrix") return runMatrix(**store, args);
   if (args.mode == "loop") return runLoop(**store, args);
+  if (args.mode == "compare") return runCompare(**store, args);
   return runBlock(**store, args);
 }

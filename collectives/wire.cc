@@ -54,7 +54,8 @@ std::optional<int64_t> integerIn(const json& j, const char* name, int64_t low, i
 std::string encodeEntry(const Entry& entry) {
   return json{{"host", entry.host},         {"port", entry.port},
               {"pid", entry.pid},           {"hostname", entry.hostname},
-              {"nonce", entry.nonce},       {"extra", hexEncode(entry.extra)}}
+              {"nonce", entry.nonce},       {"extra", hexEncode(entry.extra)},
+              {"host_id", entry.hostId}}
       .dump();
 }
 
@@ -74,6 +75,8 @@ std::optional<Entry> decodeEntry(std::string_view text) {
     auto extra = hexDecode(j.value("extra", ""));
     if (!extra || entry.nonce.size() != kNonceChars) return std::nullopt;
     entry.extra = std::move(*extra);
+    entry.hostId = j.value("host_id", "");
+    if (entry.hostId.size() > kMaxHostIdChars) return std::nullopt;
     return entry;
   } catch (const json::exception&) {
     return std::nullopt;

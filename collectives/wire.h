@@ -15,6 +15,7 @@
 namespace troupe::collectives {
 
 inline constexpr size_t kNonceChars = 32;
+inline constexpr size_t kMaxHostIdChars = 256;
 
 // A rank's published address: its rendezvous entry in the store.
 struct Entry {
@@ -24,11 +25,13 @@ struct Entry {
   std::string hostname;
   std::string nonce;  // kNonceChars characters; a connecting peer must echo it
   std::string extra;  // opaque bytes for the backend (NCCL's unique id)
+  std::string hostId;  // which host (and network namespace) the rank runs on; "" when unknown
 };
 
 std::string encodeEntry(const Entry& entry);
 // The entry `text` holds; nullopt when it is not one: not JSON, a field missing or of another
-// type, a port outside 0..65535, a negative pid, a nonce of another length, `extra` not hex.
+// type, a port outside 0..65535, a negative pid, a nonce of another length, `extra` not hex, a
+// host_id (optional) over kMaxHostIdChars.
 std::optional<Entry> decodeEntry(std::string_view text);
 
 // Control connection messages: an 8-byte header (kind, payload length), then the payload.

@@ -155,9 +155,15 @@ struct CommunicatorOptions {
   // chunkBytes. Both size buffers allocated once per communicator.
   size_t smallMessageBytes = 64 * 1024;
   size_t chunkBytes = 256 * 1024;
+  // CPU backend: ranks on one host (same kernel boot and network namespace) move their data
+  // through shared memory instead of TCP; ranks on other hosts keep TCP. Results are the same
+  // bit for bit either way. false here, or TROUPE_COLLECTIVES_SHM=0 in the environment, on any
+  // rank of a host makes that host's ranks use TCP.
+  bool sharedMemory = true;
 };
 
-// Joins (group, epoch) with the CPU backend (TCP over Asio): advances the group's epoch to
+// Joins (group, epoch) with the CPU backend (TCP over Asio, shared memory between the ranks of
+// one host): advances the group's epoch to
 // `epoch` in the store (joining an epoch ends every earlier one), publishes this rank's address,
 // waits for every rank and connects to each. `store` is used only during the call; the
 // communicator opens its own epoch watch through it. Errors: kInvalidArgument (bad options),
