@@ -51,6 +51,7 @@ constexpr size_t roundUpToPipeAlign(size_t bytes) { return (bytes + kPipeAlign -
 // This process's host for the transport's purpose: the kernel's boot id and the inode of the
 // network namespace. Ranks in different network namespaces count as different hosts (the
 // multi-host test bed is built from namespaces). Empty when it cannot be read (never same host).
+// Tests split one machine into several hosts with TROUPE_COLLECTIVES_HOST_ID (appended).
 std::string localHostIdentity();
 
 // Whether shared memory is allowed here: options.sharedMemory and TROUPE_COLLECTIVES_SHM is not

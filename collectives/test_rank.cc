@@ -12,6 +12,7 @@
 // Exit code 0 when the mode's expectations held, 1 otherwise (with the reasons on stderr).
 #include <time.h>
 
+#include <cinttypes>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +27,7 @@
 #include <fmt/format.h>
 
 #include "reduce.h"
+#include "shm_transport.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/cluster_store.h"
 
@@ -98,13 +100,24 @@ CommunicatorOptions communicatorOptions(const Args& args, int64_t epoch, int ran
 
 // Whether this process maps a communicator segment of `group` (shm_transport.cc names them
 // /troupe-coll-<group, at most 24 characters>-...; unlinked, so the map line ends "(deleted)").
-bool sharedMemoryMapped(const std::string& group) {
+// Returns the mapping's size in bytes, 0 when there is none.
+uint64_t sharedMemoryMapped(const std::string& group) {
   std::ifstream maps("/proc/self/maps");
   const std::string needle = "/dev/shm/troupe-coll-" + group.substr(0, 24) + "-";
   for (std::string line; std::getline(maps, line);) {
-    if (line.find(needle) != std::string::npos) return true;
+    if (line.find(needle) == std::string::npos) continue;
+    uint64_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64, &begin, &end) == 2) return end - begin;
   }
-  return false;
+  return 0;
+}
+
+// How many ranks share the segment of `bytes` (its layout's size for that many ranks), 0: none.
+int segmentRanks(uint64_t bytes, size_t chunkBytes) {
+  for (int ranks = 2; ranks <= 64 && bytes > 0; ++ranks) {
+    if (segmentBytes(ranks, pipeBytesFor(ranks, chunkBytes)) == bytes) return ranks;
+  }
+  return 0;
 }
 
 // ---- Values and references ----
@@ -425,7 +438,9 @@ int runCompare(ClusterStore& store, const Args& args) {
   Status barrierA = a.barrier(), barrierB = b.barrier();
   if (!barrierA.isOk() || !barrierB.isOk()) ++failures;
   if (failures > 0) return 1;
-  report(fmt::format("COMPARE OK {} shm={}", operations, sharedMemoryMapped(args.group) ? 1 : 0));
+  const uint64_t mapped = sharedMemoryMapped(args.group);
+  report(fmt::format("COMPARE OK {} shm={} host_ranks={}", operations, mapped > 0 ? 1 : 0,
+                     segmentRanks(mapped, args.chunkBytes)));
   return 0;
 }
 

@@ -1,13 +1,19 @@
 // allreduce_bench (bench/run allreduce [--json]): float32 sum all-reduce, 4 KB to 256 MB, for
-// 2 and 4 ranks (processes on this machine), with Troupe's CPU communicator and, in the same
-// invocation, torch.distributed's gloo (gloo_peer.py, ranks started by hand). Prints time,
-// algorithm bandwidth and bus bandwidth per size and world size and the ratio; with --json one
+// 2 and 4 ranks (processes on this machine), with Troupe's CPU communicator as it runs by default
+// (the ranks share a host, so shared memory), again with TCP forced (TROUPE_COLLECTIVES_SHM=0),
+// and, in the same invocation, torch.distributed's gloo (gloo_peer.py, ranks started by hand).
+// Prints time and bus bandwidth per size and world size and the ratios to gloo, then the spread
+// (min, median, max over the timed iterations: 5 at 64 MB) of the 64 MB rows; with --json one
 // JSON object on the last line: {"rows": [{"bytes", "world_size", "troupe_ms", "gloo_ms",
-// "troupe_busbw_gbps", "gloo_busbw_gbps", "ratio"}, ...]}.
+// "troupe_busbw_gbps", "gloo_busbw_gbps", "ratio", "troupe_tcp_ms", "troupe_tcp_busbw_gbps",
+// "tcp_ratio", "troupe_spread_ms", "troupe_tcp_spread_ms", "gloo_spread_ms"}, ...],
+// "ratio_64mb_2", "ratio_64mb_4", ...}. troupe_* is the default (shared-memory) run, ratio is
+// gloo time / Troupe time, spreads are [min, median, max] ms.
 //
 // Method (the same on both sides): two warm-up all-reduces, then per iteration a barrier and one
-// timed all-reduce; each rank takes its median, and the slowest rank's median is reported.
-// bus bandwidth = bytes / time * 2 (n - 1) / n, the traffic per rank of an optimal all-reduce.
+// timed all-reduce; an iteration's time is its slowest rank's, and the median over iterations is
+// reported. bus bandwidth = bytes / time * 2 (n - 1) / n, the traffic per rank of an optimal
+// all-reduce.
 #include <time.h>
 
 #include <algorithm>
@@ -112,6 +118,7 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
       }
     }
     std::vector<double> times;
+    times.reserve(static_cast<size_t>(s.iterations));
     for (int i = 0; i < s.iterations; ++i) {
       if (Status status = (*comm)->barrier(); !status.isOk()) return 1;
       const auto start = Clock::now();
@@ -122,15 +129,17 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
         return 1;
       }
     }
-    std::sort(times.begin(), times.end());
-    double median = times.size() % 2 ? times[times.size() / 2]
-                                     : (times[times.size() / 2 - 1] + times[times.size() / 2]) / 2;
-    if (Status status = (*comm)->allreduce(&median, 1, DataType::kFloat64, ReduceOp::kMax);
+    // Each iteration's slowest rank: an all-reduce is done when every rank is.
+    if (Status status = (*comm)->allreduce(times.data(), times.size(), DataType::kFloat64, ReduceOp::kMax);
         !status.isOk()) {
       return 1;
     }
+    std::sort(times.begin(), times.end());
+    const double median = times.size() % 2 ? times[times.size() / 2]
+                                           : (times[times.size() / 2 - 1] + times[times.size() / 2]) / 2;
     if (rank == 0) {
-      std::printf("%s\n", json{{"bytes", s.bytes}, {"world_size", world}, {"ms", median}}.dump().c_str());
+      std::printf("%s\n", json{{"bytes", s.bytes}, {"world_size", world}, {"ms", median},
+                               {"min_ms", times.front()}, {"max_ms", times.back()}}.dump().c_str());
       std::fflush(stdout);
     }
   }
@@ -139,8 +148,17 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
 
 // ---- The driver ----
 
+struct Spread {
+  double min = 0, median = 0, max = 0;  // ms
+};
+
 struct Measured {
-  std::map<std::pair<size_t, int>, double> ms;  // (bytes, world) -> median ms
+  std::map<std::pair<size_t, int>, Spread> ms;  // (bytes, world) -> ms over the iterations
+
+  Spread at(size_t bytes, int world) const {
+    auto it = ms.find({bytes, world});
+    return it == ms.end() ? Spread{} : it->second;
+  }
 };
 
 // Starts `world` processes with `argvFor(rank)` and `envFor(rank)`, waits for all, and parses
@@ -175,8 +193,9 @@ bool runRanks(int world, const std::function<SpawnOptions(int)>& spawnFor, const
   for (std::string line; std::getline(lines, line);) {
     try {
       json j = json::parse(line);
+      const double median = j.at("ms").get<double>();
       measured.ms[{j.at("bytes").get<size_t>(), j.at("world_size").get<int>()}] =
-          j.at("ms").get<double>();
+          Spread{j.value("min_ms", median), median, j.value("max_ms", median)};
     } catch (const json::exception&) {
     }
   }
@@ -201,7 +220,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> specs;
   std::string python = std::getenv("TROUPE_PYTHON") ? std::getenv("TROUPE_PYTHON") : "/usr/bin/python3";
   std::string glooScript = TROUPE_GLOO_PEER;
-  bool skipGloo = false;
+  bool skipGloo = false, skipTcp = false;
   CLI::App app("Troupe all-reduce vs torch.distributed gloo");
   app.add_flag("--json", emitJson, "print one JSON object as the last line");
   app.add_option("--worlds", worlds, "world sizes")->delimiter(',');
@@ -209,6 +228,7 @@ int main(int argc, char** argv) {
   app.add_option("--python", python, "interpreter with torch (Debian's python3-torch)");
   app.add_option("--gloo-script", glooScript);
   app.add_flag("--no-gloo", skipGloo, "measure Troupe only");
+  app.add_flag("--no-tcp", skipTcp, "skip the run with TCP forced between the ranks (TROUPE_COLLECTIVES_SHM=0)");
   app.add_option("--chunk-bytes", chunkBytes, "Troupe's ring chunk size");
   app.add_option("--small-bytes", smallBytes, "Troupe's one-hop algorithm threshold");
   app.add_option("--serve-rank", serve)->group("");  // internal: run one Troupe rank
@@ -223,21 +243,26 @@ int main(int argc, char** argv) {
   const std::string dir = ::mkdtemp(dirPattern);
   std::vector<std::string> sizeArgs;
   for (const SizeSpec& s : sizes) sizeArgs.push_back(fmt::format("{}:{}", s.bytes, s.iterations));
-  Measured troupe, gloo;
+  Measured troupe, troupeTcp, gloo;
   bool ok = true;
   const std::string self = executableDir() + "/allreduce_bench";
   for (int w : worlds) {
-    std::fprintf(stderr, "allreduce_bench: troupe, %d ranks...\n", w);
-    ok &= runRanks(w, [&](int r) {
-      SpawnOptions spawn;
-      spawn.argv = {self, "--serve-rank", std::to_string(r), "--world", std::to_string(w),
-                    "--group", fmt::format("bench-{}", w), "--sizes", fmt::format("{}", fmt::join(sizeArgs, ",")),
-                    "--chunk-bytes", std::to_string(chunkBytes), "--small-bytes", std::to_string(smallBytes)};
-      spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(),
-                   fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
-                   "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password()};
-      return spawn;
-    }, dir, "troupe", troupe, std::chrono::seconds(600));
+    for (const bool tcp : {false, true}) {
+      if (tcp && skipTcp) continue;
+      const std::string side = tcp ? "troupe-tcp" : "troupe";
+      std::fprintf(stderr, "allreduce_bench: %s, %d ranks...\n", side.c_str(), w);
+      ok &= runRanks(w, [&](int r) {
+        SpawnOptions spawn;
+        spawn.argv = {self, "--serve-rank", std::to_string(r), "--world", std::to_string(w),
+                      "--group", fmt::format("bench-{}-{}", side, w), "--sizes", fmt::format("{}", fmt::join(sizeArgs, ",")),
+                      "--chunk-bytes", std::to_string(chunkBytes), "--small-bytes", std::to_string(smallBytes)};
+        spawn.env = {"TROUPE_BENCH_REDIS_HOST=" + redis.host(),
+                     fmt::format("TROUPE_BENCH_REDIS_PORT={}", redis.port()),
+                     "TROUPE_BENCH_REDIS_PASSWORD=" + redis.password(),
+                     tcp ? "TROUPE_COLLECTIVES_SHM=0" : "TROUPE_COLLECTIVES_SHM=1"};
+        return spawn;
+      }, dir, side, tcp ? troupeTcp : troupe, std::chrono::seconds(600));
+    }
     if (skipGloo) continue;
     std::fprintf(stderr, "allreduce_bench: gloo, %d ranks...\n", w);
     auto port = pickFreePort("127.0.0.1");
@@ -253,28 +278,54 @@ int main(int argc, char** argv) {
     }, dir, "gloo", gloo, std::chrono::seconds(900));
   }
 
-  std::printf("float32 sum all-reduce, median of timed iterations (slowest rank); GB/s = 1e9 B/s\n");
-  std::printf("%-8s %5s | %10s %8s %8s | %10s %8s %8s | %7s\n", "size", "ranks", "troupe ms",
-              "algbw", "busbw", "gloo ms", "algbw", "busbw", "ratio");
+  std::printf("float32 sum all-reduce, median over timed iterations of the slowest rank; busbw in GB/s (1e9 B/s)\n");
+  std::printf("%-8s %5s | %9s %7s | %9s %7s | %9s %7s | %7s %7s\n", "size", "ranks", "shm ms", "busbw",
+              "tcp ms", "busbw", "gloo ms", "busbw", "shm/gl", "tcp/gl");
   json rows = json::array();
+  json summary = json::object();
+  auto spreadJson = [](const Spread& s) { return json::array({s.min, s.median, s.max}); };
   for (int w : worlds) {
     for (const SizeSpec& s : sizes) {
-      const double t = troupe.ms.count({s.bytes, w}) ? troupe.ms[{s.bytes, w}] : 0;
-      const double g = gloo.ms.count({s.bytes, w}) ? gloo.ms[{s.bytes, w}] : 0;
-      const double algbw = t > 0 ? static_cast<double>(s.bytes) / (t * 1e6) : 0;
-      const double tBus = busBandwidth(s.bytes, w, t), gBus = busBandwidth(s.bytes, w, g);
+      const Spread shm = troupe.at(s.bytes, w), tcp = troupeTcp.at(s.bytes, w), gl = gloo.at(s.bytes, w);
+      const double t = shm.median, c = tcp.median, g = gl.median;
+      const double tBus = busBandwidth(s.bytes, w, t), cBus = busBandwidth(s.bytes, w, c),
+                   gBus = busBandwidth(s.bytes, w, g);
       const double ratio = t > 0 && g > 0 ? g / t : 0;
-      const double gAlgbw = g > 0 ? static_cast<double>(s.bytes) / (g * 1e6) : 0;
-      std::printf("%-8s %5d | %10.3f %8.3f %8.3f | %10.3f %8.3f %8.3f | %6.2fx\n",
-                  label(s.bytes).c_str(), w, t, algbw, tBus, g, gAlgbw, gBus, ratio);
+      const double tcpRatio = c > 0 && g > 0 ? g / c : 0;
+      std::printf("%-8s %5d | %9.3f %7.3f | %9.3f %7.3f | %9.3f %7.3f | %6.2fx %6.2fx\n", label(s.bytes).c_str(), w,
+                  t, tBus, c, cBus, g, gBus, ratio, tcpRatio);
       rows.push_back(json{{"bytes", s.bytes}, {"world_size", w}, {"troupe_ms", t}, {"gloo_ms", g},
-                          {"troupe_busbw_gbps", tBus}, {"gloo_busbw_gbps", gBus},
-                          {"ratio", ratio}});
+                          {"troupe_busbw_gbps", tBus}, {"gloo_busbw_gbps", gBus}, {"ratio", ratio},
+                          {"troupe_tcp_ms", c}, {"troupe_tcp_busbw_gbps", cBus}, {"tcp_ratio", tcpRatio},
+                          {"troupe_spread_ms", spreadJson(shm)}, {"troupe_tcp_spread_ms", spreadJson(tcp)},
+                          {"gloo_spread_ms", spreadJson(gl)}});
+      if (s.bytes == (size_t{64} << 20)) {
+        summary[fmt::format("ratio_64mb_{}", w)] = ratio;
+        summary[fmt::format("tcp_ratio_64mb_{}", w)] = tcpRatio;
+      }
     }
   }
-  std::printf("ratio = gloo time / troupe time (> 1: Troupe is faster)\n");
+  std::printf("shm/gl, tcp/gl = gloo time / Troupe time (> 1: Troupe is faster); shm: the default run (ranks on one "
+              "host use shared memory), tcp: TROUPE_COLLECTIVES_SHM=0\n");
+  bool header = false;
+  for (int w : worlds) {
+    for (const SizeSpec& s : sizes) {
+      if (s.bytes != (size_t{64} << 20)) continue;
+      if (!header) {
+        std::printf("spread at 64 MB over %d iterations, ms (min / median / max):\n", s.iterations);
+        header = true;
+      }
+      auto line = [](const Spread& x) { return fmt::format("{:.2f} / {:.2f} / {:.2f}", x.min, x.median, x.max); };
+      std::printf("  %d ranks: shm %s | tcp %s | gloo %s\n", w, line(troupe.at(s.bytes, w)).c_str(),
+                  line(troupeTcp.at(s.bytes, w)).c_str(), line(gloo.at(s.bytes, w)).c_str());
+    }
+  }
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
-  if (emitJson) std::printf("%s\n", json{{"benchmark", "allreduce"}, {"rows", rows}}.dump().c_str());
+  if (emitJson) {
+    json out{{"benchmark", "allreduce"}, {"rows", rows}};
+    out.update(summary);
+    std::printf("%s\n", out.dump().c_str());
+  }
   return ok ? 0 : 1;
 }

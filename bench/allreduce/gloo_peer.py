@@ -4,9 +4,10 @@ against). Started by hand, not by torchrun (Debian's torch 1.13 torchrun fails o
 MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment.
 
 Usage: gloo_peer.py SIZE_BYTES:ITERS [SIZE_BYTES:ITERS ...]
-Rank 0 prints one JSON line per size: {"bytes", "world_size", "ms"} where ms is the median of
-ITERS timed all-reduces (float32, sum) after warm-up, each preceded by a barrier so every rank
-starts together, as the Troupe side measures.
+Rank 0 prints one JSON line per size: {"bytes", "world_size", "ms", "min_ms", "max_ms"}: the
+median, fastest and slowest of ITERS timed all-reduces (float32, sum) after warm-up, each preceded
+by a barrier so every rank starts together and each timed as its slowest rank, as the Troupe side
+measures.
 """
 import json
 import os
@@ -34,11 +35,13 @@ def main():
             start = time.perf_counter()
             dist.all_reduce(tensor)
             times.append((time.perf_counter() - start) * 1e3)
-        # Every rank's median, reduced to the slowest: an all-reduce is done when all are.
-        median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        # Each iteration's slowest rank: an all-reduce is done when every rank is.
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowest = slowest.tolist()
         if rank == 0:
-            print(json.dumps({"bytes": size, "world_size": world, "ms": median.item()}), flush=True)
+            print(json.dumps({"bytes": size, "world_size": world, "ms": statistics.median(slowest),
+                              "min_ms": min(slowest), "max_ms": max(slowest)}), flush=True)
     dist.destroy_process_group()
 
 
