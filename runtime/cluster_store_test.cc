@@ -947,6 +947,117 @@ TEST_CASE_TEMPLATE("placement groups: delete forgets a group and is idempotent",
   CHECK(list->front().id == keep.id);
 }
 
+TEST_CASE_TEMPLATE("placement groups: create and remove each in one step, with their claims", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord node = registerResourceNode(*store, {{"CPU", 4}});
+  PlacementGroupRecord group;
+  group.id = PlacementGroupId::generate();
+  group.state = PlacementGroupState::kCreated;
+  group.createdMs = 7;
+  group.bundles = {Bundle{{{"CPU", 1}}, node.id}, Bundle{{{"CPU", 2}}, node.id}};
+  auto holder = [&](int i) { return fmt::format("pg:{}:{}", group.id.hex(), i); };
+  std::vector<Reservation> claims = {{node.id, holder(0), {{"CPU", 1}}}, {node.id, holder(1), {{"CPU", 2}}}};
+
+  auto created = store->createPlacementGroup(group, claims);
+  REQUIRE(created.isOk());
+  CHECK(created->outcome == GroupCreation::Outcome::kCreated);
+  checkSameGroup(**store->getPlacementGroup(group.id), group);
+  CHECK(mustReservations(*store, node.id).size() == 2);
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 3}});
+
+  // A retry finds the group and writes nothing, even with other claims.
+  PlacementGroupRecord again = group;
+  again.bundles.push_back(Bundle{{{"CPU", 1}}, node.id});
+  auto retried = store->createPlacementGroup(again, {{node.id, holder(2), {{"CPU", 1}}}});
+  REQUIRE(retried.isOk());
+  CHECK(retried->outcome == GroupCreation::Outcome::kExists);
+  REQUIRE(retried->existing.has_value());
+  checkSameGroup(*retried->existing, group);
+  CHECK(mustReservations(*store, node.id).size() == 2);
+
+  // A claim that no longer fits writes neither the group nor any claim.
+  PlacementGroupRecord big;
+  big.id = PlacementGroupId::generate();
+  big.state = PlacementGroupState::kCreated;
+  big.bundles = {Bundle{{{"CPU", 1}}, node.id}, Bundle{{{"CPU", 1}}, node.id}};
+  auto refused = store->createPlacementGroup(
+      big, {{node.id, fmt::format("pg:{}:0", big.id.hex()), {{"CPU", 1}}}, {node.id, fmt::format("pg:{}:1", big.id.hex()), {{"CPU", 1.5}}}});
+  REQUIRE(refused.isOk());
+  CHECK(refused->outcome == GroupCreation::Outcome::kRefused);
+  CHECK_FALSE(store->getPlacementGroup(big.id)->has_value());
+  CHECK(mustReservations(*store, node.id).size() == 2);
+
+  // Removal releases every bundle's claim with the record.
+  auto removed = store->removePlacementGroup(group.id);
+  REQUIRE(removed.isOk());
+  CHECK(removed->outcome == GroupRemoval::Outcome::kRemoved);
+  CHECK_FALSE(removed->pendingWork);
+  CHECK_FALSE(store->getPlacementGroup(group.id)->has_value());
+  CHECK(mustReservations(*store, node.id).empty());
+  CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 0}});
+  CHECK(store->listPlacementGroups()->empty());
+  auto gone = store->removePlacementGroup(group.id);
+  REQUIRE(gone.isOk());
+  CHECK(gone->outcome == GroupRemoval::Outcome::kNotFound);
+}
+
+TEST_CASE_TEMPLATE("placement groups: a group with live actors is not removed in one step; indexes follow the records",
+                   Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  PlacementGroupRecord group;
+  group.id = PlacementGroupId::generate();
+  group.state = PlacementGroupState::kPending;
+  group.bundles = {Bundle{{{"CPU", 1}}, NodeId()}};
+  REQUIRE(store->createPlacementGroup(group, {})->outcome == GroupCreation::Outcome::kCreated);
+  auto work = store->listPendingWork();
+  REQUIRE(work.isOk());
+  REQUIRE(work->groups.size() == 1);
+  CHECK(work->groups[0].id == group.id);
+  CHECK(work->actors.empty());
+
+  ActorRecord actor;
+  actor.id = ActorId::generate();
+  actor.type = "Counter";
+  actor.placementGroup = group.id;
+  actor.bundleIndex = 0;
+  actor.state = ActorState::kPending;
+  REQUIRE(store->putActor(actor).isOk());
+  work = store->listPendingWork();
+  REQUIRE(work->actors.size() == 1);
+  CHECK(work->actors[0].id == actor.id);
+  REQUIRE(store->listGroupActors(group.id)->size() == 1);
+  CHECK(store->listGroupActors(PlacementGroupId::generate())->empty());
+
+  auto kept = store->removePlacementGroup(group.id);
+  REQUIRE(kept.isOk());
+  CHECK(kept->outcome == GroupRemoval::Outcome::kHasActors);
+  CHECK(kept->pendingWork);
+  CHECK(store->getPlacementGroup(group.id)->has_value());
+
+  // Placed, the actor no longer waits; its group is CREATED now.
+  actor.nodeId = NodeId::generate();
+  actor.state = ActorState::kAlive;
+  REQUIRE(store->putActor(actor).isOk());
+  group.state = PlacementGroupState::kCreated;
+  REQUIRE(store->putPlacementGroup(group).isOk());
+  work = store->listPendingWork();
+  CHECK(work->groups.empty());
+  CHECK(work->actors.empty());
+  CHECK(store->listGroupActors(group.id)->size() == 1);
+
+  // Dead, it leaves the group's index, and the group goes in one step.
+  actor.state = ActorState::kDead;
+  REQUIRE(store->putActor(actor).isOk());
+  CHECK(store->listGroupActors(group.id)->empty());
+  auto removed = store->removePlacementGroup(group.id);
+  REQUIRE(removed.isOk());
+  CHECK(removed->outcome == GroupRemoval::Outcome::kRemoved);
+  CHECK_FALSE(removed->pendingWork);
+}
+
 TEST_CASE_TEMPLATE("placement groups: put, get and list keep every field", Backend,
                    TROUPE_STORE_BACKENDS) {
   Backend backend;

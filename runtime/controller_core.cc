@@ -63,7 +63,7 @@ Status ControllerCore::place(ActorRecord& actor) {
       return Status(StatusCode::kUnavailable, fmt::format("pending: bundle {} of group {} is not placed yet", actor.bundleIndex, pg.id.hex()));
     }
     // The bundle's claim covers every actor in it; check what the others already use.
-    auto all = store_.listLiveActors();
+    auto all = store_.listGroupActors(actor.placementGroup);
     if (!all.isOk()) return all.status();
     Resources used;
     for (const auto& other : *all) {
@@ -298,6 +298,10 @@ Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
 }
 
 Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from) {
+  return placeBundles(group, from, [this](const std::vector<Reservation>& claims) { return store_.reserve(claims); });
+}
+
+Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, const ClaimFn& claim) {
   std::vector<size_t> todo;
   std::vector<Resources> demands;
   std::vector<NodeId> existing;
@@ -321,12 +325,11 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from) {
     for (size_t k = 0; k < todo.size(); ++k) {
       claims.push_back({(*placement)[k], bundleHolder(group.id, todo[k]), demands[k]});
     }
-    auto reserved = store_.reserve(claims);
+    for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = (*placement)[k];
+    auto reserved = claim(claims);
     if (!reserved.isOk()) return reserved.status();
-    if (*reserved) {
-      for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = (*placement)[k];
-      return Status::ok();
-    }
+    if (*reserved) return Status::ok();
+    for (size_t k : todo) group.bundles[k].nodeId = NodeId();
   }
   return Status(StatusCode::kUnavailable, "pending: resources changed under every attempt to reserve them");
 }
@@ -340,19 +343,35 @@ Result<PlacementGroupRecord> ControllerCore::createPlacementGroup(PlacementGroup
     TROUPE_RETURN_IF_ERROR(validResources(b.resources, fmt::format("bundle {}", i)));
     if (b.resources.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("bundle {} asks for no resources", i));
   }
-  auto existing = store_.getPlacementGroup(group.id);
-  if (!existing.isOk()) return existing.status();
-  if (existing->has_value()) return **existing;  // a retried request
   group.createdMs = wallClockMs();
-  Status placed = placeBundles(group, 0);
-  if (!placed.isOk() && placed.code() != StatusCode::kUnavailable) return placed;
-  group.state = placed.isOk() ? PlacementGroupState::kCreated : PlacementGroupState::kPending;
-  group.pendingReason = placed.isOk() ? "" : placed.message();
-  TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
+  // The group and its claims are written in one store call: one round trip, and a retried
+  // request finds the group it made (which it returns untouched).
+  std::optional<PlacementGroupRecord> existing;
+  Status placed = placeBundles(group, 0, [&](const std::vector<Reservation>& claims) -> Result<bool> {
+    group.state = PlacementGroupState::kCreated;
+    auto created = store_.createPlacementGroup(group, claims);
+    if (!created.isOk()) return created.status();
+    if (created->outcome == GroupCreation::Outcome::kExists) existing = std::move(created->existing);
+    return created->outcome != GroupCreation::Outcome::kRefused;
+  });
+  if (existing) return std::move(*existing);
+  if (placed.isOk()) return group;
+  if (placed.code() != StatusCode::kUnavailable) return placed;
+  group.state = PlacementGroupState::kPending;
+  group.pendingReason = placed.message();
+  auto created = store_.createPlacementGroup(group, {});
+  if (!created.isOk()) return created.status();
+  if (created->outcome == GroupCreation::Outcome::kExists) return std::move(*created->existing);
   return group;
 }
 
 Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vector<WorkerAction>& actions) {
+  // A group without live actors goes in one store call; one with actors ends them first.
+  auto removal = store_.removePlacementGroup(id);
+  if (!removal.isOk()) return removal.status();
+  if (removal->outcome != GroupRemoval::Outcome::kHasActors) {
+    return removal->pendingWork ? retryPending(actions) : Status::ok();
+  }
   auto group = getPlacementGroup(id);
   if (group.status().code() == StatusCode::kNotFound) return Status::ok();  // already removed
   if (!group.isOk()) return group.status();
@@ -408,7 +427,7 @@ Status ControllerCore::releaseBundles(PlacementGroupRecord& group, const std::ve
   }
   if (removing.empty()) return Status::ok();
   // Actors in removed bundles end first (no restart: their bundle is gone).
-  auto actors = store_.listLiveActors();
+  auto actors = store_.listGroupActors(group.id);
   if (!actors.isOk()) return actors.status();
   for (const auto& actor : *actors) {
     if (actor.placementGroup == group.id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
@@ -438,9 +457,9 @@ Result<PlacementGroupRecord> ControllerCore::removeBundles(const PlacementGroupI
 }
 
 Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
-  auto groups = store_.listPlacementGroups();
-  if (!groups.isOk()) return groups.status();
-  for (auto& group : *groups) {
+  auto pending = store_.listPendingWork();
+  if (!pending.isOk()) return pending.status();
+  for (auto& group : pending->groups) {
     if (group.state != PlacementGroupState::kPending) continue;
     Status placed = placeBundles(group, 0);
     if (placed.isOk()) {
@@ -451,11 +470,8 @@ Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
     }
     TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
   }
-  auto actors = store_.listLiveActors();
-  if (!actors.isOk()) return actors.status();
-  for (auto actor : *actors) {
-    bool waiting = (actor.state == ActorState::kPending || actor.state == ActorState::kRestarting) && actor.nodeId.empty();
-    if (!waiting) continue;
+  for (auto& actor : pending->actors) {
+    if (!waitsForNode(actor)) continue;
     Status placed = place(actor);
     if (!placed.isOk()) continue;  // still waiting; its reason stays
     if (actor.state == ActorState::kPending) actor.deathReason.clear();

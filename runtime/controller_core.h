@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -76,6 +77,9 @@ class ControllerCore {
   // its bundle has room). Sets actor.nodeId; errors as pickNode's.
   Status place(ActorRecord& actor);
   Status placeBundles(PlacementGroupRecord& group, size_t from);
+  // The same, making the claims through `claim` (true: made; false: refused, try afresh).
+  using ClaimFn = std::function<Result<bool>(const std::vector<Reservation>&)>;
+  Status placeBundles(PlacementGroupRecord& group, size_t from, const ClaimFn& claim);
   // Ends the actors in these bundles and frees their claims; marks them removed in `group`.
   Status releaseBundles(PlacementGroupRecord& group, const std::vector<uint32_t>& indices,
                         std::vector<WorkerAction>& actions);

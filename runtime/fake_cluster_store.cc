@@ -257,11 +257,14 @@ class FakeClusterStore final : public ClusterStore {
 
   Result<bool> reserve(const std::vector<Reservation>& reservations) override {
     TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
+    std::lock_guard lock(state_->mutex);
+    return reserveLocked(reservations);
+  }
+
+  bool reserveLocked(const std::vector<Reservation>& reservations) {
     // Node -> holder -> its new claim.
     std::map<NodeId, std::map<std::string, const Resources*>> wanted;
     for (const Reservation& r : reservations) wanted[r.nodeId][r.holder] = &r.resources;
-
-    std::lock_guard lock(state_->mutex);
     for (const auto& [nodeId, holders] : wanted) {
       auto node = state_->nodes.find(nodeId);
       if (node == state_->nodes.end() || node->second.record.state != NodeState::kAlive) {
@@ -297,6 +300,11 @@ class FakeClusterStore final : public ClusterStore {
   Status release(const std::vector<Reservation>& reservations) override {
     TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/false));
     std::lock_guard lock(state_->mutex);
+    releaseLocked(reservations);
+    return Status::ok();
+  }
+
+  void releaseLocked(const std::vector<Reservation>& reservations) {
     std::set<NodeId> changed;
     for (const Reservation& r : reservations) {
       auto it = state_->claims.find(r.nodeId);
@@ -309,7 +317,6 @@ class FakeClusterStore final : public ClusterStore {
         state_->recomputeUsed(node->second.record);
       }
     }
-    return Status::ok();
   }
 
   Result<std::map<std::string, Resources>> reservations(const NodeId& node) override {
@@ -438,6 +445,70 @@ class FakeClusterStore final : public ClusterStore {
     std::lock_guard lock(state_->mutex);
     state_->placementGroups.erase(id);
     return Status::ok();
+  }
+
+  Result<GroupCreation> createPlacementGroup(const PlacementGroupRecord& group,
+                                             const std::vector<Reservation>& claims) override {
+    if (group.id.empty()) return emptyArgument("placement group id");
+    TROUPE_RETURN_IF_ERROR(checkReservations(claims, /*forReserve=*/true));
+    std::lock_guard lock(state_->mutex);
+    if (auto it = state_->placementGroups.find(group.id); it != state_->placementGroups.end()) {
+      return GroupCreation{GroupCreation::Outcome::kExists, it->second};
+    }
+    if (!claims.empty() && !reserveLocked(claims)) return GroupCreation{GroupCreation::Outcome::kRefused, {}};
+    state_->placementGroups[group.id] = group;
+    return GroupCreation{GroupCreation::Outcome::kCreated, {}};
+  }
+
+  Result<GroupRemoval> removePlacementGroup(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    std::lock_guard lock(state_->mutex);
+    GroupRemoval removal{GroupRemoval::Outcome::kNotFound, false};
+    auto it = state_->placementGroups.find(id);
+    bool hasActors = std::any_of(state_->actors.begin(), state_->actors.end(), [&](const auto& entry) {
+      return entry.second.placementGroup == id && entry.second.state != ActorState::kDead;
+    });
+    if (it != state_->placementGroups.end() && hasActors) {
+      removal.outcome = GroupRemoval::Outcome::kHasActors;
+    } else if (it != state_->placementGroups.end()) {
+      std::vector<Reservation> claims;
+      for (size_t i = 0; i < it->second.bundles.size(); ++i) {
+        const NodeId& node = it->second.bundles[i].nodeId;
+        if (!node.empty()) claims.push_back({node, fmt::format("pg:{}:{}", id.hex(), i), {}});
+      }
+      releaseLocked(claims);
+      state_->placementGroups.erase(it);
+      removal.outcome = GroupRemoval::Outcome::kRemoved;
+    }
+    removal.pendingWork =
+        std::any_of(state_->placementGroups.begin(), state_->placementGroups.end(),
+                    [](const auto& entry) { return entry.second.state == PlacementGroupState::kPending; }) ||
+        std::any_of(state_->actors.begin(), state_->actors.end(),
+                    [](const auto& entry) { return waitsForNode(entry.second); });
+    return removal;
+  }
+
+  Result<std::vector<ActorRecord>> listGroupActors(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    auto live = listLiveActors();
+    if (!live.isOk()) return live.status();
+    std::erase_if(*live, [&](const ActorRecord& a) { return a.placementGroup != id; });
+    return live;
+  }
+
+  Result<PendingWork> listPendingWork() override {
+    PendingWork work;
+    auto groups = listPlacementGroups();
+    if (!groups.isOk()) return groups.status();
+    for (auto& g : *groups) {
+      if (g.state == PlacementGroupState::kPending) work.groups.push_back(std::move(g));
+    }
+    auto actors = listLiveActors();
+    if (!actors.isOk()) return actors.status();
+    for (auto& a : *actors) {
+      if (waitsForNode(a)) work.actors.push_back(std::move(a));
+    }
+    return work;
   }
 
   Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override {

@@ -560,52 +560,122 @@ end
 return {flat, matching, page}
 )lua";
 
-// KEYS: per reservation, its node hash and that node's claims hash.
-// ARGV: per reservation, the holder and its resources as a JSON object.
-// All or nothing: checks every node first and returns 0 without writing when one refuses.
-// A holder's new claim replaces its old one, so its old amount does not count against it.
-// The caller guarantees each (node, holder) pair appears once.
-constexpr const char* kReserveBody = R"lua(
-local eps = 1e-9
-local nodes, order = {}, {}
-for i = 1, #KEYS / 2 do
-  local nodeKey = KEYS[2 * i - 1]
-  local node = nodes[nodeKey]
-  if not node then
-    node = {claimsKey = KEYS[2 * i], holders = {}, demand = {}}
-    nodes[nodeKey] = node
-    table.insert(order, nodeKey)
-  end
-  node.holders[ARGV[2 * i - 1]] = ARGV[2 * i]
-  for name, amount in pairs(cjson.decode(ARGV[2 * i])) do
-    node.demand[name] = (node.demand[name] or 0) + amount
-  end
-end
-for _, nodeKey in ipairs(order) do
-  local node = nodes[nodeKey]
-  if redis.call('HGET', nodeKey, 'state') ~= 'ALIVE' then return 0 end
-  local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
-  local others = {}
-  local claims = redis.call('HGETALL', node.claimsKey)
-  for j = 1, #claims, 2 do
-    if node.holders[claims[j]] == nil then
-      for name, amount in pairs(cjson.decode(claims[j + 1])) do
-        others[name] = (others[name] or 0) + amount
-      end
+// reserveClaims(keys, argv, k, a, n): claim i (1..n) has its node hash and that node's claims
+// hash at keys[k + 2i - 1], keys[k + 2i], and its holder and resources (a JSON object) at
+// argv[a + 2i - 1], argv[a + 2i]. All or nothing: checks every node first and returns false
+// without writing when one refuses. A holder's new claim replaces its old one, so its old
+// amount does not count against it. The caller guarantees each (node, holder) pair appears once.
+constexpr const char* kReserveClaimsLua = R"lua(
+local function reserveClaims(keys, argv, k, a, n)
+  local eps = 1e-9
+  local nodes, order = {}, {}
+  for i = 1, n do
+    local nodeKey = keys[k + 2 * i - 1]
+    local node = nodes[nodeKey]
+    if not node then
+      node = {claimsKey = keys[k + 2 * i], holders = {}, demand = {}}
+      nodes[nodeKey] = node
+      table.insert(order, nodeKey)
+    end
+    node.holders[argv[a + 2 * i - 1]] = argv[a + 2 * i]
+    for name, amount in pairs(cjson.decode(argv[a + 2 * i])) do
+      node.demand[name] = (node.demand[name] or 0) + amount
     end
   end
-  for name, amount in pairs(node.demand) do
-    if amount > 0 and (others[name] or 0) + amount > (total[name] or 0) + eps then return 0 end
+  for _, nodeKey in ipairs(order) do
+    local node = nodes[nodeKey]
+    if redis.call('HGET', nodeKey, 'state') ~= 'ALIVE' then return false end
+    local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
+    local others = {}
+    local claims = redis.call('HGETALL', node.claimsKey)
+    for j = 1, #claims, 2 do
+      if node.holders[claims[j]] == nil then
+        for name, amount in pairs(cjson.decode(claims[j + 1])) do
+          others[name] = (others[name] or 0) + amount
+        end
+      end
+    end
+    for name, amount in pairs(node.demand) do
+      if amount > 0 and (others[name] or 0) + amount > (total[name] or 0) + eps then return false end
+    end
   end
-end
-for _, nodeKey in ipairs(order) do
-  local node = nodes[nodeKey]
-  for holder, resources in pairs(node.holders) do
-    redis.call('HSET', node.claimsKey, holder, resources)
+  for _, nodeKey in ipairs(order) do
+    local node = nodes[nodeKey]
+    for holder, resources in pairs(node.holders) do
+      redis.call('HSET', node.claimsKey, holder, resources)
+    end
+    recomputeUsed(nodeKey, node.claimsKey)
   end
-  recomputeUsed(nodeKey, node.claimsKey)
+  return true
 end
+)lua";
+
+// KEYS: per reservation, its node hash and claims hash. ARGV: per reservation, holder, resources.
+constexpr const char* kReserveBody = R"lua(
+if reserveClaims(KEYS, ARGV, 0, 0, #KEYS / 2) then return 1 end
+return 0
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set, then per claim its node hash and claims
+// hash. ARGV: claim count, created ms, id, state, per claim its holder and resources, then the
+// hash's field/value pairs. Returns the existing record's fields for a group that exists
+// (nothing written), 0 when a claim does not fit (nothing written), 1 when created.
+constexpr const char* kCreateGroupBody = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
+local n = tonumber(ARGV[1])
+if n > 0 and not reserveClaims(KEYS, ARGV, 3, 4, n) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5 + 2 * n))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+if ARGV[4] == 'PENDING' then redis.call('SADD', KEYS[3], ARGV[3]) end
 return 1
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set, the group's live-actors set, waiting-actors
+// set. ARGV: id, claims-hash prefix, node-hash prefix. Returns {outcome, waiting}: outcome 0 not
+// found, 1 removed (record deleted, bundles' claims released), 2 it has live actors (nothing
+// done); waiting: how many groups and actors wait for resources.
+constexpr const char* kRemoveGroupBody = R"lua(
+local waiting = function() return redis.call('SCARD', KEYS[3]) + redis.call('SCARD', KEYS[5]) end
+local bundles = redis.call('HGET', KEYS[1], 'bundles')
+if not bundles then return {0, waiting()} end
+if redis.call('SCARD', KEYS[4]) > 0 then return {2, waiting()} end
+local changed = {}
+for i, bundle in ipairs(cjson.decode(bundles)) do
+  local node = bundle['node_id']
+  if type(node) == 'string' and node ~= '' then
+    local claims = ARGV[2] .. node
+    if redis.call('HDEL', claims, 'pg:' .. ARGV[1] .. ':' .. (i - 1)) == 1 then changed[node] = claims end
+  end
+end
+for node, claims in pairs(changed) do
+  local nodeKey = ARGV[3] .. node
+  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, claims) end
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+return {1, waiting()}
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set. ARGV: created ms, id, state, then the
+// hash's field/value pairs. Replaces the whole record and keeps the pending index true.
+constexpr const char* kPutGroupScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[3] == 'PENDING' then redis.call('SADD', KEYS[3], ARGV[2]) else redis.call('SREM', KEYS[3], ARGV[2]) end
+return 1
+)lua";
+
+// KEYS: a set of ids. ARGV: the prefix of their record hashes. The records of the set's
+// members, in no order; members whose record is gone are dropped from the set.
+constexpr const char* kListSetScript = R"lua(
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local fields = redis.call('HGETALL', ARGV[1] .. id)
+  if #fields > 0 then table.insert(out, fields) else redis.call('SREM', KEYS[1], id) end
+end
+return out
 )lua";
 
 // KEYS: per claim, its node hash and that node's claims hash. ARGV: per claim, the holder.
@@ -625,32 +695,30 @@ end
 return 1
 )lua";
 
-// KEYS: record hash, its index zset. ARGV: the record's id. Both go together.
-constexpr const char* kDeleteRecordScript = R"lua(
+// KEYS: group hash, groups zset, pending-groups set. ARGV: the group's id. All go together.
+constexpr const char* kDeleteGroupScript = R"lua(
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 )lua";
 
-// KEYS: record hash, index zset. ARGV: score, member, then the hash's field/value pairs.
-// Replaces the whole record.
-constexpr const char* kPutRecordScript = R"lua(
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
-return 1
-)lua";
-
-// KEYS: actor hash, actors zset, live-actors zset, dead-actors zset.
-// ARGV: created ms, id, state, keep, updated ms, actor hash prefix, then the hash's field/value
-// pairs. Live actors are indexed on their own, so the controller's scans cost what is alive,
-// not the history; only the newest `keep` DEAD actors are kept (for status), older ones deleted.
+// KEYS: actor hash, actors zset, live-actors zset, dead-actors zset, waiting-actors set, the
+// live-actors set of its placement group ('' when none).
+// ARGV: created ms, id, state, keep, updated ms, actor hash prefix, waiting ('1' when it waits
+// for a node), the prefix of the groups' live-actors sets, then the hash's field/value pairs. Live actors are indexed on their own, so the
+// controller's scans cost what is alive, not the history; only the newest `keep` DEAD actors are
+// kept (for status), older ones deleted.
 constexpr const char* kPutActorScript = R"lua(
+local old = redis.call('HGET', KEYS[1], 'placement_group')
+if old and old ~= '' then redis.call('SREM', ARGV[8] .. old, ARGV[2]) end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[2]) else redis.call('SREM', KEYS[5], ARGV[2]) end
 if ARGV[3] ~= 'DEAD' then
   redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
+  if KEYS[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[2]) end
   return 1
 end
 redis.call('ZREM', KEYS[3], ARGV[2])
@@ -750,7 +818,15 @@ const std::string& markDeadScript() {
   return script;
 }
 const std::string& reserveScript() {
-  static const std::string script = std::string(kRecomputeUsedLua) + kReserveBody;
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveClaimsLua + kReserveBody;
+  return script;
+}
+const std::string& createGroupScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveClaimsLua + kCreateGroupBody;
+  return script;
+}
+const std::string& removeGroupScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kRemoveGroupBody;
   return script;
 }
 const std::string& releaseScript() {
@@ -1191,17 +1267,21 @@ return 1
     std::vector<std::string> args = {
         "EVAL",
         kPutActorScript,
-        "4",
+        "6",
         actorKey(actor.id),
         actorsKey(),
         liveActorsKey(),
         deadActorsKey(),
+        waitingActorsKey(),
+        actor.placementGroup.empty() ? std::string() : groupActorsKey(actor.placementGroup),
         std::to_string(actor.createdMs),
         actor.id.hex(),
         actorStateName(actor.state),
         std::to_string(options_.keepDeadActors),
         std::to_string(actor.updatedMs != 0 ? actor.updatedMs : wallClockMs()),
         actorKeyPrefix(),
+        waitsForNode(actor) ? "1" : "0",
+        groupActorsKeyPrefix(),
         "id", actor.id.hex(),
         "type", actor.type,
         "name", actor.name,
@@ -1324,24 +1404,103 @@ return 1
 
   Status putPlacementGroup(const PlacementGroupRecord& group) override {
     if (group.id.empty()) return emptyArgument("placement group id");
-    std::vector<std::string> args = {
-        "EVAL",
-        kPutRecordScript,
-        "2",
-        placementGroupKey(group.id),
-        placementGroupsKey(),
-        std::to_string(group.createdMs),
-        group.id.hex(),
-        "id", group.id.hex(),
-        "name", group.name,
-        "strategy", placementStrategyName(group.strategy),
-        "state", placementGroupStateName(group.state),
-        "bundles", bundlesJson(group.bundles),
-        "pending_reason", group.pendingReason,
-        "created_ms", std::to_string(group.createdMs),
-    };
+    std::vector<std::string> args = {"EVAL", kPutGroupScript, "3", placementGroupKey(group.id), placementGroupsKey(),
+                                     pendingGroupsKey(), std::to_string(group.createdMs), group.id.hex(),
+                                     placementGroupStateName(group.state)};
+    appendGroupFields(group, args);
     auto reply = connection_.run(args, "putPlacementGroup");
     return reply ? Status::ok() : reply.status();
+  }
+
+  static void appendGroupFields(const PlacementGroupRecord& group, std::vector<std::string>& args) {
+    for (std::string field : std::initializer_list<std::string>{"id", group.id.hex(), "name", group.name, "strategy", placementStrategyName(group.strategy),
+                              "state", placementGroupStateName(group.state), "bundles", bundlesJson(group.bundles),
+                              "pending_reason", group.pendingReason, "created_ms", std::to_string(group.createdMs)}) {
+      args.push_back(std::move(field));
+    }
+  }
+
+  Result<GroupCreation> createPlacementGroup(const PlacementGroupRecord& group,
+                                             const std::vector<Reservation>& claims) override {
+    if (group.id.empty()) return emptyArgument("placement group id");
+    TROUPE_RETURN_IF_ERROR(checkReservations(claims, /*forReserve=*/true));
+    std::vector<std::string> args = {"EVAL", createGroupScript(), std::to_string(3 + 2 * claims.size()),
+                                     placementGroupKey(group.id), placementGroupsKey(), pendingGroupsKey()};
+    for (const Reservation& r : claims) {
+      args.push_back(nodeKey(r.nodeId));
+      args.push_back(claimsKey(r.nodeId));
+    }
+    for (std::string arg : std::initializer_list<std::string>{std::to_string(claims.size()), std::to_string(group.createdMs), group.id.hex(),
+                            std::string(placementGroupStateName(group.state))}) {
+      args.push_back(std::move(arg));
+    }
+    for (const Reservation& r : claims) {
+      args.push_back(r.holder);
+      args.push_back(json(r.resources).dump());
+    }
+    appendGroupFields(group, args);
+    auto reply = connection_.run(args, "createPlacementGroup");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type == REDIS_REPLY_INTEGER) {
+      return GroupCreation{r.integer == 1 ? GroupCreation::Outcome::kCreated : GroupCreation::Outcome::kRefused, {}};
+    }
+    const std::string key = placementGroupKey(group.id);
+    auto fields = fieldMap(r, key);
+    if (!fields) return fields.status();
+    auto existing = store_records::decodePlacementGroup(*fields, key);
+    if (!existing) return existing.status();
+    return GroupCreation{GroupCreation::Outcome::kExists, std::move(existing).value()};
+  }
+
+  Result<GroupRemoval> removePlacementGroup(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    auto reply = connection_.run({"EVAL", removeGroupScript(), "5", placementGroupKey(id), placementGroupsKey(),
+                                  pendingGroupsKey(), groupActorsKey(id), waitingActorsKey(), id.hex(),
+                                  claimsKeyPrefix(), nodeKeyPrefix()},
+                                 "removePlacementGroup");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type != REDIS_REPLY_ARRAY || r.elements != 2 || r.element[0]->type != REDIS_REPLY_INTEGER ||
+        r.element[1]->type != REDIS_REPLY_INTEGER || r.element[0]->integer < 0 || r.element[0]->integer > 2) {
+      return unexpected("removePlacementGroup", r);
+    }
+    static constexpr GroupRemoval::Outcome kOutcomes[] = {
+        GroupRemoval::Outcome::kNotFound, GroupRemoval::Outcome::kRemoved, GroupRemoval::Outcome::kHasActors};
+    return GroupRemoval{kOutcomes[r.element[0]->integer], r.element[1]->integer > 0};
+  }
+
+  Result<std::vector<ActorRecord>> listGroupActors(const PlacementGroupId& id) override {
+    if (id.empty()) return emptyArgument("placement group id");
+    auto reply = connection_.run({"EVAL", kListSetScript, "1", groupActorsKey(id), actorKeyPrefix()}, "listGroupActors");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listGroupActors", **reply);
+    return decodeActors(**reply);
+  }
+
+  Result<PendingWork> listPendingWork() override {
+    PendingWork work;
+    auto groups = connection_.run({"EVAL", kListSetScript, "1", pendingGroupsKey(), placementGroupKeyPrefix()},
+                                  "listPendingWork");
+    if (!groups) return groups.status();
+    if ((*groups)->type != REDIS_REPLY_ARRAY) return unexpected("listPendingWork", **groups);
+    auto decoded = decodeGroups(**groups);
+    if (!decoded) return decoded.status();
+    work.groups = std::move(*decoded);
+    auto actors = connection_.run({"EVAL", kListSetScript, "1", waitingActorsKey(), actorKeyPrefix()}, "listPendingWork");
+    if (!actors) return actors.status();
+    if ((*actors)->type != REDIS_REPLY_ARRAY) return unexpected("listPendingWork", **actors);
+    auto waiting = decodeActors(**actors);
+    if (!waiting) return waiting.status();
+    work.actors = std::move(*waiting);
+    // In the order a scan would have found them: oldest first.
+    std::sort(work.groups.begin(), work.groups.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
+    });
+    std::sort(work.actors.begin(), work.actors.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.createdMs, a.id) < std::tie(b.createdMs, b.id);
+    });
+    return work;
   }
 
   Result<std::optional<PlacementGroupRecord>> getPlacementGroup(
@@ -1382,7 +1541,7 @@ return 1
 
   Status deletePlacementGroup(const PlacementGroupId& id) override {
     if (id.empty()) return emptyArgument("placement group id");
-    auto reply = connection_.run({"EVAL", kDeleteRecordScript, "2", placementGroupKey(id), placementGroupsKey(), id.hex()},
+    auto reply = connection_.run({"EVAL", kDeleteGroupScript, "3", placementGroupKey(id), placementGroupsKey(), pendingGroupsKey(), id.hex()},
                                  "deletePlacementGroup");
     return reply ? Status::ok() : reply.status();
   }
@@ -1393,10 +1552,15 @@ return 1
         "listPlacementGroups");
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listPlacementGroups", **reply);
+    return decodeGroups(**reply);
+  }
+
+  // Records as the list scripts return them; malformed ones skipped.
+  Result<std::vector<PlacementGroupRecord>> decodeGroups(const redisReply& reply) {
     std::vector<PlacementGroupRecord> groups;
-    groups.reserve((*reply)->elements);
-    for (size_t i = 0; i < (*reply)->elements; ++i) {
-      auto fields = fieldMap(*(*reply)->element[i], placementGroupKeyPrefix() + "*");
+    groups.reserve(reply.elements);
+    for (size_t i = 0; i < reply.elements; ++i) {
+      auto fields = fieldMap(*reply.element[i], placementGroupKeyPrefix() + "*");
       auto group = fields ? store_records::decodePlacementGroup(*fields, placementGroupKeyPrefix() + (*fields)["id"])
                           : Result<PlacementGroupRecord>(fields.status());
       if (!group) {
@@ -1598,6 +1762,10 @@ return 1
   std::string actorKey(const ActorId& id) const { return actorKeyPrefix() + id.hex(); }
   std::string actorNameKey(const std::string& name) const { return prefix_ + "actor_name:" + name; }
   std::string placementGroupsKey() const { return prefix_ + "pgs"; }
+  std::string pendingGroupsKey() const { return prefix_ + "pending_pgs"; }
+  std::string waitingActorsKey() const { return prefix_ + "waiting_actors"; }
+  std::string groupActorsKeyPrefix() const { return prefix_ + "pg_actors:"; }
+  std::string groupActorsKey(const PlacementGroupId& id) const { return groupActorsKeyPrefix() + id.hex(); }
   std::string placementGroupKeyPrefix() const { return prefix_ + "pg:"; }
   std::string placementGroupKey(const PlacementGroupId& id) const {
     return placementGroupKeyPrefix() + id.hex();

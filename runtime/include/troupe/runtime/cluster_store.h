@@ -78,6 +78,11 @@ struct ActorRecord {
   int64_t updatedMs = 0;
 };
 
+// An actor that waits for the controller to give it a node (new, or restarting after a loss).
+inline bool waitsForNode(const ActorRecord& a) {
+  return (a.state == ActorState::kPending || a.state == ActorState::kRestarting) && a.nodeId.empty();
+}
+
 // A page of the status list: `limit` actors from `offset` among those that pass the filters.
 struct ActorQuery {
   std::optional<ActorState> state;  // only actors in this state
@@ -120,6 +125,26 @@ struct Reservation {
   NodeId nodeId;
   std::string holder;
   Resources resources;
+};
+
+// What createPlacementGroup did: made it (with its claims), found it made already (a retried
+// request; `existing` is its record), or wrote nothing because a claim no longer fits.
+struct GroupCreation {
+  enum class Outcome { kCreated, kExists, kRefused } outcome = Outcome::kCreated;
+  std::optional<PlacementGroupRecord> existing;
+};
+
+// What removePlacementGroup did, and whether any group or actor still waits for resources
+// (then the caller tries to place them on what was freed).
+struct GroupRemoval {
+  enum class Outcome { kRemoved, kNotFound, kHasActors } outcome = Outcome::kRemoved;
+  bool pendingWork = false;
+};
+
+// What waits for resources: PENDING groups and PENDING/RESTARTING actors without a node.
+struct PendingWork {
+  std::vector<PlacementGroupRecord> groups;
+  std::vector<ActorRecord> actors;
 };
 
 // An elastic training group as its driver describes it, with its recent events and epoch.
@@ -234,6 +259,17 @@ class ClusterStore {
   // Forgets a removed group (its record and its place in the list); unknown ids are ignored.
   // Removed groups are deleted rather than kept, so lists stay as short as the live groups.
   virtual Status deletePlacementGroup(const PlacementGroupId& id) = 0;
+  // In one step: writes a new group and claims its placed bundles (`claims`, all or none, as
+  // reserve()). A group that exists already is returned untouched (kExists).
+  virtual Result<GroupCreation> createPlacementGroup(const PlacementGroupRecord& group,
+                                                     const std::vector<Reservation>& claims) = 0;
+  // In one step: deletes a group that has no live actors and releases its bundles' claims.
+  // A group with live actors is left as it is (kHasActors): the caller ends them first.
+  virtual Result<GroupRemoval> removePlacementGroup(const PlacementGroupId& id) = 0;
+  // The live actors placed in a group's bundles, from an index (no scan of every actor).
+  virtual Result<std::vector<ActorRecord>> listGroupActors(const PlacementGroupId& id) = 0;
+  // What waits for resources, from indexes kept by putActor and putPlacementGroup.
+  virtual Result<PendingWork> listPendingWork() = 0;
 
   // ---- Driver sessions (the owners of non-detached actors) ----
   // Records an open session, so a restarted controller knows whom to wait for; `info` is a
