@@ -75,10 +75,8 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     // The id names the worker's files: nothing but hex digits may get that far.
     if (!actor.id.valid()) throwStatus(Status(StatusCode::kInvalidArgument, "spawnWorker: the actor id is not hex"));
     auto args = params.getInitArgs();
-    auto pid = agent_.spawnWorker(actor, std::string_view(reinterpret_cast<const char*>(args.begin()), args.size()));
-    if (!pid.isOk()) throwStatus(pid.status());
-    context.getResults().setPid(*pid);
-    return kj::READY_NOW;
+    return agent_.spawnWorker(actor, std::string_view(reinterpret_cast<const char*>(args.begin()), args.size()))
+        .then([context](int64_t pid) mutable { context.getResults().setPid(pid); });
   }
 
   kj::Promise<void> killWorker(KillWorkerContext context) override {
@@ -168,6 +166,15 @@ NodeAgent::NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOption
     : io_(io), ioThread_(ioThread), options_(std::move(options)),
       state_(std::make_shared<IoState>(ioThread.context())), tasks_(kj::heap<kj::TaskSet>(gLogTaskErrors)) {
   state_->id = options_.id;
+  if (options_.pythonZygote) {
+    // Started by the first Python actor: a node that hosts none never pays for it.
+    ZygoteOptions zygote;
+    zygote.python = options_.pythonBinary;
+    zygote.pythonPath = options_.pythonPath;
+    zygote.logDir = options_.runDir + "/logs";
+    zygote.logName = "python-zygote-" + options_.id.hex();
+    zygote_ = kj::heap<PythonZygote>(io_, std::move(zygote));
+  }
   auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
   state_->fatal = kj::mv(paf.fulfiller);
   fatal_ = kj::mv(paf.promise);
@@ -270,15 +277,18 @@ kj::Promise<void> NodeAgent::shutdown(std::string reason) {
       });
 }
 
-Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_view initArgs) {
+kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_view initArgs) {
   auto it = workers_.find(actor.id);
-  if (it != workers_.end() && it->second.incarnation >= actor.incarnation) return it->second.pid;  // a retry
+  if (it != workers_.end() && it->second.incarnation >= actor.incarnation) {  // a retry
+    KJ_IF_MAYBE(forking, it->second.forking) return forking->addBranch();
+    return static_cast<int64_t>(it->second.pid);
+  }
   std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, actor.id.hex());
   std::string argsFile = fmt::format("{}.{}.args", base, actor.incarnation);
   {
     std::ofstream out(argsFile, std::ios::binary);
     out.write(initArgs.data(), static_cast<std::streamsize>(initArgs.size()));
-    if (!out) return Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}", argsFile));
+    if (!out) throwStatus(Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}", argsFile)));
   }
   SpawnOptions spawn;
   // Python actors ("py:<Class>") run in a Python worker hosting the same runtime.
@@ -290,10 +300,11 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
     bool light = options_.workerTypes.count(actor.type) || options_.torchWorkerBinary.empty();
     spawn.argv = {light ? options_.workerBinary : options_.torchWorkerBinary};
   }
-  spawn.argv.insert(spawn.argv.end(),
-                    {"--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation", std::to_string(actor.incarnation),
-                     "--controller", options_.controller.toString(), "--node-ip-address", options_.ip, "--args-file",
-                     argsFile, "--parent-pid", std::to_string(getpid())});
+  const std::vector<std::string> args = {"--actor-id", actor.id.hex(), "--type", actor.type, "--incarnation",
+                                         std::to_string(actor.incarnation), "--controller",
+                                         options_.controller.toString(), "--node-ip-address", options_.ip,
+                                         "--args-file", argsFile, "--parent-pid", std::to_string(getpid())};
+  spawn.argv.insert(spawn.argv.end(), args.begin(), args.end());
   spawn.outputPath = base + ".out";
   spawn.errorPath = base + ".err";
   spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
@@ -308,27 +319,88 @@ Result<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::string_vie
   std::string registry = options_.runDir + "/shm";
   std::string countersDir = options_.runDir + "/metrics";
   if (::mkdir(countersDir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return Status(StatusCode::kResourceExhausted, fmt::format("cannot make {}: {}", countersDir, std::strerror(errno)));
+    throwStatus(Status(StatusCode::kResourceExhausted, fmt::format("cannot make {}: {}", countersDir, std::strerror(errno))));
   }
   if (::mkdir(registry.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TROUPE_SHM_REGISTRY=" + registry);
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
   std::string counters = metricsPath(actor.id, actor.incarnation);
   ::unlink(counters.c_str());  // left by an agent that died with its worker: the worker makes it anew
   spawn.env.push_back("TROUPE_METRICS_FILE=" + counters);
+  if (!python || !zygote_ || !zygote_->accepting()) {
+    auto pid = spawnDirect(actor.id, actor.incarnation, spawn);
+    if (!pid.isOk()) throwStatus(pid.status());
+    Worker& worker = workers_[actor.id] = Worker{};
+    worker.incarnation = actor.incarnation;
+    worker.pid = static_cast<pid_t>(*pid);
+    worker.type = actor.type;
+    return *pid;
+  }
+  ActorId id = actor.id;
+  uint32_t incarnation = actor.incarnation;
+  auto forked = zygote_->fork(args, spawn)
+                    .then([this, id, incarnation](ForkedWorker worker) {
+                      return adoptForked(id, incarnation, kj::mv(worker));
+                    },
+                    [this, id, incarnation, spawn](kj::Exception&& e) -> int64_t {
+                      // The zygote failed (it says so once, and restarts): a new process instead.
+                      TROUPE_LOG(kDebug, "actor {}: {}; spawning its worker", id.hex(), e.getDescription().cStr());
+                      auto it = workers_.find(id);
+                      if (it == workers_.end() || it->second.incarnation != incarnation || it->second.killed) {
+                        // Killed (or replaced) meanwhile: nothing to start; its end is a kill.
+                        if (it != workers_.end() && it->second.incarnation == incarnation) it->second.pid = 0;
+                        tasks_->add(reportExit(id, incarnation, SIGKILL, 0));
+                        return 0;
+                      }
+                      auto pid = spawnDirect(id, incarnation, spawn);
+                      it->second.pid = pid.isOk() ? static_cast<pid_t>(*pid) : 0;
+                      if (!pid.isOk()) throwStatus(pid.status());
+                      return *pid;
+                    })
+                    .fork();
+  auto result = forked.addBranch();
+  Worker& worker = workers_[actor.id] = Worker{};
+  worker.incarnation = actor.incarnation;
+  worker.pid = -1;
+  worker.type = actor.type;
+  worker.forking = kj::mv(forked);
+  return result;
+}
+
+Result<int64_t> NodeAgent::spawnDirect(const ActorId& id, uint32_t incarnation, const SpawnOptions& spawn) {
   auto pid = spawnProcess(spawn);
   if (!pid.isOk()) return pid.status();
-  workers_[actor.id] = Worker{actor.incarnation, *pid, actor.type};
-  TROUPE_LOG(kInfo, "started worker {} for actor {} ({}) incarnation {}", *pid, actor.id.hex(), actor.type,
-             actor.incarnation);
-  tasks_->add(watchWorker(actor.id, actor.incarnation, *pid));
+  TROUPE_LOG(kInfo, "started worker {} for actor {} incarnation {}", *pid, id.hex(), incarnation);
+  tasks_->add(watchWorker(id, incarnation, *pid));
   return static_cast<int64_t>(*pid);
+}
+
+int64_t NodeAgent::adoptForked(const ActorId& id, uint32_t incarnation, ForkedWorker forked) {
+  pid_t pid = forked.pid();
+  // Watched before it may run: its exit status reaches this process like a spawned worker's.
+  tasks_->add(watchWorker(id, incarnation, pid));
+  auto it = workers_.find(id);
+  if (it == workers_.end() || it->second.incarnation != incarnation || it->second.killed) {
+    // Killed while it was forked (or a newer incarnation replaced it): it never runs, and its end
+    // is reported as a kill.
+    ::kill(pid, SIGKILL);
+    if (it != workers_.end() && it->second.incarnation == incarnation) it->second.pid = pid;
+    return pid;
+  }
+  it->second.pid = pid;
+  if (!forked.start()) {
+    TROUPE_LOG(kWarning, "worker {} for actor {} ended before it started", pid, id.hex());
+  } else {
+    TROUPE_LOG(kInfo, "started worker {} for actor {} incarnation {} (forked by the Python zygote)", pid, id.hex(),
+               incarnation);
+  }
+  return pid;
 }
 
 void NodeAgent::killWorker(const ActorId& id, uint32_t incarnation) {
   auto it = workers_.find(id);
-  if (it != workers_.end() && it->second.incarnation == incarnation && it->second.pid > 0) {
-    ::kill(it->second.pid, SIGKILL);
-  }
+  if (it == workers_.end() || it->second.incarnation != incarnation) return;
+  if (it->second.pid > 0) ::kill(it->second.pid, SIGKILL);
+  if (it->second.pid < 0) it->second.killed = true;  // killed as soon as it has a pid
 }
 
 std::pair<std::string, int64_t> NodeAgent::readLog(const ActorId& id, const char* stream, int64_t from,

@@ -19,7 +19,9 @@
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/io_thread.h"
 #include "troupe/runtime/metrics.h"
+#include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
+#include "python_zygote.h"
 #include "troupe.capnp.h"
 
 namespace troupe {
@@ -39,6 +41,9 @@ struct NodeAgentOptions {
   std::string torchWorkerBinary;  // troupe-worker-torch: every other C++ type ("" if not built)
   std::string pythonBinary = "/usr/bin/python3";  // runs Python actors (python -m troupe._worker)
   std::string pythonPath;    // PYTHONPATH for Python workers: where the troupe package is
+  // Python workers are forked by a zygote that has imported troupe (python_zygote.h): the process
+  // must be a child subreaper. False: each is a new `python -m troupe._worker` (TROUPE_PYTHON_ZYGOTE=0).
+  bool pythonZygote = true;
 };
 
 class NodeAgent {
@@ -55,8 +60,9 @@ class NodeAgent {
   // Marks this node DEAD in Redis with `reason` (a clean stop), then stops heartbeating.
   kj::Promise<void> shutdown(std::string reason);
 
-  // Starts the worker of this actor incarnation unless it already runs; returns its pid.
-  Result<int64_t> spawnWorker(const ActorRecord& actor, std::string_view initArgs);
+  // Starts the worker of this actor incarnation unless it already runs (or starts); resolves to
+  // its pid. Rejects with the Status of a worker that cannot be started.
+  kj::Promise<int64_t> spawnWorker(const ActorRecord& actor, std::string_view initArgs);
   // SIGKILLs the worker of this incarnation if it runs (its exit is reported as usual).
   void killWorker(const ActorId& id, uint32_t incarnation);
   // The actor's captured output from byte `from` (< 0: the last `maxBytes`), at most `maxBytes`,
@@ -71,10 +77,16 @@ class NodeAgent {
  private:
   struct Worker {
     uint32_t incarnation = 0;
-    pid_t pid = 0;
+    pid_t pid = 0;  // 0 once it has exited; -1 while the zygote forks it
     std::string type;
+    bool killed = false;  // killWorker came while it was being forked
+    kj::Maybe<kj::ForkedPromise<int64_t>> forking;  // its pid, for a retried spawnWorker meanwhile
   };
   std::string metricsPath(const ActorId& id, uint32_t incarnation) const;
+  // Spawns `python -m troupe._worker` or a C++ worker as a new process, and watches it.
+  Result<int64_t> spawnDirect(const ActorId& id, uint32_t incarnation, const SpawnOptions& spawn);
+  // Watches and starts a worker the zygote forked (killing it at once if killWorker came meanwhile).
+  int64_t adoptForked(const ActorId& id, uint32_t incarnation, ForkedWorker forked);
 
   NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOptions options);
   kj::Promise<void> watchWorker(ActorId id, uint32_t incarnation, pid_t pid);
@@ -92,6 +104,7 @@ class NodeAgent {
   kj::Own<RpcServer> server_;
   kj::Own<RpcClient> controller_;
   kj::Promise<std::string> fatal_ = nullptr;
+  kj::Own<PythonZygote> zygote_;  // null when options_.pythonZygote is false
   std::map<ActorId, Worker> workers_;
   // Handed to workers (TROUPE_REDIS_*): actors in elastic groups meet through the store.
   std::string workerRedisAddress_;

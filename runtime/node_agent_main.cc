@@ -1,5 +1,9 @@
 // troupe-node: a machine's node agent, started by `troupe start`.
+#include <sys/prctl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -121,6 +125,17 @@ int main(int argc, char** argv) {
     options.torchWorkerBinary = workerDir + "troupe-worker-torch";
   }
   options.workerTypes = listWorkerTypes(options.workerBinary, runDir);
+  if (const char* zygote = std::getenv("TROUPE_PYTHON_ZYGOTE"); zygote && std::string(zygote) == "0") {
+    options.pythonZygote = false;
+  }
+  // Workers the Python zygote forks are reparented to this process, which watches them (their exit
+  // status, their stderr tail) as it does the workers it spawns. Every orphan below this process
+  // comes here too: KJ's child-exit handling reaps any child, so none is left a zombie.
+  if (options.pythonZygote && ::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    TROUPE_LOG(kWarning, "cannot become a child subreaper ({}): Python workers start as new processes",
+               std::strerror(errno));
+    options.pythonZygote = false;
+  }
   options.resources = detectLocalResources();
   if (numCpus >= 0) options.resources["CPU"] = numCpus;
   for (const auto& [name, qty] : *custom) options.resources[name] = qty;

@@ -51,6 +51,23 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   if (!options.errorPath.empty()) {
     posix_spawn_file_actions_addopen(&actions, 2, options.errorPath.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
   }
+  // dup2 clears close-on-exec on the copy; a descriptor already at its place is moved out of the
+  // way first (dup2 onto itself would keep the flag).
+  std::vector<int> moved;
+  for (size_t i = 0; i < options.inheritFds.size(); ++i) {
+    int fd = options.inheritFds[i];
+    if (fd < 3 + static_cast<int>(options.inheritFds.size())) {
+      fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 3 + static_cast<int>(options.inheritFds.size()));
+      if (fd < 0) {
+        for (int m : moved) ::close(m);
+        posix_spawn_file_actions_destroy(&actions);
+        posix_spawnattr_destroy(&attr);
+        return Status(StatusCode::kResourceExhausted, fmt::format("cannot pass a descriptor: {}", strerror(errno)));
+      }
+      moved.push_back(fd);
+    }
+    posix_spawn_file_actions_adddup2(&actions, fd, 3 + static_cast<int>(i));
+  }
   std::vector<char*> argv;
   for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -73,6 +90,7 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
+  for (int m : moved) ::close(m);
   if (rc != 0) {
     return Status(StatusCode::kNotFound,
                   fmt::format("cannot start '{}': {}", options.argv[0], strerror(rc)));

@@ -1,6 +1,7 @@
 """A Python worker process: hosts one Python actor (or a pool's task worker) for a node agent.
 
-Started as `python3 -m troupe._worker` with the same flags as troupe-worker. The actor's class,
+Started as `python3 -m troupe._worker` with the same flags as troupe-worker, or forked by the node's
+zygote (_zygote.py), which has imported this module already and calls main() with those flags. The actor's class,
 arguments, keyword arguments and context (job, namespace, runtime_env, concurrency) arrive
 cloudpickled in --args-file.
 
@@ -55,7 +56,8 @@ def _serve_context(context):
     _api._worker_context.update(context)
 
 
-def main():
+def main(argv=None):
+    """Serves the actor named by argv (default: sys.argv[1:]); the exit code."""
     from troupe import _core, _serialization
 
     _core.die_with_parent()  # never outlive the node agent
@@ -68,7 +70,7 @@ def main():
     parser.add_argument("--args-file", required=True)
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1  # the node agent died before die_with_parent took effect
     with open(args.args_file, "rb") as f:

@@ -21,6 +21,7 @@ struct SpawnOptions {
   std::string errorPath;           // stderr appended here when set
   bool newSession = false;         // setsid(): survives the parent's terminal and group
   std::vector<std::string> env;    // extra "NAME=value" entries on top of the parent's
+  std::vector<int> inheritFds;     // open in the child as fds 3, 4, ... in this order
 };
 
 // Starts a process. kNotFound when argv[0] cannot be executed.
