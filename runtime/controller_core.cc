@@ -80,13 +80,17 @@ Status ControllerCore::place(ActorRecord& actor) {
     return Status::ok();
   }
   for (int attempt = 0; attempt < kReserveAttempts; ++attempt) {
-    auto nodes = store_.listNodes();
+    bool fresh = attempt > 0;
+    auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
     auto node = scheduler::pickNode(scheduler::viewsOf(*nodes), actor.resources);
+    if (!node.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!node.isOk()) return node.status();
-    auto reserved = store_.reserve({Reservation{*node, actorHolder(actor.id), actor.resources}});
+    std::vector<Reservation> claims = {Reservation{*node, actorHolder(actor.id), actor.resources}};
+    auto reserved = store_.reserve(claims);
     if (!reserved.isOk()) return reserved.status();
     if (*reserved) {
+      counted(claims);
       actor.nodeId = *node;
       return Status::ok();
     }
@@ -297,6 +301,24 @@ Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
   return nodesDied(std::vector<NodeId>(affected.begin(), affected.end()), actions);
 }
 
+Result<std::vector<NodeRecord>> ControllerCore::nodeView(bool fresh) {
+  auto now = std::chrono::steady_clock::now();
+  if (fresh || nodes_.empty() || now - nodesRead_ > kNodeViewMaxAge) {
+    auto nodes = store_.listNodes();
+    if (!nodes.isOk()) return nodes.status();
+    nodes_ = std::move(*nodes);
+    nodesRead_ = now;
+  }
+  return nodes_;
+}
+
+void ControllerCore::counted(const std::vector<Reservation>& claims) {
+  for (const Reservation& claim : claims) {
+    auto node = std::find_if(nodes_.begin(), nodes_.end(), [&](const NodeRecord& n) { return n.id == claim.nodeId; });
+    if (node != nodes_.end()) node->used = scheduler::add(node->used, claim.resources);
+  }
+}
+
 Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from) {
   return placeBundles(group, from, [this](const std::vector<Reservation>& claims) { return store_.reserve(claims); });
 }
@@ -317,9 +339,11 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, co
   }
   if (todo.empty()) return Status::ok();
   for (int attempt = 0; attempt < kReserveAttempts; ++attempt) {
-    auto nodes = store_.listNodes();
+    bool fresh = attempt > 0;
+    auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
     auto placement = scheduler::placeBundles(scheduler::viewsOf(*nodes), demands, group.strategy, existing);
+    if (!placement.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!placement.isOk()) return placement.status();
     std::vector<Reservation> claims;
     for (size_t k = 0; k < todo.size(); ++k) {
@@ -328,7 +352,10 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, co
     for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = (*placement)[k];
     auto reserved = claim(claims);
     if (!reserved.isOk()) return reserved.status();
-    if (*reserved) return Status::ok();
+    if (*reserved) {
+      counted(claims);
+      return Status::ok();
+    }
     for (size_t k : todo) group.bundles[k].nodeId = NodeId();
   }
   return Status(StatusCode::kUnavailable, "pending: resources changed under every attempt to reserve them");

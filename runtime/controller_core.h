@@ -1,7 +1,9 @@
 // ControllerCore: the controller's decisions as synchronous functions over the ClusterStore:
 // scheduling actors and placement groups, lifecycle transitions (PENDING -> ALIVE ->
-// RESTARTING -> DEAD), restarts, node deaths, resizes. It holds no state of its own, so the
-// same calls after a controller restart continue where the last one stopped.
+// RESTARTING -> DEAD), restarts, node deaths, resizes. Its only state is a recent view of the
+// nodes for choosing where to place (the store re-checks every claim, so a stale view costs a
+// retry, never an over-commitment); so the same calls after a controller restart continue where
+// the last one stopped.
 // Side effects on processes are returned as WorkerActions for the caller to carry out.
 // Thread-safety: runs on the controller's I/O thread (the store's thread); every call is a
 // unit, so calls never interleave.
@@ -77,6 +79,10 @@ class ControllerCore {
   // its bundle has room). Sets actor.nodeId; errors as pickNode's.
   Status place(ActorRecord& actor);
   Status placeBundles(PlacementGroupRecord& group, size_t from);
+  // The nodes as read at most kNodeViewMaxAge ago (or now, when `fresh`), with the claims this
+  // core made since counted in.
+  Result<std::vector<NodeRecord>> nodeView(bool fresh);
+  void counted(const std::vector<Reservation>& claims);
   // The same, making the claims through `claim` (true: made; false: refused, try afresh).
   using ClaimFn = std::function<Result<bool>(const std::vector<Reservation>&)>;
   Status placeBundles(PlacementGroupRecord& group, size_t from, const ClaimFn& claim);
@@ -89,6 +95,10 @@ class ControllerCore {
                         std::vector<WorkerAction>& actions);
 
   ClusterStore& store_;
+  static constexpr std::chrono::milliseconds kNodeViewMaxAge{500};
+  std::vector<NodeRecord> nodes_;
+  std::chrono::steady_clock::time_point nodesRead_{};
+
   // Per actor, how many incarnations in a row ended within kStableRunMs of starting (or before
   // they served). Kept in memory: a restarted controller starts the back-off afresh.
   std::unordered_map<ActorId, int> quickEnds_;
