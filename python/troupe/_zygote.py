@@ -202,8 +202,7 @@ def _become_worker(control, request):
         os.close(err)
     else:
         os.dup2(1, 2)
-    if "--parent-pid" in request.argv[:-1]:
-        _wait_for_adoption(int(request.argv[request.argv.index("--parent-pid") + 1]))
+    _wait_for_adoption(_agent_pid)
     os.environ.update(request.env)
     # What the worker can read of where it came from; tests check it to see this path was taken.
     os.environ["TROUPE_WORKER_FORKED_BY"] = str(_zygote_pid)
@@ -212,10 +211,11 @@ def _become_worker(control, request):
 
 
 _zygote_pid = 0
+_agent_pid = 0
 
 
 def main():
-    global _zygote_pid
+    global _zygote_pid, _agent_pid
     import argparse
 
     parser = argparse.ArgumentParser(prog="troupe._zygote")
@@ -225,7 +225,7 @@ def main():
     _core.die_with_parent()  # never outlive the node agent
     if os.getppid() != args.parent_pid:
         return 1  # the agent died before die_with_parent took effect
-    _zygote_pid = os.getpid()
+    _zygote_pid, _agent_pid = os.getpid(), args.parent_pid
     control = socket.socket(fileno=CONTROL_FD)
     os.set_inheritable(CONTROL_FD, False)
     import gc
