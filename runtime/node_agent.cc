@@ -166,15 +166,6 @@ NodeAgent::NodeAgent(kj::AsyncIoContext& io, IoThread& ioThread, NodeAgentOption
     : io_(io), ioThread_(ioThread), options_(std::move(options)),
       state_(std::make_shared<IoState>(ioThread.context())), tasks_(kj::heap<kj::TaskSet>(gLogTaskErrors)) {
   state_->id = options_.id;
-  if (options_.pythonZygote) {
-    // Started by the first Python actor: a node that hosts none never pays for it.
-    ZygoteOptions zygote;
-    zygote.python = options_.pythonBinary;
-    zygote.pythonPath = options_.pythonPath;
-    zygote.logDir = options_.runDir + "/logs";
-    zygote.logName = "python-zygote-" + options_.id.hex();
-    zygote_ = kj::heap<PythonZygote>(io_, std::move(zygote));
-  }
   auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
   state_->fatal = kj::mv(paf.fulfiller);
   fatal_ = kj::mv(paf.promise);
@@ -326,6 +317,19 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   std::string counters = metricsPath(actor.id, actor.incarnation);
   ::unlink(counters.c_str());  // left by an agent that died with its worker: the worker makes it anew
   spawn.env.push_back("TROUPE_METRICS_FILE=" + counters);
+  if (python && options_.pythonZygote && !zygote_) {
+    // Made for the first Python actor (a node that hosts none never starts it), when this agent
+    // knows whether the cluster speaks TLS.
+    ZygoteOptions zygote;
+    zygote.python = options_.pythonBinary;
+    // What a spawned Python worker has when its interpreter starts and imports troupe.
+    if (!options_.pythonPath.empty()) zygote.env.push_back("PYTHONPATH=" + options_.pythonPath);
+    zygote.env.push_back("PYTHONUNBUFFERED=1");
+    if (tls::required()) zygote.env.push_back("TROUPE_TLS=1");  // troupe._core reads it when loaded
+    zygote.logDir = options_.runDir + "/logs";
+    zygote.logName = "python-zygote-" + options_.id.hex();
+    zygote_ = kj::heap<PythonZygote>(io_, std::move(zygote));
+  }
   if (!python || !zygote_ || !zygote_->accepting()) {
     auto pid = spawnDirect(actor.id, actor.incarnation, spawn);
     if (!pid.isOk()) throwStatus(pid.status());

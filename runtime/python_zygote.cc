@@ -129,9 +129,7 @@ void PythonZygote::start() {
   SpawnOptions spawn;
   spawn.argv = {options_.python, "-m", "troupe._zygote", "--log-dir", options_.logDir, "--parent-pid",
                 std::to_string(::getpid())};
-  // Exactly what a spawned Python worker gets at interpreter start: the same flags and paths.
-  if (!options_.pythonPath.empty()) spawn.env.push_back("PYTHONPATH=" + options_.pythonPath);
-  spawn.env.push_back("PYTHONUNBUFFERED=1");
+  spawn.env = options_.env;
   spawn.outputPath = fmt::format("{}/{}.out", options_.logDir, options_.logName);
   spawn.errorPath = fmt::format("{}/{}.err", options_.logDir, options_.logName);
   spawn.inheritFds = {theirs.get()};

@@ -25,7 +25,10 @@ namespace troupe {
 
 struct ZygoteOptions {
   std::string python = "/usr/bin/python3";
-  std::string pythonPath;  // PYTHONPATH: where the troupe package is (first)
+  // Its environment on top of this process's: what a worker gets that is read when Python
+  // starts or troupe is imported (PYTHONPATH, PYTHONUNBUFFERED, TROUPE_TLS). The zygote refuses a
+  // fork whose environment sets one of those (PYTHON*, TROUPE_TLS) to another value.
+  std::vector<std::string> env;
   std::string logDir;      // its output (<logDir>/<logName>.{out,err}); workers' output may go only here
   std::string logName = "python-zygote";
   kj::Duration startTimeout = 60 * kj::SECONDS;  // from spawning it to its "ready"

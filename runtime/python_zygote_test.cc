@@ -43,7 +43,7 @@ struct ZygoteFixture {
     root = ::mkdtemp(pattern);
     fs::create_directories(root / "logs");
     ZygoteOptions options;
-    options.pythonPath = pythonPath.string();
+    options.env = {"PYTHONPATH=" + pythonPath.string(), "PYTHONUNBUFFERED=1"};
     options.logDir = (root / "logs").string();
     zygote = kj::heap<PythonZygote>(io, options);
   }
@@ -151,7 +151,7 @@ TEST_CASE_FIXTURE(ZygoteFixture, "a killed zygote leaves its workers running and
   CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 2));
 }
 
-TEST_CASE_FIXTURE(ZygoteFixture, "a request to write outside the log directory is refused, and the zygote goes on") {
+TEST_CASE_FIXTURE(ZygoteFixture, "requests the zygote cannot honour are refused, and it goes on") {
   if (!haveCore) return;
   SpawnOptions outside = files("x");
   outside.outputPath = (root / "elsewhere.out").string();
@@ -159,6 +159,12 @@ TEST_CASE_FIXTURE(ZygoteFixture, "a request to write outside the log directory i
       [](ForkedWorker) { return std::string(); }, [](kj::Exception&& e) { return std::string(e.getDescription().cStr()); });
   CHECK(refused.wait(io.waitScope).find("outside") != std::string::npos);
   CHECK(!fs::exists(root / "elsewhere.out"));
+  // A variable Python reads when it starts cannot be given to a forked interpreter.
+  SpawnOptions seeded = files("seeded");
+  seeded.env.push_back("PYTHONHASHSEED=7");
+  auto unseeded = zygote->fork({"--no-such-flag"}, seeded).then(
+      [](ForkedWorker) { return std::string(); }, [](kj::Exception&& e) { return std::string(e.getDescription().cStr()); });
+  CHECK(unseeded.wait(io.waitScope).find("PYTHONHASHSEED") != std::string::npos);
   auto worker = forkRefused("after");
   kj::Maybe<pid_t> watched = worker.pid();
   auto exit = io.unixEventPort.onChildExit(watched);

@@ -94,6 +94,12 @@ class _Request:
         self.start_fd = start_fd
 
 
+def _read_at_start(name):
+    """Variables the interpreter reads when it starts, or troupe._core when it is loaded: a forked
+    worker has the zygote's values, so they must be the ones the worker asks for."""
+    return name.startswith("PYTHON") or name == "TROUPE_TLS"
+
+
 def _threads():
     return len(os.listdir("/proc/self/task"))
 
@@ -141,6 +147,10 @@ def serve(control, log_dir):
             for path in (request.output, request.error):
                 if path and os.path.dirname(os.path.realpath(path)) != log_dir:
                     raise ValueError(f"an output path outside {log_dir}: {path}")
+            for name, value in request.env.items():
+                if _read_at_start(name) and os.environ.get(name) != value:
+                    raise ValueError(f"the worker needs {name}={value!r}, which this zygote's interpreter and "
+                                     f"imports did not start with ({os.environ.get(name)!r})")
             if threading.active_count() != 1 or _threads() != 1:
                 # Not safe to fork any more, nor to go on: the agent restarts a fresh zygote.
                 _send(control, f"error the zygote has {_threads()} threads; it cannot fork".encode())

@@ -2,6 +2,7 @@
 they behave as spawned ones (calls, environment, logs, death reasons), a kill of the zygote leaves
 them running and the node forks the next ones from a new zygote, and TROUPE_PYTHON_ZYGOTE=0 spawns
 each worker as a new process."""
+import json
 import os
 import random
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from troupe_testing import eventually, import_troupe, processes_under
+from troupe_testing import eventually, free_port, import_troupe, processes_under, run_driver
 
 troupe = import_troupe()
 
@@ -99,6 +100,9 @@ def test_forked_workers_behave_as_spawned_ones(cluster):
         assert e["TROUPE_METRICS_FILE"].endswith(f"actor-{e['TROUPE_ACTOR_ID']}.1") and e["TROUPE_TOKEN"]
     assert fa["env"]["ZYGOTE_TEST_VALUE"] == "from the job" and "ZYGOTE_TEST_VALUE" not in fb["env"]
     assert fa["random"] != fb["random"]  # reseeded in each worker
+    # Each worker publishes its counters in its own file (made on first use, after the fork).
+    for facts in (fa, fb):
+        assert Path(facts["env"]["TROUPE_METRICS_FILE"]).exists()
     assert fa["pid"] != fb["pid"] and troupe.get(a.add.remote(2, 3)) == 5
     # Each worker's output is in its own files, none in the zygote's.
     for handle, tag in ((a, "a"), (b, "b")):
@@ -163,3 +167,22 @@ def test_without_the_zygote_each_worker_is_a_new_process(monkeypatch):
     finally:
         troupe.shutdown()
     assert processes_under(root) == []
+
+
+def test_a_tls_cluster_forks_workers_that_speak_tls(troupe):
+    """The zygote's interpreter starts with TROUPE_TLS=1 (troupe._core reads it when loaded)."""
+    troupe.run("start", "--head", "--tls", "--port", str(free_port()))
+    code = (
+        "import json, os, troupe\n"
+        "troupe.init('auto')\n"
+        "@troupe.remote(num_cpus=0)\n"
+        "class Env:\n"
+        "    def get(self): return dict(os.environ)\n"
+        "print(json.dumps(troupe.get(Env.remote().get.remote())))\n"
+        "troupe.shutdown()\n")
+    done = run_driver(code, env=troupe.env)
+    assert done.returncode == 0, done.stderr
+    env = json.loads(done.stdout.strip().splitlines()[-1])
+    zygote = int(env["TROUPE_WORKER_FORKED_BY"])
+    assert env["TROUPE_TLS"] == "1"
+    assert b"TROUPE_TLS=1" in Path(f"/proc/{zygote}/environ").read_bytes().split(b"\0")
