@@ -63,10 +63,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   bool json = argc > 1 && std::string(argv[1]) == "--json";
-  const int kSync = 3000, kPipelined = 30000, kWindow = 256, kCallers = 2;
-
-  double floorUs = troupe::bench::tcpRoundTripUs(argv[0], kSync);
-  double floorPerS = 1e6 / floorUs;
+  const int kSync = 2000, kPipelined = 30000, kWindow = 256, kCallers = 2, kRuns = 5;
+  const size_t kBig = size_t(16) << 20;
 
   troupe::bench::BenchCluster cluster(8);
   auto io = kj::setupAsyncIo();
@@ -75,7 +73,26 @@ int main(int argc, char** argv) {
   echo.type = "Echo";
   auto actor = client->createActor(echo).wait(io.waitScope);
 
-  double sync = syncRate(io, actor, std::string(64, 'x'), kSync);
+  // Each run measures the floor and the calls back to back, so each ratio is of one moment.
+  std::vector<double> floors, syncs, ratios, tcpMb, callMb, mbRatios;
+  const std::string big(kBig, 'p');
+  for (int run = 0; run < kRuns; ++run) {
+    floors.push_back(1e6 / troupe::bench::tcpRoundTripUs(argv[0], kSync));
+    syncs.push_back(syncRate(io, actor, std::string(64, 'x'), kSync));
+    ratios.push_back(syncs.back() / floors.back());
+    tcpMb.push_back(2.0 * kBig / troupe::bench::tcpRoundTripUs(argv[0], 4, kBig));
+    callMb.push_back(syncRate(io, actor, big, 4) * 2.0 * kBig / 1e6);
+    mbRatios.push_back(callMb.back() / tcpMb.back());
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto spread = [](std::vector<double> v, const char* format) {
+    std::sort(v.begin(), v.end());
+    return fmt::format(fmt::runtime(format), v.front(), v[v.size() / 2], v.back());
+  };
+  double floorPerS = median(floors), sync = median(syncs);
   double pipelined = pipelinedRate(io, actor, kPipelined, kWindow);
 
   std::vector<troupe::ActorHandle> nnActors;
@@ -95,9 +112,9 @@ int main(int argc, char** argv) {
   double nn = kPipelined / seconds(Clock::now() - t0);  // total across callers, wall clock
   for (auto& path : outputs) std::remove(path.c_str());
 
-  printf("%-44s %14s %10s\n", "measure", "calls/s", "vs floor");
+  printf("%-44s %14s %10s\n", fmt::format("measure (median of {} runs)", kRuns).c_str(), "calls/s", "vs floor");
   printf("%-44s %14.0f %10s\n", "floor: raw TCP 64 B ping-pong (2 processes)", floorPerS, "1.00");
-  printf("%-44s %14.0f %10.2f\n", "1:1 sync calls (64 B)", sync, sync / floorPerS);
+  printf("%-44s %14.0f %10.2f\n", "1:1 sync calls (64 B)", sync, median(ratios));
   printf("%-44s %14.0f %10.2f\n", fmt::format("1:1 pipelined calls ({} in flight)", kWindow).c_str(), pipelined,
          pipelined / floorPerS);
   printf("%-44s %14.0f %10.2f\n", fmt::format("{}:{} pipelined calls", kCallers, kCallers).c_str(), nn, nn / floorPerS);
@@ -110,10 +127,19 @@ int main(int argc, char** argv) {
     sweep += fmt::format("{}{{\"bytes\": {}, \"calls_per_s\": {:.0f}}}", sweep.empty() ? "" : ", ", size, rate);
   }
   printf("\npipelined / sync: %.1fx\n", pipelined / sync);
+  printf("\n%-44s %10s %10s %10s\n", fmt::format("spread over {} runs", kRuns).c_str(), "min", "median", "max");
+  printf("%-44s %s\n", "1:1 sync calls vs floor", spread(ratios, "{:10.2f} {:10.2f} {:10.2f}").c_str());
+  printf("%-44s %s\n", "16 MB echo: raw TCP MB/s (both ways)", spread(tcpMb, "{:10.0f} {:10.0f} {:10.0f}").c_str());
+  printf("%-44s %s\n", "16 MB echo: actor call MB/s (both ways)", spread(callMb, "{:10.0f} {:10.0f} {:10.0f}").c_str());
+  printf("%-44s %s\n", "16 MB echo: actor call / raw TCP", spread(mbRatios, "{:10.2f} {:10.2f} {:10.2f}").c_str());
   if (json) {
     printf("{\"sync_calls_per_s\": %.0f, \"pipelined_calls_per_s\": %.0f, \"nn_calls_per_s\": %.0f, "
-           "\"pingpong_per_s\": %.0f, \"sync_vs_floor\": %.3f, \"pipelined_vs_sync\": %.2f, \"payload_sweep\": [%s]}\n",
-           sync, pipelined, nn, floorPerS, sync / floorPerS, pipelined / sync, sweep.c_str());
+           "\"pingpong_per_s\": %.0f, \"sync_vs_floor\": %.3f, \"sync_vs_floor_spread\": [%s], "
+           "\"pipelined_vs_sync\": %.2f, \"payload_mb_per_s\": %.0f, \"tcp_mb_per_s\": %.0f, "
+           "\"payload_vs_tcp\": %.3f, \"payload_vs_tcp_spread\": [%s], \"payload_sweep\": [%s]}\n",
+           sync, pipelined, nn, floorPerS, median(ratios), spread(ratios, "{:.3f}, {:.3f}, {:.3f}").c_str(),
+           pipelined / sync, median(callMb), median(tcpMb), median(mbRatios),
+           spread(mbRatios, "{:.3f}, {:.3f}, {:.3f}").c_str(), sweep.c_str());
   }
   return 0;
 }

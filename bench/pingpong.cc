@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdio>
 #include <thread>
+#include <vector>
+#include <algorithm>
 
 #include "troupe/runtime/process.h"
 
@@ -23,7 +25,27 @@ sockaddr_in loopback(int port) {
   return addr;
 }
 
-int serve(int port) {
+// Sends or receives all of [data, data + size).
+bool sendAll(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    ssize_t n = send(fd, data, size, 0);
+    if (n <= 0) return false;
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+bool recvAll(int fd, char* data, size_t size) {
+  while (size > 0) {
+    ssize_t n = recv(fd, data, size, MSG_WAITALL);
+    if (n <= 0) return false;
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+int serve(int port, size_t bytes) {
   int listener = socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;
   setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -31,8 +53,8 @@ int serve(int port) {
   if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(listener, 4) != 0) return 1;
   int fd = accept(listener, nullptr, nullptr);
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  char buf[64];
-  while (recv(fd, buf, sizeof(buf), MSG_WAITALL) == sizeof(buf) && send(fd, buf, sizeof(buf), 0) == sizeof(buf)) {
+  std::vector<char> buf(bytes);
+  while (recvAll(fd, buf.data(), bytes) && sendAll(fd, buf.data(), bytes)) {
   }
   return 0;
 }
@@ -40,17 +62,17 @@ int serve(int port) {
 }  // namespace
 
 bool maybeServeTcp(int argc, char** argv, int* exitCode) {
-  if (argc == 3 && std::string(argv[1]) == "--serve-tcp") {
-    *exitCode = serve(std::stoi(argv[2]));
+  if (argc == 4 && std::string(argv[1]) == "--serve-tcp") {
+    *exitCode = serve(std::stoi(argv[2]), std::stoull(argv[3]));
     return true;
   }
   return false;
 }
 
-double tcpRoundTripUs(const char* argv0, int rounds) {
+double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes) {
   int port = *pickFreePort("127.0.0.1");
   SpawnOptions o;
-  o.argv = {argv0, "--serve-tcp", std::to_string(port)};
+  o.argv = {argv0, "--serve-tcp", std::to_string(port), std::to_string(bytes)};
   ChildProcess server(*spawnProcess(o));
   auto addr = loopback(port);
   int fd = -1;
@@ -66,12 +88,9 @@ double tcpRoundTripUs(const char* argv0, int rounds) {
   if (fd < 0) return -1;
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  char buf[64] = {};
-  auto once = [&]() {
-    send(fd, buf, sizeof(buf), 0);
-    recv(fd, buf, sizeof(buf), MSG_WAITALL);
-  };
-  for (int i = 0; i < 200; ++i) once();
+  std::vector<char> buf(bytes, 'p');
+  auto once = [&]() { return sendAll(fd, buf.data(), bytes) && recvAll(fd, buf.data(), bytes); };
+  for (int i = 0; i < std::min(rounds, 200); ++i) once();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < rounds; ++i) once();
   double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / rounds;

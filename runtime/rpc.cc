@@ -17,6 +17,92 @@
 namespace troupe {
 namespace {
 
+// Reads the socket in blocks of up to 64 KiB: Cap'n Proto reads each message as a header, then
+// the rest, so without it every message costs two or three read calls; with it, usually one,
+// and a Finish that arrives with the next Call shares it too. Large reads go straight through.
+class BufferedStream final : public kj::AsyncIoStream {
+ public:
+  explicit BufferedStream(kj::Own<kj::AsyncIoStream> inner) : inner_(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {}
+
+  kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
+    auto* out = static_cast<kj::byte*>(buffer);
+    size_t n = std::min(maxBytes, end_ - begin_);
+    memcpy(out, buffer_.begin() + begin_, n);
+    begin_ += n;
+    if (n >= minBytes) return n;
+    if (maxBytes - n >= kSize) {  // a large body: into its place, no copy
+      return inner_->tryRead(out + n, minBytes - n, maxBytes - n).then([n](size_t more) { return n + more; });
+    }
+    begin_ = end_ = 0;
+    return inner_->tryRead(buffer_.begin(), minBytes - n, kSize)
+        .then([this, out, n, minBytes, maxBytes](size_t got) -> kj::Promise<size_t> {
+          end_ = got;
+          return tryRead(out + n, std::min(minBytes - n, got), maxBytes - n).then([n](size_t more) { return n + more; });
+        });
+  }
+  kj::Promise<void> write(const void* buffer, size_t size) override {
+    kj::ArrayPtr<const kj::byte> piece(static_cast<const kj::byte*>(buffer), size);
+    return write(kj::arrayPtr(&piece, 1));
+  }
+  // Small messages wait in a buffer until the event loop has nothing else to run, then go in one
+  // write: a sync caller's Finish and its next Call reach the server together (one wake-up). A
+  // large message first sends what waits, then goes straight from the caller's pieces.
+  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
+    KJ_IF_MAYBE(e, failed_) { return kj::cp(*e); }
+    size_t total = 0;
+    for (auto& p : pieces) total += p.size();
+    if (total <= kSmall && pending_.size() + total <= kSize) {
+      for (auto& p : pieces) pending_.addAll(p);
+      if (!flushScheduled_) {
+        flushScheduled_ = true;
+        flush_ = kj::evalLast([this]() {
+                   flushScheduled_ = false;
+                   return flushPending();
+                 }).eagerlyEvaluate([this](kj::Exception&& e) { failed_ = kj::mv(e); });
+      }
+      return kj::READY_NOW;
+    }
+    // Cap'n Proto waits for this write before its next one, and owns `pieces` until then.
+    return flushPending().then([this, pieces]() { return inner_->write(pieces); });
+  }
+  kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
+  void shutdownWrite() override {
+    // What waits is sent first; the peer reads every message before the end.
+    flush_ = flushPending().then([this]() { inner_->shutdownWrite(); }).eagerlyEvaluate(nullptr);
+  }
+  void abortRead() override { inner_->abortRead(); }
+  void getsockopt(int level, int option, void* value, uint* length) override {
+    inner_->getsockopt(level, option, value, length);
+  }
+  void setsockopt(int level, int option, const void* value, uint length) override {
+    inner_->setsockopt(level, option, value, length);
+  }
+  void getsockname(struct sockaddr* addr, uint* length) override { inner_->getsockname(addr, length); }
+  void getpeername(struct sockaddr* addr, uint* length) override { inner_->getpeername(addr, length); }
+  kj::Maybe<int> getFd() const override { return inner_->getFd(); }
+
+ private:
+  // Sends what waits in pending_, after every earlier write.
+  kj::Promise<void> flushPending() {
+    if (pending_.empty()) return writes_.addBranch();
+    auto bytes = kj::heapArray<kj::byte>(pending_.asPtr());
+    pending_.clear();
+    auto sent = writes_.addBranch().then([this, bytes = kj::mv(bytes)]() { return inner_->write(bytes.begin(), bytes.size()); });
+    writes_ = sent.fork();
+    return writes_.addBranch();
+  }
+
+  static constexpr size_t kSize = 64 * 1024;
+  static constexpr size_t kSmall = 16 * 1024;
+  kj::Own<kj::AsyncIoStream> inner_;
+  kj::Array<kj::byte> buffer_;
+  size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
+  kj::Vector<kj::byte> pending_;  // small messages not yet written
+  bool flushScheduled_ = false;
+  kj::Maybe<kj::Exception> failed_;  // a deferred write failed: every later one does too
+  kj::ForkedPromise<void> writes_ = kj::Promise<void>(kj::READY_NOW).fork();  // the last write
+  kj::Promise<void> flush_ = kj::READY_NOW;
+};
 
 class RpcServerImpl final : public RpcServer {
  public:
@@ -25,7 +111,7 @@ class RpcServerImpl final : public RpcServer {
       : twoParty_(kj::mv(bootstrap)),
         acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
                   [this](kj::Own<kj::AsyncIoStream> stream) {
-                    twoParty_.accept(kj::mv(stream));
+                    twoParty_.accept(kj::heap<BufferedStream>(kj::mv(stream)));
                     return kj::READY_NOW;
                   }) {}
 
@@ -49,7 +135,7 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
 }
 
 RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream)
-    : stream_(kj::mv(stream)),
+    : stream_(kj::heap<BufferedStream>(kj::mv(stream))),
       client_(*stream_),
       bootstrap_(client_.bootstrap()),
       disconnected_(kj::heap<bool>(false)),
