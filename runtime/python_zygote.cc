@@ -22,6 +22,7 @@ namespace {
 // A request is a few hundred bytes and a reply a few dozen; a longer announced length means the
 // other end is not the zygote we started.
 constexpr uint32_t kMaxReply = 64 * 1024;
+constexpr size_t kMaxRequest = 1 << 20;  // _zygote.py MAX_MESSAGE
 
 class LogZygoteTaskErrors final : public kj::TaskSet::ErrorHandler {
  public:
@@ -98,6 +99,9 @@ kj::Promise<ForkedWorker> PythonZygote::fork(const std::vector<std::string>& arg
     if (fields[i].find('\0') != std::string::npos) return KJ_EXCEPTION(FAILED, "a worker argument holds a NUL byte");
     if (i > 0) body.push_back('\0');
     body += fields[i];
+  }
+  if (body.size() > kMaxRequest) {
+    return KJ_EXCEPTION(FAILED, fmt::format("a fork request of {} bytes (at most {})", body.size(), kMaxRequest));
   }
   std::string message;
   appendLength(message, body.size());
