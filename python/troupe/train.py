@@ -794,7 +794,8 @@ class ElasticTrainer:
         if decision["action"] != "keep":
             self._event(f"tuner: {decision['action']} {decision['world_size']} -> {decision['target']} trainer(s)"
                         f"{' (exploring)' if decision['explore'] else ''}: {decision['reason']}; predicted "
-                        f"{(decision['predicted_samples_per_s'] or 0):.1f} samples/s at {decision['target']} vs "
+                        f"{(decision['predicted_samples_per_s'] or 0):.1f} samples/s at {decision['target']} "
+                        f"({decision.get('prediction_basis') or 'no prediction'}) vs "
                         f"{(decision['predicted_current_samples_per_s'] or 0):.1f} now")
             self.resize(max(self.min_workers, decision["target"] - decision["target"] % self._seq()))
         settings = {"threads": int(decision["threads"]), "prefetch": int(decision["prefetch"])}

@@ -422,7 +422,10 @@ class ThroughputModel:
 @dataclass
 class Decision:
     """What the tuner decided after one chunk. action is keep, grow or shrink (target against
-    world_size); explore marks a move made to measure an unknown world size. The measured_*
+    world_size); explore marks a move made to measure an unknown world size. A change always
+    carries predicted_samples_per_s (unless no samples/s was ever measured); prediction_basis says
+    what it rests on: "model" (supported), "partial model" (a size the fit does not support yet,
+    see ResourceTuner._predict_target) or "this chunk" (nothing fitted yet). The measured_*
     fields and prediction_error (|predicted - measured| / measured, samples/s at the target) are
     filled in by the next observation."""
 
@@ -442,6 +445,7 @@ class Decision:
     model_error: Optional[dict]
     predicted_samples_per_s: Optional[float]
     predicted_current_samples_per_s: Optional[float]
+    prediction_basis: Optional[str] = None
     candidates: dict = field(default_factory=dict)
     measured_samples_per_s: Optional[float] = None
     measured_world_size: Optional[int] = None
@@ -607,16 +611,37 @@ class ResourceTuner:
         prefetch_note = self._tune_prefetch(obs)
         if prefetch_note:
             reason += "; " + prefetch_note
-        at_target = preds.get(target, current)
+        predicted, basis = self._predict_target(obs, target, preds, current, cores)
         return Decision(
             index=len(self._decisions), step=obs.step, action=action, explore=explore, world_size=n, target=target,
             threads=threads, prefetch=self.prefetch, reason=reason,
             inputs=_plain(asdict(obs)), params=model.params(), identified=model.identified(),
             lacks_data=model.lacks_data() if model.points else ["no observations"], model_error=model.error(),
-            predicted_samples_per_s=at_target["samples_per_s"] if at_target.get("supported") else None,
-            predicted_current_samples_per_s=t_cur,
+            predicted_samples_per_s=predicted, prediction_basis=basis, predicted_current_samples_per_s=t_cur,
             candidates={str(k): {"samples_per_s": v["samples_per_s"], "supported": v["supported"],
                                  "feasible": v["feasible"], "gain": v["gain"]} for k, v in sorted(preds.items())})
+
+    def _predict_target(self, obs, target, preds, current, cores):
+        """(samples/s predicted at the target, basis). Every change carries a prediction, made
+        now, before the group moves; a keep carries one only where the model is supported."""
+        p = preds.get(target, current)
+        if p.get("supported") and p["samples_per_s"]:
+            return p["samples_per_s"], "model"
+        if target == obs.world_size:
+            return None, None
+        # An exploration (or a move back into [min, max]) goes where the model is not supported:
+        # refusing such sizes would stop the model from ever learning them. Its point estimate
+        # still stands (the missing terms charged to those fitted, or an upper bound where they
+        # were never observed), and its error is recorded like any other.
+        if p["samples_per_s"]:
+            return p["samples_per_s"], "partial model"
+        # No fitted point yet (a move back into bounds during warm-up): the model of this chunk
+        # alone, whose warm-up cost makes it a low estimate.
+        alone = ThroughputModel(global_batch=self.model.global_batch)
+        alone.add_observation(obs, self.cpus_per_trainer)
+        sps = alone.predict(target, threads_for(target, cores, self.max_threads), cores,
+                            obs.bytes_allreduced)["samples_per_s"]
+        return (sps, "this chunk") if sps else (None, None)
 
     def _exploit(self, n, t_cur, preds):
         """The model's choice among supported, feasible sizes: (target, reason)."""

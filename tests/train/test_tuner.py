@@ -398,3 +398,27 @@ def test_the_outcome_of_a_change_is_measured_even_with_an_unmeasured_keep_before
     for _ in range(3):
         t.observe(cluster.measure(4))
     assert change.measured_samples_per_s is not None and change.measured_world_size == 4
+
+
+@pytest.mark.parametrize("scenario", ["explore up", "explore down", "into bounds"])
+def test_every_change_carries_a_prediction_made_before_it(scenario):
+    # Explorations go where the model is not supported yet, and a move back into [min, max] can
+    # come before anything is fitted: each still carries the samples/s it expects there, and the
+    # next measurement there judges it.
+    if scenario == "explore up":
+        t, cluster = ResourceTuner(min_workers=1, max_workers=4), Cluster(cores=4, cpus=4, split=False)
+        drive(t, cluster, start=1, chunks=20)
+    elif scenario == "explore down":
+        t, cluster = ResourceTuner(min_workers=1, max_workers=4), Cluster(cores=2, cpus=4, split=False)
+        drive(t, cluster, start=4, chunks=20)
+    else:
+        t, cluster = ResourceTuner(min_workers=1, max_workers=4, warmup_chunks=2), Cluster(cores=4, cpus=8)
+        t.observe(cluster.measure(5))
+        drive(t, cluster, start=4, chunks=4)
+    moves = [d for d in t._decisions if d.changed]
+    assert moves and (scenario == "into bounds" or any(d.explore for d in moves)), [d.reason for d in moves]
+    for d in moves:
+        assert d.predicted_samples_per_s and d.predicted_samples_per_s > 0, d.as_dict()
+        assert d.prediction_basis in ("model", "partial model", "this chunk")
+        assert d.prediction_error is not None and d.measured_world_size == d.target, d.as_dict()
+    assert {d.prediction_basis for d in moves} & {"partial model", "this chunk"}
