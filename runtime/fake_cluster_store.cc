@@ -15,7 +15,9 @@
 
 namespace troupe {
 
+using store_args::checkGroupArgs;
 using store_args::checkNameArgs;
+using store_args::checkRendezvousArgs;
 using store_args::checkNodeArgs;
 using store_args::checkReservations;
 using store_args::emptyArgument;
@@ -654,29 +656,7 @@ class FakeClusterStore final : public ClusterStore {
                               epoch == state_->groupEpochs.end() ? 0 : epoch->second};
   }
 
-  // Same checks, same messages as redis_cluster_store.cc's.
-  static Status checkGroupArgs(const std::string& group, int64_t epoch) {
-    if (group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");
-    if (epoch < 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("group '{}': epoch must be >= 0, got {}", group, epoch));
-    }
-    return Status::ok();
-  }
 
-  static Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank,
-                                    std::chrono::milliseconds ttl) {
-    TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
-    if (rank < 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("group '{}': rank must be >= 0, got {}", group, rank));
-    }
-    if (ttl.count() <= 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("rendezvous ttl must be positive, got {} ms", ttl.count()));
-    }
-    return Status::ok();
-  }
 
   // Redis compares claims with the same tolerance (redis_cluster_store.cc, kReserveBody).
   static constexpr double kEpsilon = 1e-9;

@@ -57,4 +57,23 @@ Status checkNodeArgs(const NodeId& id, std::chrono::milliseconds ttl) {
   return Status::ok();
 }
 
+Status checkGroupArgs(const std::string& group, int64_t epoch) {
+  if (group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");
+  if (epoch < 0) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("group '{}': epoch must be >= 0, got {}", group, epoch));
+  }
+  return Status::ok();
+}
+
+Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank, std::chrono::milliseconds ttl) {
+  TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, epoch));
+  if (rank < 0) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("group '{}': rank must be >= 0, got {}", group, rank));
+  }
+  if (ttl.count() <= 0) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("rendezvous ttl must be positive, got {} ms", ttl.count()));
+  }
+  return Status::ok();
+}
+
 }  // namespace troupe::store_args

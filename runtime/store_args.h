@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,5 +19,9 @@ Status checkNodeArgs(const NodeId& id, std::chrono::milliseconds ttl);
 // Node ids and holders present; for reserve() also finite non-negative amounts and no holder
 // twice on one node.
 Status checkReservations(const std::vector<Reservation>& reservations, bool forReserve);
+// A collective group's name present and its epoch >= 0.
+Status checkGroupArgs(const std::string& group, int64_t epoch);
+// The same, and a rendezvous rank >= 0 and a positive ttl.
+Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank, std::chrono::milliseconds ttl);
 
 }  // namespace troupe::store_args

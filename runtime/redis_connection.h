@@ -1,0 +1,179 @@
+// One authenticated hiredis connection that reconnects and retries once, and the helpers every
+// reader of Redis shares (errors that name the server, replies as text and maps, pub/sub reads).
+// Internal to runtime/.
+#pragma once
+
+#include <hiredis/hiredis.h>
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "store_records.h"
+#include "troupe/runtime/cluster_store.h"
+
+namespace troupe::redis {
+
+struct ContextDeleter {
+  void operator()(redisContext* context) const { redisFree(context); }
+};
+using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
+
+struct ReplyDeleter {
+  void operator()(redisReply* reply) const { freeReplyObject(reply); }
+};
+using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
+
+// hiredis writes with write(2): writing to a socket the server has already reset raises
+// SIGPIPE, which kills a process that has not ignored it. Rather than change the process-wide
+// disposition behind main()'s back, block it on this thread for one call and drop a SIGPIPE
+// that the call itself raised (the write then fails with EPIPE, which hiredis reports).
+class SigpipeBlock {
+ public:
+  SigpipeBlock() {
+    sigset_t pending;
+    sigemptyset(&pending);
+    sigpending(&pending);
+    wasPending_ = sigismember(&pending, SIGPIPE) == 1;
+    sigset_t block;
+    sigemptyset(&block);
+    sigaddset(&block, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &block, &saved_);
+  }
+  ~SigpipeBlock() {
+    if (!wasPending_) {
+      sigset_t pending;
+      sigemptyset(&pending);
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        sigset_t only;
+        sigemptyset(&only);
+        sigaddset(&only, SIGPIPE);
+        timespec zero{};
+        sigtimedwait(&only, nullptr, &zero);
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &saved_, nullptr);
+  }
+  SigpipeBlock(const SigpipeBlock&) = delete;
+  SigpipeBlock& operator=(const SigpipeBlock&) = delete;
+
+ private:
+  sigset_t saved_;
+  bool wasPending_ = false;
+};
+
+std::string addressOf(const RedisOptions& options);
+std::string replyText(const redisReply& reply);
+// kUnavailable naming the server (or the gateway) and why it cannot be reached.
+Status unreachable(const RedisOptions& options, const std::string& reason);
+std::string contextError(const redisContext* context, const RedisOptions& options);
+// A connection that has proved the password (or, through the head's gateway, the cluster token).
+Result<ContextPtr> connectAndAuthenticate(const RedisOptions& options);
+// An error reply as a Status: kUnauthenticated, kUnavailable (loading, busy) or kInternal.
+Status replyError(const RedisOptions& options, const redisReply& reply, std::string_view what);
+// HGETALL's flat [field, value, ...] array as a map.
+Result<store_records::FieldMap> fieldMap(const redisReply& reply, const std::string& key);
+// The payload of the next "message" on a subscribed connection; nullopt once `deadline` passes
+// or `wakeFd` (if >= 0) is readable. An error leaves the connection unusable.
+Result<std::optional<std::string>> nextPubSubMessage(redisContext* context, const RedisOptions& options,
+                                                     std::chrono::steady_clock::time_point deadline, int wakeFd);
+
+// One authenticated connection. Owned by one thread.
+class RedisConnection {
+ public:
+  static Result<RedisConnection> open(const RedisOptions& options) {
+    auto context = connectAndAuthenticate(options);
+    if (!context) return context.status();
+    return RedisConnection(options, std::move(context).value());
+  }
+
+  // Runs one command. On a broken connection it reconnects once and retries once: every
+  // command this store sends may safely run twice (see the scripts), so a reply lost with the
+  // connection costs nothing. `what` names the operation in error messages.
+  Result<ReplyPtr> run(const std::vector<std::string>& args, std::string_view what) {
+    SigpipeBlock sigpipe;
+    std::string firstError = "not connected (an earlier reconnect failed)";
+    if (context_) {
+      ReplyPtr reply = send(args);
+      if (reply) return checked(std::move(reply), what);
+      firstError = contextError(context_.get(), options_);
+      context_.reset();
+    }
+    auto fresh = connectAndAuthenticate(options_);
+    if (!fresh) {
+      return Status(fresh.status().code(),
+                    fmt::format("lost the connection to Redis during {} ({}); reconnecting "
+                                "failed: {}",
+                                what, firstError, fresh.status().message()));
+    }
+    context_ = std::move(fresh).value();
+    ReplyPtr reply = send(args);
+    if (reply) return checked(std::move(reply), what);
+    std::string secondError = contextError(context_.get(), options_);
+    context_.reset();
+    return unreachable(options_, fmt::format("{} failed twice ({}; after reconnecting: {})",
+                                             what, firstError, secondError));
+  }
+
+ private:
+  RedisConnection(const RedisOptions& options, ContextPtr context)
+      : options_(options), context_(std::move(context)) {}
+
+  std::unordered_map<std::string, std::string> shas_;  // script text -> SHA1 in Redis's cache
+
+  // Scripts travel once (SCRIPT LOAD) and then by their SHA1 (EVALSHA): each EVAL would send
+  // and hash the whole script on every call. A Redis that lost its script cache (restarted)
+  // answers NOSCRIPT, and the script is loaded again.
+  ReplyPtr send(const std::vector<std::string>& args) {
+    if (args.size() < 2 || args[0] != "EVAL") return sendRaw(args);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto sha = shas_.find(args[1]);
+      if (sha == shas_.end()) {
+        ReplyPtr loaded = sendRaw({"SCRIPT", "LOAD", args[1]});
+        if (!loaded || loaded->type != REDIS_REPLY_STRING) return loaded;
+        sha = shas_.emplace(args[1], std::string(loaded->str, loaded->len)).first;
+      }
+      std::vector<std::string> bySha = args;
+      bySha[0] = "EVALSHA";
+      bySha[1] = sha->second;
+      ReplyPtr reply = sendRaw(bySha);
+      if (reply && reply->type == REDIS_REPLY_ERROR && std::string_view(reply->str, reply->len).rfind("NOSCRIPT", 0) == 0) {
+        shas_.erase(sha);
+        continue;
+      }
+      return reply;
+    }
+    return sendRaw(args);
+  }
+
+  ReplyPtr sendRaw(const std::vector<std::string>& args) {
+    std::vector<const char*> argv;
+    std::vector<size_t> lengths;
+    argv.reserve(args.size());
+    lengths.reserve(args.size());
+    for (const auto& arg : args) {
+      argv.push_back(arg.data());
+      lengths.push_back(arg.size());
+    }
+    return ReplyPtr(static_cast<redisReply*>(redisCommandArgv(
+        context_.get(), static_cast<int>(argv.size()), argv.data(), lengths.data())));
+  }
+
+  Result<ReplyPtr> checked(ReplyPtr reply, std::string_view what) {
+    if (reply->type == REDIS_REPLY_ERROR) return replyError(options_, *reply, what);
+    return reply;
+  }
+
+  RedisOptions options_;
+  ContextPtr context_;  // null after a failed reconnect; the next run() tries again
+};
+
+}  // namespace troupe::redis

@@ -1,0 +1,486 @@
+// The store's Lua scripts (redis_cluster_store.cc runs them). Each may run twice after a lost
+// reply (RedisConnection::run retries), so each is written to be safe to repeat. Internal to
+// runtime/.
+#pragma once
+
+#include <string>
+
+namespace troupe::redis_scripts {
+
+// Defines recomputeUsed(nodeKey, claimsKey): rewrites the node's `used` as the sum of its
+// claims, listing every resource in `total` (0 when unclaimed). Prepended to the scripts that
+// change claims. The JSON is built by hand because cjson writes numbers with 14 significant
+// digits, which would turn a sum of exact claims into a `used` that no longer adds up.
+// TODO(correctness): sums follow the hash's field order while the fake sums in holder order;
+// for quantities that are not exact binary fractions `used` may then differ in the last bit.
+inline constexpr const char* kRecomputeUsedLua = R"lua(
+local function recomputeUsed(nodeKey, claimsKey)
+  local used = {}
+  for name, _ in pairs(cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')) do
+    used[name] = 0
+  end
+  local claims = redis.call('HGETALL', claimsKey)
+  for j = 2, #claims, 2 do
+    for name, amount in pairs(cjson.decode(claims[j])) do
+      used[name] = (used[name] or 0) + amount
+    end
+  end
+  local parts = {}
+  for name, amount in pairs(used) do
+    table.insert(parts, cjson.encode(name) .. ':' .. string.format('%.17g', amount))
+  end
+  redis.call('HSET', nodeKey, 'used', '{' .. table.concat(parts, ',') .. '}')
+end
+)lua";
+
+// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash, dead-nodes zset.
+// ARGV: ttl ms, registered ms, node id, events channel, NODE_ADDED message, then the hash's
+// field/value pairs. Re-registering overwrites every field, so it is idempotent. A node that
+// still holds claims (re-registered without restarting) keeps `used` equal to their sum.
+inline constexpr const char* kRegisterBody = R"lua(
+storeUpMs(KEYS[5])
+redis.call('ZREM', KEYS[6], ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+if redis.call('EXISTS', KEYS[4]) == 1 then recomputeUsed(KEYS[1], KEYS[4]) end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[1])
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+)lua";
+
+// How long this Redis process has served, as its clients saw it: each run of the server has
+// its own run_id, and the first script to see a new one records when. (uptime_in_seconds is
+// too coarse, and a restart from the AOF brings back the keys, so they cannot tell.)
+inline constexpr const char* kStoreUpLua = R"lua(
+local function storeUpMs(runKey)
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  local seen = redis.call('HMGET', runKey, 'run_id', 'since_ms')
+  if seen[1] ~= run then
+    redis.call('HSET', runKey, 'run_id', run, 'since_ms', now)
+    return 0
+  end
+  return now - tonumber(seen[2])
+end
+)lua";
+
+// Records that node `id` died, and deletes the oldest DEAD nodes beyond `keep` (their hash and
+// claims), so listings and reaps cost what is alive plus a bounded history.
+inline constexpr const char* kBuryNodeLua = R"lua(
+local function buryNode(deadKey, nodesKey, nodePrefix, claimsPrefix, id, now, keep)
+  redis.call('ZADD', deadKey, now, id)
+  local extra = redis.call('ZCARD', deadKey) - keep
+  if extra > 0 then
+    for _, old in ipairs(redis.call('ZRANGE', deadKey, 0, extra - 1)) do
+      redis.call('DEL', nodePrefix .. old, claimsPrefix .. old)
+      redis.call('ZREM', nodesKey, old)
+    end
+    redis.call('ZREMRANGEBYRANK', deadKey, 0, extra - 1)
+  end
+end
+)lua";
+
+// KEYS: node hash, heartbeat key, store-run hash. ARGV: ttl ms, now ms.
+// A node that is unknown or DEAD must not be revived by a late heartbeat: return 0, write nothing.
+inline constexpr const char* kHeartbeatBody = R"lua(
+storeUpMs(KEYS[3])
+if redis.call('HGET', KEYS[1], 'state') ~= 'ALIVE' then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2], 'heartbeat_ttl_ms', ARGV[1])
+return 1
+)lua";
+
+// KEYS: nodes zset, store-run hash, dead-nodes zset, meta hash. ARGV: node hash prefix,
+// heartbeat key prefix, events channel, now ms, claims prefix, DEAD nodes to keep.
+// The keys it touches depend on the zset's contents, so they cannot all be declared in KEYS;
+// fine for a single Redis (not Redis Cluster).
+// Missed heartbeats are deaths only while the store could take them: a node is judged only
+// once this Redis process has served, and reaps have run without a gap of more than 1.5 s,
+// for a whole heartbeat TTL. So a Redis restarted from its AOF (expired heartbeat keys come
+// back), a stalled Redis (a reap that waited in its queue) and a controller that was away
+// leave every node a TTL to beat again.
+inline constexpr const char* kReapBody = R"lua(
+local now = tonumber(ARGV[4])
+local up = storeUpMs(KEYS[2])
+local clock = redis.call('TIME')
+local serverNow = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local last = tonumber(redis.call('HGET', KEYS[2], 'last_reap_ms'))
+local since = tonumber(redis.call('HGET', KEYS[2], 'reaping_since_ms'))
+if last == nil or since == nil then since = serverNow - up
+elseif serverNow - last > 1500 then since = serverNow end
+redis.call('HSET', KEYS[2], 'last_reap_ms', serverNow, 'reaping_since_ms', since)
+local judged = math.min(up, serverNow - since)
+-- Every node but the head's beats through the store gateway: a restarted gateway gives them a TTL too.
+local gatewaySince = tonumber(redis.call('HGET', KEYS[4], 'store_gateway_since_ms'))
+local judgedRemote = gatewaySince and math.min(judged, serverNow - gatewaySince) or judged
+local dead = {}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local nodeKey = ARGV[1] .. id
+  if redis.call('HGET', nodeKey, 'state') == 'ALIVE' and
+     redis.call('EXISTS', ARGV[2] .. id) == 0 and
+     (redis.call('HGET', nodeKey, 'is_head') == '1' and judged or judgedRemote) >=
+       (tonumber(redis.call('HGET', nodeKey, 'heartbeat_ttl_ms')) or 0) then
+    local last = tonumber(redis.call('HGET', nodeKey, 'last_heartbeat_ms')) or now
+    local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
+                   ' ms (heartbeat TTL expired)'
+    redis.call('HSET', nodeKey, 'state', 'DEAD', 'death_reason', reason)
+    redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'NODE_DEAD', node_id = id,
+                                                 reason = reason, time_ms = now}))
+    table.insert(dead, id)
+  end
+end
+for _, id in ipairs(dead) do
+  buryNode(KEYS[3], KEYS[1], ARGV[1], ARGV[5], id, now, tonumber(ARGV[6]))
+end
+return dead
+)lua";
+
+// KEYS: node hash, heartbeat key, nodes zset, dead-nodes zset. ARGV: events channel, node id,
+// reason, now ms, node hash prefix, claims prefix, DEAD nodes to keep.
+// Returns -1 for an unknown node, 0 when it was already DEAD (nothing written or published).
+inline constexpr const char* kMarkDeadBody = R"lua(
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state ~= 'ALIVE' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'DEAD', 'death_reason', ARGV[3])
+redis.call('DEL', KEYS[2])
+buryNode(KEYS[4], KEYS[3], ARGV[5], ARGV[6], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[7]))
+redis.call('PUBLISH', ARGV[1], cjson.encode({type = 'NODE_DEAD', node_id = ARGV[2],
+                                             reason = ARGV[3], time_ms = tonumber(ARGV[4])}))
+return 1
+)lua";
+
+// KEYS: an index zset (nodes, actors, pgs). ARGV: the prefix of its record hashes.
+// One consistent snapshot in one round trip, in zset order (score, then id).
+// ARGV[2]: a field left out of every record ('' for none).
+inline constexpr const char* kListScript = R"lua(
+local out = {}
+local skip = ARGV[2]
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local fields = redis.call('HGETALL', ARGV[1] .. id)
+  if skip ~= '' then
+    for i = 1, #fields, 2 do
+      if fields[i] == skip then
+        table.remove(fields, i)
+        table.remove(fields, i)
+        break
+      end
+    end
+  end
+  if #fields > 0 then table.insert(out, fields) end
+end
+return out
+)lua";
+
+// KEYS: the actors zset. ARGV: key prefix, state ('' any), node id prefix ('' any), offset,
+// limit. Returns {state/count pairs of every actor, how many pass the filters, the page's
+// records without init_args}. Only the page's records are read whole.
+inline constexpr const char* kListActorsPageScript = R"lua(
+local counts, page, matching = {}, {}, 0
+local first = tonumber(ARGV[4])
+local last = first + tonumber(ARGV[5])
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local key = ARGV[1] .. id
+  local f = redis.call('HMGET', key, 'state', 'node_id')
+  if f[1] then
+    counts[f[1]] = (counts[f[1]] or 0) + 1
+    if (ARGV[2] == '' or f[1] == ARGV[2]) and (ARGV[3] == '' or string.sub(f[2] or '', 1, #ARGV[3]) == ARGV[3]) then
+      if matching >= first and matching < last then
+        local fields = redis.call('HGETALL', key)
+        for i = 1, #fields, 2 do
+          if fields[i] == 'init_args' then
+            table.remove(fields, i)
+            table.remove(fields, i)
+            break
+          end
+        end
+        table.insert(page, fields)
+      end
+      matching = matching + 1
+    end
+  end
+end
+local flat = {}
+for state, n in pairs(counts) do
+  table.insert(flat, state)
+  table.insert(flat, n)
+end
+return {flat, matching, page}
+)lua";
+
+// reserveClaims(keys, argv, k, a, n): claim i (1..n) has its node hash and that node's claims
+// hash at keys[k + 2i - 1], keys[k + 2i], and its holder and resources (a JSON object) at
+// argv[a + 2i - 1], argv[a + 2i]. All or nothing: checks every node first and returns false
+// without writing when one refuses. A holder's new claim replaces its old one, so its old
+// amount does not count against it. The caller guarantees each (node, holder) pair appears once.
+inline constexpr const char* kReserveClaimsLua = R"lua(
+local function reserveClaims(keys, argv, k, a, n)
+  local eps = 1e-9
+  local nodes, order = {}, {}
+  for i = 1, n do
+    local nodeKey = keys[k + 2 * i - 1]
+    local node = nodes[nodeKey]
+    if not node then
+      node = {claimsKey = keys[k + 2 * i], holders = {}, demand = {}}
+      nodes[nodeKey] = node
+      table.insert(order, nodeKey)
+    end
+    node.holders[argv[a + 2 * i - 1]] = argv[a + 2 * i]
+    for name, amount in pairs(cjson.decode(argv[a + 2 * i])) do
+      node.demand[name] = (node.demand[name] or 0) + amount
+    end
+  end
+  for _, nodeKey in ipairs(order) do
+    local node = nodes[nodeKey]
+    if redis.call('HGET', nodeKey, 'state') ~= 'ALIVE' then return false end
+    local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
+    local others = {}
+    local claims = redis.call('HGETALL', node.claimsKey)
+    for j = 1, #claims, 2 do
+      if node.holders[claims[j]] == nil then
+        for name, amount in pairs(cjson.decode(claims[j + 1])) do
+          others[name] = (others[name] or 0) + amount
+        end
+      end
+    end
+    for name, amount in pairs(node.demand) do
+      if amount > 0 and (others[name] or 0) + amount > (total[name] or 0) + eps then return false end
+    end
+  end
+  for _, nodeKey in ipairs(order) do
+    local node = nodes[nodeKey]
+    for holder, resources in pairs(node.holders) do
+      redis.call('HSET', node.claimsKey, holder, resources)
+    end
+    recomputeUsed(nodeKey, node.claimsKey)
+  end
+  return true
+end
+)lua";
+
+// KEYS: per reservation, its node hash and claims hash. ARGV: per reservation, holder, resources.
+inline constexpr const char* kReserveBody = R"lua(
+if reserveClaims(KEYS, ARGV, 0, 0, #KEYS / 2) then return 1 end
+return 0
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set, then per claim its node hash and claims
+// hash. ARGV: claim count, created ms, id, state, per claim its holder and resources, then the
+// hash's field/value pairs. Returns the existing record's fields for a group that exists
+// (nothing written), 0 when a claim does not fit (nothing written), 1 when created.
+inline constexpr const char* kCreateGroupBody = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
+local n = tonumber(ARGV[1])
+if n > 0 and not reserveClaims(KEYS, ARGV, 3, 4, n) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5 + 2 * n))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+if ARGV[4] == 'PENDING' then redis.call('SADD', KEYS[3], ARGV[3]) end
+return 1
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set, the group's live-actors set, waiting-actors
+// set. ARGV: id, claims-hash prefix, node-hash prefix. Returns {outcome, waiting}: outcome 0 not
+// found, 1 removed (record deleted, bundles' claims released), 2 it has live actors (nothing
+// done); waiting: how many groups and actors wait for resources.
+inline constexpr const char* kRemoveGroupBody = R"lua(
+local waiting = function() return redis.call('SCARD', KEYS[3]) + redis.call('SCARD', KEYS[5]) end
+local bundles = redis.call('HGET', KEYS[1], 'bundles')
+if not bundles then return {0, waiting()} end
+if redis.call('SCARD', KEYS[4]) > 0 then return {2, waiting()} end
+local changed = {}
+for i, bundle in ipairs(cjson.decode(bundles)) do
+  local node = bundle['node_id']
+  if type(node) == 'string' and node ~= '' then
+    local claims = ARGV[2] .. node
+    if redis.call('HDEL', claims, 'pg:' .. ARGV[1] .. ':' .. (i - 1)) == 1 then changed[node] = claims end
+  end
+end
+for node, claims in pairs(changed) do
+  local nodeKey = ARGV[3] .. node
+  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, claims) end
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+return {1, waiting()}
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set. ARGV: created ms, id, state, then the
+// hash's field/value pairs. Replaces the whole record and keeps the pending index true.
+inline constexpr const char* kPutGroupScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[3] == 'PENDING' then redis.call('SADD', KEYS[3], ARGV[2]) else redis.call('SREM', KEYS[3], ARGV[2]) end
+return 1
+)lua";
+
+// KEYS: a set of ids. ARGV: the prefix of their record hashes. The records of the set's
+// members, in no order; members whose record is gone are dropped from the set.
+inline constexpr const char* kListSetScript = R"lua(
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local fields = redis.call('HGETALL', ARGV[1] .. id)
+  if #fields > 0 then table.insert(out, fields) else redis.call('SREM', KEYS[1], id) end
+end
+return out
+)lua";
+
+// KEYS: per claim, its node hash and that node's claims hash. ARGV: per claim, the holder.
+// `used` is rewritten only on nodes that lost a claim, and only while the node exists.
+inline constexpr const char* kReleaseBody = R"lua(
+local changed, order = {}, {}
+for i = 1, #ARGV do
+  local nodeKey = KEYS[2 * i - 1]
+  if redis.call('HDEL', KEYS[2 * i], ARGV[i]) == 1 and not changed[nodeKey] then
+    changed[nodeKey] = KEYS[2 * i]
+    table.insert(order, nodeKey)
+  end
+end
+for _, nodeKey in ipairs(order) do
+  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, changed[nodeKey]) end
+end
+return 1
+)lua";
+
+// KEYS: group hash, groups zset, pending-groups set. ARGV: the group's id. All go together.
+inline constexpr const char* kDeleteGroupScript = R"lua(
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+)lua";
+
+// KEYS: actor hash, actors zset, live-actors zset, dead-actors zset, waiting-actors set, the
+// live-actors set of its placement group ('' when none).
+// ARGV: created ms, id, state, keep, updated ms, actor hash prefix, waiting ('1' when it waits
+// for a node), the prefix of the groups' live-actors sets, then the hash's field/value pairs. Live actors are indexed on their own, so the
+// controller's scans cost what is alive, not the history; only the newest `keep` DEAD actors are
+// kept (for status), older ones deleted.
+inline constexpr const char* kPutActorScript = R"lua(
+local old = redis.call('HGET', KEYS[1], 'placement_group')
+if old and old ~= '' then redis.call('SREM', ARGV[8] .. old, ARGV[2]) end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[2]) else redis.call('SREM', KEYS[5], ARGV[2]) end
+if ARGV[3] ~= 'DEAD' then
+  redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
+  if KEYS[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[2]) end
+  return 1
+end
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[2])
+local extra = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[4])
+if extra > 0 then
+  for _, old in ipairs(redis.call('ZRANGE', KEYS[4], 0, extra - 1)) do
+    redis.call('DEL', ARGV[6] .. old)
+    redis.call('ZREM', KEYS[2], old)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, extra - 1)
+end
+return 1
+)lua";
+
+// KEYS: name key. ARGV: actor id. 1 when the name was free or already this actor's, so a
+// retried claim whose first reply was lost still reports success.
+inline constexpr const char* kClaimNameScript = R"lua(
+local holder = redis.call('GET', KEYS[1])
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+if holder == ARGV[1] then return 1 end
+return 0
+)lua";
+
+// KEYS: name key. ARGV: actor id. Deletes the name only if this actor holds it.
+inline constexpr const char* kReleaseNameScript = R"lua(
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+)lua";
+
+// KEYS: the group's epoch key. ARGV: the wanted epoch, the group's epoch channel.
+// Raises the epoch (never lowers it) and publishes only a real change, so a retry is silent.
+// Returns the epoch after the call as text (Lua numbers are doubles; the text stays exact).
+inline constexpr const char* kAdvanceGroupEpochScript = R"lua(
+local current = redis.call('GET', KEYS[1]) or '0'
+if tonumber(ARGV[1]) > tonumber(current) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  return ARGV[1]
+end
+return current
+)lua";
+
+// KEYS: the group's document, the groups zset. ARGV: id, doc, now ms.
+inline constexpr const char* kPutElasticGroupScript = R"lua(
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[1])
+return 1
+)lua";
+
+// KEYS: the group's document, its events list. ARGV: text, how many to keep. A line equal to
+// one of the newest 32 is a retry: it is not added twice.
+inline constexpr const char* kAppendGroupEventScript = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for _, line in ipairs(redis.call('LRANGE', KEYS[2], -32, -1)) do
+  if line == ARGV[1] then return 1 end
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
+return 1
+)lua";
+
+// KEYS: document, events, groups zset, epoch. ARGV: id, the rendezvous key prefix (the
+// rendezvous of each epoch up to the current one is deleted; they expire anyway).
+inline constexpr const char* kDeleteElasticGroupScript = R"lua(
+local epoch = tonumber(redis.call('GET', KEYS[4]) or '0')
+for e = 0, epoch do redis.call('DEL', ARGV[2] .. e) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+)lua";
+
+// KEYS: the rendezvous hash. ARGV: rank, value, ttl ms. The write and the expiry go together.
+inline constexpr const char* kPutRendezvousScript = R"lua(
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+)lua";
+
+inline const std::string& registerScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kStoreUpLua + kRegisterBody;
+  return script;
+}
+inline const std::string& heartbeatScript() {
+  static const std::string script = std::string(kStoreUpLua) + kHeartbeatBody;
+  return script;
+}
+inline const std::string& reapScript() {
+  static const std::string script = std::string(kStoreUpLua) + kBuryNodeLua + kReapBody;
+  return script;
+}
+inline const std::string& markDeadScript() {
+  static const std::string script = std::string(kBuryNodeLua) + kMarkDeadBody;
+  return script;
+}
+inline const std::string& reserveScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveClaimsLua + kReserveBody;
+  return script;
+}
+inline const std::string& createGroupScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveClaimsLua + kCreateGroupBody;
+  return script;
+}
+inline const std::string& removeGroupScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kRemoveGroupBody;
+  return script;
+}
+inline const std::string& releaseScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReleaseBody;
+  return script;
+}
+
+}  // namespace troupe::redis_scripts
