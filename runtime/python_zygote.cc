@@ -68,6 +68,7 @@ struct PythonZygote::Running {
   pid_t pid = 0;
   std::shared_ptr<kj::Maybe<pid_t>> unreaped;  // null once its exit has been reaped
   kj::Own<kj::AsyncCapabilityStream> control;
+  kj::Promise<void> writing = kj::READY_NOW;  // the requests sent so far, one after the other
   kj::TaskSet io{gLogZygoteTaskErrors};
 };
 
@@ -111,7 +112,8 @@ kj::Promise<ForkedWorker> PythonZygote::fork(const std::vector<std::string>& arg
     return KJ_EXCEPTION(FAILED, fmt::format("cannot make a worker's start line: {}", std::strerror(errno)));
   }
   auto paf = kj::newPromiseAndFulfiller<ForkedWorker>();
-  queue_.push_back(Pending{std::move(message), kj::AutoCloseFd(line[1]), kj::AutoCloseFd(line[0]), kj::mv(paf.fulfiller)});
+  queue_.push_back(Pending{nextSeq_++, std::move(message), kj::AutoCloseFd(line[1]), kj::AutoCloseFd(line[0]),
+                           kj::mv(paf.fulfiller)});
   if (state_ == State::kIdle) {
     start();
   } else {
@@ -165,6 +167,10 @@ void PythonZygote::start() {
         firstStart_ = false;
         TROUPE_LOG(kInfo, "Python zygote ready (pid {}): Python workers are forked from it", pid);
         failures_ = 0;
+        auto& running = *running_;
+        running.io.add(readReplies(running, generation).catch_([this, generation](kj::Exception&& e) {
+          fail(generation, e.getDescription().cStr());
+        }));
         pump();
       },
       [this, generation](kj::Exception&& e) { fail(generation, e.getDescription().cStr()); }));
@@ -185,41 +191,57 @@ kj::Promise<std::string> PythonZygote::readMessage(Running& running) {
 }
 
 void PythonZygote::pump() {
-  if (state_ != State::kReady || inFlight_ || queue_.empty()) return;
-  inFlight_ = true;
-  uint64_t generation = generation_;
-  Pending& next = queue_.front();
-  // The bytes and the worker's end of its start line go with the write (closed here once sent).
-  auto bytes = kj::heapArray<kj::byte>(reinterpret_cast<const kj::byte*>(next.message.data()), next.message.size());
-  int fd = next.workerEnd.get();
+  if (state_ != State::kReady) return;
   auto& running = *running_;
-  auto write = running.control->writeWithFds(bytes, nullptr, kj::arrayPtr(&fd, 1))
-                   .attach(kj::mv(bytes), kj::mv(next.workerEnd));
-  auto timeout = io_.provider->getTimer().afterDelay(options_.replyTimeout).then([]() -> std::string {
-    KJ_FAIL_REQUIRE("it did not answer a fork request in time");
+  uint64_t generation = generation_;
+  // Requests go out back to back (the zygote forks one after the other without waiting for this
+  // process to be scheduled); its answers come in the same order.
+  while (!queue_.empty()) {
+    Pending next = kj::mv(queue_.front());
+    queue_.pop_front();
+    // The bytes and the worker's end of its start line live until sent (closed here then).
+    auto bytes = kj::heapArray<kj::byte>(reinterpret_cast<const kj::byte*>(next.message.data()), next.message.size());
+    auto fds = kj::heapArray<int>({next.workerEnd.get()});
+    running.writing = running.writing
+                          .then([&running, bytes = kj::mv(bytes), fds = kj::mv(fds),
+                                 workerEnd = kj::mv(next.workerEnd)]() mutable {
+                            auto write = running.control->writeWithFds(bytes, nullptr, fds);
+                            return write.attach(kj::mv(bytes), kj::mv(fds), kj::mv(workerEnd));
+                          })
+                          .catch_([this, generation](kj::Exception&& e) { fail(generation, e.getDescription().cStr()); })
+                          .eagerlyEvaluate(nullptr);
+    uint64_t seq = next.seq;
+    running.io.add(io_.provider->getTimer().afterDelay(options_.replyTimeout).then([this, generation, seq]() {
+      if (generation == generation_ && !sent_.empty() && sent_.front().seq <= seq) {
+        fail(generation, "it did not answer a fork request in time");
+      }
+    }));
+    sent_.push_back(kj::mv(next));
+  }
+}
+
+kj::Promise<void> PythonZygote::readReplies(Running& running, uint64_t generation) {
+  return readMessage(running).then([this, &running, generation](std::string reply) -> kj::Promise<void> {
+    if (generation != generation_ || state_ != State::kReady) return kj::READY_NOW;
+    if (sent_.empty()) {
+      fail(generation, fmt::format("it answered '{}' to no request", reply.substr(0, 80)));
+      return kj::READY_NOW;
+    }
+    Pending done = kj::mv(sent_.front());
+    sent_.pop_front();
+    if (reply.rfind("ok ", 0) == 0) {
+      // The worker's pid comes on its start line, from the middle process; this zygote may fail
+      // meanwhile without losing it.
+      tasks_->add(awaitPid(kj::mv(done)));
+    } else if (reply.rfind("error ", 0) == 0) {
+      done.fulfiller->reject(KJ_EXCEPTION(FAILED, "the Python zygote could not fork: " + reply.substr(6)));
+    } else {
+      done.fulfiller->reject(KJ_EXCEPTION(FAILED, "the Python zygote answered '" + reply.substr(0, 80) + "'"));
+      fail(generation, fmt::format("it answered '{}' to a fork request", reply.substr(0, 80)));
+      return kj::READY_NOW;
+    }
+    return readReplies(running, generation);
   });
-  running.io.add(write.then([this, &running]() { return readMessage(running); })
-                     .exclusiveJoin(kj::mv(timeout))
-                     .then([this, generation](std::string reply) {
-                       if (generation != generation_ || state_ != State::kReady) return;
-                       inFlight_ = false;
-                       Pending done = kj::mv(queue_.front());
-                       queue_.pop_front();
-                       if (reply.rfind("ok ", 0) == 0) {
-                         // The worker's pid comes on its start line, from the middle process;
-                         // this zygote may fail meanwhile without losing it.
-                         tasks_->add(awaitPid(kj::mv(done)));
-                         pump();
-                         return;
-                       } else if (reply.rfind("error ", 0) == 0) {
-                         done.fulfiller->reject(KJ_EXCEPTION(FAILED, "the Python zygote could not fork: " + reply.substr(6)));
-                         pump();
-                         return;
-                       }
-                       done.fulfiller->reject(KJ_EXCEPTION(FAILED, "the Python zygote answered '" + reply.substr(0, 80) + "'"));
-                       fail(generation, fmt::format("it answered '{}' to a fork request", reply.substr(0, 80)));
-                     },
-                     [this, generation](kj::Exception&& e) { fail(generation, e.getDescription().cStr()); }));
 }
 
 kj::Promise<void> PythonZygote::awaitPid(Pending forked) {
@@ -244,12 +266,13 @@ void PythonZygote::fail(uint64_t generation, std::string why) {
   if (generation != generation_ || state_ == State::kDown) return;
   state_ = State::kDown;
   firstStart_ = false;
-  inFlight_ = false;
   whyDown_ = why;
-  for (auto& pending : queue_) {
-    pending.fulfiller->reject(KJ_EXCEPTION(DISCONNECTED, "the Python zygote failed: " + why));
+  for (auto* pendings : {&sent_, &queue_}) {
+    for (auto& pending : *pendings) {
+      pending.fulfiller->reject(KJ_EXCEPTION(DISCONNECTED, "the Python zygote failed: " + why));
+    }
+    pendings->clear();
   }
-  queue_.clear();
   if (!running_) {
     // It never ran (it could not be spawned): no exit will come to restart it.
     logFailure(failures_, fmt::format("cannot start the Python zygote: {}; Python workers start as new processes "

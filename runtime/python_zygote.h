@@ -31,7 +31,7 @@ struct ZygoteOptions {
   std::vector<std::string> env;
   std::string logDir;      // its output (<logDir>/<logName>.{out,err}); workers' output may go only here
   std::string logName = "python-zygote";
-  kj::Duration startTimeout = 60 * kj::SECONDS;  // from spawning it to its "ready"
+  kj::Duration startTimeout = 20 * kj::SECONDS;  // from spawning it to its "ready" (forks wait for it)
   kj::Duration replyTimeout = 10 * kj::SECONDS;  // for each fork; past it the zygote is killed
 };
 
@@ -72,6 +72,7 @@ class PythonZygote {
  private:
   struct Running;
   struct Pending {
+    uint64_t seq;         // in the order of fork() calls
     std::string message;  // length-prefixed request
     kj::AutoCloseFd workerEnd;  // the worker's end of its start line, sent with the request
     kj::AutoCloseFd agentEnd;
@@ -80,7 +81,10 @@ class PythonZygote {
   enum class State { kIdle, kStarting, kReady, kDown };
 
   void start();
+  // Sends the queued requests (once the zygote is ready).
   void pump();
+  // Matches the zygote's answers to the requests sent, in order, until it fails.
+  kj::Promise<void> readReplies(Running& running, uint64_t generation);
   // Ends the current zygote (SIGKILL) after `why`; pending forks are rejected, and it restarts
   // once its exit has been seen.
   void fail(uint64_t generation, std::string why);
@@ -96,8 +100,9 @@ class PythonZygote {
   uint64_t generation_ = 0;
   int failures_ = 0;        // in a row, for the restart back-off
   std::string whyDown_;
-  std::deque<Pending> queue_;  // the front one is at the zygote once `inFlight_`
-  bool inFlight_ = false;
+  std::deque<Pending> queue_;  // not sent yet (the zygote is starting)
+  std::deque<Pending> sent_;   // sent, waiting for the zygote's answer
+  uint64_t nextSeq_ = 0;
   kj::Own<Running> running_;
   kj::Own<kj::TaskSet> tasks_;
 };
