@@ -481,6 +481,27 @@ TEST_CASE("a rank that closes its communicator makes later operations of the oth
   CHECK_FALSE(w1->wait().isOk());
 }
 
+TEST_CASE("a rank that closes its communicator while another waits for it there fails that operation") {
+  auto state = makeFakeClusterState();
+  auto comms = connectAll(state, "left-mid-op", 1, 2);
+  // Rank 0 waits in an all-reduce that rank 1 never joins (one-hop and ring sizes); rank 1 then
+  // leaves cleanly. Over shared memory nothing ends like a socket would: the goodbye must do it.
+  for (const size_t count : {size_t{16}, size_t{1} << 20}) {
+    CAPTURE(count);
+    if (count > 16) comms = connectAll(state, "left-mid-op-ring", 1, 2);
+    std::vector<float> data(count, 1.0f);
+    auto waiting = comms[0]->allreduceAsync(data.data(), data.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    CHECK_FALSE(waiting->done());
+    const auto leftAt = Clock::now();
+    comms[1].reset();
+    Status status = waiting->wait();
+    CHECK(Clock::now() - leftAt < 2s);
+    CHECK(status.code() == StatusCode::kUnavailable);
+    CHECK(status.message().find("rank 1") != std::string::npos);
+    CHECK(status.message().find("left the group") != std::string::npos);
+  }
+}
+
 TEST_CASE("rendezvous: missing ranks are named after the timeout; a finished epoch is refused") {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);

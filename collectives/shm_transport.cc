@@ -302,6 +302,12 @@ void ShmPipe::wakeProducer() {
   futexWakeAll(control_->tailSeq);
 }
 
+size_t ShmPipe::unread() const {
+  const uint64_t tail = control_->tail.load(std::memory_order_acquire);
+  const uint64_t head = control_->head.load(std::memory_order_acquire);
+  return head >= tail && head - tail <= capacity_ ? static_cast<size_t>(head - tail) : 0;
+}
+
 std::optional<size_t> ShmPipe::available() const {
   const uint64_t head = control_->head.load(std::memory_order_acquire);
   if (head < tail_ || head - tail_ > capacity_ || head % kPipeAlign != 0) return std::nullopt;

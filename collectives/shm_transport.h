@@ -95,6 +95,9 @@ class ShmPipe {
   WriteResult write(std::vector<iovec>& iovs, bool block, const std::atomic<bool>& stop);
   // Wakes a producer blocked in write() (after setting its stop flag).
   void wakeProducer();
+  // Bytes published and not consumed, from the shared counters (any thread; 0 when they are
+  // impossible).
+  size_t unread() const;
 
   // ---- Consumer ----
   // Bytes published and not yet consumed; nullopt when the producer's position is impossible.

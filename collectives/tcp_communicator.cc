@@ -31,6 +31,7 @@
 #include <asio/steady_timer.hpp>
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -127,7 +128,19 @@ inline void cpuRelax() {
   asm volatile("yield");
 #endif
 }
-constexpr auto kShmSpin = std::chrono::microseconds(20);  // a pipe reader polls this long before sleeping
+// How long a pipe reader polls before it sleeps: long enough to catch a peer that is running, when
+// the host's ranks have a CPU each; briefly when they share CPUs, where polling would take the
+// CPU from the very peer it waits for (measured on 2 CPUs: 4 ranks got slower with 100 us,
+// 2 ranks faster for small messages).
+constexpr auto kShmSpinOwnCpu = std::chrono::microseconds(50);
+constexpr auto kShmSpinSharedCpu = std::chrono::microseconds(5);
+
+int cpusAvailable() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
 
 // Host byte order: Troupe runs on little-endian hosts (x86-64, arm64) only.
 struct WireHeader {
@@ -339,10 +352,16 @@ class TcpCommunicator final : public Communicator {
       if (peer) watchControl(*peer);
     }
     shm_ = std::move(shm);
+    // The doorbell's value before any operation can run: the waiter posts for every ring after
+    // it, including rings that come before the waiter thread first reads the word.
+    const uint32_t bellBefore = shm_ ? shm_->segment->doorbell(shm_->myLocal).load() : 0;
+    if (shm_) {
+      shmSpin_ = static_cast<int>(shm_->localRanks.size()) <= cpusAvailable() ? kShmSpinOwnCpu : kShmSpinSharedCpu;
+    }
     ioThread_ = std::thread([this] { io_.run(); });  // runs until the guard goes (destructor)
     sender_ = std::thread([this] { senderLoop(); });
     watcher_ = std::thread([this] { watchEpoch(); });
-    if (shm_) shmWaiter_ = std::thread([this] { shmWaitLoop(); });
+    if (shm_) shmWaiter_ = std::thread([this, bellBefore] { shmWaitLoop(bellBefore); });
   }
 
   ~TcpCommunicator() override {
@@ -1006,8 +1025,8 @@ class TcpCommunicator final : public Communicator {
   }
 
   void onWritten(Peer& peer, const asio::error_code& ec) {
-    if (!broken_.isOk()) return;
-    if (ec && peer.shm) {
+    if (!broken_.isOk() || shuttingDown_) return;
+    if (ec == std::errc::protocol_error && peer.shm) {
       fail(shmCorruption(peer, "its consumer position"));
       return;
     }
@@ -1183,10 +1202,11 @@ class TcpCommunicator final : public Communicator {
     }
   }
 
-  // Polls the pipe for up to kShmSpin (a peer in the middle of a copy publishes again within
-  // microseconds; sleeping would cost two wake-ups). Returns what is available then.
-  static std::optional<size_t> spinForData(const ShmPipe& pipe) {
-    const auto until = Clock::now() + kShmSpin;
+  // Polls the pipe for up to shmSpin_ (a peer in the middle of a copy publishes again within
+  // microseconds; sleeping costs two wake-ups: the waiter thread's, then the I/O thread's).
+  // Returns what is available then.
+  std::optional<size_t> spinForData(const ShmPipe& pipe) const {
+    const auto until = Clock::now() + shmSpin_;
     for (;;) {
       for (int i = 0; i < 64; ++i) {
         std::optional<size_t> available = pipe.available();
@@ -1199,9 +1219,8 @@ class TcpCommunicator final : public Communicator {
 
   // The shm waiter thread: sleeps on this rank's doorbell and posts onShmDoorbell whenever a
   // producer rang it. The timeout only lets it notice shmWaiterStop_.
-  void shmWaitLoop() {
+  void shmWaitLoop(uint32_t posted) {
     std::atomic<uint32_t>& bell = shm_->segment->doorbell(shm_->myLocal);
-    uint32_t posted = bell.load();
     while (!shmWaiterStop_.load()) {
       const uint32_t now = bell.load();
       if (now != posted) {
@@ -1228,6 +1247,33 @@ class TcpCommunicator final : public Communicator {
                               peer.name, what, describeCurrent(), recreateAdvice(options_)));
   }
 
+  // Whether this operation still needs bytes from a pipe peer that left which are not in the pipe.
+  // (A peer that finished the operation and left has published everything: not stranded.)
+  static bool recvsStranded(const Peer& peer) {
+    if (peer.recvsDone()) return false;
+    size_t needed = 0;
+    size_t next = peer.nextRecv;
+    if (peer.reading) {
+      needed += roundUpToPipeAlign(peer.readLeft);
+      if (!peer.readIsHeader) ++next;
+    } else if (!peer.headerReceived) {
+      needed += roundUpToPipeAlign(sizeof(WireHeader));
+    }
+    for (size_t i = next; i < peer.recvs.size(); ++i) needed += roundUpToPipeAlign(peer.recvs[i].bytes);
+    const std::optional<size_t> available = peer.in.available();
+    return !available || *available < needed;
+  }
+
+  // Whether some of this operation's bytes for a pipe peer that left will never be read: it left
+  // bytes in the pipe, or items remain to be written. (Everything written and read, with the
+  // completion not yet back from the sender thread, is a finished send, as over TCP.)
+  static bool sendsStranded(const Peer& peer) {
+    if (peer.sendsDone()) return false;
+    const size_t inFlight = peer.writing ? peer.writeItems : 0;
+    const bool headerPending = !peer.headerSent && !(peer.writing && peer.writeHasHeader);
+    return peer.out.unread() > 0 || headerPending || peer.nextSend + inFlight < peer.sends.size();
+  }
+
   // ---- Control channel ----
   //
   // Read with readiness waits and non-blocking reads of our own (not async_read), so a failure
@@ -1239,6 +1285,14 @@ class TcpCommunicator final : public Communicator {
       if (!broken_.isOk() || shuttingDown_ || ec == asio::error::operation_aborted) return;
       if (auto failure = drainControl(peer)) {
         fail(std::move(failure->status), failure->cause);
+        return;
+      }
+      // A peer that left cleanly in the middle of an operation that needs it: over TCP its data
+      // connection's end fails the operation; a pipe never ends, so fail it here.
+      if (peer.left && peer.shm && active_ && (recvsStranded(peer) || sendsStranded(peer))) {
+        fail(Status(StatusCode::kUnavailable,
+                    fmt::format("{} closed its communicator (it left the group) during {}; {}", peer.name,
+                                describeCurrent(), recreateAdvice(options_))));
         return;
       }
       if (peer.control.is_open()) watchControl(peer);
@@ -1511,6 +1565,7 @@ class TcpCommunicator final : public Communicator {
   std::atomic<bool> shmStop_{false};  // set by fail() and shutdown(): blocked pipe writes give up
   std::atomic<bool> shmWaiterStop_{false};
   std::thread shmWaiter_;
+  std::chrono::microseconds shmSpin_{0};
 };
 
 }  // namespace
