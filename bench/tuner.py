@@ -10,7 +10,11 @@ The prediction error of a run is |measured - predicted| / measured for the confi
 before the move; measured is the median samples/s of the settled chunks after it (the tuner's
 warm-up chunks after the resize excluded), each chunk's wall time over its steps. Target <= 0.15
 in every run. Throughput on a shared machine drifts with its load: the table prints the load
-average before and after each run.
+average before and after each run, and "others cores": the cores the rest of the machine kept
+busy (/proc: the machine's busy time less this benchmark's processes') over the fitted chunks
+before the last change and over the measured chunks after it. A prediction cannot foresee that
+changing; "error at load" (a diagnostic, not the target) scales the prediction by the cores the
+rest of the machine left free after the change against before it.
 
     bench/run tuner [--runs 5] [--settle 4] [--max-steps 120] [--json]
 """
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 import troupe  # noqa: E402
 from troupe.train import ElasticTrainer  # noqa: E402
 
+TICK = os.sysconf("SC_CLK_TCK")
 STEPS_PER_CALL = 5
 WARMUP_CHUNKS = 1  # chunks after a resize that the tuner does not fit and this benchmark does not measure
 
@@ -51,6 +56,47 @@ def settled_chunks(decisions, last_change):
     return chunks[WARMUP_CHUNKS:]
 
 
+def cpu_sample():
+    """(monotonic s, CPU seconds the whole machine spent busy, {pid: CPU seconds} of this process's
+    descendants and of the sessions they lead: the cluster it started)."""
+    now = time.monotonic()
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / TICK
+    procs = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        rest = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        procs[int(entry)] = (int(rest[1]), int(rest[3]), (int(rest[11]) + int(rest[12])) / TICK)
+    children = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    ours, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours.add(pid)
+        todo += children.get(pid, [])
+    leaders = {pid for pid in ours if procs.get(pid, (0, 0))[1] == pid}
+    ours |= {pid for pid, (_, sid, _) in procs.items() if sid in leaders}
+    return now, busy, {pid: procs[pid][2] for pid in ours if pid in procs}
+
+
+def others_cores(a, b):
+    """Cores the rest of the machine kept busy between two samples. A process of ours that started
+    meanwhile counts whole; one that ended meanwhile is lost and counted as the machine's (trainers
+    end between chunks, after little work since the sample before)."""
+    wall = b[0] - a[0]
+    mine = sum(b[2][pid] - a[2][pid] for pid in b[2] if pid in a[2]) + sum(
+        cpu for pid, cpu in b[2].items() if pid not in a[2])
+    return max(0.0, (b[1] - a[1] - mine) / wall) if wall > 0 else None
+
+
 def one_run(args):
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -58,9 +104,11 @@ def one_run(args):
                        max_micro_batch=8, context=64, min_workers=1, max_workers=4, workers=args.start,
                        steps_per_call=STEPS_PER_CALL, progress=False, tuner={"warmup_chunks": WARMUP_CHUNKS},
                        seed=0)
+    samples = [cpu_sample()]  # around every chunk: what the rest of the machine used meanwhile
     try:
         while t.step < args.max_steps:
             t.fit(STEPS_PER_CALL)
+            samples.append(cpu_sample())
             decisions = t.tuner_decisions
             changes = [d for d in decisions if d["action"] != "keep"]
             if changes and len(settled_chunks(decisions, changes[-1])) >= args.settle:
@@ -74,14 +122,36 @@ def one_run(args):
     start_chunks = [d["inputs"]["samples_per_s"] for d in decisions if d["inputs"]["world_size"] == args.start]
     after = median(settled_chunks(decisions, last)) if last and last["target"] == chosen else None
     predicted = last["predicted_samples_per_s"] if last else None
+    # The rest of the machine's load (cores) over the fitted chunks before the last change and over
+    # the settled chunks after it; only when every fit() call was one chunk (no recovery).
+    others = [others_cores(a, b) for a, b in zip(samples, samples[1:])]
+    others_before = others_after = None
+    if last and len(others) == len(decisions):
+        first = last["index"] + 1
+        settled = [i for i in range(first, len(decisions)) if decisions[i]["inputs"]["world_size"] == chosen]
+        settled = settled[WARMUP_CHUNKS:]
+        fitted = [i for i in range(first) if "warm-up" not in decisions[i]["reason"]]
+        others_before = median([others[i] for i in fitted])
+        others_after = median([others[i] for i in settled])
     error = abs(after - predicted) / after if after and predicted is not None else None
+    # A diagnostic, not the target: the prediction scaled by the cores the rest of the machine left
+    # free after the change against before it (compute is nearly all of a step here), i.e. the
+    # error had the machine's other load stayed as it was.
+    cores = len(os.sched_getaffinity(0))
+    adjusted = None
+    if error is not None and others_before is not None and others_after is not None:
+        free_before, free_after = cores - others_before, cores - others_after
+        if min(free_before, free_after) > 0.05 * cores:
+            adjusted = abs(after - predicted * free_after / free_before) / after
     return {"chosen": chosen, "path": [args.start] + [d["target"] for d in changes],
             "before": median(start_chunks[WARMUP_CHUNKS:]), "after": after, "predicted": predicted,
             "basis": last.get("prediction_basis") if last else None, "error": error,
+            "error_load_adjusted": adjusted,
             "chunks": len(decisions), "changes": len(changes),
             "without_prediction": sum(1 for d in changes if d["predicted_samples_per_s"] is None),
-            "load_before": load, "load_after": os.getloadavg()[0], "wall_s": time.monotonic() - t0,
-            "decisions": decisions}
+            "others_before": others_before, "others_after": others_after, "load_before": load,
+            "load_after": os.getloadavg()[0], "wall_s": time.monotonic() - t0,
+            "decisions": decisions, "others_cores": others}
 
 
 def main():
@@ -106,7 +176,7 @@ def main():
         troupe.shutdown()
     if args.dump:
         with open(args.dump, "w") as f:
-            json.dump([r["decisions"] for r in runs], f)
+            json.dump([{k: r[k] for k in ("decisions", "others_cores")} for r in runs], f)
     print(f"cores {len(os.sched_getaffinity(0))}, start {args.start} trainers, {STEPS_PER_CALL} steps a chunk, "
           f"{args.settle} settled chunks measured, {args.runs} runs")
 
@@ -121,17 +191,22 @@ def main():
                       f"{num(d['inputs']['samples_per_s'], '10.1f')} {num(d['predicted_samples_per_s'], '12.1f')}  "
                       f"{d['reason'][:80]}")
     print(f"{'run':>3} {'path':>10} {'at start/s':>10} {'predicted/s':>11} {'basis':>13} {'measured/s':>10} "
-          f"{'error':>6} {'chunks':>6} {'wall s':>6} {'load':>9}")
+          f"{'error':>6} {'chunks':>6} {'wall s':>6} {'load avg':>9} {'others cores':>12} {'error at load':>13}")
     for i, r in enumerate(runs):
         print(f"{i:3d} {'>'.join(map(str, r['path'])):>10} {num(r['before'], '10.1f')} {num(r['predicted'], '11.1f')} "
               f"{r['basis'] or '-':>13} {num(r['after'], '10.1f')} {num(r['error'], '6.3f')} {r['chunks']:6d} "
-              f"{r['wall_s']:6.0f} {r['load_before']:4.1f}>{r['load_after']:<4.1f}")
+              f"{r['wall_s']:6.0f} {r['load_before']:4.1f}>{r['load_after']:<4.1f} "
+              f"{num(r['others_before'], '7.2f')}>{num(r['others_after'], '<4.2f')} "
+              f"{num(r['error_load_adjusted'], '13.3f')}")
     errors = [r["error"] for r in runs]
     lo, mid, hi = spread(errors)
     missing = sum(r["without_prediction"] for r in runs)
     unjudged = sum(1 for e in errors if e is None)
     print(f"prediction error min/median/max {num(lo, '.3f')}/{num(mid, '.3f')}/{num(hi, '.3f')} (target <= 0.15 "
           f"in every run); changes without a prediction {missing}; runs without a judged change {unjudged}")
+    lo_, mid_, hi_ = spread(r["error_load_adjusted"] for r in runs)
+    print(f"(diagnostic) error had the rest of the machine's load stayed as before the change, min/median/max "
+          f"{num(lo_, '.3f')}/{num(mid_, '.3f')}/{num(hi_, '.3f')}")
     for key, label in (("before", "throughput at start"), ("after", "throughput at the chosen size")):
         lo_, mid_, hi_ = spread(r[key] for r in runs)
         print(f"{label} min/median/max {num(lo_, '.1f')}/{num(mid_, '.1f')}/{num(hi_, '.1f')} samples/s")
@@ -149,7 +224,9 @@ def main():
             # A run whose change went unjudged (none, or not measured) cannot meet the target: no max then.
             "prediction_error_max": rounded(hi, 4) if not unjudged else None,
             "decisions_without_prediction": missing,
-            "load_avg_runs": [[round(r["load_before"], 2), round(r["load_after"], 2)] for r in runs]}))
+            "load_avg_runs": [[round(r["load_before"], 2), round(r["load_after"], 2)] for r in runs],
+            "others_cores_runs": [[rounded(r["others_before"], 2), rounded(r["others_after"], 2)] for r in runs],
+            "prediction_error_load_adjusted_runs": [rounded(r["error_load_adjusted"], 4) for r in runs]}))
 
 
 if __name__ == "__main__":
