@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <sstream>
 
 #include <kj/async-unix.h>
@@ -104,6 +105,34 @@ TEST_CASE_FIXTURE(ZygoteFixture, "a forked worker runs only once started, as `py
   CHECK(err.find("usage: troupe._worker") != std::string::npos);
   CHECK(err.find("arguments are required") != std::string::npos);
   CHECK(readFile(root / "logs" / "python-zygote.err").find("usage") == std::string::npos);
+}
+
+TEST_CASE_FIXTURE(ZygoteFixture, "forks requested together are answered in order, each with its own worker") {
+  if (!haveCore) return;
+  constexpr int kWorkers = 12;
+  auto forks = kj::heapArrayBuilder<kj::Promise<ForkedWorker>>(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) forks.add(zygote->fork({"--no-such-flag"}, files("many" + std::to_string(i))));
+  auto workers = kj::joinPromises(forks.finish()).wait(io.waitScope);
+  std::set<pid_t> pids;
+  std::vector<kj::Maybe<pid_t>> watched(kWorkers);
+  auto exits = kj::heapArrayBuilder<kj::Promise<int>>(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) {
+    pids.insert(workers[i].pid());
+    watched[i] = workers[i].pid();
+    exits.add(io.unixEventPort.onChildExit(watched[i]));
+    REQUIRE(workers[i].start());
+  }
+  CHECK(pids.size() == kWorkers);
+  for (int status : kj::joinPromises(exits.finish()).wait(io.waitScope)) {
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 2));
+  }
+  // Each wrote its own file, and only that one.
+  for (int i = 0; i < kWorkers; ++i) {
+    auto err = readFile(root / "logs" / ("many" + std::to_string(i) + ".err"));
+    auto first = err.find("usage: troupe._worker");
+    CHECK(first != std::string::npos);
+    CHECK(err.find("usage: troupe._worker", first + 1) == std::string::npos);
+  }
 }
 
 TEST_CASE_FIXTURE(ZygoteFixture, "a worker that is never started leaves without a trace") {
