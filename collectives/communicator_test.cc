@@ -502,6 +502,21 @@ TEST_CASE("a rank that closes its communicator while another waits for it there 
   }
 }
 
+TEST_CASE("a segment name left by a rank killed during an earlier epoch's setup is removed by the next setup") {
+  // What a creator killed between shm_open and the unlink leaves (the name of epoch 1), and a
+  // name of another group that must stay.
+  const std::string stale = "/dev/shm/troupe-coll-stale-seg-1-0123456789abcdef";
+  const std::string other = "/dev/shm/troupe-coll-stale-other-1-0123456789abcdef";
+  for (const std::string& path : {stale, other}) std::ofstream(path) << "x";
+  REQUIRE(std::filesystem::exists(stale));
+  auto state = makeFakeClusterState();
+  auto comms = connectAll(state, "stale-seg", 2, 2);
+  CHECK_FALSE(std::filesystem::exists(stale));
+  CHECK(std::filesystem::exists(other));
+  std::filesystem::remove(other);
+  CHECK(shmLeftovers("stale-seg").empty());
+}
+
 TEST_CASE("rendezvous: missing ranks are named after the timeout; a finished epoch is refused") {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);

@@ -1,6 +1,7 @@
 // Shared-memory pipes between the ranks of one host (see shm_transport.h for the design).
 #include "shm_transport.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -90,13 +91,38 @@ bool validName(const char* name, size_t capacity) {
   return true;
 }
 
-std::string segmentName(const CommunicatorOptions& options) {
-  std::string group;
-  for (char c : options.group) {
-    if (group.size() == 24) break;
-    group.push_back(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_');
+std::string groupPart(const std::string& group) {
+  std::string part;
+  for (char c : group) {
+    if (part.size() == 24) break;
+    part.push_back(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_');
   }
-  return fmt::format("{}{}-{}-{}", kNamePrefix, group, options.epoch, randomHex(8));
+  return part;
+}
+
+std::string segmentName(const CommunicatorOptions& options) {
+  return fmt::format("{}{}-{}-{}", kNamePrefix, groupPart(options.group), options.epoch, randomHex(8));
+}
+
+// Names are unlinked once every rank mapped them, so one stays only when its creator died during
+// a setup. Such a name of this group from an earlier epoch is removed here: that epoch is over
+// (this rank advanced the group past it), so its setup, if any still runs, can only fall back to
+// TCP for ranks that are about to fail anyway.
+void removeStaleSegments(const CommunicatorOptions& options) {
+  const std::string prefix = std::string(kNamePrefix + 1) + groupPart(options.group) + "-";
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    // <prefix><epoch>-<16 hex digits>: the epoch is what remains between the prefix and the random part.
+    const size_t dash = name.rfind('-');
+    if (dash == std::string::npos || dash <= prefix.size() || name.size() - dash - 1 != 16) continue;
+    const std::string epoch = name.substr(prefix.size(), dash - prefix.size());
+    if (epoch.empty() || epoch.size() > 18 || epoch.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (std::stoll(epoch) < options.epoch) ::shm_unlink(("/" + name).c_str());
+  }
+  ::closedir(dir);
 }
 
 // An owned mapping until handed to a ShmSegment.
@@ -409,6 +435,7 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
     pipeBytes = pipeBytesFor(localCount, options.chunkBytes);
     const uint64_t total = segmentBytes(localCount, pipeBytes);
     if (enabled && total > 0) {
+      removeStaleSegments(options);
       name = segmentName(options);
       const std::string nonce = randomHex(sizeof(offer.nonce) / 2);
       bool exists = false;
