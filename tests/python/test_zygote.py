@@ -41,7 +41,8 @@ class Probe:
     def facts(self):
         return {"pid": os.getpid(), "parent_at_start": self.parent_at_start, "parent": os.getppid(),
                 "sockets_at_start": self.sockets_at_start, "env": dict(os.environ), "random": random.random(),
-                "argv": sys.argv, "threads": len(os.listdir("/proc/self/task"))}
+                "argv": sys.argv, "pgid": os.getpgid(0), "sid": os.getsid(0), "cwd": os.getcwd(),
+                "nofile": open("/proc/self/limits").read().split("Max open files")[1].split()[:2]}
 
     def add(self, a, b):
         return a + b
@@ -85,6 +86,7 @@ def test_forked_workers_behave_as_spawned_ones(cluster):
     assert zygote_pids() == [zygote]  # the zygote path was taken, and there is one zygote
     assert fb["env"]["TROUPE_WORKER_FORKED_BY"] == str(zygote)
     agent = node()["pid"]
+    assert len(os.listdir(f"/proc/{zygote}/task")) == 1  # it forks with one thread only
     zygote_fds = open_fds(zygote)
     control = zygote_fds[3]
     for facts in (fa, fb):
@@ -94,6 +96,10 @@ def test_forked_workers_behave_as_spawned_ones(cluster):
         # both inherited from the agent stays, as in a spawned worker).
         assert control not in facts["sockets_at_start"]
         assert set(facts["sockets_at_start"]) <= set(zygote_fds.values())
+        # The agent's process group, session, working directory and limits, as a spawned worker's.
+        assert (facts["pgid"], facts["sid"]) == (os.getpgid(agent), os.getsid(agent))
+        assert facts["cwd"] == os.readlink(f"/proc/{agent}/cwd")
+        assert facts["nofile"] == open(f"/proc/{agent}/limits").read().split("Max open files")[1].split()[:2]
         assert facts["argv"][1:3] == ["--actor-id", facts["env"]["TROUPE_ACTOR_ID"]]
         e = facts["env"]
         assert e["TROUPE_NODE_ID"] == node()["id"] and e["PYTHONUNBUFFERED"] == "1"
