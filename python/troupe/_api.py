@@ -1,4 +1,6 @@
 """The driver API: init/shutdown, @remote actors, get/wait/kill, named actors, cluster views."""
+from __future__ import annotations
+
 import atexit
 import json
 import math
@@ -13,6 +15,8 @@ import tempfile
 import inspect
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, NoReturn, TypeVar, overload
 
 from . import _objects, _serialization
 from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, NotFoundError, TaskError,
@@ -23,6 +27,8 @@ _session = None
 # What a worker process knows of the job that started it (set by troupe._worker).
 _worker_context = {}
 DEFAULT_NAMESPACE = "default"
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Session:
@@ -217,9 +223,10 @@ def _check_runtime_env(runtime_env):
     return {"env_vars": dict(env_vars), **({"working_dir": wd} if wd else {})}
 
 
-def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=None, namespace=None,
-         runtime_env=None, ignore_reinit_error=False, log_to_driver=True, logging_level=None,
-         include_dashboard=None, **unsupported):
+def init(address: str | None = None, *, token: str | None = None, num_cpus: float | None = None,
+         num_gpus: float | None = None, resources: Mapping[str, float] | None = None, namespace: str | None = None,
+         runtime_env: Mapping[str, Any] | None = None, ignore_reinit_error: bool = False, log_to_driver: bool = True,
+         logging_level: Any = None, include_dashboard: bool | None = None, **unsupported: Any) -> None:
     """Connects this driver to a cluster.
 
     address=None starts an embedded local cluster owned by this driver (stopped by shutdown()
@@ -280,7 +287,7 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
             if not token:
                 raise ValueError(f"no cluster token for {address}: pass token= or set TROUPE_TOKEN")
         try:
-            runtime = _core.Runtime(address, token)
+            rt = _core.Runtime(address, token)
         except UnauthenticatedError:  # reached, but the token is not this cluster's (a PermissionError)
             if proc is not None:
                 _stop_embedded(proc)
@@ -290,12 +297,12 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
                 _stop_embedded(proc)
             raise UnavailableError(f"cannot reach the Troupe cluster at {address}: {e}") from None
         ctx = _worker_context  # in a worker: the job that started it
-        _session = _Session(runtime, address, proc, run_root, log_to_driver, ctx.get("job_id") or secrets.token_hex(8),
+        _session = _Session(rt, address, proc, run_root, log_to_driver, ctx.get("job_id") or secrets.token_hex(8),
                             namespace or ctx.get("namespace"),
                             runtime_env if runtime_env is not None else ctx.get("runtime_env"))
 
 
-def shutdown():
+def shutdown() -> None:
     """Disconnects; an embedded cluster is stopped and leaves nothing behind, and the objects this
     process put() are freed."""
     global _session
@@ -309,14 +316,19 @@ def shutdown():
         _objects.close()
 
 
-def is_initialized():
+def is_initialized() -> bool:
+    """Whether troupe.init() has connected this process."""
     return _session is not None
 
 
 atexit.register(shutdown)
 
 
-def _runtime():
+# The rest of the package (troupe.train, troupe.util, troupe.timeline, _tasks) reaches the cluster
+# through runtime(), runtime_call() and PollRef: internal to troupe, but not private to this module.
+def runtime() -> Any:
+    """This process's `troupe._core.Runtime` (connecting a worker process on first use); raises
+    TroupeError before troupe.init()."""
     if _session is None:
         _connect_worker()
     return _session.runtime
@@ -330,7 +342,7 @@ def _connect_worker():
         raise TroupeError("troupe.init() has not been called")
 
 
-def _call(fn, *args):
+def runtime_call(fn: Callable[..., T], *args: Any) -> T:
     """Runs a runtime call, turning its errors into Troupe's exceptions."""
     try:
         return fn(*args)
@@ -338,6 +350,11 @@ def _call(fn, *args):
         raise  # already the class of its status code (troupe.exceptions.from_code)
     except RuntimeError as e:
         raise TroupeError(str(e)) from None
+
+
+# The names tests and benchmarks use.
+_runtime = runtime
+_call = runtime_call
 
 
 # ---- Actors ----
@@ -439,17 +456,17 @@ def _placement(options):
 
 
 def _create(type_name, init_args, options):
-    rt = _runtime()
+    rt = runtime()
     pg, index = _placement(options)
     name = _scoped_name(options["name"], options.get("namespace")) if options.get("name") else ""
     args = (type_name, name, _demand(options), int(options.get("max_restarts") or 0),
             int(options.get("max_task_retries") or 0), options.get("lifetime") == "detached", init_args, pg, index)
     try:
-        return _call(rt.create_actor, *args)
+        return runtime_call(rt.create_actor, *args)
     except AlreadyExistsError:
         if not options.get("get_if_exists"):
             raise
-        return _call(rt.get_actor, name)[0]
+        return runtime_call(rt.get_actor, name)[0]
 
 
 def _by_value(cls):
@@ -466,7 +483,8 @@ def _by_value(cls):
             pass
 
 
-def method(*, num_returns=None, retry_exceptions=None, concurrency_group=None, **others):
+def method(*, num_returns: int | None = None, retry_exceptions: bool | list[type[BaseException]] | None = None,
+           concurrency_group: str | None = None, **others: Any) -> Callable[[F], F]:
     """@troupe.method(num_returns=N, retry_exceptions=...) on an actor method: its calls return
     N ObjectRefs; an exception it raises (True: any; a list: those types) is retried within the
     actor's max_task_retries."""
@@ -534,7 +552,7 @@ def _check_call(signature, args, kwargs, what):
 class ActorClass:
     """A class made remote with @troupe.remote. `Cls.remote(*args)` starts an actor."""
 
-    def __init__(self, cls, options):
+    def __init__(self, cls: type, options: Mapping[str, Any]) -> None:
         _check_options(options)
         self._cls = cls
         self._options = dict(options)
@@ -548,12 +566,12 @@ class ActorClass:
         self.__doc__ = cls.__doc__
         self.__module__ = cls.__module__
 
-    def options(self, **options):
+    def options(self, **options: Any) -> ActorClass:
         merged = dict(self._options)
         merged.update(options)
         return ActorClass(self._cls, merged)
 
-    def remote(self, *args, **kwargs):
+    def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         _check_call(self._init_signature, args, kwargs, f"{self.__name__}.remote()")
         _by_value(self._cls)
         options = self._options
@@ -578,7 +596,7 @@ class ActorClass:
         handle._signatures = self._signatures
         return handle
 
-    def bind(self, *args, **kwargs):
+    def bind(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
 
     def __call__(self, *args, **kwargs):
@@ -610,7 +628,7 @@ def _current_namespace():
 _REMOTE_KEYS = None
 
 
-def remote(*args, **options):
+def remote(*args: Any, **options: Any) -> Any:
     """@troupe.remote, or @troupe.remote(options...) on a class (an actor) or a function (a task).
     Actor options: num_cpus, num_gpus, memory, resources, name, namespace, lifetime, max_restarts,
     max_task_retries, max_concurrency, get_if_exists, placement_group, placement_group_bundle_index,
@@ -635,7 +653,7 @@ def remote(*args, **options):
     return wrap
 
 
-def cpp_actor(type_name, init_args=b"", **options):
+def cpp_actor(type_name: str, init_args: bytes | str = b"", **options: Any) -> ActorHandle:
     """Starts a built-in C++ actor (e.g. "Counter", "Echo"); its methods take and return bytes."""
     _check_options(options)
     if "num_cpus" not in options:
@@ -655,7 +673,8 @@ class ActorHandle:
     """A handle to an actor: `handle.method.remote(*args)` returns an ObjectRef. Handles can be
     passed to other actors and tasks, and survive restarts."""
 
-    def __init__(self, actor_id, type_name, methods=None, owned=False, max_task_retries=0):
+    def __init__(self, actor_id: str, type_name: str, methods: Mapping[str, Any] | None = None, owned: bool = False,
+                 max_task_retries: int = 0) -> None:
         self._id = actor_id
         self._type = type_name
         self._methods = methods
@@ -667,7 +686,7 @@ class ActorHandle:
                 _handle_counts[actor_id] = _handle_counts.get(actor_id, 0) + 1
 
     @property
-    def actor_id(self):
+    def actor_id(self) -> str:
         return self._id
 
     @property
@@ -742,7 +761,8 @@ class ActorMethod:
         self._retry_exceptions = retry_exceptions
         self._signature = None
 
-    def options(self, num_returns=None, retry_exceptions=None, name=None, **others):
+    def options(self, num_returns: int | None = None, retry_exceptions: bool | list[type[BaseException]] | None = None,
+                name: str | None = None, **others: Any) -> ActorMethod:
         """num_returns, retry_exceptions; name (a label in Ray's dashboard) is accepted and unused."""
         if others:
             raise TypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
@@ -752,7 +772,7 @@ class ActorMethod:
         method._signature = self._signature
         return method
 
-    def remote(self, *args, **kwargs):
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
         h = self._handle
         _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
         files = []
@@ -766,11 +786,11 @@ class ActorMethod:
             payload = args[0] if args else b""
             if isinstance(payload, str):
                 payload = payload.encode()
-        rt = _runtime()
-        ref = ObjectRef(_call(rt.submit, h._id, self._name, payload), h, self._name)
+        rt = runtime()
+        ref = ObjectRef(runtime_call(rt.submit, h._id, self._name, payload), h, self._name)
         ref._files = files or None
         if self._retry_exceptions and h._max_task_retries != 0:
-            ref._retry = _ExceptionRetry(lambda: _call(rt.submit, h._id, self._name, payload), ref,
+            ref._retry = _ExceptionRetry(lambda: runtime_call(rt.submit, h._id, self._name, payload), ref,
                                          h._max_task_retries, self._retry_exceptions)
         return _split(ref, self._num_returns)
 
@@ -853,7 +873,7 @@ class ObjectRef:
 
     __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "_files", "__weakref__")
 
-    def __init__(self, ref, handle, method, retry=None):
+    def __init__(self, ref: int | None, handle: ActorHandle | None, method: str, retry: Any = None) -> None:
         self._ref = ref
         self._handle = handle
         self._method = method
@@ -990,7 +1010,7 @@ class _StoredRef(ObjectRef):
         return f"ObjectRef(put:{self._object_id}, {self._size} bytes)"
 
 
-class _PollRef(ObjectRef):
+class PollRef(ObjectRef):
     """A ref whose value comes from polling a condition (placement group ready)."""
 
     __slots__ = ("_poll",)
@@ -1007,7 +1027,7 @@ class _PollRef(ObjectRef):
         return self._done
 
 
-def put(value):
+def put(value: Any) -> ObjectRef:
     """Stores `value` in this machine's object store; returns an ObjectRef to pass to calls and
     tasks (by ref, without copying it again) or to get()."""
     if isinstance(value, ObjectRef):
@@ -1053,7 +1073,7 @@ def _settle(refs, need, timeout):
         if polling:
             left = min(left, 0.05)
         if roots:
-            rt = _runtime()
+            rt = runtime()
             ids = list(roots)
             for done in rt.wait(ids, min(len(ids), need - ready), left):
                 roots[done]._resolve(*rt.take(done))
@@ -1075,7 +1095,7 @@ def _pending_reasons(refs):
             continue
         seen.add(h._id)
         try:
-            info = _runtime().actor_info(h._id)
+            info = runtime().actor_info(h._id)
         except Exception:
             continue
         if info["state"] != "ALIVE":
@@ -1091,11 +1111,17 @@ def _value_of(r):
     return value
 
 
-def get(refs, timeout=None):
+@overload
+def get(refs: ObjectRef, timeout: float | None = None) -> Any: ...
+@overload
+def get(refs: Iterable[ObjectRef], timeout: float | None = None) -> list[Any]: ...
+
+
+def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> Any:
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
     if type(refs) is ObjectRef and refs._retry is None:  # the common synchronous case
         if not refs._done:
-            rt = _runtime()
+            rt = runtime()
             if _blocking_hook is not None:
                 _blocking_hook()
             if rt.wait([refs._ref], 1, _WAIT_SLICE if timeout is None else min(float(timeout), _WAIT_SLICE)):
@@ -1123,7 +1149,8 @@ def _timeout_error(timeout, refs, total):
                            + (f"; {why}" if why else ""))
 
 
-def wait(refs, num_returns=1, timeout=None, fetch_local=True):
+def wait(refs: Iterable[ObjectRef], num_returns: int = 1, timeout: float | None = None,
+         fetch_local: bool = True) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """(ready, not_ready): returns once num_returns refs are done or timeout passes."""
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
@@ -1145,28 +1172,28 @@ def wait(refs, num_returns=1, timeout=None, fetch_local=True):
     return ready, [r for r in refs if id(r) not in ready_ids]
 
 
-def kill(handle, no_restart=True):
+def kill(handle: ActorHandle, no_restart: bool = True) -> None:
     """Kills the actor's worker; with no_restart it is DEAD afterwards."""
     if not isinstance(handle, ActorHandle):
         raise ValueError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
-    _call(_runtime().kill, handle._id, bool(no_restart))
+    runtime_call(runtime().kill, handle._id, bool(no_restart))
 
 
-def exit_actor():
+def exit_actor() -> None:
     """Ends the calling actor once this call returns (atexit handlers run; no restart)."""
     if not os.environ.get("TROUPE_ACTOR_ID"):
         raise TypeError("exit_actor() called outside an actor")
     raise ActorExit()
 
 
-def get_actor(name, namespace=None):
+def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
     """The handle of the live actor named `name` in `namespace` (default: this job's)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"get_actor() takes a non-empty actor name, not {name!r}")
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a string, not {type(namespace).__name__}")
     try:
-        actor_id, type_name = _call(_runtime().get_actor, _scoped_name(name, namespace))
+        actor_id, type_name = runtime_call(runtime().get_actor, _scoped_name(name, namespace))
     except NotFoundError as e:
         error = ActorNotFoundError(f"Failed to look up actor with name '{name}' in namespace "
                                    f"'{namespace or _current_namespace()}': {e}")
@@ -1175,29 +1202,29 @@ def get_actor(name, namespace=None):
     return ActorHandle(actor_id, type_name)
 
 
-def get_runtime_context():
+def get_runtime_context() -> _RuntimeContext:
     """What this process knows about where it runs (job id, namespace, actor id)."""
     return _RuntimeContext()
 
 
 class _RuntimeContext:
     @property
-    def namespace(self):
+    def namespace(self) -> str:
         return _current_namespace()
 
-    def get_job_id(self):
+    def get_job_id(self) -> str:
         return _job_id()
 
-    def get_actor_id(self):
+    def get_actor_id(self) -> str | None:
         return os.environ.get("TROUPE_ACTOR_ID")
 
 
-def nodes():
+def nodes() -> list[dict[str, Any]]:
     """The cluster's nodes as dicts (id, address, state, resources, used, ...)."""
-    return _call(_runtime().nodes)
+    return runtime_call(runtime().nodes)
 
 
-def cluster_resources():
+def cluster_resources() -> dict[str, float]:
     """Total resources of the alive nodes."""
     total = {}
     for n in nodes():
@@ -1207,7 +1234,7 @@ def cluster_resources():
     return total
 
 
-def available_resources():
+def available_resources() -> dict[str, float]:
     """Resources of the alive nodes not held by actors or placement groups."""
     free = {}
     for n in nodes():
@@ -1217,6 +1244,6 @@ def available_resources():
     return free
 
 
-def actors():
+def actors() -> list[dict[str, Any]]:
     """Every actor the cluster knows, as dicts (id, type, name, state, restarts, death_reason)."""
-    return _call(_runtime().status)["actors"]
+    return runtime_call(runtime().status)["actors"]

@@ -14,9 +14,13 @@ A task whose worker dies is sent again (to a restarted or another worker) up to 
 times (default 3, as Ray's), then raises WorkerCrashedError with the death reason; an exception
 the task raises is retried only with retry_exceptions.
 """
+from __future__ import annotations
+
 import hashlib
 import inspect
 import threading
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 import cloudpickle
 
@@ -38,7 +42,7 @@ _generation = 0  # bumped by reset(): pools cached on RemoteFunctions are stale
 class RemoteFunction:
     """A function made remote with @troupe.remote: `f.remote(*args)` runs it as a task."""
 
-    def __init__(self, fn, options):
+    def __init__(self, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
         _api._check_options(options, "task")
         if options.get("num_returns") == "dynamic" or options.get("num_returns") == "streaming":
             raise ValueError("num_returns='dynamic' and 'streaming' are not supported by Troupe")
@@ -56,18 +60,19 @@ class RemoteFunction:
         except (TypeError, ValueError):
             self._signature = None
 
-    def options(self, **options):
+    def options(self, **options: Any) -> RemoteFunction:
         merged = dict(self._options)
         merged.update(options)
         twin = RemoteFunction(self._fn, merged)
         twin._blob, twin._key = self._blob, self._key
         return twin
 
-    def remote(self, *args, **kwargs):
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Submits a call; its ObjectRef (a list of them with num_returns > 1)."""
         _api._check_call(self._signature, args, kwargs, f"{self.__name__}.remote()")
         return submit(self, args, kwargs)
 
-    def bind(self, *args, **kwargs):
+    def bind(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
 
     def __call__(self, *args, **kwargs):
@@ -231,10 +236,10 @@ def submit(rf, args, kwargs):
     plain = _serialization._plain(args) and _serialization._plain(kwargs)
     files = []
     payload = _serialization.dumps_call(((key, blob, args, kwargs), {}, _objects.host_id()), plain, files)
-    runtime = _api._runtime()
+    runtime = _api.runtime()
 
     def send(i):
-        return _api._call(runtime.submit, pool.handle(i)._id, "run", payload)
+        return _api.runtime_call(runtime.submit, pool.handle(i)._id, "run", payload)
 
     index = pool.pick()
     try:

@@ -21,12 +21,16 @@ persisting them in the background, keeping a replica on another node and serving
 Values are torch tensors or numpy arrays (CPU; others are copied to the CPU first); anything else
 belongs in `metadata` (bytes). Importing this module does not import torch.
 """
+from __future__ import annotations
+
 import json
 import math
+import os
 import re
 import time
 import warnings
-from collections import namedtuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from . import _checkpoint
 
@@ -37,7 +41,7 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError
 class CheckpointError(RuntimeError):
     """A checkpoint operation failed; `code` is the library's status code (e.g. "UNAVAILABLE")."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
 
@@ -66,7 +70,12 @@ def _call(fn, *args, **kwargs):
         raise _ERRORS.get(code, CheckpointError)(code, message) from None
 
 
-Restored = namedtuple("Restored", ["step", "state_dict", "metadata"])
+class Restored(NamedTuple):
+    """What FlashCheckpoint.restore() found: the step, its tensors by name, and its metadata."""
+
+    step: int
+    state_dict: dict[str, Any]
+    metadata: bytes
 
 
 def _torch():
@@ -149,7 +158,8 @@ def _allocate(nbytes):
     return np.empty(nbytes, np.uint8)
 
 
-def save(state_dict, path, step=0, *, rank=0, world_size=1, metadata=b"", keep=3):
+def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], step: int = 0, *, rank: int = 0,
+         world_size: int = 1, metadata: bytes = b"", keep: int = 3) -> str:
     """Writes `state_dict` as rank `rank` of `step` in checkpoint directory `path`: the rank file is
     written under a temporary name, fsynced and renamed; once every rank of the step is there the
     manifest and `latest` are written and steps beyond the newest `keep` removed. Returns the rank
@@ -160,7 +170,8 @@ def save(state_dict, path, step=0, *, rank=0, world_size=1, metadata=b"", keep=3
     return result["path"]
 
 
-def load(path, *, step=None, rank=0, as_numpy=False, with_metadata=False):
+def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int = 0, as_numpy: bool = False,
+         with_metadata: bool = False) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
     """Loads rank `rank` of the newest complete step in `path` (at most `step` when given). A step
     whose files fail their checks is skipped with a warning and the next older one is used. Returns
     a dict of torch tensors (numpy arrays with as_numpy=True, or when torch is missing); with
@@ -232,7 +243,7 @@ def _whole(states):
     return merged
 
 
-def load_into(state, model, optimizer=None):
+def load_into(state: Mapping[str, Any], model: Any, optimizer: Any = None) -> None:
     """Puts a trainer's checkpoint (what load() returns for an ElasticTrainer's directory) into a
     PyTorch model of the same architecture and, if given, its torch.optim optimizer:
     "param/<name>" and "buffer/<name>" go through model.load_state_dict (strict), and
@@ -259,7 +270,7 @@ def load_into(state, model, optimizer=None):
     optimizer.load_state_dict(saved)
 
 
-def steps(path):
+def steps(path: str | os.PathLike[str]) -> list[int]:
     """The complete steps in checkpoint directory `path`, newest first."""
     return _call(_checkpoint.complete_steps, str(path))
 
@@ -277,8 +288,9 @@ class FlashCheckpoint:
     $TROUPE_SHM_DIR), and restore() reads the newest complete snapshot in it.
     """
 
-    def __init__(self, segment=None, *, rank=0, world_size=1, actor=None, group=None, node=None, shm_dir=None,
-                 metadata_capacity=64 * 1024, copy_threads=2):
+    def __init__(self, segment: str | None = None, *, rank: int = 0, world_size: int = 1, actor: Any = None,
+                 group: str | None = None, node: str | None = None, shm_dir: str | os.PathLike[str] | None = None,
+                 metadata_capacity: int = 64 * 1024, copy_threads: int = 2) -> None:
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.actor = actor
@@ -304,7 +316,7 @@ class FlashCheckpoint:
         ref = getattr(self.actor, method).remote(json.dumps(payload).encode())
         return json.loads(_api.get(ref))
 
-    def save(self, step, state_dict, metadata=b""):
+    def save(self, step: int, state_dict: Mapping[str, Any], metadata: bytes = b"") -> int:
         """Snapshots `state_dict` as `step` into shared memory and returns once it is complete there
         (persisting and replicating continue in the actor). The segment is laid out by the first save
         and re-laid out only when the tensors' names, dtypes or shapes change."""
@@ -332,7 +344,8 @@ class FlashCheckpoint:
         ready, self._pending = _api.wait(self._pending, num_returns=len(self._pending), timeout=0)
         _api.get(ready)
 
-    def restore(self, state_dict=None, *, max_step=None, as_numpy=False, timeout=600):
+    def restore(self, state_dict: Mapping[str, Any] | None = None, *, max_step: int | None = None,
+                as_numpy: bool = False, timeout: float = 600) -> Restored | None:
         """Restores the newest snapshot (at most `max_step`): into `state_dict`'s tensors in place when
         given (names, dtypes and shapes must match), else into new tensors. Returns
         Restored(step, state_dict, metadata), or None when there is nothing to restore."""
@@ -406,17 +419,17 @@ class FlashCheckpoint:
                 copies.append((name, tmp))
         return targets, copies
 
-    def close(self):
+    def close(self) -> None:
         """Unmaps the segment (it stays in shared memory: the actor, or `troupe stop`, removes it)."""
         for segment in (self._writer, self._reader):
             if segment is not None:
                 segment.close()
         self._writer = self._reader = None
 
-    def __enter__(self):
+    def __enter__(self) -> FlashCheckpoint:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

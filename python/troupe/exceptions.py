@@ -1,8 +1,16 @@
 """Errors a Troupe driver sees."""
+from __future__ import annotations
+
+__all__ = ["AbortedError", "ActorDiedError", "ActorError", "ActorExit", "ActorNotFoundError", "AlreadyExistsError",
+           "DeadlineExceededError", "FailedPreconditionError", "GetTimeoutError", "InternalError",
+           "InvalidArgumentError", "NotFoundError", "ObjectLostError", "ResourceExhaustedError", "TaskError",
+           "TroupeError", "UnauthenticatedError", "UnavailableError", "WorkerCrashedError", "from_code"]
 
 
 class TroupeError(Exception):
     """Base class of Troupe's errors."""
+
+    code: str  # an error raised from a runtime status carries its code (see from_code)
 
 
 class ActorError(TroupeError):
@@ -10,13 +18,13 @@ class ActorError(TroupeError):
     (see `ActorError.wrap`), so `except ValueError` catches a remote ValueError; the remote
     traceback is in `remote_traceback` and in the message."""
 
-    def __init__(self, message, remote_traceback="", cause=None):
+    def __init__(self, message: str, remote_traceback: str = "", cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.remote_traceback = remote_traceback
         self.cause = cause
 
     @classmethod
-    def wrap(cls, cause, remote_traceback, where):
+    def wrap(cls, cause: BaseException, remote_traceback: str, where: str) -> ActorError:
         """An exception that is both a `cls` (ActorError or TaskError) and of type(cause)."""
         base = type(cause)
         message = f"{where} raised {base.__name__}: {cause}\n\nRemote traceback:\n{remote_traceback}"
@@ -104,7 +112,7 @@ _BY_CODE = {
 }
 
 
-def from_code(code, message):
+def from_code(code: str, message: str) -> TroupeError:
     """The exception for a runtime status code (called by _core)."""
     cls = _BY_CODE.get(code, TroupeError)
     err = cls(message)

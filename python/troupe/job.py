@@ -16,6 +16,8 @@ starts it again, up to --max-restarts times, if it dies by a signal or a non-zer
 script that should continue where a dead incarnation stopped creates its ElasticTrainer with
 detached=True and a name, and trains with fit(until=N): the new incarnation adopts the group.
 """
+from __future__ import annotations
+
 import argparse
 import ctypes
 import os
@@ -27,9 +29,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from . import _api
-from .exceptions import AlreadyExistsError, NotFoundError
+from .exceptions import AlreadyExistsError, NotFoundError, TroupeError
 
 __all__ = ["submit", "status", "logs", "stop", "list_jobs", "JobError"]
 
@@ -39,7 +43,7 @@ STOP_GRACE_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class JobError(_api.TroupeError):
+class JobError(TroupeError):
     """A job request that cannot be carried out (unknown job, bad name, duplicate name)."""
 
 
@@ -169,7 +173,8 @@ def _handle(name):
         raise JobError(f"no job named {name!r} (see `troupe job list`)") from None
 
 
-def submit(script, args=(), name=None, max_restarts=0):
+def submit(script: str | os.PathLike[str], args: Sequence[str] = (), name: str | None = None,
+           max_restarts: int = 0) -> str:
     """Starts `script` (a path on this machine) as a job on the cluster; returns its name."""
     name = name or f"{os.path.splitext(os.path.basename(script))[0]}-{os.urandom(3).hex()}"
     if not _NAME.match(name):
@@ -190,20 +195,24 @@ def submit(script, args=(), name=None, max_restarts=0):
     return name
 
 
-def status(name):
+def status(name: str) -> dict[str, Any]:
+    """The job's state (RUNNING, SUCCEEDED, FAILED, STOPPED, ...), restarts, return code, pid and
+    output size."""
     return _api.get(_handle(name).status.remote(), timeout=30)
 
 
-def logs(name, offset=0):
+def logs(name: str, offset: int = 0) -> tuple[bytes, int]:
     """(bytes, next offset) of the job's driver output."""
     return _api.get(_handle(name).logs.remote(offset), timeout=30)
 
 
-def stop(name):
+def stop(name: str) -> dict[str, Any]:
+    """Stops the job's driver (SIGTERM, SIGKILL after a grace period); returns its status."""
     return _api.get(_handle(name).stop.remote(), timeout=30)
 
 
-def list_jobs():
+def list_jobs() -> list[dict[str, Any]]:
+    """The status of every job of the cluster that is not gone."""
     out = []
     for a in _api.actors():
         if (a.get("name") or "").startswith("job:") and a["state"] != "DEAD":

@@ -18,7 +18,11 @@ Bad hyper-parameters raise ``ValueError`` (``TypeError`` for a value of the wron
 construction, in ``add_param_group`` and, if a group was edited since, at the next ``step``.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -26,6 +30,13 @@ from torch.optim import Optimizer
 from troupe import _optim
 
 __all__ = ["AGD", "AdamW", "LAMB", "LARS", "WSAM", "all_reduce_mean", "all_reduce_sum"]
+
+# What the constructors take as params: tensors, or param groups (dicts with "params").
+Params = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+# A closure re-evaluates the model and returns the loss.
+Closure = Callable[[], Any]
+# A grad_reduce / norm_reduce callback (see all_reduce_mean, all_reduce_sum).
+Reduce = Callable[[Any], None]
 
 
 def _check_threads(threads):
@@ -61,7 +72,7 @@ class _Fused(Optimizer):
         self.threads = _check_threads(threads)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         type(self)._validate(self.param_groups[-1])
 
@@ -89,11 +100,12 @@ class AdamW(_Fused):
 
     _validate = _optim.validate_adamw
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, threads=None):
+    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, threads: int | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), threads)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Closure | None = None) -> Any:
         loss = _evaluate(closure)
         for group in self.param_groups:
             params, grads, states = self._with_grads(group)
@@ -115,14 +127,16 @@ class AGD(_Fused):
 
     _validate = _optim.validate_agd
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), delta=1e-5, weight_decay=0.0, weight_decouple=True,
-                 fixed_decay=False, amsgrad=False, win=False, clip=None, *, threads=None):
+    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 delta: float = 1e-5, weight_decay: float = 0.0, weight_decouple: bool = True,
+                 fixed_decay: bool = False, amsgrad: bool = False, win: bool = False, clip: float | None = None, *,
+                 threads: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, delta=delta, weight_decay=weight_decay, weight_decouple=weight_decouple,
                         fixed_decay=fixed_decay, amsgrad=amsgrad, win=win, clip=clip)
         super().__init__(params, defaults, threads)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Closure | None = None) -> Any:
         loss = _evaluate(closure)
         for group in self.param_groups:
             params, grads, states = self._with_grads(group)
@@ -152,14 +166,15 @@ class LAMB(_Fused):
     _validate = _optim.validate_lamb
     norm_reduce = None  # also the value after unpickling: torch.optim pickles defaults, state and groups only
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=False, *,
-                 norm_reduce=None, threads=None):
+    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, bias_correction: bool = False, *, norm_reduce: Reduce | None = None,
+                 threads: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, threads)
         self.norm_reduce = norm_reduce
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Closure | None = None) -> Any:
         return self._norm_scaled_step(
             closure, lambda group, params, grads, states: _optim.lamb_moments(group, params, grads, states, self.threads),
             lambda group, params, grads, states, s: _optim.lamb_apply(group, params, states, s, self.threads))
@@ -174,14 +189,15 @@ class LARS(_Fused):
     _validate = _optim.validate_lars
     norm_reduce = None  # also the value after unpickling: torch.optim pickles defaults, state and groups only
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, eeta=1e-3, weight_decay=0.0, epsilon=0.0, *,
-                 norm_reduce=None, threads=None):
+    def __init__(self, params: Params, lr: float = 1e-3, momentum: float = 0.0, eeta: float = 1e-3,
+                 weight_decay: float = 0.0, epsilon: float = 0.0, *, norm_reduce: Reduce | None = None,
+                 threads: int | None = None) -> None:
         defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon)
         super().__init__(params, defaults, threads)
         self.norm_reduce = norm_reduce
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Closure | None = None) -> Any:
         return self._norm_scaled_step(
             closure, lambda group, params, grads, states: _optim.lars_norms(params, grads, self.threads),
             lambda group, params, grads, states, s: _optim.lars_apply(group, params, grads, states, s, self.threads))
@@ -217,8 +233,10 @@ class WSAM(Optimizer):
     buffers and are not saved.
     """
 
-    def __init__(self, params, base_optimizer, rho=0.05, gamma=0.9, sam_eps=1e-12, adaptive=False, decouple=True, *,
-                 grad_reduce=None, norm_reduce=None, threads=None, **base_kwargs):
+    def __init__(self, params: Params | None, base_optimizer: Optimizer | type[Optimizer], rho: float = 0.05,
+                 gamma: float = 0.9, sam_eps: float = 1e-12, adaptive: bool = False, decouple: bool = True, *,
+                 grad_reduce: Reduce | None = None, norm_reduce: Reduce | None = None, threads: int | None = None,
+                 **base_kwargs: Any) -> None:
         if isinstance(base_optimizer, Optimizer):
             if base_kwargs:
                 raise TypeError(f"WSAM: unexpected keyword arguments {sorted(base_kwargs)} (they are only for "
@@ -248,7 +266,7 @@ class WSAM(Optimizer):
         # The same dicts in the same list: the base's lr (and schedulers on either) are shared.
         self.param_groups = base.param_groups
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         _optim.validate_wsam(self.param_groups[-1])
 
@@ -262,7 +280,7 @@ class WSAM(Optimizer):
                 p.grad.copy_(g)
 
     @torch.no_grad()
-    def first_step(self):
+    def first_step(self) -> None:
         if self._pending is not None:
             raise RuntimeError("WSAM: first_step called twice; call second_step after the second backward pass")
         work = []
@@ -287,7 +305,7 @@ class WSAM(Optimizer):
             _optim.wsam_save_grad(params, [p.grad for p in params], states, self.threads)
 
     @torch.no_grad()
-    def second_step(self):
+    def second_step(self) -> None:
         if self._pending is None:
             raise RuntimeError("WSAM: second_step without first_step")
         work, self._pending = self._pending, None
@@ -305,7 +323,7 @@ class WSAM(Optimizer):
                 alpha = group["gamma"] / (1 - group["gamma"])
                 _optim.wsam_correct(params, states, group["lr"] * alpha, self.threads)
 
-    def step(self, closure=None):
+    def step(self, closure: Closure | None = None) -> Any:
         if closure is None:
             raise RuntimeError("WSAM: step needs a closure that runs the forward and backward pass again (it is "
                                "evaluated at the perturbed weights w + e)")
@@ -315,12 +333,12 @@ class WSAM(Optimizer):
         self.second_step()
         return loss
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
             raise RuntimeError("WSAM: cannot save between first_step and second_step: the weights are perturbed")
         return self.base_optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._pending is not None:
             raise RuntimeError("WSAM: cannot load between first_step and second_step: the weights are perturbed")
         self.base_optimizer.load_state_dict(state_dict)
@@ -341,7 +359,7 @@ class WSAM(Optimizer):
         self.__dict__.setdefault("_pending", None)
 
 
-def all_reduce_mean(group=None):
+def all_reduce_mean(group: Any = None) -> Reduce:
     """A WSAM ``grad_reduce``: averages each gradient over ``group`` with torch.distributed."""
     import torch.distributed as dist
 
@@ -354,7 +372,7 @@ def all_reduce_mean(group=None):
     return reduce
 
 
-def all_reduce_sum(group=None):
+def all_reduce_sum(group: Any = None) -> Reduce:
     """A ``norm_reduce`` for LAMB, LARS and WSAM: sums squared norms over a shard ``group``."""
     import torch.distributed as dist
 

@@ -42,7 +42,7 @@ def _find(rt, group):
 
 def collect(group=None, timeout=60):
     """The trace (a dict) of the group's ranks; `group` may be omitted when there is one."""
-    rt = _api._runtime()
+    rt = _api.runtime()
     name, record, doc = _find(rt, group)
     members = doc.get("members", [])
     refs = [_api.ActorHandle(m, "Trainer").timeline.remote(b"{}") for m in members]

@@ -2,14 +2,21 @@
 actors that keeps training through failures and resizes.
 
     import troupe
-    from troupe.train import ElasticTrainer
+    from troupe.train import CheckpointConfig, ElasticTrainer, FailureConfig, ScalingConfig
 
     troupe.init(num_cpus=2)
     trainer = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3",
                              optimizer={"name": "adamw", "lr": 3e-3}, global_batch_size=16,
-                             min_workers=1, max_workers=2)
+                             scaling=ScalingConfig(min_workers=1, max_workers=2),
+                             failure=FailureConfig(max_failures=3),
+                             checkpoint=CheckpointConfig(dir="/tmp/ckpt", persist_every=50))
     history = trainer.fit(200)
     trainer.close()
+
+The settings of ScalingConfig and FailureConfig (except max_failures) are also keywords of
+ElasticTrainer (min_workers=1, max_workers=2, hang_timeout=60.0, ...); checkpoint= also takes a
+dict of CheckpointConfig's fields or a directory. A setting is given one way (a keyword and its
+config together raise TypeError), and every value is checked before anything is placed.
 
 The driver drives the group in chunks of steps: every trainer runs the same steps; a failure
 (a member killed, a node lost) ends the chunk on every rank, the controller advances the group's
@@ -29,8 +36,9 @@ tensorboard_dir=DIR writes each step's loss, samples/s and world size as TensorB
 (`tensorboard --logdir DIR`). A rank that computes more than 2x the other ranks' median over
 the last steps is flagged as a straggler (an event; shown by `troupe status` and the dashboard).
 
-checkpoint={"dir": DIR, "resume": True} starts from the newest complete step persisted in DIR
-(by a group of any world size, ZeRO or not) instead of the seed.
+checkpoint=CheckpointConfig(dir=DIR, resume=True) (or {"dir": DIR, "resume": True}) starts from
+the newest complete step persisted in DIR (by a group of any world size, ZeRO or not) instead
+of the seed.
 
 zero=1 shards the optimizer state over the ranks (ZeRO-1: each keeps 1/N of it; gradients are
 reduce-scattered and the parameters all-gathered), zero=2 the gradients too (ZeRO-2). Training
@@ -47,26 +55,194 @@ ring shrinks the group to whole rings (never below min_workers), and resizes go 
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
+from __future__ import annotations
+
+import dataclasses
 import json
+import math
 import os
 import socket
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import _api, _tensorboard
-from ._api import ActorDiedError, ActorError, TroupeError
+from ._api import ActorDiedError, ActorError, ActorHandle, ObjectRef, TroupeError
 from .exceptions import ResourceExhaustedError, UnavailableError
 
-__all__ = ["ElasticTrainer", "GroupHandle", "GroupPlacementError"]
+if TYPE_CHECKING:  # torch is imported only where a module is given
+    import torch
+
+__all__ = ["CheckpointConfig", "ElasticTrainer", "FailureConfig", "GroupHandle", "GroupPlacementError",
+           "ScalingConfig"]
 
 
 class GroupPlacementError(TroupeError):
     """The group cannot be placed: not even min_workers trainers fit the cluster."""
 
 
-def _json_call(handle, method, payload=None):
+def _invalid(owner: str, field: str, value: Any, want: str) -> ValueError:
+    return ValueError(f"{owner}.{field} must be {want}, got {value!r}")
+
+
+def _check_int(owner: str, field: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _invalid(owner, field, value, f"an int >= {low}")
+
+
+def _check_seconds(owner: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _invalid(owner, field, value, "a finite number of seconds > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingConfig:
+    """How many trainers the group has and how the model is laid out over them.
+
+    min_workers, max_workers: the group never shrinks below min_workers (a failure that would
+    leave fewer ends fit()) nor grows above max_workers. workers: how many to start with (None:
+    max_workers; fewer are placed, down to min_workers, when they do not fit). Each trainer holds
+    1 CPU and runs threads_per_worker intra-op threads. sequence_parallel=S splits every sequence
+    over rings of S trainers (min_workers, max_workers and the world size are multiples of S).
+    zero=1 shards the optimizer state over the ranks (ZeRO-1), zero=2 the gradients too.
+    tuner=True (or a dict of troupe.tuner.ResourceTuner options) lets the tuner resize the group
+    and set the threads and prefetch depth at chunk boundaries."""
+
+    min_workers: int = 1
+    max_workers: int = 2
+    workers: int | None = None
+    threads_per_worker: int = 1
+    sequence_parallel: int = 1
+    zero: int = 0
+    tuner: bool | Mapping[str, Any] = False
+
+    def __post_init__(self) -> None:
+        _check_int("ScalingConfig", "min_workers", self.min_workers, 1)
+        _check_int("ScalingConfig", "max_workers", self.max_workers, 1)
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers} and {self.max_workers}")
+        if self.workers is not None:
+            _check_int("ScalingConfig", "workers", self.workers, 1)
+            if not self.min_workers <= self.workers <= self.max_workers:
+                raise _invalid("ScalingConfig", "workers", self.workers,
+                               f"None or between min_workers ({self.min_workers}) and max_workers "
+                               f"({self.max_workers})")
+        _check_int("ScalingConfig", "threads_per_worker", self.threads_per_worker, 1)
+        _check_int("ScalingConfig", "sequence_parallel", self.sequence_parallel, 1)
+        seq = self.sequence_parallel
+        if self.min_workers % seq or self.max_workers % seq:
+            raise ValueError(f"sequence_parallel={seq} needs min_workers ({self.min_workers}) and max_workers "
+                             f"({self.max_workers}) to be multiples of it")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2):
+            raise ValueError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {self.zero!r}")
+        if isinstance(self.tuner, Mapping):
+            object.__setattr__(self, "tuner", dict(self.tuner))  # a copy: later edits by the caller do not leak in
+        elif not isinstance(self.tuner, bool):
+            raise _invalid("ScalingConfig", "tuner", self.tuner, "a bool or a dict of ResourceTuner options")
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureConfig:
+    """What the group does when members fail (all times in seconds).
+
+    max_failures: how many failures fit() recovers from before it raises the next one instead
+    (-1: no limit). recovery_timeout: how long the calls of a recovery (join, restore, pin) may
+    take. replace_timeout: how long a failed trainer has to come back before the group shrinks
+    without it. hang_timeout: a chunk without progress for this long is reported as an event
+    naming what each rank is doing."""
+
+    max_failures: int = -1
+    recovery_timeout: float = 30.0
+    replace_timeout: float = 10.0
+    hang_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check_int("FailureConfig", "max_failures", self.max_failures, -1)
+        for field in ("recovery_timeout", "replace_timeout", "hang_timeout"):
+            _check_seconds("FailureConfig", field, getattr(self, field))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often the group's state is kept.
+
+    Every snapshot_every steps each trainer copies its state to shared memory, replicated to the
+    next node (None: every step while that costs under 5% of a step, else as often as it does).
+    Every persist_every steps (0: never) the checkpoint actors write a step to `dir`, keeping the
+    newest `keep` steps there. resume=True starts from the newest complete step in `dir` (written
+    by a group of any world size) instead of the seed."""
+
+    dir: str | None = None
+    resume: bool = False
+    snapshot_every: int | None = None
+    persist_every: int = 0
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dir, os.PathLike):
+            object.__setattr__(self, "dir", os.fspath(self.dir))
+        if self.dir is not None and (not isinstance(self.dir, str) or not self.dir):
+            raise _invalid("CheckpointConfig", "dir", self.dir, "None or a directory path")
+        if not isinstance(self.resume, bool):
+            raise _invalid("CheckpointConfig", "resume", self.resume, "a bool")
+        if self.resume and not self.dir:
+            raise ValueError("CheckpointConfig.resume=True (checkpoint={'resume': True}) needs the checkpoint's 'dir'")
+        if self.snapshot_every is not None:
+            _check_int("CheckpointConfig", "snapshot_every", self.snapshot_every, 1)
+        _check_int("CheckpointConfig", "persist_every", self.persist_every, 0)
+        _check_int("CheckpointConfig", "keep", self.keep, 1)
+
+    @classmethod
+    def of(cls, value: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> CheckpointConfig:
+        """ElasticTrainer's checkpoint= argument as a CheckpointConfig: a CheckpointConfig, a dict of
+        its fields ({"dir": D, "resume": True}), a directory, or None (memory snapshots only)."""
+        if isinstance(value, CheckpointConfig):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, (str, os.PathLike)):
+            return cls(dir=os.fspath(value))
+        if isinstance(value, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise TypeError(f"checkpoint: unknown key(s) {unknown}; known: {sorted(known)}")
+            return cls(**value)
+        raise TypeError(f"checkpoint must be a CheckpointConfig, a dict, a directory or None, not "
+                        f"{type(value).__name__}")
+
+
+# ElasticTrainer's keywords that are also fields of a config: each may be given one way only.
+_SCALING_KEYWORDS = ("min_workers", "max_workers", "workers", "threads_per_worker", "sequence_parallel", "zero",
+                     "tuner")
+_FAILURE_KEYWORDS = ("recovery_timeout", "replace_timeout", "hang_timeout")
+
+
+def _configs(scaling: ScalingConfig | None, failure: FailureConfig | None,
+             checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+             keywords: Mapping[str, Any]) -> tuple[ScalingConfig, FailureConfig, CheckpointConfig]:
+    """The trainer's configs from its config arguments and its keywords (None: not given)."""
+    resolved = []
+    for config, cls, names in ((scaling, ScalingConfig, _SCALING_KEYWORDS),
+                               (failure, FailureConfig, _FAILURE_KEYWORDS)):
+        given = {k: keywords[k] for k in names if keywords.get(k) is not None}
+        if config is None:
+            resolved.append(cls(**given))
+            continue
+        if not isinstance(config, cls):
+            raise TypeError(f"{cls.__name__.removesuffix('Config').lower()} must be a {cls.__name__}, not "
+                            f"{type(config).__name__}")
+        if given:
+            raise TypeError(f"{sorted(given)} given both as keyword(s) and in {cls.__name__}: pass each setting "
+                            f"one way")
+        resolved.append(config)
+    return resolved[0], resolved[1], CheckpointConfig.of(checkpoint)
+
+
+def _json_call(handle: ActorHandle, method: str, payload: Mapping[str, Any] | None = None) -> ObjectRef:
     return handle.__getattr__(method).remote(json.dumps(payload or {}).encode())
 
 
@@ -74,9 +250,11 @@ def _load(reply):
     return json.loads(reply.decode() if isinstance(reply, (bytes, bytearray)) else reply)
 
 
-def _model_path(model, workdir):
+def _model_path(model: str | os.PathLike[str] | torch.nn.Module, workdir: str) -> str:
     """A model name the trainer knows ("tinylm", "mlp"), a TorchScript file, or a torch.nn.Module
     (scripted into `workdir`)."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, str):
         if model in ("tinylm", "mlp") or os.path.exists(model):
             return model
@@ -89,10 +267,12 @@ def _model_path(model, workdir):
     return path
 
 
-def _data_spec(data):
+def _data_spec(data: str | os.PathLike[str] | Mapping[str, str]) -> dict[str, str]:
     """A token file (.bin/.u16/.u32), a text file (its bytes are the tokens), or a dict with
     'features' and 'labels' .npy paths."""
-    if isinstance(data, dict):
+    if isinstance(data, os.PathLike):
+        data = os.fspath(data)
+    if isinstance(data, Mapping):
         for key in ("features", "labels"):
             if not os.path.exists(data.get(key, "")):
                 raise ValueError(f"data[{key!r}]: no such .npy file: {data.get(key)!r}")
@@ -108,24 +288,51 @@ def _data_spec(data):
 
 
 class ElasticTrainer:
-    """A training job as one elastic group. See the module docstring."""
+    """A training job as one elastic group. See the module docstring.
 
-    def __init__(self, model="tinylm", loss="cross_entropy", data=None, optimizer="adamw", global_batch_size=32,
-                 min_workers=1, max_workers=2, workers=None, checkpoint=None, seed=0, threads_per_worker=1,
-                 max_micro_batch=None, context=64, steps_per_call=10, recovery_timeout=30.0, progress=True,
-                 name=None, replace_timeout=10.0, tuner=False, detached=False, tensorboard_dir=None,
-                 hang_timeout=120.0, zero=0, sequence_parallel=1, _fault=None):
+    The job: `model` ("tinylm", "mlp", a TorchScript file or a torch.nn.Module), `loss`, `data`
+    (a text or token file, or {"features": F, "labels": L} .npy paths), `optimizer` (a name or
+    {"name": ..., "lr": ..., other hyper-parameters}), `global_batch_size` (split over the
+    ranks, in micro-batches of at most `max_micro_batch`), `context` (tokens per sequence) and
+    `seed`. How the group scales, fails and keeps its state: `scaling` (ScalingConfig),
+    `failure` (FailureConfig) and `checkpoint` (CheckpointConfig, or the same as a dict or a
+    directory). Each field of ScalingConfig and FailureConfig except max_failures may be given
+    as a keyword instead (min_workers=2, hang_timeout=60.0, ...), not both ways (TypeError); a
+    keyword left None takes the config's default. Invalid values raise ValueError before
+    anything is placed. `steps_per_call`: steps per chunk; `progress`: a tqdm bar in fit();
+    `name` and `detached`: see the module docstring; `tensorboard_dir`: TensorBoard scalars."""
+
+    def __init__(self, model: str | os.PathLike[str] | torch.nn.Module = "tinylm", loss: str = "cross_entropy",
+                 data: str | os.PathLike[str] | Mapping[str, str] | None = None,
+                 optimizer: str | Mapping[str, Any] = "adamw", global_batch_size: int = 32,
+                 min_workers: int | None = None, max_workers: int | None = None, workers: int | None = None,
+                 checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 seed: int = 0, threads_per_worker: int | None = None, max_micro_batch: int | None = None,
+                 context: int = 64, steps_per_call: int = 10, recovery_timeout: float | None = None,
+                 progress: bool = True, name: str | None = None, replace_timeout: float | None = None,
+                 tuner: bool | Mapping[str, Any] | None = None, detached: bool = False,
+                 tensorboard_dir: str | os.PathLike[str] | None = None, hang_timeout: float | None = None,
+                 zero: int | None = None, sequence_parallel: int | None = None, *,
+                 scaling: ScalingConfig | None = None, failure: FailureConfig | None = None,
+                 _fault: Mapping[str, Any] | None = None) -> None:
+        scaling, failure, ckpt = _configs(scaling, failure, checkpoint, {
+            "min_workers": min_workers, "max_workers": max_workers, "workers": workers,
+            "threads_per_worker": threads_per_worker, "sequence_parallel": sequence_parallel, "zero": zero,
+            "tuner": tuner, "recovery_timeout": recovery_timeout, "replace_timeout": replace_timeout,
+            "hang_timeout": hang_timeout})
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
         # coordinator, which receives every rank's results.
         self._tensorboard = _tensorboard.ScalarWriter(tensorboard_dir) if tensorboard_dir else None
-        self.hang_timeout = float(hang_timeout)  # a chunk without progress this long is reported
-        self._rt = _api._runtime()
+        self.hang_timeout = float(failure.hang_timeout)  # a chunk without progress this long is reported
+        self.max_failures = failure.max_failures
+        self._failures = 0  # failures fit() has seen
+        self._rt = _api.runtime()
         self._closed = False
         self._lifetime = "detached" if detached else None
-        self._last_extra = {}
+        self._last_extra: dict[str, Any] = {}
         self._stop_beat = threading.Event()
-        self._handled = set()  # control requests (events) already acted on
+        self._handled: set[str] = set()  # control requests (events) already acted on
         if name is not None:
             found = _find_group(self._rt, name)
             if found is not None:
@@ -140,80 +347,54 @@ class ElasticTrainer:
                         pass
         if data is None:
             raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
-        if not 1 <= min_workers <= max_workers:
-            raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
-        if zero not in (0, 1, 2):
-            raise ValueError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {zero!r}")
-        seq = int(sequence_parallel)
-        if seq < 1 or min_workers % seq or max_workers % seq or context % (2 * seq):
-            raise ValueError(f"sequence_parallel={sequence_parallel!r} needs min_workers ({min_workers}) and "
-                             f"max_workers ({max_workers}) to be multiples of it and context ({context}) a multiple "
-                             f"of twice it")
-        if global_batch_size < max_workers:
-            raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {max_workers}")
+        seq = scaling.sequence_parallel
+        if context % (2 * seq):
+            raise ValueError(f"sequence_parallel={seq} needs context ({context}) to be a multiple of twice it")
+        if global_batch_size < scaling.max_workers:
+            raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
         opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
-        checkpoint = {"dir": checkpoint} if isinstance(checkpoint, str) else dict(checkpoint or {})
-        resume = bool(checkpoint.pop("resume", False))
-        if resume and not checkpoint.get("dir"):
-            raise ValueError("checkpoint={'resume': True} needs the checkpoint's 'dir'")
         self._engine = {
             "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
-            "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": int(threads_per_worker),
+            "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": scaling.threads_per_worker,
             "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
-            "context": int(context), "zero": int(zero), "sequence_parallel": seq, **{k: v for k, v in opt.items()},
+            "context": int(context), "zero": scaling.zero, "sequence_parallel": seq, **{k: v for k, v in opt.items()},
         }
         self._data = _data_spec(data)
-        self._snapshot_fixed = "snapshot_every" in checkpoint
-        self._checkpoint = {"dir": checkpoint.get("dir", ""), "snapshot_every": int(checkpoint.get("snapshot_every", 1)),
-                            "persist_every": int(checkpoint.get("persist_every", 0)),
-                            "keep": int(checkpoint.get("keep", 3))}
-        self.min_workers, self.max_workers = min_workers, max_workers
+        self._snapshot_fixed = ckpt.snapshot_every is not None
+        self._checkpoint = {"dir": ckpt.dir or "", "snapshot_every": ckpt.snapshot_every or 1,
+                            "persist_every": ckpt.persist_every, "keep": ckpt.keep}
+        self.min_workers, self.max_workers = scaling.min_workers, scaling.max_workers
         self.steps_per_call = steps_per_call
-        self.recovery_timeout = recovery_timeout
-        self.replace_timeout = replace_timeout
+        self.recovery_timeout = failure.recovery_timeout
+        self.replace_timeout = failure.replace_timeout
         self.progress = progress
         self.step = 0
-        self.history = []
-        self.events = []
-        self._resize_to = None
+        self.history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._resize_to: int | None = None
         self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s, "checkpoint": fault spec}
-        self.recoveries = []
-        self._place(workers or max_workers)
-        if resume:
+        self.recoveries: list[dict[str, Any]] = []
+        self._place(scaling.workers or scaling.max_workers)
+        if ckpt.resume:
             self._resume_from_disk()
         self._tuner = None
-        self._settings = {"threads": int(threads_per_worker), "prefetch": 2}
-        self.tuner_decisions = []
-        if tuner:
+        self._settings = {"threads": scaling.threads_per_worker, "prefetch": 2}
+        self.tuner_decisions: list[dict[str, Any]] = []
+        if scaling.tuner:
             # The tuner is a member of the group (0 CPU, in the first bundle); it keeps the model
             # and the decisions, and the driver applies what it decides at chunk boundaries.
-            options = {"warmup_chunks": 1, **(dict(tuner) if isinstance(tuner, dict) else {})}
+            options = {"warmup_chunks": 1, **(scaling.tuner if isinstance(scaling.tuner, dict) else {})}
             self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id, bundle_index=self._bundles[0],
-                                              max_restarts=-1, lifetime=self._lifetime).remote(min_workers, max_workers,
-                                                                                               options)
-            self._record({"state": "RUNNING", "tuner": self._tuner._id})
+                                              max_restarts=-1, lifetime=self._lifetime).remote(
+                                                  self.min_workers, self.max_workers, options)
+            self._record({"state": "RUNNING", "tuner": self._tuner.actor_id})
         self._start_heartbeat()
 
     # ---- Membership ----
     def _place(self, workers):
         """Reserves `workers` trainer bundles (fewer, down to min_workers, if they do not fit)."""
-        reasons = []
-        seq = self._seq()
-        for n in range(workers - workers % seq, self.min_workers - 1, -seq):
-            try:
-                pg = self._rt.create_placement_group("PACK", [{"CPU": 1.0}] * n, self.name)
-            except ResourceExhaustedError as e:  # infeasible: more CPUs than the cluster has
-                reasons.append(f"{n} trainer(s): {e}")
-                continue
-            if pg["state"] == "CREATED":
-                self._pg = pg
-                break
-            reasons.append(f"{n} trainer(s): {pg['pending_reason']}")
-            self._rt.remove_placement_group(pg["id"])
-        else:
-            raise GroupPlacementError(f"group {self.name} cannot be placed with at least {self.min_workers} "
-                                      f"trainer(s) of 1 CPU each: " + "; ".join(reasons))
+        self._pg = _reserve_trainers(self._rt, self.name, workers, self.min_workers, self._seq())
         self.group_id = self._pg["id"]
         self._record({"state": "STARTING"})
         self._event(f"placed {len(self._pg['bundle_nodes'])} trainer bundle(s) on node(s) "
@@ -275,13 +456,13 @@ class ElasticTrainer:
     def _services_of(self, node):
         """The dataloader and checkpoint actor of `node` (a trainer's node now)."""
         loader, ckpt = self._node_services.get(node) or next(iter(self._node_services.values()))
-        return {"dataloader": loader._id, "checkpoint": ckpt._id}
+        return {"dataloader": loader.actor_id, "checkpoint": ckpt.actor_id}
 
     def _spawn_trainer(self, bundle):
         node = self._pg["bundle_nodes"][bundle]
         loader, ckpt = self._node_services[node]
-        spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader._id,
-                "checkpoint": ckpt._id, "snapshot_every": self._checkpoint["snapshot_every"],
+        spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader.actor_id,
+                "checkpoint": ckpt.actor_id, "snapshot_every": self._checkpoint["snapshot_every"],
                 "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
                 "min_workers": self.min_workers,
                 "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
@@ -302,15 +483,16 @@ class ElasticTrainer:
         epoch = self._epoch() + 1
         self._record({"state": "JOINING"})
         world = len(self.trainers)
-        nodes = {t._id: self._rt.actor_info(t._id)["node_id"] for t in self.trainers}
+        nodes = {t.actor_id: self._rt.actor_info(t.actor_id)["node_id"] for t in self.trainers}
         # A trainer restarted on another node (its node was lost) has no memory snapshot there:
         # it does not vote on the step, and its node's checkpoint actor stages the step for it.
         moved = {tid for tid, node in nodes.items() if self._trainer_nodes.get(tid, node) != node}
         self._trainer_nodes.update(nodes)
-        joins = [_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world, **self._services_of(nodes[t._id])})
+        joins = [_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world,
+                                        **self._services_of(nodes[t.actor_id])})
                  for r, t in enumerate(self.trainers)]
         _api.get(joins, timeout=self.recovery_timeout)
-        old = [t for t in self.trainers if t._id not in fresh and t._id not in moved]
+        old = [t for t in self.trainers if t.actor_id not in fresh and t.actor_id not in moved]
         if moved:
             self._event(f"trainer(s) {sorted(moved)} moved to another node; their state comes from a peer's "
                         f"replica or memory, or from disk")
@@ -378,18 +560,19 @@ class ElasticTrainer:
             return
         # A new member copies the memory snapshot of a member on its node; on a host where no
         # member runs, it gets the state by a broadcast from a live rank (every rank takes part).
-        held_on = {self._pg["bundle_nodes"][b]: b for o, b in zip(self.trainers, self._bundles) if o._id not in fresh}
-        remote = {t._id for t, b in zip(self.trainers, self._bundles)
-                  if t._id in fresh and restore_step > 0 and self._pg["bundle_nodes"][b] not in held_on}
-        root = next((r for r, t in enumerate(self.trainers) if t._id not in fresh), 0)
+        held_on = {self._pg["bundle_nodes"][b]: b for o, b in zip(self.trainers, self._bundles)
+                   if o.actor_id not in fresh}
+        remote = {t.actor_id for t, b in zip(self.trainers, self._bundles)
+                  if t.actor_id in fresh and restore_step > 0 and self._pg["bundle_nodes"][b] not in held_on}
+        root = next((r for r, t in enumerate(self.trainers) if t.actor_id not in fresh), 0)
         requests = []
         for t, bundle in zip(self.trainers, self._bundles):
             payload = {"step": restore_step}
-            if t._id in fresh and t._id not in remote and restore_step > 0:
+            if t.actor_id in fresh and t.actor_id not in remote and restore_step > 0:
                 payload["from_bundle"] = held_on[self._pg["bundle_nodes"][bundle]]
             if remote:
                 payload["broadcast_from"] = root
-                payload["from_broadcast"] = t._id in remote
+                payload["from_broadcast"] = t.actor_id in remote
             requests.append(_json_call(t, "restore", payload))
         self._restored(_api.get(requests, timeout=self.recovery_timeout))
 
@@ -405,9 +588,9 @@ class ElasticTrainer:
     # ---- Records ----
     def _doc(self, extra=None):
         doc = {"name": self.name, "world_size": len(getattr(self, "trainers", [])), "step": self.step,
-               "members": [t._id for t in getattr(self, "trainers", [])],
-               "dataloaders": [l._id for l, _ in getattr(self, "_node_services", {}).values()],
-               "checkpoints": [c._id for _, c in getattr(self, "_node_services", {}).values()],
+               "members": [t.actor_id for t in getattr(self, "trainers", [])],
+               "dataloaders": [l.actor_id for l, _ in getattr(self, "_node_services", {}).values()],
+               "checkpoints": [c.actor_id for _, c in getattr(self, "_node_services", {}).values()],
                "min_workers": self.min_workers, "max_workers": self.max_workers,
                "samples_per_s": self.history[-1]["samples_per_s"] if self.history else 0.0,
                "loss": self.history[-1]["loss"] if self.history else None,
@@ -416,7 +599,7 @@ class ElasticTrainer:
                # this one died), and how to tell whether this one is alive.
                "bundles": list(getattr(self, "_bundles", [])),
                "sharded_as": getattr(self, "_sharded_as", None),
-               "services": {n: [l._id, c._id] for n, (l, c) in getattr(self, "_node_services", {}).items()},
+               "services": {n: [l.actor_id, c.actor_id] for n, (l, c) in getattr(self, "_node_services", {}).items()},
                "trainer_nodes": dict(getattr(self, "_trainer_nodes", {})),
                "engine": self._engine, "data": self._data, "checkpoint": self._checkpoint,
                "steps_per_call": self.steps_per_call, "detached": self._lifetime == "detached",
@@ -424,7 +607,7 @@ class ElasticTrainer:
                                "job": os.environ.get("TROUPE_JOB_NAME", "")},
                "heartbeat_ms": int(time.time() * 1000)}
         if getattr(self, "_tuner", None) is not None:
-            doc["tuner"] = self._tuner._id
+            doc["tuner"] = self._tuner.actor_id
         if self.history:  # the last step's time split, as the trainers measured it
             doc.update({k: self.history[-1][k] for k in ("step_s", "compute_s", "comm_s", "wait_s", "snapshot_s")})
         # For the dashboard and /metrics: the recent loss curve, the split per rank, recoveries and
@@ -524,10 +707,10 @@ class ElasticTrainer:
         return True
 
     @classmethod
-    def attach(cls, name):
+    def attach(cls, name: str) -> GroupHandle:
         """A view of the running group `name` from any driver: progress() and events, and
         resize(n) / stop() requests that its coordinator carries out at its next chunk."""
-        rt = _api._runtime()
+        rt = _api.runtime()
         record = _find_group(rt, name)
         if record is None:
             raise TroupeError(f"no training group named {name!r} in this cluster")
@@ -538,7 +721,7 @@ class ElasticTrainer:
         self._rt.group_event(self.group_id, text)
 
     # ---- Training ----
-    def resize(self, workers):
+    def resize(self, workers: int) -> None:
         """Grows or shrinks to `workers` trainers at the next chunk boundary."""
         if not self.min_workers <= workers <= self.max_workers:
             raise ValueError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
@@ -546,7 +729,7 @@ class ElasticTrainer:
             raise ValueError(f"resize({workers}): not a multiple of sequence_parallel={self._seq()}")
         self._resize_to = workers
 
-    def fit(self, steps=None, until=None):
+    def fit(self, steps: int | None = None, until: int | None = None) -> list[dict[str, Any]]:
         """Trains `steps` more steps, or until step `until` (what a script that may be restarted
         and adopt its group wants); returns the history (one dict per step: step, loss, times,
         samples/s, world size). A stop() request from ElasticTrainer.attach ends it early."""
@@ -583,6 +766,13 @@ class ElasticTrainer:
                 try:
                     replies = [_load(x) for x in self._gather(refs, watch=True)]
                 except (ActorDiedError, ActorError) as failure:
+                    self._failures += 1
+                    if 0 <= self.max_failures < self._failures:
+                        self._event(f"failure at step {self.step}: not recovered, FailureConfig.max_failures="
+                                    f"{self.max_failures} reached: {str(failure).splitlines()[0][:200]}")
+                        self._record({"state": "FAILED"})
+                        raise TroupeError(f"group {self.name}: failure {self._failures} at step {self.step}, more "
+                                          f"than FailureConfig.max_failures={self.max_failures}") from failure
                     self._recover(failure, refs)
                     if bar is not None:
                         bar.write(f"(troupe.train) {self.events[-1]['text']}")
@@ -662,31 +852,31 @@ class ElasticTrainer:
         deadline = time.monotonic() + self.recovery_timeout
         while refs and time.monotonic() < deadline:
             _, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.25)
-            if all(self._rt.actor_info(self.trainers[refs.index(r)]._id)["state"] != "ALIVE" for r in not_ready):
+            if all(self._rt.actor_info(self.trainers[refs.index(r)].actor_id)["state"] != "ALIVE" for r in not_ready):
                 break
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
         deadline = time.monotonic() + self.replace_timeout
-        answering = self._answering(self.trainers, "hash", deadline)
-        survivors = [t for t in self.trainers if t._id in answering]
+        answering = self._answering([(t, "hash") for t in self.trainers], deadline)
+        survivors = [t for t in self.trainers if t.actor_id in answering]
         for t, bundle in zip(self.trainers, self._bundles):
-            if t._id not in answering:
-                self._event(f"trainer {t._id} (bundle {bundle}) is not coming back (no room for a replacement "
+            if t.actor_id not in answering:
+                self._event(f"trainer {t.actor_id} (bundle {bundle}) is not coming back (no room for a replacement "
                             f"within {self.replace_timeout:.0f} s): the group shrinks")
                 _api.kill(t)
         broken = len(survivors) % self._seq()
         if broken:  # sequence parallelism trains whole rings: the newest survivors leave too
             for t in survivors[-broken:]:
-                self._event(f"trainer {t._id} leaves so that the group keeps whole rings of {self._seq()}")
+                self._event(f"trainer {t.actor_id} leaves so that the group keeps whole rings of {self._seq()}")
                 _api.kill(t)
-                answering.discard(t._id)
+                answering.discard(t.actor_id)
             survivors = survivors[:-broken]
         if len(survivors) < self.min_workers:
             raise TroupeError(f"group {self.name}: {len(survivors)} trainer(s) left, fewer than min_workers "
                               f"{self.min_workers}") from failure
-        gone = [b for t, b in zip(self.trainers, self._bundles) if t._id not in answering]
-        self._bundles = [b for t, b in zip(self.trainers, self._bundles) if t._id in answering]
+        gone = [b for t, b in zip(self.trainers, self._bundles) if t.actor_id not in answering]
+        self._bundles = [b for t, b in zip(self.trainers, self._bundles) if t.actor_id in answering]
         self.trainers = survivors
         if gone:
             self._pg = self._rt.remove_bundles(self.group_id, gone)
@@ -695,8 +885,9 @@ class ElasticTrainer:
         self._ensure_node_services()
         # The nodes' services restart in place too; a node with no trainer left loses them.
         self._drop_idle_services()
-        services = [s for pair in self._node_services.values() for s in pair]
-        answering = self._answering(services, None, deadline + self.replace_timeout)
+        services = [probe for loader, ckpt in self._node_services.values() for probe in ((loader, "info"),
+                                                                                          (ckpt, "status"))]
+        answering = self._answering(services, deadline + self.replace_timeout)
         if len(answering) != len(services):
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
         self._tell_members()
@@ -730,7 +921,7 @@ class ElasticTrainer:
                                   "ratio": round(mine / median, 2)}
         before = {s["rank"] for s in getattr(self, "stragglers", [])}
         for j, f in flagged.items():
-            trainer = self.trainers[j]._id if j < len(self.trainers) else "?"
+            trainer = self.trainers[j].actor_id if j < len(self.trainers) else "?"
             f.update(trainer=trainer, node=self._trainer_nodes.get(trainer, ""))
             if j not in before:
                 self._event(f"straggler: rank {j} (Trainer {trainer}) computes {f['compute_s']:.3f} s per step, "
@@ -748,10 +939,9 @@ class ElasticTrainer:
         while True:
             ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.5)
             for r in ready:
-                if isinstance(r._value, BaseException):
-                    raise r._value
+                _api.get(r)  # a ready ref: its value at once, or its failure raised
             if not not_ready:
-                return [r._value for r in refs]
+                return _api.get(refs)
             if watch and time.monotonic() - reported >= self.hang_timeout:
                 reported = time.monotonic()
                 self._report_hang(reported - started)
@@ -766,12 +956,12 @@ class ElasticTrainer:
             try:
                 a = _load(_api.get(ref, timeout=10))
             except TroupeError as e:
-                parts.append(f"Trainer {t._id}: no answer ({e})")
+                parts.append(f"Trainer {t.actor_id}: no answer ({e})")
                 continue
             act = a["activity"]
             where = act["name"] + (f" of bucket {act['bucket']} ({act['bytes']} bytes)" if act["bucket"] >= 0 else "")
             waiting = f", waiting on {a['waiting_on']}" if a.get("waiting_on") else ""
-            parts.append(f"rank {a['rank']} (Trainer {t._id}, pid {a['pid']}): {where} at step {act['step']} "
+            parts.append(f"rank {a['rank']} (Trainer {t.actor_id}, pid {a['pid']}): {where} at step {act['step']} "
                          f"for {a['for_s']:.1f} s{waiting}")
         self._event(f"no progress for {waited:.0f} s (hang_timeout {self.hang_timeout:g} s): " + "; ".join(parts))
         self._record({"state": "HUNG"})
@@ -815,15 +1005,15 @@ class ElasticTrainer:
                                                     "prediction_errors": [round(d["prediction_error"], 3)
                                                                           for d in errors]}})
 
-    def _answering(self, members, method, deadline):
-        """Ids of the members that answer a cheap call before the deadline."""
-        waiting = {m._id: m for m in members}
+    def _answering(self, members, deadline):
+        """Ids of the members that answer a cheap call (each (handle, method) of `members`)
+        before the deadline."""
+        waiting = {m.actor_id: (m, method) for m, method in members}
         answered = set()
         while waiting and time.monotonic() < deadline:
             probes = {}
-            for mid, m in waiting.items():
-                probe = method or ("info" if m._type == "Dataloader" else "status")
-                probes[mid] = _json_call(m, probe)
+            for mid, (m, method) in waiting.items():
+                probes[mid] = _json_call(m, method)
             for mid, ref in probes.items():
                 try:
                     _api.get(ref, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
@@ -868,15 +1058,16 @@ class ElasticTrainer:
             fresh = [self._spawn_trainer(b) for b in added]
             self.trainers += fresh
             self._bundles += added
-            self._join_all(restore_step=self.step, fresh={t._id for t in fresh})
+            self._join_all(restore_step=self.step, fresh={t.actor_id for t in fresh})
         _api.get([_json_call(t, "configure", self._settings) for t in self.trainers])
         self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
         return True
 
-    def parameter_hash(self):
+    def parameter_hash(self) -> list[str]:
+        """Every rank's hash of its parameters (equal on every rank of a healthy group)."""
         return [_load(x)["hash"] for x in _api.get([_json_call(t, "hash") for t in self.trainers])]
 
-    def close(self):
+    def close(self) -> None:
         """Ends the group: its actors, shared-memory segments and records."""
         if self._closed:
             return
@@ -896,10 +1087,10 @@ class ElasticTrainer:
         self._rt.remove_placement_group(self.group_id)
         self._rt.remove_group(self.group_id)
 
-    def __enter__(self):
+    def __enter__(self) -> ElasticTrainer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -908,7 +1099,27 @@ HEARTBEAT_STALE_S = 4.0
 REQUEST = "request: "
 
 
-def _find_group(rt, name):
+def _reserve_trainers(rt: Any, name: str, workers: int, min_workers: int, seq: int) -> dict[str, Any]:
+    """A placement group of `workers` trainer bundles of 1 CPU, or of fewer (whole rings of `seq`,
+    down to min_workers) when they do not fit; GroupPlacementError when not even min_workers do.
+    Only an infeasible request (ResourceExhaustedError) or a group left pending counts as "does
+    not fit": any other error is raised as it is."""
+    reasons = []
+    for n in range(workers - workers % seq, min_workers - 1, -seq):
+        try:
+            pg = rt.create_placement_group("PACK", [{"CPU": 1.0}] * n, name)
+        except ResourceExhaustedError as e:  # infeasible: more CPUs than the cluster has
+            reasons.append(f"{n} trainer(s): {e}")
+            continue
+        if pg["state"] == "CREATED":
+            return pg
+        reasons.append(f"{n} trainer(s): {pg['pending_reason']}")
+        rt.remove_placement_group(pg["id"])
+    raise GroupPlacementError(f"group {name} cannot be placed with at least {min_workers} trainer(s) of 1 CPU "
+                              f"each: " + "; ".join(reasons))
+
+
+def _find_group(rt: Any, name: str) -> dict[str, Any] | None:
     """The record of the live group named `name`, or None."""
     for g in rt.groups():
         try:
@@ -923,10 +1134,10 @@ def _find_group(rt, name):
 class GroupHandle:
     """A running training group seen from another driver (ElasticTrainer.attach)."""
 
-    def __init__(self, rt, name, group_id):
+    def __init__(self, rt: Any, name: str, group_id: str) -> None:
         self._rt, self.name, self.group_id = rt, name, group_id
 
-    def progress(self):
+    def progress(self) -> dict[str, Any]:
         """The group's record: step, world_size, loss, samples_per_s, state, members, and
         `events` (its newest events) and `coordinator_alive`."""
         record = self._rt.group(self.group_id)
@@ -937,13 +1148,16 @@ class GroupHandle:
         doc["coordinator_alive"] = time.time() * 1000 - doc.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
         return doc
 
-    def resize(self, workers):
+    def resize(self, workers: int) -> None:
+        """Asks the coordinator to resize the group to `workers` trainers at its next chunk."""
         self._rt.group_event(self.group_id, f"{REQUEST}resize {int(workers)}")
 
-    def stop(self):
+    def stop(self) -> None:
+        """Asks the coordinator to stop training at its next chunk."""
         self._rt.group_event(self.group_id, f"{REQUEST}stop")
 
-    def wait(self, step=None, timeout=60.0, states=("STOPPED", "CLOSED")):
+    def wait(self, step: int | None = None, timeout: float = 60.0,
+             states: tuple[str, ...] = ("STOPPED", "CLOSED")) -> dict[str, Any]:
         """Waits until the group reaches `step` (or, without one, one of `states`); returns
         progress(). TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + timeout

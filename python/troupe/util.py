@@ -5,9 +5,14 @@
     a = Actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
     troupe.util.remove_placement_group(pg)
 """
+from __future__ import annotations
+
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 from . import _api
+from .exceptions import TroupeError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -15,18 +20,18 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 class PlacementGroup:
     """A handle to a placement group: its id, bundles, and readiness."""
 
-    def __init__(self, pg_id, bundle_specs=None):
+    def __init__(self, pg_id: str, bundle_specs: list[dict[str, float]] | None = None) -> None:
         self.id = pg_id
         self.bundle_specs = bundle_specs or []
 
     @property
-    def bundle_count(self):
+    def bundle_count(self) -> int:
         return len(self.bundle_specs)
 
-    def _state(self):
-        return _api._call(_api._runtime().placement_group, self.id)
+    def _state(self) -> dict[str, Any]:
+        return _api.runtime_call(_api.runtime().placement_group, self.id)
 
-    def ready(self):
+    def ready(self) -> _api.ObjectRef:
         """An ObjectRef that resolves (to this group) once every bundle is placed; get() of it
         raises if the group was removed."""
 
@@ -35,12 +40,12 @@ class PlacementGroup:
             if g["state"] == "CREATED":
                 return True, self
             if g["state"] == "REMOVED":
-                return True, _api.TroupeError(f"placement group {self.id} was removed before it was ready")
+                return True, TroupeError(f"placement group {self.id} was removed before it was ready")
             return False, None
 
-        return _api._PollRef(f"placement_group({self.id[:8]}).ready", poll)
+        return _api.PollRef(f"placement_group({self.id[:8]}).ready", poll)
 
-    def wait(self, timeout_seconds=30):
+    def wait(self, timeout_seconds: float = 30) -> bool:
         """True once the group is placed, False if timeout_seconds pass first."""
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -54,17 +59,18 @@ class PlacementGroup:
     def __reduce__(self):
         return PlacementGroup, (self.id, self.bundle_specs)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, PlacementGroup) and other.id == self.id
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.id)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"PlacementGroup({self.id})"
 
 
-def placement_group(bundles, strategy="PACK", name="", lifetime=None):
+def placement_group(bundles: Sequence[Mapping[str, float]], strategy: str = "PACK", name: str = "",
+                    lifetime: str | None = None) -> PlacementGroup:
     """Reserves `bundles` (a list of {resource: quantity}) with `strategy`; returns at once, with
     the group PENDING until it is placed (see ready() and wait()). An infeasible group raises."""
     if strategy not in STRATEGIES:
@@ -80,32 +86,33 @@ def placement_group(bundles, strategy="PACK", name="", lifetime=None):
         specs.append({k: float(v) for k, v in b.items()})
     if lifetime not in (None, "detached"):
         raise ValueError(f"lifetime must be None or 'detached', not {lifetime!r}")
-    g = _api._call(_api._runtime().create_placement_group, strategy, specs, name or "")
+    g = _api.runtime_call(_api.runtime().create_placement_group, strategy, specs, name or "")
     return PlacementGroup(g["id"], specs)
 
 
-def remove_placement_group(pg):
+def remove_placement_group(pg: PlacementGroup | str) -> None:
     """Releases the group's bundles; actors in it end."""
-    _api._call(_api._runtime().remove_placement_group, getattr(pg, "id", pg))
+    _api.runtime_call(_api.runtime().remove_placement_group, getattr(pg, "id", pg))
 
 
-def placement_group_table(pg=None):
+def placement_group_table(pg: PlacementGroup | str | None = None) -> dict[str, Any]:
     """The state of one group (or, with no argument, raises: listing all is `troupe status`)."""
     if pg is None:
         raise TypeError("placement_group_table() needs a placement group (see `troupe status` for all)")
-    return _api._call(_api._runtime().placement_group, getattr(pg, "id", pg))
+    return _api.runtime_call(_api.runtime().placement_group, getattr(pg, "id", pg))
 
 
 class PlacementGroupSchedulingStrategy:
     """Schedules an actor or task into a bundle of a placement group (index -1: bundle 0)."""
 
-    def __init__(self, placement_group, placement_group_bundle_index=-1, placement_group_capture_child_tasks=None):
+    def __init__(self, placement_group: PlacementGroup, placement_group_bundle_index: int = -1,
+                 placement_group_capture_child_tasks: bool | None = None) -> None:
         self.placement_group = placement_group
         self.placement_group_bundle_index = placement_group_bundle_index
 
 
 class NodeAffinitySchedulingStrategy:
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("NodeAffinitySchedulingStrategy is not supported by Troupe; use a custom "
                                   "resource of the node (start --resources) or a placement group")
 
