@@ -14,7 +14,8 @@
 //
 // Thread-safety: operations may be submitted from any thread, one submitter at a time; they run
 // in submission order on the communicator's own I/O thread (an asio::io_context; large writes
-// are handed to its sender thread). The buffers handed to an operation must stay valid and
+// are handed to its sender thread; ranks on one host move their data through shared memory, see
+// CommunicatorOptions::sharedMemory). The buffers handed to an operation must stay valid and
 // untouched until its Work is done.
 #pragma once
 
