@@ -40,36 +40,14 @@ class BufferedStream final : public kj::AsyncIoStream {
           return tryRead(out + n, std::min(minBytes - n, got), maxBytes - n).then([n](size_t more) { return n + more; });
         });
   }
-  kj::Promise<void> write(const void* buffer, size_t size) override {
-    kj::ArrayPtr<const kj::byte> piece(static_cast<const kj::byte*>(buffer), size);
-    return write(kj::arrayPtr(&piece, 1));
-  }
-  // Small messages wait in a buffer until the event loop has nothing else to run, then go in one
-  // write: a sync caller's Finish and its next Call reach the server together (one wake-up). A
-  // large message first sends what waits, then goes straight from the caller's pieces.
+  kj::Promise<void> write(const void* buffer, size_t size) override { return inner_->write(buffer, size); }
   kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
-    KJ_IF_MAYBE(e, failed_) { return kj::cp(*e); }
-    size_t total = 0;
-    for (auto& p : pieces) total += p.size();
-    if (total <= kSmall && pending_.size() + total <= kSize) {
-      for (auto& p : pieces) pending_.addAll(p);
-      if (!flushScheduled_) {
-        flushScheduled_ = true;
-        flush_ = kj::evalLast([this]() {
-                   flushScheduled_ = false;
-                   return flushPending();
-                 }).eagerlyEvaluate([this](kj::Exception&& e) { failed_ = kj::mv(e); });
-      }
-      return kj::READY_NOW;
-    }
-    // Cap'n Proto waits for this write before its next one, and owns `pieces` until then.
-    return flushPending().then([this, pieces]() { return inner_->write(pieces); });
+    // Writes are not held back to be merged: a worker that runs a long call on this thread would
+    // hold back the replies before it.
+    return inner_->write(pieces);
   }
   kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
-  void shutdownWrite() override {
-    // What waits is sent first; the peer reads every message before the end.
-    flush_ = flushPending().then([this]() { inner_->shutdownWrite(); }).eagerlyEvaluate(nullptr);
-  }
+  void shutdownWrite() override { inner_->shutdownWrite(); }
   void abortRead() override { inner_->abortRead(); }
   void getsockopt(int level, int option, void* value, uint* length) override {
     inner_->getsockopt(level, option, value, length);
@@ -82,26 +60,10 @@ class BufferedStream final : public kj::AsyncIoStream {
   kj::Maybe<int> getFd() const override { return inner_->getFd(); }
 
  private:
-  // Sends what waits in pending_, after every earlier write.
-  kj::Promise<void> flushPending() {
-    if (pending_.empty()) return writes_.addBranch();
-    auto bytes = kj::heapArray<kj::byte>(pending_.asPtr());
-    pending_.clear();
-    auto sent = writes_.addBranch().then([this, bytes = kj::mv(bytes)]() { return inner_->write(bytes.begin(), bytes.size()); });
-    writes_ = sent.fork();
-    return writes_.addBranch();
-  }
-
   static constexpr size_t kSize = 64 * 1024;
-  static constexpr size_t kSmall = 16 * 1024;
   kj::Own<kj::AsyncIoStream> inner_;
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
-  kj::Vector<kj::byte> pending_;  // small messages not yet written
-  bool flushScheduled_ = false;
-  kj::Maybe<kj::Exception> failed_;  // a deferred write failed: every later one does too
-  kj::ForkedPromise<void> writes_ = kj::Promise<void>(kj::READY_NOW).fork();  // the last write
-  kj::Promise<void> flush_ = kj::READY_NOW;
 };
 
 class RpcServerImpl final : public RpcServer {
@@ -163,6 +125,21 @@ kj::Promise<kj::Own<kj::AsyncIoStream>> connectOnce(kj::AsyncIoContext& io, cons
       });
 }
 
+// connectOnce, asked again while the server closes unanswered (RESOURCE_EXHAUSTED: a burst of
+// connections from this host is over its handshake limit), after 5 ms doubling to 200 ms; the
+// caller's deadline bounds it.
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectPatiently(kj::AsyncIoContext& io, const HostPort& address,
+                                                         std::shared_ptr<const std::string> token, bool secure,
+                                                         kj::Duration delay = 5 * kj::MILLISECONDS) {
+  return connectOnce(io, address, token, secure)
+      .catch_([&io, address, token, secure, delay](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
+        if (statusFromException(e, "").code() != StatusCode::kResourceExhausted) return kj::mv(e);
+        return io.provider->getTimer().afterDelay(delay).then([&io, address, token, secure, delay]() {
+          return connectPatiently(io, address, token, secure, kj::min(delay * 2, 200 * kj::MILLISECONDS));
+        });
+      });
+}
+
 }  // namespace
 
 kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
@@ -170,7 +147,7 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
   std::string where = address.toString();
   auto shared = std::make_shared<const std::string>(kj::mv(token));
   auto connected =
-      connectOnce(io, address, shared, tls::required())
+      connectPatiently(io, address, shared, tls::required())
           .catch_([&io, address, shared](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
             // A --tls cluster said so (the handshake's only FAILED_PRECONDITION): speak TLS from
             // now on in this process.
@@ -178,7 +155,7 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
               return kj::mv(e);
             }
             tls::require();
-            return connectOnce(io, address, shared, true);
+            return connectPatiently(io, address, shared, true);
           })
           .then([](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream)); });
   auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<RpcClient> {
