@@ -67,6 +67,10 @@ bool same(const kj::byte* a, const Mac& b) { return CRYPTO_memcmp(a, b.data(), k
 
 // A refusal carries its code (UNAUTHENTICATED, or FAILED_PRECONDITION for kTlsRequired) for the
 // caller to act on; DISCONNECTED because the connection is gone.
+constexpr const char* kClosedUnanswered =
+    "the server closed the connection before answering (too many handshakes from this host at once, or it is "
+    "stopping)";
+
 kj::Exception refusedBy(StatusCode code, const char* why) {
   return exceptionFromStatus(Status(code, why), kj::Exception::Type::DISCONNECTED);
 }
@@ -254,8 +258,12 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
     auto reply = kj::heapArray<kj::byte>(kNonce + kMac);
     auto* r = reply.begin();
     return stream.tryRead(r, kNonce + kMac, kNonce + kMac)
+        .catch_([](kj::Exception&&) -> size_t { return 0; })  // reset before any answer: as a close
         .then([&stream, &token, purpose, cn, reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
           if (got == 1 && reply[0] == kSpeakTls) return refusedBy(StatusCode::kFailedPrecondition, kTlsRequired);
+          // Closed unanswered: the server had kMaxPendingPerSource handshakes from this host under
+          // way (or is stopping). RpcClient::connect asks again.
+          if (got == 0) return refusedBy(StatusCode::kResourceExhausted, kClosedUnanswered);
           if (got != kNonce + kMac) return refusedBy(StatusCode::kUnauthenticated, "the cluster token was rejected");
           if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.begin()))) {
             return refusedBy(StatusCode::kUnauthenticated, kNotShared);

@@ -58,6 +58,19 @@ TEST_CASE("rpc: a client with the cluster token can call the bootstrap capabilit
   CHECK(f.server->refusedConnections() == 0);
 }
 
+TEST_CASE("rpc: a burst of clients from one host all connect (those over the handshake limit ask again)") {
+  // 50 Python workers forked at once by a node's zygote connect to the controller together.
+  Fixture f;
+  constexpr int kClients = 3 * handshake::Acceptor::kMaxPendingPerSource;
+  auto connects = kj::heapArrayBuilder<kj::Promise<kj::Own<RpcClient>>>(kClients);
+  for (int i = 0; i < kClients; ++i) connects.add(RpcClient::connect(f.io, f.address(), "secret-token", 10 * kj::SECONDS));
+  auto clients = kj::joinPromises(connects.finish()).wait(f.io.waitScope);
+  for (auto& client : clients) {
+    auto reply = client->bootstrap<rpc::NodeAgent>().pingRequest().send().wait(f.io.waitScope);
+    CHECK(std::string(reply.getNodeId().cStr()) == "n1");
+  }
+}
+
 TEST_CASE("rpc: a wrong token is refused before any capability is handed out") {
   Fixture f;
   Status error;
