@@ -105,6 +105,32 @@ void checkCounts(const char* optimizer, size_t params, size_t other, const char*
   TORCH_CHECK(params == other, optimizer, ": got ", params, " parameters but ", other, " ", what);
 }
 
+// Checks every parameter and its gradient, calling per_param(i) (the state checks) after
+// parameter i's; returns the gradients as the kernels read them.
+template <typename PerParam>
+std::vector<Tensor> readableGrads(const char* optimizer, const std::vector<Tensor>& params,
+                                  const std::vector<Tensor>& grads, const PerParam& per_param) {
+  checkCounts(optimizer, params.size(), grads.size(), "gradients");
+  std::vector<Tensor> g(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    checkParam(optimizer, params[i]);
+    g[i] = readableGrad(optimizer, params[i], grads[i]);
+    per_param(i);
+  }
+  return g;
+}
+
+std::vector<Tensor> readableGrads(const char* optimizer, const std::vector<Tensor>& params,
+                                  const std::vector<Tensor>& grads) {
+  return readableGrads(optimizer, params, grads, [](size_t) {});
+}
+
+// The two moments of AdamW and LAMB.
+void momentBuffers(const char* optimizer, MomentsParamState& state, const Tensor& param) {
+  stateBuffer(optimizer, "exp_avg", state.exp_avg(), param);
+  stateBuffer(optimizer, "exp_avg_sq", state.exp_avg_sq(), param);
+}
+
 // Calls body(T{}, indices) for the float32 parameters, then for the float64 ones: each kernel
 // call, and so each parallel region, covers one dtype.
 template <typename F>
@@ -195,15 +221,8 @@ void loadStateAndOptions(torch::serialize::InputArchive& archive, torch::optim::
   }
 }
 
-// Sums the squared norms of every pending parameter across shards (in place), when sharded.
-void reduceNorms(const SquaredNormReducer& reducer, Tensor& sums) {
-  if (!reducer) return;
-  reducer(sums);
-  TORCH_CHECK(sums.scalar_type() == at::kDouble && sums.dim() == 1, "SquaredNormReducer must reduce the float64 ",
-              "tensor in place, got ", sums.scalar_type(), " with sizes ", sums.sizes());
-}
+}  // namespace
 
-// Packs per-parameter norms into the reducer's tensor and back.
 Tensor packNorms(const std::vector<SquaredNorms>& norms) {
   Tensor sums = torch::empty({static_cast<int64_t>(2 * norms.size())}, torch::kDouble);
   double* s = sums.data_ptr<double>();
@@ -214,9 +233,11 @@ Tensor packNorms(const std::vector<SquaredNorms>& norms) {
   return sums;
 }
 
-std::vector<SquaredNorms> unpackNorms(const Tensor& sums_in, size_t count) {
-  TORCH_CHECK(sums_in.numel() == static_cast<int64_t>(2 * count), "SquaredNormReducer changed the number of sums from ",
-              2 * count, " to ", sums_in.numel());
+std::vector<SquaredNorms> unpackNorms(const char* optimizer, const Tensor& sums_in, size_t count) {
+  TORCH_CHECK_VALUE(sums_in.defined() && sums_in.scalar_type() == at::kDouble && sums_in.dim() == 1 &&
+                        sums_in.numel() == static_cast<int64_t>(2 * count) && sums_in.device().is_cpu(),
+                    optimizer, ": the squared norms must be a float64 CPU tensor of length ", 2 * count,
+                    " (did the norm reducer replace or resize it?)");
   const Tensor sums = sums_in.contiguous();
   const double* s = sums.data_ptr<double>();
   std::vector<SquaredNorms> out(count);
@@ -224,7 +245,95 @@ std::vector<SquaredNorms> unpackNorms(const Tensor& sums_in, size_t count) {
   return out;
 }
 
-}  // namespace
+// ============================ the shell of every rule ============================
+
+template <typename Derived>
+void FieldsParamState<Derived>::serialize(torch::serialize::OutputArchive& archive) const {
+  for (const StateField& f : fieldsOf(const_cast<Derived&>(static_cast<const Derived&>(*this)))) {
+    if (f.counter != nullptr) {
+      archive.write(f.name, c10::IValue(*f.counter));
+    } else if (f.tensor->defined()) {
+      archive.write(f.name, c10::IValue(*f.tensor));
+    }
+  }
+}
+
+template <typename Derived>
+void FieldsParamState<Derived>::serialize(torch::serialize::InputArchive& archive) {
+  for (const StateField& f : fieldsOf(static_cast<Derived&>(*this))) {
+    c10::IValue value;
+    const bool present = archive.try_read(f.name, value);
+    if (f.counter != nullptr) {
+      TORCH_CHECK(present, "optimizer state: the archive has no '", f.name, "'");
+      *f.counter = value.toInt();
+    } else if (present) {
+      *f.tensor = value.toTensor();
+    }
+  }
+}
+
+template <typename Rule>
+FusedOptimizer<Rule>::FusedOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups, Options defaults,
+                                     SquaredNormReducer reducer)
+    : Optimizer(std::move(param_groups), std::make_unique<Options>(defaults)),
+      reducer_(std::move(reducer)),
+      threads_(defaultKernelThreads()) {
+  validate(defaults);
+  TORCH_CHECK(Rule::kTwoPass || !reducer_, Rule::kName, ": a SquaredNormReducer is for LAMB and LARS (",
+              Rule::kName, " uses no whole-tensor norms)");
+}
+
+template <typename Rule>
+FusedOptimizer<Rule>::FusedOptimizer(std::vector<Tensor> params, Options defaults, SquaredNormReducer reducer)
+    : FusedOptimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
+          std::move(defaults), std::move(reducer)) {}
+
+template <typename Rule>
+Tensor FusedOptimizer<Rule>::step(LossClosure closure) {
+  using State = typename Rule::State;
+  torch::NoGradGuard no_grad;
+  Tensor loss = evaluate(closure);
+  for (auto& group : param_groups_) validate(optionsOf<Options>(group));
+  std::vector<GroupWork<State>> work;
+  for (auto& group : param_groups_) work.push_back(withGrads<State>(group, state_));
+  if constexpr (Rule::kTwoPass) {
+    // Pass 1 over every group, one reducer call for all of them, then pass 2.
+    std::vector<SquaredNorms> norms;
+    for (size_t gi = 0; gi < work.size(); ++gi) {
+      const auto n = Rule::norms(work[gi].params, work[gi].grads, work[gi].states,
+                                 optionsOf<Options>(param_groups_[gi]), threads_);
+      norms.insert(norms.end(), n.begin(), n.end());
+    }
+    if (reducer_) {
+      Tensor sums = packNorms(norms);
+      reducer_(sums);
+      norms = unpackNorms(Rule::kName, sums, norms.size());
+    }
+    size_t offset = 0;
+    for (size_t gi = 0; gi < work.size(); ++gi) {
+      const std::vector<SquaredNorms> whole(norms.begin() + offset, norms.begin() + offset + work[gi].params.size());
+      offset += work[gi].params.size();
+      Rule::apply(work[gi].params, work[gi].grads, work[gi].states, optionsOf<Options>(param_groups_[gi]), whole,
+                  threads_);
+    }
+  } else {
+    for (size_t gi = 0; gi < work.size(); ++gi) {
+      Rule::step(work[gi].params, work[gi].grads, work[gi].states, optionsOf<Options>(param_groups_[gi]), threads_);
+    }
+  }
+  return loss;
+}
+
+template <typename Rule>
+void FusedOptimizer<Rule>::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<typename Rule::State, Options>(archive, *this);
+}
+
+template <typename Rule>
+void FusedOptimizer<Rule>::load(torch::serialize::InputArchive& archive) {
+  loadStateAndOptions<typename Rule::State, Options>(archive, *this);
+}
 
 // ================================== AdamW ==================================
 
@@ -244,16 +353,8 @@ void AdamWOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
 }
 
-void AdamWParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-}
-
-void AdamWParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg_sq);
+std::vector<StateField> fieldsOf(MomentsParamState& s) {
+  return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
 }
 
 void validate(const AdamWOptions& o) {
@@ -263,17 +364,11 @@ void validate(const AdamWOptions& o) {
   checkNonNegative("AdamW", "weight_decay", o.weight_decay());
 }
 
-void adamwStep(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-               const std::vector<AdamWParamState*>& states, const AdamWOptions& o, int threads) {
-  checkCounts("AdamW", params.size(), grads.size(), "gradients");
+void AdamWRule::step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<AdamWParamState*>& states, const AdamWOptions& o, int threads) {
   checkCounts("AdamW", params.size(), states.size(), "states");
-  std::vector<Tensor> g(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("AdamW", params[i]);
-    g[i] = readableGrad("AdamW", params[i], grads[i]);
-    stateBuffer("AdamW", "exp_avg", states[i]->exp_avg(), params[i]);
-    stateBuffer("AdamW", "exp_avg_sq", states[i]->exp_avg_sq(), params[i]);
-  }
+  const auto g =
+      readableGrads("AdamW", params, grads, [&](size_t i) { momentBuffers("AdamW", *states[i], params[i]); });
   for (auto* s : states) s->step(s->step() + 1);
   const auto [b1, b2] = o.betas();
   byDtype(params, [&](auto tag, const std::vector<size_t>& indices) {
@@ -300,35 +395,6 @@ void adamwStep(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
     });
   });
   markWritten(params);
-}
-
-AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamWOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<AdamWOptions>(defaults)),
-      threads_(defaultKernelThreads()) {
-  validate(defaults);
-}
-
-AdamW::AdamW(std::vector<Tensor> params, AdamWOptions defaults)
-    : AdamW(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
-            std::move(defaults)) {}
-
-Tensor AdamW::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = evaluate(closure);
-  for (auto& group : param_groups_) validate(optionsOf<AdamWOptions>(group));
-  for (auto& group : param_groups_) {
-    auto work = withGrads<AdamWParamState>(group, state_);
-    adamwStep(work.params, work.grads, work.states, optionsOf<AdamWOptions>(group), threads_);
-  }
-  return loss;
-}
-
-void AdamW::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
-}
-
-void AdamW::load(torch::serialize::InputArchive& archive) {
-  loadStateAndOptions<AdamWParamState, AdamWOptions>(archive, *this);
 }
 
 // =================================== AGD ===================================
@@ -359,20 +425,12 @@ void AgdOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(double, clip);
 }
 
-void AgdParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(z);
-}
-
-void AgdParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, max_exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, z);
+std::vector<StateField> fieldsOf(AgdParamState& s) {
+  return {{"step", nullptr, &s.step()},
+          {"exp_avg", &s.exp_avg()},
+          {"exp_avg_sq", &s.exp_avg_sq()},
+          {"max_exp_avg_sq", &s.max_exp_avg_sq()},
+          {"z", &s.z()}};
 }
 
 void validate(const AgdOptions& o) {
@@ -390,19 +448,15 @@ void validate(const AgdOptions& o) {
   }
 }
 
-void agdStep(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-             const std::vector<AgdParamState*>& states, const AgdOptions& o, int threads) {
-  checkCounts("AGD", params.size(), grads.size(), "gradients");
+void AgdRule::step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                   const std::vector<AgdParamState*>& states, const AgdOptions& o, int threads) {
   checkCounts("AGD", params.size(), states.size(), "states");
-  std::vector<Tensor> g(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("AGD", params[i]);
-    g[i] = readableGrad("AGD", params[i], grads[i]);
+  const auto g = readableGrads("AGD", params, grads, [&](size_t i) {
     stateBuffer("AGD", "exp_avg", states[i]->exp_avg(), params[i]);
     stateBuffer("AGD", "exp_avg_sq", states[i]->exp_avg_sq(), params[i]);
     if (o.amsgrad()) stateBuffer("AGD", "max_exp_avg_sq", states[i]->max_exp_avg_sq(), params[i]);
     if (o.win()) stateBuffer("AGD", "z", states[i]->z(), params[i]);
-  }
+  });
   for (auto* s : states) s->step(s->step() + 1);
   const auto [b1, b2] = o.betas();
   const double lr = o.lr();
@@ -454,34 +508,6 @@ void agdStep(const std::vector<Tensor>& params, const std::vector<Tensor>& grads
   markWritten(params);
 }
 
-Agd::Agd(std::vector<torch::optim::OptimizerParamGroup> param_groups, AgdOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<AgdOptions>(defaults)), threads_(defaultKernelThreads()) {
-  validate(defaults);
-}
-
-Agd::Agd(std::vector<Tensor> params, AgdOptions defaults)
-    : Agd(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
-          std::move(defaults)) {}
-
-Tensor Agd::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = evaluate(closure);
-  for (auto& group : param_groups_) validate(optionsOf<AgdOptions>(group));
-  for (auto& group : param_groups_) {
-    auto work = withGrads<AgdParamState>(group, state_);
-    agdStep(work.params, work.grads, work.states, optionsOf<AgdOptions>(group), threads_);
-  }
-  return loss;
-}
-
-void Agd::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<AgdParamState, AgdOptions>(archive, *this);
-}
-
-void Agd::load(torch::serialize::InputArchive& archive) {
-  loadStateAndOptions<AgdParamState, AgdOptions>(archive, *this);
-}
-
 // =================================== LAMB ==================================
 
 LambOptions::LambOptions(double lr) : lr_(lr) {}
@@ -502,17 +528,6 @@ void LambOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
 }
 
-void LambParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-}
-
-void LambParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, exp_avg_sq);
-}
 
 void validate(const LambOptions& o) {
   checkNonNegative("LAMB", "lr", o.lr());
@@ -529,17 +544,11 @@ kernels::LambCoeffs<T> lambCoeffs(const LambOptions& o) {
 }
 }  // namespace
 
-std::vector<SquaredNorms> lambMoments(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                                      const std::vector<LambParamState*>& states, const LambOptions& o, int threads) {
-  checkCounts("LAMB", params.size(), grads.size(), "gradients");
+std::vector<SquaredNorms> LambRule::norms(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                                          const std::vector<LambParamState*>& states, const LambOptions& o,
+                                          int threads) {
   checkCounts("LAMB", params.size(), states.size(), "states");
-  std::vector<Tensor> g(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("LAMB", params[i]);
-    g[i] = readableGrad("LAMB", params[i], grads[i]);
-    stateBuffer("LAMB", "exp_avg", states[i]->exp_avg(), params[i]);
-    stateBuffer("LAMB", "exp_avg_sq", states[i]->exp_avg_sq(), params[i]);
-  }
+  const auto g = readableGrads("LAMB", params, grads, [&](size_t i) { momentBuffers("LAMB", *states[i], params[i]); });
   for (auto* s : states) s->step(s->step() + 1);
   std::vector<SquaredNorms> out(params.size());
   byDtype(params, [&](auto tag, const std::vector<size_t>& indices) {
@@ -563,11 +572,12 @@ std::vector<SquaredNorms> lambMoments(const std::vector<Tensor>& params, const s
   return out;
 }
 
-void lambApply(const std::vector<Tensor>& params, const std::vector<LambParamState*>& states, const LambOptions& o,
-               const std::vector<SquaredNorms>& whole, int threads) {
+void LambRule::apply(const std::vector<Tensor>& params, const std::vector<Tensor>& /*grads*/,
+                     const std::vector<LambParamState*>& states, const LambOptions& o,
+                     const std::vector<SquaredNorms>& whole, int threads) {
   checkCounts("LAMB", params.size(), states.size(), "states");
   checkCounts("LAMB", params.size(), whole.size(), "norms");
-  const char* missing = "lambApply before lambMoments for this parameter";
+  const char* missing = "pass 2 (apply) before pass 1 (norms) for this parameter";
   for (size_t i = 0; i < params.size(); ++i) {
     checkParam("LAMB", params[i]);
     TORCH_CHECK(states[i]->step() > 0, "LAMB: ", missing);
@@ -602,52 +612,6 @@ void lambApply(const std::vector<Tensor>& params, const std::vector<LambParamSta
   markWritten(params);
 }
 
-Lamb::Lamb(std::vector<torch::optim::OptimizerParamGroup> param_groups, LambOptions defaults,
-           SquaredNormReducer reducer)
-    : Optimizer(std::move(param_groups), std::make_unique<LambOptions>(defaults)),
-      reducer_(std::move(reducer)),
-      threads_(defaultKernelThreads()) {
-  validate(defaults);
-}
-
-Lamb::Lamb(std::vector<Tensor> params, LambOptions defaults, SquaredNormReducer reducer)
-    : Lamb(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
-           std::move(defaults), std::move(reducer)) {}
-
-Tensor Lamb::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = evaluate(closure);
-  for (auto& group : param_groups_) validate(optionsOf<LambOptions>(group));
-  std::vector<GroupWork<LambParamState>> work;
-  std::vector<SquaredNorms> norms;
-  for (auto& group : param_groups_) {
-    work.push_back(withGrads<LambParamState>(group, state_));
-    const auto n = lambMoments(work.back().params, work.back().grads, work.back().states,
-                               optionsOf<LambOptions>(group), threads_);
-    norms.insert(norms.end(), n.begin(), n.end());
-  }
-  if (reducer_) {
-    Tensor sums = packNorms(norms);
-    reduceNorms(reducer_, sums);
-    norms = unpackNorms(sums, norms.size());
-  }
-  size_t offset = 0;
-  for (size_t gi = 0; gi < work.size(); ++gi) {
-    const std::vector<SquaredNorms> whole(norms.begin() + offset, norms.begin() + offset + work[gi].params.size());
-    offset += work[gi].params.size();
-    lambApply(work[gi].params, work[gi].states, optionsOf<LambOptions>(param_groups_[gi]), whole, threads_);
-  }
-  return loss;
-}
-
-void Lamb::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<LambParamState, LambOptions>(archive, *this);
-}
-
-void Lamb::load(torch::serialize::InputArchive& archive) {
-  loadStateAndOptions<LambParamState, LambOptions>(archive, *this);
-}
-
 // =================================== LARS ==================================
 
 LarsOptions::LarsOptions(double lr) : lr_(lr) {}
@@ -668,13 +632,7 @@ void LarsOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, epsilon);
 }
 
-void LarsParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
-}
-
-void LarsParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(Tensor, momentum_buffer);
-}
+std::vector<StateField> fieldsOf(LarsParamState& s) { return {{"momentum_buffer", &s.momentum_buffer()}}; }
 
 void validate(const LarsOptions& o) {
   checkNonNegative("LARS", "lr", o.lr());
@@ -684,14 +642,10 @@ void validate(const LarsOptions& o) {
   checkNonNegative("LARS", "epsilon", o.epsilon());
 }
 
-std::vector<SquaredNorms> larsNorms(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                                    int threads) {
-  checkCounts("LARS", params.size(), grads.size(), "gradients");
-  std::vector<Tensor> g(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("LARS", params[i]);
-    g[i] = readableGrad("LARS", params[i], grads[i]);
-  }
+std::vector<SquaredNorms> LarsRule::norms(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                                          const std::vector<LarsParamState*>& /*states*/, const LarsOptions& /*o*/,
+                                          int threads) {
+  const auto g = readableGrads("LARS", params, grads);
   std::vector<SquaredNorms> out(params.size());
   byDtype(params, [&](auto tag, const std::vector<size_t>& indices) {
     using T = decltype(tag);
@@ -705,25 +659,20 @@ std::vector<SquaredNorms> larsNorms(const std::vector<Tensor>& params, const std
   return out;
 }
 
-void larsApply(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-               const std::vector<LarsParamState*>& states, const LarsOptions& o, const std::vector<SquaredNorms>& whole,
-               int threads) {
-  checkCounts("LARS", params.size(), grads.size(), "gradients");
+void LarsRule::apply(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<LarsParamState*>& states, const LarsOptions& o,
+                     const std::vector<SquaredNorms>& whole, int threads) {
   checkCounts("LARS", params.size(), states.size(), "states");
   checkCounts("LARS", params.size(), whole.size(), "norms");
-  std::vector<Tensor> g(params.size());
   std::vector<char> first(params.size(), 0);
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("LARS", params[i]);
-    g[i] = readableGrad("LARS", params[i], grads[i]);
-    if (o.momentum() != 0) {
-      first[i] = !states[i]->momentum_buffer().defined();
-      if (first[i]) {  // written before it is read
-        states[i]->momentum_buffer(at::empty_like(params[i], at::MemoryFormat::Contiguous));
-      }
-      stateBuffer("LARS", "momentum_buffer", states[i]->momentum_buffer(), params[i]);
+  const auto g = readableGrads("LARS", params, grads, [&](size_t i) {
+    if (o.momentum() == 0) return;
+    first[i] = !states[i]->momentum_buffer().defined();
+    if (first[i]) {  // written before it is read
+      states[i]->momentum_buffer(at::empty_like(params[i], at::MemoryFormat::Contiguous));
     }
-  }
+    stateBuffer("LARS", "momentum_buffer", states[i]->momentum_buffer(), params[i]);
+  });
   byDtype(params, [&](auto tag, const std::vector<size_t>& indices) {
     using T = decltype(tag);
     struct Item {
@@ -752,51 +701,13 @@ void larsApply(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
   markWritten(params);
 }
 
-Lars::Lars(std::vector<torch::optim::OptimizerParamGroup> param_groups, LarsOptions defaults,
-           SquaredNormReducer reducer)
-    : Optimizer(std::move(param_groups), std::make_unique<LarsOptions>(defaults)),
-      reducer_(std::move(reducer)),
-      threads_(defaultKernelThreads()) {
-  validate(defaults);
-}
-
-Lars::Lars(std::vector<Tensor> params, LarsOptions defaults, SquaredNormReducer reducer)
-    : Lars(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
-           std::move(defaults), std::move(reducer)) {}
-
-Tensor Lars::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = evaluate(closure);
-  for (auto& group : param_groups_) validate(optionsOf<LarsOptions>(group));
-  std::vector<GroupWork<LarsParamState>> work;
-  std::vector<SquaredNorms> norms;
-  for (auto& group : param_groups_) {
-    work.push_back(withGrads<LarsParamState>(group, state_));
-    const auto n = larsNorms(work.back().params, work.back().grads, threads_);
-    norms.insert(norms.end(), n.begin(), n.end());
-  }
-  if (reducer_) {
-    Tensor sums = packNorms(norms);
-    reduceNorms(reducer_, sums);
-    norms = unpackNorms(sums, norms.size());
-  }
-  size_t offset = 0;
-  for (size_t gi = 0; gi < work.size(); ++gi) {
-    const std::vector<SquaredNorms> whole(norms.begin() + offset, norms.begin() + offset + work[gi].params.size());
-    offset += work[gi].params.size();
-    larsApply(work[gi].params, work[gi].grads, work[gi].states, optionsOf<LarsOptions>(param_groups_[gi]), whole,
-              threads_);
-  }
-  return loss;
-}
-
-void Lars::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<LarsParamState, LarsOptions>(archive, *this);
-}
-
-void Lars::load(torch::serialize::InputArchive& archive) {
-  loadStateAndOptions<LarsParamState, LarsOptions>(archive, *this);
-}
+template struct FieldsParamState<MomentsParamState>;
+template struct FieldsParamState<AgdParamState>;
+template struct FieldsParamState<LarsParamState>;
+template class FusedOptimizer<AdamWRule>;
+template class FusedOptimizer<AgdRule>;
+template class FusedOptimizer<LambRule>;
+template class FusedOptimizer<LarsRule>;
 
 // =================================== WSAM ==================================
 
@@ -818,6 +729,8 @@ void WsamOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decouple);
 }
 
+std::vector<StateField> fieldsOf(WsamParamState& s) { return {{"e", &s.e()}, {"grad", &s.grad()}}; }
+
 void validate(const WsamOptions& o) {
   checkNonNegative("WSAM", "rho", o.rho());
   TORCH_CHECK_VALUE(o.gamma() >= 0 && o.gamma() < 1, "WSAM: gamma must be in [0, 1) (alpha = gamma/(1-gamma)), got ",
@@ -836,12 +749,7 @@ void checkWsamLists(const std::vector<Tensor>& params, const std::vector<Tensor>
 
 double wsamGradSquaredNorm(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, bool adaptive,
                            int threads) {
-  checkCounts("WSAM", params.size(), grads.size(), "gradients");
-  std::vector<Tensor> g(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    checkParam("WSAM", params[i]);
-    g[i] = readableGrad("WSAM", params[i], grads[i]);
-  }
+  const auto g = readableGrads("WSAM", params, grads);
   std::vector<double> per_param(params.size(), 0.0);
   byDtype(params, [&](auto tag, const std::vector<size_t>& indices) {
     using T = decltype(tag);
@@ -983,7 +891,10 @@ void Wsam::firstStep() {
   }
   if (norm_reducer_) {
     Tensor sums = torch::full({1}, squared, torch::kDouble);
-    reduceNorms(norm_reducer_, sums);
+    norm_reducer_(sums);
+    TORCH_CHECK_VALUE(sums.defined() && sums.scalar_type() == at::kDouble && sums.numel() == 1,
+                      "WSAM: the squared norm must stay a float64 tensor of one element (did the norm reducer ",
+                      "replace or resize it?)");
     squared = sums.item<double>();
   }
   const double norm = std::sqrt(squared);

@@ -309,6 +309,47 @@ TEST_CASE("a float16 parameter is refused with a TypeError") {
   CHECK_THROWS_AS(opt.step(), c10::TypeError);
 }
 
+TEST_CASE("stepRule on caller-owned states runs the rule the class runs, bit for bit") {
+  auto by_class = makeParams(torch::kFloat, 9);
+  auto by_rule = cloneAll(by_class);
+  const auto options = LambOptions(1e-2).weight_decay(0.01).bias_correction(true);
+  Lamb opt(by_class, options);
+  std::vector<LambParamState> states(by_rule.size());
+  std::vector<LambParamState*> pointers;
+  for (auto& s : states) pointers.push_back(&s);
+  int whole_calls = 0;
+  for (int step = 0; step < 3; ++step) {
+    stepWith(opt, by_class, 900 + step);
+    torch::manual_seed(900 + step);
+    std::vector<Tensor> grads;
+    for (const auto& p : by_rule) grads.push_back(torch::randn_like(p));
+    torch::NoGradGuard no_grad;
+    stepRule<LambRule>(by_rule, grads, pointers, options, defaultKernelThreads(),
+                       [&](std::vector<SquaredNorms>& norms) {
+                         CHECK(norms.size() == by_rule.size());
+                         ++whole_calls;
+                       });
+  }
+  CHECK(whole_calls == 3);
+  CHECK(allEqual(by_class, by_rule));
+  CHECK(states[0].step() == 3);
+  const auto fields = fieldsOf(states[0]);
+  REQUIRE(fields.size() == 3);
+  CHECK(fields[0].name == "step");
+  CHECK(fields[0].counter == &states[0].step());
+  CHECK(fields[1].tensor->is_same(states[0].exp_avg()));
+}
+
+TEST_CASE("a one-pass rule refuses a norm reducer; a reducer that resizes the sums is a ValueError") {
+  std::vector<Tensor> params = {torch::zeros({2})};
+  const SquaredNormReducer noop = [](Tensor&) {};
+  CHECK_THROWS_AS(AdamW(params, AdamWOptions(), noop), c10::Error);
+  CHECK_THROWS_AS(Agd(params, AgdOptions(), noop), c10::Error);
+  Lars lars(params, LarsOptions(), [](Tensor& sums) { sums = torch::zeros({1}, torch::kDouble); });
+  params[0].mutable_grad() = torch::ones({2});
+  CHECK_THROWS_AS(lars.step(), c10::ValueError);
+}
+
 TEST_CASE("results do not depend on the kernel thread count") {
   auto one = makeParams(torch::kFloat, 7);
   auto two = cloneAll(one);

@@ -115,14 +115,10 @@ Status checkHost(const HostTensor& host, const std::string& what) {
   return Status::ok();
 }
 
-// ---- Optimizer rules: the functional steps of optimizers/ over states the engine owns, so
-// every state field is enumerable for checkpoints ----
+// ---- Optimizer rules: the rules of optimizers/ over states the engine owns, so every state
+// field is enumerable for checkpoints ----
 
-struct StateField {
-  std::string name;
-  at::Tensor* tensor = nullptr;  // a per-parameter buffer of the parameter's shape, or
-  int64_t* counter = nullptr;    // a step count
-};
+using optimizers::StateField;
 
 // A collective failed inside the sharded optimizer step (ZeRO): unwinds to step().
 struct CollectiveFailure {
@@ -149,86 +145,29 @@ std::vector<State*> pointersTo(std::vector<State>& states) {
   return out;
 }
 
-class AdamWRule final : public UpdateRule {
+// Any rule of optimizers/ (fused_optimizer.h): the same code as the LibTorch classes and
+// troupe.optim run, over whole parameters or this rank's ZeRO pieces.
+template <typename Rule>
+class FusedRule final : public UpdateRule {
  public:
-  AdamWRule(size_t n, optimizers::AdamWOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
+  FusedRule(size_t n, typename Rule::Options o, int threads) : states_(n), o_(std::move(o)), threads_(threads) {}
   void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
-    optimizers::adamwStep(p, g, pointersTo(states_), o_, threads_);
+    optimizers::stepRule<Rule>(p, g, pointersTo(states_), o_, threads_, whole_norms);
   }
-  std::vector<StateField> fields(size_t i) override {
-    auto& s = states_[i];
-    return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
-  }
+  std::vector<StateField> fields(size_t i) override { return fieldsOf(states_[i]); }
   double lr() const override { return o_.lr(); }
 
  private:
-  std::vector<optimizers::AdamWParamState> states_;
-  optimizers::AdamWOptions o_;
+  std::vector<typename Rule::State> states_;
+  typename Rule::Options o_;
   int threads_;
 };
 
-class AgdRule final : public UpdateRule {
- public:
-  AgdRule(size_t n, optimizers::AgdOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
-  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
-    optimizers::agdStep(p, g, pointersTo(states_), o_, threads_);
-  }
-  std::vector<StateField> fields(size_t i) override {
-    auto& s = states_[i];
-    return {{"step", nullptr, &s.step()},
-            {"exp_avg", &s.exp_avg()},
-            {"exp_avg_sq", &s.exp_avg_sq()},
-            {"max_exp_avg_sq", &s.max_exp_avg_sq()},
-            {"z", &s.z()}};
-  }
-  double lr() const override { return o_.lr(); }
-
- private:
-  std::vector<optimizers::AgdParamState> states_;
-  optimizers::AgdOptions o_;
-  int threads_;
-};
-
-class LambRule final : public UpdateRule {
- public:
-  LambRule(size_t n, optimizers::LambOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
-  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
-    auto states = pointersTo(states_);
-    // Whole tensors on every rank: the partial norms are the whole norms (no reducer).
-    auto norms = optimizers::lambMoments(p, g, states, o_, threads_);
-    if (whole_norms) whole_norms(norms);
-    optimizers::lambApply(p, states, o_, norms, threads_);
-  }
-  std::vector<StateField> fields(size_t i) override {
-    auto& s = states_[i];
-    return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
-  }
-  double lr() const override { return o_.lr(); }
-
- private:
-  std::vector<optimizers::LambParamState> states_;
-  optimizers::LambOptions o_;
-  int threads_;
-};
-
-class LarsRule final : public UpdateRule {
- public:
-  LarsRule(size_t n, optimizers::LarsOptions o, int threads) : states_(n), o_(o), threads_(threads) {}
-  void step(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) override {
-    auto norms = optimizers::larsNorms(p, g, threads_);
-    if (whole_norms) whole_norms(norms);
-    optimizers::larsApply(p, g, pointersTo(states_), o_, norms, threads_);
-  }
-  std::vector<StateField> fields(size_t i) override {
-    return {{"momentum_buffer", &states_[i].momentum_buffer()}};
-  }
-  double lr() const override { return o_.lr(); }
-
- private:
-  std::vector<optimizers::LarsParamState> states_;
-  optimizers::LarsOptions o_;
-  int threads_;
-};
+template <typename Rule>
+std::unique_ptr<UpdateRule> fusedRule(const typename Rule::Options& options, size_t n, int threads) {
+  optimizers::validate(options);
+  return std::make_unique<FusedRule<Rule>>(n, options, threads);
+}
 
 // Plain SGD as torch.optim.SGD: d = g + wd * p; buf = d (first step) or momentum * buf + d.
 class SgdRule final : public UpdateRule {
@@ -261,29 +200,18 @@ Result<std::unique_ptr<UpdateRule>> makeRule(const std::string& name, const Trai
                                              size_t n) {
   try {
     if (name == "adamw") {
-      optimizers::AdamWOptions a(o.lr);
-      a.weight_decay(o.weight_decay);
-      optimizers::validate(a);
-      return std::unique_ptr<UpdateRule>(std::make_unique<AdamWRule>(n, a, o.threads));
+      return fusedRule<optimizers::AdamWRule>(optimizers::AdamWOptions(o.lr).weight_decay(o.weight_decay), n,
+                                              o.threads);
     }
     if (name == "agd") {
-      optimizers::AgdOptions a(o.lr);
-      a.weight_decay(o.weight_decay);
-      optimizers::validate(a);
-      return std::unique_ptr<UpdateRule>(std::make_unique<AgdRule>(n, a, o.threads));
+      return fusedRule<optimizers::AgdRule>(optimizers::AgdOptions(o.lr).weight_decay(o.weight_decay), n, o.threads);
     }
     if (name == "lamb") {
-      optimizers::LambOptions a(o.lr);
-      a.weight_decay(o.weight_decay);
-      optimizers::validate(a);
-      return std::unique_ptr<UpdateRule>(std::make_unique<LambRule>(n, a, o.threads));
+      return fusedRule<optimizers::LambRule>(optimizers::LambOptions(o.lr).weight_decay(o.weight_decay), n, o.threads);
     }
     if (name == "lars") {
-      optimizers::LarsOptions a(o.lr);
-      a.weight_decay(o.weight_decay);
-      a.momentum(o.momentum);
-      optimizers::validate(a);
-      return std::unique_ptr<UpdateRule>(std::make_unique<LarsRule>(n, a, o.threads));
+      return fusedRule<optimizers::LarsRule>(
+          optimizers::LarsOptions(o.lr).weight_decay(o.weight_decay).momentum(o.momentum), n, o.threads);
     }
     if (name == "sgd") {
       if (!(o.lr >= 0) || !(o.momentum >= 0) || !(o.weight_decay >= 0)) {

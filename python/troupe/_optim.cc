@@ -1,11 +1,12 @@
-// troupe._optim: the fused optimizer steps of optimizers/ for troupe/optim.py.
+// troupe._optim: the rules of optimizers/ (fused_optimizer.h) for troupe/optim.py.
 //
 // torch.optim.Optimizer keeps hyper-parameters in param_group dicts and per-parameter state in
 // `state[p]` dicts, and its state_dict()/load_state_dict() work on those. So the functions here
 // take a group dict and lists of (param, grad, state dict), convert them to the C++ options and
-// param states, run the kernels without the GIL, and write new state (step, buffers created on
-// the first step) back into the dicts. Hyper-parameters are validated by the C++ `validate`
-// functions; c10::ValueError / TypeError become Python ValueError / TypeError.
+// param states (by the fields each state lists: fieldsOf), run the rule without the GIL, and
+// write new state (step, buffers created on the first step) back into the dicts.
+// Hyper-parameters are validated by the C++ `validate` functions; c10::ValueError / TypeError
+// become Python ValueError / TypeError.
 // Thread-safety: called with the GIL held; it is released around each kernel.
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "troupe/optimizers/adamw.h"
@@ -72,14 +74,20 @@ std::tuple<double, double> betas(const py::dict& group, const char* optimizer) {
   return {number(py::object(seq[0]), optimizer, "betas[0]"), number(py::object(seq[1]), optimizer, "betas[1]")};
 }
 
-AdamWOptions adamwOptions(const py::dict& g) {
+// The options of a rule from a param group dict: one specialisation per optimizer.
+template <typename Options>
+Options optionsFrom(const py::dict& g);
+
+template <>
+AdamWOptions optionsFrom(const py::dict& g) {
   AdamWOptions o(number(g, "AdamW", "lr"));
   o.betas(betas(g, "AdamW")).eps(number(g, "AdamW", "eps")).weight_decay(number(g, "AdamW", "weight_decay"));
   validate(o);
   return o;
 }
 
-AgdOptions agdOptions(const py::dict& g) {
+template <>
+AgdOptions optionsFrom(const py::dict& g) {
   AgdOptions o(number(g, "AGD", "lr"));
   o.betas(betas(g, "AGD"))
       .delta(number(g, "AGD", "delta"))
@@ -94,7 +102,8 @@ AgdOptions agdOptions(const py::dict& g) {
   return o;
 }
 
-LambOptions lambOptions(const py::dict& g) {
+template <>
+LambOptions optionsFrom(const py::dict& g) {
   LambOptions o(number(g, "LAMB", "lr"));
   o.betas(betas(g, "LAMB"))
       .eps(number(g, "LAMB", "eps"))
@@ -104,7 +113,8 @@ LambOptions lambOptions(const py::dict& g) {
   return o;
 }
 
-LarsOptions larsOptions(const py::dict& g) {
+template <>
+LarsOptions optionsFrom(const py::dict& g) {
   LarsOptions o(number(g, "LARS", "lr"));
   o.momentum(number(g, "LARS", "momentum"))
       .eeta(number(g, "LARS", "eeta"))
@@ -115,7 +125,8 @@ LarsOptions larsOptions(const py::dict& g) {
 }
 
 // WSAM's keys live in the base optimizer's group dicts, so its epsilon is `sam_eps` there.
-WsamOptions wsamOptions(const py::dict& g) {
+template <>
+WsamOptions optionsFrom(const py::dict& g) {
   const double sam_eps = number(g, "WSAM", "sam_eps");
   if (!std::isfinite(sam_eps) || sam_eps < 0) {
     throw py::value_error("WSAM: sam_eps must be a finite number >= 0, got " +
@@ -142,240 +153,113 @@ Tensor tensorIn(const py::dict& state, const char* key) {
   return THPVariable_Unpack(obj.ptr());
 }
 
-// Stores a buffer the step created (an existing one is the same tensor, already there).
-void tensorOut(py::dict& state, const char* key, const Tensor& t, const Tensor& before) {
-  if (t.defined() && !t.is_same(before)) state[key] = py::cast(t);
+int64_t counterIn(const py::dict& state, const std::string& key) {
+  if (!state.contains(key)) return 0;
+  return py::int_(state[key.c_str()]).cast<int64_t>();
 }
 
-int64_t stepIn(const py::dict& state) {
-  if (!state.contains("step")) return 0;
-  return py::int_(state["step"]).cast<int64_t>();
-}
-
-void checkLengths(const char* optimizer, size_t params, size_t other, const char* what) {
-  if (params != other) {
-    throw py::value_error(std::string(optimizer) + ": got " + std::to_string(params) + " parameters but " +
-                          std::to_string(other) + " " + what);
-  }
-}
-
-std::vector<py::dict> dicts(const py::list& states) {
-  std::vector<py::dict> out;
-  out.reserve(states.size());
+// The C++ states of a list of state dicts: each field of State from the entry of its name.
+template <typename State>
+std::vector<State> statesIn(const char* optimizer, size_t params, const py::list& states) {
   for (const auto& s : states) {
     if (!py::isinstance<py::dict>(s)) throw py::type_error("optimizer state entries must be dicts");
-    out.push_back(py::reinterpret_borrow<py::dict>(s));
+  }
+  if (params != states.size()) {
+    throw py::value_error(std::string(optimizer) + ": got " + std::to_string(params) + " parameters but " +
+                          std::to_string(states.size()) + " states");
+  }
+  std::vector<State> out(states.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const auto d = py::reinterpret_borrow<py::dict>(states[i]);
+    for (const StateField& f : fieldsOf(out[i])) {
+      if (f.counter != nullptr) {
+        *f.counter = counterIn(d, f.name);
+      } else {
+        *f.tensor = tensorIn(d, f.name.c_str());
+      }
+    }
   }
   return out;
 }
 
+// Writes back what a step changed: counters, and buffers it created (an existing buffer is the
+// same tensor, already in the dict).
 template <typename State>
-std::vector<State*> pointers(std::vector<State>& states) {
-  std::vector<State*> out;
-  out.reserve(states.size());
-  for (auto& s : states) out.push_back(&s);
-  return out;
-}
-
-void adamwStepAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const py::list& states, int threads) {
-  const AdamWOptions o = adamwOptions(group);
-  auto ds = dicts(states);
-  checkLengths("AdamW", params.size(), ds.size(), "states");
-  std::vector<AdamWParamState> st(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) {
-    st[i].step(stepIn(ds[i])).exp_avg(tensorIn(ds[i], "exp_avg")).exp_avg_sq(tensorIn(ds[i], "exp_avg_sq"));
-  }
-  const std::vector<AdamWParamState> before = st;
-  {
-    py::gil_scoped_release no_gil;
-    adamwStep(params, grads, pointers(st), o, threads);
-  }
-  for (size_t i = 0; i < ds.size(); ++i) {
-    ds[i]["step"] = st[i].step();
-    tensorOut(ds[i], "exp_avg", st[i].exp_avg(), before[i].exp_avg());
-    tensorOut(ds[i], "exp_avg_sq", st[i].exp_avg_sq(), before[i].exp_avg_sq());
+void statesOut(const py::list& states, std::vector<State>& after, std::vector<State>& before) {
+  for (size_t i = 0; i < after.size(); ++i) {
+    auto d = py::reinterpret_borrow<py::dict>(states[i]);
+    const auto now = fieldsOf(after[i]);
+    const auto old = fieldsOf(before[i]);
+    for (size_t k = 0; k < now.size(); ++k) {
+      if (now[k].counter != nullptr) {
+        if (*now[k].counter != *old[k].counter) d[now[k].name.c_str()] = *now[k].counter;
+      } else if (now[k].tensor->defined() && !now[k].tensor->is_same(*old[k].tensor)) {
+        d[now[k].name.c_str()] = py::cast(*now[k].tensor);
+      }
+    }
   }
 }
 
-void agdStepAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+// Runs body(states) without the GIL on the C++ form of the state dicts `states`, then writes
+// what changed back into them; returns what body returns.
+template <typename State, typename Body>
+auto onStates(const char* optimizer, size_t params, const py::list& states, const Body& body) {
+  std::vector<State> st = statesIn<State>(optimizer, params, states);
+  std::vector<State> before = st;
+  std::vector<State*> pointers;
+  for (auto& s : st) pointers.push_back(&s);
+  using Result = decltype(body(pointers));
+  if constexpr (std::is_void_v<Result>) {
+    {
+      py::gil_scoped_release no_gil;
+      body(pointers);
+    }
+    statesOut(states, st, before);
+  } else {
+    Result result;
+    {
+      py::gil_scoped_release no_gil;
+      result = body(pointers);
+    }
+    statesOut(states, st, before);
+    return result;
+  }
+}
+
+// One-pass rules (AdamW, AGD): the whole step.
+template <typename Rule>
+void stepAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+             const py::list& states, int threads) {
+  const auto o = optionsFrom<typename Rule::Options>(group);
+  onStates<typename Rule::State>(Rule::kName, params.size(), states,
+                                 [&](const auto& st) { Rule::step(params, grads, st, o, threads); });
+}
+
+// Two-pass rules (LAMB, LARS), pass 1: float64 [2 * len(params)], (||p||^2, ||u||^2) per
+// parameter, for the norm reducer.
+template <typename Rule>
+Tensor normsAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                 const py::list& states, int threads) {
-  const AgdOptions o = agdOptions(group);
-  auto ds = dicts(states);
-  checkLengths("AGD", params.size(), ds.size(), "states");
-  std::vector<AgdParamState> st(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) {
-    st[i].step(stepIn(ds[i]))
-        .exp_avg(tensorIn(ds[i], "exp_avg"))
-        .exp_avg_sq(tensorIn(ds[i], "exp_avg_sq"))
-        .max_exp_avg_sq(tensorIn(ds[i], "max_exp_avg_sq"))
-        .z(tensorIn(ds[i], "z"));
-  }
-  const std::vector<AgdParamState> before = st;
-  {
-    py::gil_scoped_release no_gil;
-    agdStep(params, grads, pointers(st), o, threads);
-  }
-  for (size_t i = 0; i < ds.size(); ++i) {
-    ds[i]["step"] = st[i].step();
-    tensorOut(ds[i], "exp_avg", st[i].exp_avg(), before[i].exp_avg());
-    tensorOut(ds[i], "exp_avg_sq", st[i].exp_avg_sq(), before[i].exp_avg_sq());
-    tensorOut(ds[i], "max_exp_avg_sq", st[i].max_exp_avg_sq(), before[i].max_exp_avg_sq());
-    tensorOut(ds[i], "z", st[i].z(), before[i].z());
-  }
+  const auto o = optionsFrom<typename Rule::Options>(group);
+  return packNorms(onStates<typename Rule::State>(Rule::kName, params.size(), states, [&](const auto& st) {
+    return Rule::norms(params, grads, st, o, threads);
+  }));
 }
 
-Tensor packNorms(const std::vector<SquaredNorms>& norms) {
-  Tensor sums = torch::empty({static_cast<int64_t>(2 * norms.size())}, torch::kDouble);
-  double* s = sums.data_ptr<double>();
-  for (size_t i = 0; i < norms.size(); ++i) {
-    s[2 * i] = norms[i].param;
-    s[2 * i + 1] = norms[i].update;
-  }
-  return sums;
+// Pass 2, from the reduced sums.
+template <typename Rule>
+void applyAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+              const py::list& states, const Tensor& sums, int threads) {
+  const auto o = optionsFrom<typename Rule::Options>(group);
+  onStates<typename Rule::State>(Rule::kName, params.size(), states, [&](const auto& st) {
+    Rule::apply(params, grads, st, o, unpackNorms(Rule::kName, sums, params.size()), threads);
+  });
 }
 
-std::vector<SquaredNorms> unpackNorms(const char* optimizer, const Tensor& sums_in, size_t params) {
-  if (!sums_in.defined() || sums_in.scalar_type() != torch::kDouble || sums_in.dim() != 1 ||
-      sums_in.numel() != static_cast<int64_t>(2 * params) || !sums_in.device().is_cpu()) {
-    throw py::value_error(std::string(optimizer) + ": the squared norms must be a float64 CPU tensor of length " +
-                          std::to_string(2 * params) + " (did norm_reduce replace or resize it?)");
-  }
-  const Tensor sums = sums_in.contiguous();
-  const double* s = sums.data_ptr<double>();
-  std::vector<SquaredNorms> out(params);
-  for (size_t i = 0; i < params; ++i) out[i] = {s[2 * i], s[2 * i + 1]};
-  return out;
-}
-
-std::vector<LambParamState> lambStatesIn(std::vector<py::dict>& ds) {
-  std::vector<LambParamState> st(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) {
-    st[i].step(stepIn(ds[i])).exp_avg(tensorIn(ds[i], "exp_avg")).exp_avg_sq(tensorIn(ds[i], "exp_avg_sq"));
-  }
-  return st;
-}
-
-// Returns float64 [2 * len(params)]: (||p||^2, ||u||^2) per parameter, for the norm reducer.
-Tensor lambMomentsAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                      const py::list& states, int threads) {
-  const LambOptions o = lambOptions(group);
-  auto ds = dicts(states);
-  checkLengths("LAMB", params.size(), ds.size(), "states");
-  std::vector<LambParamState> st = lambStatesIn(ds);
-  const std::vector<LambParamState> before = st;
-  std::vector<SquaredNorms> norms;
-  {
-    py::gil_scoped_release no_gil;
-    norms = lambMoments(params, grads, pointers(st), o, threads);
-  }
-  for (size_t i = 0; i < ds.size(); ++i) {
-    ds[i]["step"] = st[i].step();
-    tensorOut(ds[i], "exp_avg", st[i].exp_avg(), before[i].exp_avg());
-    tensorOut(ds[i], "exp_avg_sq", st[i].exp_avg_sq(), before[i].exp_avg_sq());
-  }
-  return packNorms(norms);
-}
-
-void lambApplyAll(const py::dict& group, const std::vector<Tensor>& params, const py::list& states,
-                  const Tensor& sums, int threads) {
-  const LambOptions o = lambOptions(group);
-  auto ds = dicts(states);
-  checkLengths("LAMB", params.size(), ds.size(), "states");
-  std::vector<LambParamState> st = lambStatesIn(ds);
-  const std::vector<SquaredNorms> whole = unpackNorms("LAMB", sums, params.size());
-  py::gil_scoped_release no_gil;
-  lambApply(params, pointers(st), o, whole, threads);
-}
-
-Tensor larsNormsAll(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, int threads) {
-  std::vector<SquaredNorms> norms;
-  {
-    py::gil_scoped_release no_gil;
-    norms = larsNorms(params, grads, threads);
-  }
-  return packNorms(norms);
-}
-
-void larsApplyAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const py::list& states, const Tensor& sums, int threads) {
-  const LarsOptions o = larsOptions(group);
-  auto ds = dicts(states);
-  checkLengths("LARS", params.size(), ds.size(), "states");
-  std::vector<LarsParamState> st(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) st[i].momentum_buffer(tensorIn(ds[i], "momentum_buffer"));
-  const std::vector<LarsParamState> before = st;
-  const std::vector<SquaredNorms> whole = unpackNorms("LARS", sums, params.size());
-  {
-    py::gil_scoped_release no_gil;
-    larsApply(params, grads, pointers(st), o, whole, threads);
-  }
-  for (size_t i = 0; i < ds.size(); ++i) {
-    tensorOut(ds[i], "momentum_buffer", st[i].momentum_buffer(), before[i].momentum_buffer());
-  }
-}
-
-std::vector<WsamParamState> wsamStatesIn(std::vector<py::dict>& ds) {
-  std::vector<WsamParamState> st(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) st[i].e(tensorIn(ds[i], "e")).grad(tensorIn(ds[i], "grad"));
-  return st;
-}
-
-void wsamStatesOut(std::vector<py::dict>& ds, const std::vector<WsamParamState>& st,
-                   const std::vector<WsamParamState>& before) {
-  for (size_t i = 0; i < ds.size(); ++i) {
-    tensorOut(ds[i], "e", st[i].e(), before[i].e());
-    tensorOut(ds[i], "grad", st[i].grad(), before[i].grad());
-  }
-}
-
-double wsamGradSquaredNormAll(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, bool adaptive,
-                              int threads) {
-  py::gil_scoped_release no_gil;
-  return wsamGradSquaredNorm(params, grads, adaptive, threads);
-}
-
-void wsamPerturbAll(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states,
-                    bool adaptive, double scale, int threads) {
-  auto ds = dicts(states);
-  checkLengths("WSAM", params.size(), ds.size(), "states");
-  std::vector<WsamParamState> st = wsamStatesIn(ds);
-  const std::vector<WsamParamState> before = st;
-  {
-    py::gil_scoped_release no_gil;
-    wsamPerturb(params, grads, pointers(st), adaptive, scale, threads);
-  }
-  wsamStatesOut(ds, st, before);
-}
-
-void wsamSaveGradAll(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states,
-                     int threads) {
-  auto ds = dicts(states);
-  checkLengths("WSAM", params.size(), ds.size(), "states");
-  std::vector<WsamParamState> st = wsamStatesIn(ds);
-  const std::vector<WsamParamState> before = st;
-  {
-    py::gil_scoped_release no_gil;
-    wsamSaveGrad(params, grads, pointers(st), threads);
-  }
-  wsamStatesOut(ds, st, before);
-}
-
-void wsamRestoreAll(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states,
-                    bool decouple, double alpha, int threads) {
-  auto ds = dicts(states);
-  checkLengths("WSAM", params.size(), ds.size(), "states");
-  std::vector<WsamParamState> st = wsamStatesIn(ds);
-  py::gil_scoped_release no_gil;
-  wsamRestore(params, grads, pointers(st), decouple, alpha, threads);
-}
-
-void wsamCorrectAll(const std::vector<Tensor>& params, const py::list& states, double scale, int threads) {
-  auto ds = dicts(states);
-  checkLengths("WSAM", params.size(), ds.size(), "states");
-  std::vector<WsamParamState> st = wsamStatesIn(ds);
-  py::gil_scoped_release no_gil;
-  wsamCorrect(params, pointers(st), scale, threads);
+// WSAM's passes (wsam.h) on its state dicts.
+template <typename Pass>
+void wsamPass(const std::vector<Tensor>& params, const py::list& states, const Pass& pass) {
+  onStates<WsamParamState>("WSAM", params.size(), states, pass);
 }
 
 }  // namespace
@@ -401,31 +285,71 @@ PYBIND11_MODULE(_optim, m) {
   m.def("default_threads", &o::defaultKernelThreads,
         "CPUs this process may run on: the default kernel thread count.");
 
-  m.def("validate_adamw", [](const py::dict& g) { o::adamwOptions(g); }, py::arg("group"));
-  m.def("validate_agd", [](const py::dict& g) { o::agdOptions(g); }, py::arg("group"));
-  m.def("validate_lamb", [](const py::dict& g) { o::lambOptions(g); }, py::arg("group"));
-  m.def("validate_lars", [](const py::dict& g) { o::larsOptions(g); }, py::arg("group"));
-  m.def("validate_wsam", [](const py::dict& g) { o::wsamOptions(g); }, py::arg("group"));
+  m.def("validate_adamw", [](const py::dict& g) { o::optionsFrom<o::AdamWOptions>(g); }, py::arg("group"));
+  m.def("validate_agd", [](const py::dict& g) { o::optionsFrom<o::AgdOptions>(g); }, py::arg("group"));
+  m.def("validate_lamb", [](const py::dict& g) { o::optionsFrom<o::LambOptions>(g); }, py::arg("group"));
+  m.def("validate_lars", [](const py::dict& g) { o::optionsFrom<o::LarsOptions>(g); }, py::arg("group"));
+  m.def("validate_wsam", [](const py::dict& g) { o::optionsFrom<o::WsamOptions>(g); }, py::arg("group"));
 
-  m.def("adamw_step", &o::adamwStepAll, py::arg("group"), py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("threads"));
-  m.def("agd_step", &o::agdStepAll, py::arg("group"), py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("threads"));
-  m.def("lamb_moments", &o::lambMomentsAll, py::arg("group"), py::arg("params"), py::arg("grads"),
+  m.def("adamw_step", &o::stepAll<o::AdamWRule>, py::arg("group"), py::arg("params"), py::arg("grads"),
         py::arg("states"), py::arg("threads"));
-  m.def("lamb_apply", &o::lambApplyAll, py::arg("group"), py::arg("params"), py::arg("states"), py::arg("sums"),
-        py::arg("threads"));
-  m.def("lars_norms", &o::larsNormsAll, py::arg("params"), py::arg("grads"), py::arg("threads"));
-  m.def("lars_apply", &o::larsApplyAll, py::arg("group"), py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("sums"), py::arg("threads"));
-  m.def("wsam_grad_sq", &o::wsamGradSquaredNormAll, py::arg("params"), py::arg("grads"), py::arg("adaptive"),
-        py::arg("threads"));
-  m.def("wsam_perturb", &o::wsamPerturbAll, py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("adaptive"), py::arg("scale"), py::arg("threads"));
-  m.def("wsam_save_grad", &o::wsamSaveGradAll, py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("threads"));
-  m.def("wsam_restore", &o::wsamRestoreAll, py::arg("params"), py::arg("grads"), py::arg("states"),
-        py::arg("decouple"), py::arg("alpha"), py::arg("threads"));
-  m.def("wsam_correct", &o::wsamCorrectAll, py::arg("params"), py::arg("states"), py::arg("scale"),
-        py::arg("threads"));
+  m.def("agd_step", &o::stepAll<o::AgdRule>, py::arg("group"), py::arg("params"), py::arg("grads"),
+        py::arg("states"), py::arg("threads"));
+  m.def("lamb_moments", &o::normsAll<o::LambRule>, py::arg("group"), py::arg("params"), py::arg("grads"),
+        py::arg("states"), py::arg("threads"));
+  m.def(
+      "lamb_apply",
+      [](const py::dict& group, const std::vector<Tensor>& params, const py::list& states, const Tensor& sums,
+         int threads) { o::applyAll<o::LambRule>(group, params, {}, states, sums, threads); },
+      py::arg("group"), py::arg("params"), py::arg("states"), py::arg("sums"), py::arg("threads"));
+  m.def(
+      "lars_norms",
+      [](const std::vector<Tensor>& params, const std::vector<Tensor>& grads, int threads) {
+        std::vector<o::SquaredNorms> norms;
+        {
+          py::gil_scoped_release no_gil;
+          norms = o::LarsRule::norms(params, grads, {}, o::LarsOptions(), threads);
+        }
+        return o::packNorms(norms);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("threads"));
+  m.def("lars_apply", &o::applyAll<o::LarsRule>, py::arg("group"), py::arg("params"), py::arg("grads"),
+        py::arg("states"), py::arg("sums"), py::arg("threads"));
+  m.def(
+      "wsam_grad_sq",
+      [](const std::vector<Tensor>& params, const std::vector<Tensor>& grads, bool adaptive, int threads) {
+        py::gil_scoped_release no_gil;
+        return o::wsamGradSquaredNorm(params, grads, adaptive, threads);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("adaptive"), py::arg("threads"));
+  m.def(
+      "wsam_perturb",
+      [](const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states, bool adaptive,
+         double scale, int threads) {
+        o::wsamPass(params, states,
+                    [&](const auto& st) { o::wsamPerturb(params, grads, st, adaptive, scale, threads); });
+      },
+      py::arg("params"), py::arg("grads"), py::arg("states"), py::arg("adaptive"), py::arg("scale"),
+      py::arg("threads"));
+  m.def(
+      "wsam_save_grad",
+      [](const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states, int threads) {
+        o::wsamPass(params, states, [&](const auto& st) { o::wsamSaveGrad(params, grads, st, threads); });
+      },
+      py::arg("params"), py::arg("grads"), py::arg("states"), py::arg("threads"));
+  m.def(
+      "wsam_restore",
+      [](const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const py::list& states, bool decouple,
+         double alpha, int threads) {
+        o::wsamPass(params, states,
+                    [&](const auto& st) { o::wsamRestore(params, grads, st, decouple, alpha, threads); });
+      },
+      py::arg("params"), py::arg("grads"), py::arg("states"), py::arg("decouple"), py::arg("alpha"),
+      py::arg("threads"));
+  m.def(
+      "wsam_correct",
+      [](const std::vector<Tensor>& params, const py::list& states, double scale, int threads) {
+        o::wsamPass(params, states, [&](const auto& st) { o::wsamCorrect(params, st, scale, threads); });
+      },
+      py::arg("params"), py::arg("states"), py::arg("scale"), py::arg("threads"));
 }

@@ -2,16 +2,17 @@
 // fused CPU pass per parameter, with every option of REFERENCE.md: weight_decouple,
 // fixed_decay, amsgrad, win, clip and delta. Defaults are REFERENCE.md's; for transformers
 // the authors suggest delta=1e-14 and a tenth of AdamW's lr.
+// The rule (AgdRule) is run by the Agd class, the trainer and troupe.optim (fused_optimizer.h).
 // Thread-safety: an optimizer belongs to the thread that calls step(); the kernels inside a
 // step use `threads` OpenMP threads.
 #pragma once
 
 #include <c10/util/Optional.h>
-#include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
 #include <tuple>
 #include <vector>
+
+#include "troupe/optimizers/fused_optimizer.h"
 
 namespace troupe::optimizers {
 
@@ -38,35 +39,27 @@ struct AgdOptions : public torch::optim::OptimizerCloneableOptions<AgdOptions> {
 // Throws c10::ValueError naming the option and its value.
 void validate(const AgdOptions& options);
 
-struct AgdParamState : public torch::optim::OptimizerCloneableParamState<AgdParamState> {
+struct AgdParamState : public FieldsParamState<AgdParamState> {
   TORCH_ARG(int64_t, step) = 0;
   TORCH_ARG(torch::Tensor, exp_avg);         // m
   TORCH_ARG(torch::Tensor, exp_avg_sq);      // b
   TORCH_ARG(torch::Tensor, max_exp_avg_sq);  // running max of b (amsgrad only)
   TORCH_ARG(torch::Tensor, z);               // win only, starts at 0
-
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
-// One step for a list of parameters; contract as adamwStep (adamw.h). Coupled weight decay
-// (weight_decouple=false) adds wd*p to a local value of the gradient: gradients are never written.
-void agdStep(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-             const std::vector<AgdParamState*>& states, const AgdOptions& options, int threads);
+// step, exp_avg, exp_avg_sq, max_exp_avg_sq, z.
+std::vector<StateField> fieldsOf(AgdParamState& state);
 
-class Agd : public torch::optim::Optimizer {
- public:
-  explicit Agd(std::vector<torch::optim::OptimizerParamGroup> param_groups, AgdOptions defaults = {});
-  explicit Agd(std::vector<torch::Tensor> params, AgdOptions defaults = {});
-
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-  void setThreads(int threads) { threads_ = threads; }
-
- private:
-  int threads_;
+// One pass per step; contract in fused_optimizer.h. Coupled weight decay (weight_decouple=false)
+// adds wd*p to a local value of the gradient: gradients are never written.
+struct AgdRule : RuleOf<AgdOptions, AgdParamState> {
+  static constexpr const char* kName = "AGD";
+  static constexpr bool kTwoPass = false;
+  static Step step;
 };
+
+using Agd = FusedOptimizer<AgdRule>;
+extern template struct FieldsParamState<AgdParamState>;
+extern template class FusedOptimizer<AgdRule>;
 
 }  // namespace troupe::optimizers

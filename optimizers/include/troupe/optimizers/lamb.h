@@ -4,16 +4,15 @@
 // The trust ratio needs whole-tensor norms before any element moves, so a step is two passes
 // per parameter (moments + norms, then the update), with no temporaries. In a sharded group the
 // partial norms of every parameter are summed across shards by one SquaredNormReducer call.
+// The rule (LambRule) is run by the Lamb class, the trainer and troupe.optim (fused_optimizer.h).
 // Thread-safety: an optimizer belongs to the thread that calls step().
 #pragma once
 
-#include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
 #include <tuple>
 #include <vector>
 
-#include "troupe/optimizers/reducers.h"
+#include "troupe/optimizers/fused_optimizer.h"
 
 namespace troupe::optimizers {
 
@@ -36,41 +35,21 @@ struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions>
 // Throws c10::ValueError naming the option and its value.
 void validate(const LambOptions& options);
 
-struct LambParamState : public torch::optim::OptimizerCloneableParamState<LambParamState> {
-  TORCH_ARG(int64_t, step) = 0;
-  TORCH_ARG(torch::Tensor, exp_avg);
-  TORCH_ARG(torch::Tensor, exp_avg_sq);
+using LambParamState = MomentsParamState;
 
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
+// Two passes per step; contract in fused_optimizer.h.
+struct LambRule : RuleOf<LambOptions, LambParamState> {
+  static constexpr const char* kName = "LAMB";
+  static constexpr bool kTwoPass = true;
+  // Pass 1: creates missing state, increments the step counts, updates the moments and returns
+  // each one's ||p||^2 and ||u||^2 (of this shard).
+  static Norms norms;
+  // Pass 2: p -= lr_t * r * u with r from the whole-tensor squared norms `whole[i]` (u is
+  // recomputed from the moments: `grads` is not read and may be empty).
+  static Apply apply;
 };
 
-// Pass 1 for a list of parameters (or shards): creates missing state, increments the step
-// counts, updates the moments and returns each one's ||p||^2 and ||u||^2 (of this shard).
-// Contract as adamwStep (adamw.h).
-std::vector<SquaredNorms> lambMoments(const std::vector<torch::Tensor>& params,
-                                      const std::vector<torch::Tensor>& grads,
-                                      const std::vector<LambParamState*>& states, const LambOptions& options,
-                                      int threads);
-// Pass 2: p -= lr_t * r * u with r from the whole-tensor squared norms `whole[i]`.
-void lambApply(const std::vector<torch::Tensor>& params, const std::vector<LambParamState*>& states,
-               const LambOptions& options, const std::vector<SquaredNorms>& whole, int threads);
-
-class Lamb : public torch::optim::Optimizer {
- public:
-  explicit Lamb(std::vector<torch::optim::OptimizerParamGroup> param_groups, LambOptions defaults = {},
-                SquaredNormReducer reducer = nullptr);
-  explicit Lamb(std::vector<torch::Tensor> params, LambOptions defaults = {}, SquaredNormReducer reducer = nullptr);
-
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-  void setThreads(int threads) { threads_ = threads; }
-
- private:
-  SquaredNormReducer reducer_;
-  int threads_;
-};
+using Lamb = FusedOptimizer<LambRule>;
+extern template class FusedOptimizer<LambRule>;
 
 }  // namespace troupe::optimizers

@@ -4,15 +4,14 @@
 //   p -= lr * r * d
 // Two passes per parameter (norms, then the update); norms of a sharded group are summed
 // across shards by one SquaredNormReducer call per step.
+// The rule (LarsRule) is run by the Lars class, the trainer and troupe.optim (fused_optimizer.h).
 // Thread-safety: an optimizer belongs to the thread that calls step().
 #pragma once
 
-#include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
 #include <vector>
 
-#include "troupe/optimizers/reducers.h"
+#include "troupe/optimizers/fused_optimizer.h"
 
 namespace troupe::optimizers {
 
@@ -34,37 +33,25 @@ struct LarsOptions : public torch::optim::OptimizerCloneableOptions<LarsOptions>
 // Throws c10::ValueError naming the option and its value.
 void validate(const LarsOptions& options);
 
-struct LarsParamState : public torch::optim::OptimizerCloneableParamState<LarsParamState> {
+struct LarsParamState : public FieldsParamState<LarsParamState> {
   TORCH_ARG(torch::Tensor, momentum_buffer);  // undefined until the first step with momentum
-
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
-// Pass 1 for a list of parameters (or shards): each one's ||p||^2 and ||g||^2. Reads only.
-std::vector<SquaredNorms> larsNorms(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                                    int threads);
-// Pass 2 with the whole-tensor squared norms `whole[i]`; creates momentum buffers on first use.
-// Contract as adamwStep (adamw.h).
-void larsApply(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-               const std::vector<LarsParamState*>& states, const LarsOptions& options,
-               const std::vector<SquaredNorms>& whole, int threads);
+// momentum_buffer.
+std::vector<StateField> fieldsOf(LarsParamState& state);
 
-class Lars : public torch::optim::Optimizer {
- public:
-  explicit Lars(std::vector<torch::optim::OptimizerParamGroup> param_groups, LarsOptions defaults = {},
-                SquaredNormReducer reducer = nullptr);
-  explicit Lars(std::vector<torch::Tensor> params, LarsOptions defaults = {}, SquaredNormReducer reducer = nullptr);
-
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-  void setThreads(int threads) { threads_ = threads; }
-
- private:
-  SquaredNormReducer reducer_;
-  int threads_;
+// Two passes per step; contract in fused_optimizer.h.
+struct LarsRule : RuleOf<LarsOptions, LarsParamState> {
+  static constexpr const char* kName = "LARS";
+  static constexpr bool kTwoPass = true;
+  // Pass 1: each one's ||p||^2 and ||g||^2. Reads only params and grads (`states` may be empty).
+  static Norms norms;
+  // Pass 2 with the whole-tensor squared norms `whole[i]`; creates momentum buffers on first use.
+  static Apply apply;
 };
+
+using Lars = FusedOptimizer<LarsRule>;
+extern template struct FieldsParamState<LarsParamState>;
+extern template class FusedOptimizer<LarsRule>;
 
 }  // namespace troupe::optimizers

@@ -26,6 +26,12 @@ struct SquaredNorms {
   double update = 0;  // ||u||^2 (LAMB) or ||g||^2 (LARS)
 };
 
+// The reducer's tensor: float64 [2 * norms.size()], (||p||^2, ||u||^2) per parameter.
+torch::Tensor packNorms(const std::vector<SquaredNorms>& norms);
+// The norms back from the reducer's tensor. Throws c10::ValueError naming `optimizer` when the
+// reducer left something else than a float64 CPU vector of 2 * count sums.
+std::vector<SquaredNorms> unpackNorms(const char* optimizer, const torch::Tensor& sums, size_t count);
+
 // How many CPUs this process may run on (its affinity mask): the default kernel thread count.
 // torch.get_num_threads() is not used because LibTorch may detect fewer cores than are usable.
 int defaultKernelThreads();

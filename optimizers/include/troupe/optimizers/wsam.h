@@ -21,7 +21,7 @@
 #include <memory>
 #include <vector>
 
-#include "troupe/optimizers/reducers.h"
+#include "troupe/optimizers/fused_optimizer.h"
 
 namespace troupe::optimizers {
 
@@ -46,6 +46,9 @@ struct WsamParamState : public torch::optim::OptimizerCloneableParamState<WsamPa
   TORCH_ARG(torch::Tensor, e);     // the perturbation; after the restore, g1 - g0 (decouple)
   TORCH_ARG(torch::Tensor, grad);  // g0
 };
+
+// e, grad (not saved by the Wsam class: only meaningful between its two steps).
+std::vector<StateField> fieldsOf(WsamParamState& state);
 
 // The fused passes over a list of parameters (one parallel region each); the Wsam class and
 // the Python binding share them. Tensors must be contiguous float32/float64 CPU tensors of one
