@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "kernels.h"
 #include "troupe/optimizers/adamw.h"
@@ -247,6 +248,32 @@ std::vector<SquaredNorms> unpackNorms(const char* optimizer, const Tensor& sums_
 
 // ============================ the shell of every rule ============================
 
+template <typename T>
+struct IsOptional : std::false_type {};
+template <typename T>
+struct IsOptional<c10::optional<T>> : std::true_type {};
+
+template <typename Derived>
+void FieldsOptions<Derived>::serialize(torch::serialize::OutputArchive& archive) const {
+  forEachOption(const_cast<Derived&>(static_cast<const Derived&>(*this)),
+                [&](const char* name, const auto& value) { archive.write(name, c10::IValue(value)); });
+}
+
+template <typename Derived>
+void FieldsOptions<Derived>::serialize(torch::serialize::InputArchive& archive) {
+  forEachOption(static_cast<Derived&>(*this), [&](const char* name, auto& value) {
+    using T = std::decay_t<decltype(value)>;
+    c10::IValue saved;
+    const bool present = archive.try_read(name, saved);
+    if constexpr (IsOptional<T>::value) {
+      if (present) value = saved.toOptional<typename T::value_type>();
+    } else {
+      TORCH_CHECK(present, "optimizer options: the archive has no '", name, "'");
+      value = saved.to<T>();
+    }
+  });
+}
+
 template <typename Derived>
 void FieldsParamState<Derived>::serialize(torch::serialize::OutputArchive& archive) const {
   for (const StateField& f : fieldsOf(const_cast<Derived&>(static_cast<const Derived&>(*this)))) {
@@ -339,20 +366,6 @@ void FusedOptimizer<Rule>::load(torch::serialize::InputArchive& archive) {
 
 AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
 
-void AdamWOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-}
-
-void AdamWOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-}
-
 std::vector<StateField> fieldsOf(MomentsParamState& s) {
   return {{"step", nullptr, &s.step()}, {"exp_avg", &s.exp_avg()}, {"exp_avg_sq", &s.exp_avg_sq()}};
 }
@@ -400,30 +413,6 @@ void AdamWRule::step(const std::vector<Tensor>& params, const std::vector<Tensor
 // =================================== AGD ===================================
 
 AgdOptions::AgdOptions(double lr) : lr_(lr) {}
-
-void AgdOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(delta);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decouple);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(fixed_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(win);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(clip);
-}
-
-void AgdOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, delta);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, weight_decouple);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, fixed_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, win);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(double, clip);
-}
 
 std::vector<StateField> fieldsOf(AgdParamState& s) {
   return {{"step", nullptr, &s.step()},
@@ -511,22 +500,6 @@ void AgdRule::step(const std::vector<Tensor>& params, const std::vector<Tensor>&
 // =================================== LAMB ==================================
 
 LambOptions::LambOptions(double lr) : lr_(lr) {}
-
-void LambOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
-}
-
-void LambOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
-}
 
 
 void validate(const LambOptions& o) {
@@ -616,22 +589,6 @@ void LambRule::apply(const std::vector<Tensor>& params, const std::vector<Tensor
 
 LarsOptions::LarsOptions(double lr) : lr_(lr) {}
 
-void LarsOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eeta);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(epsilon);
-}
-
-void LarsOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eeta);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, epsilon);
-}
-
 std::vector<StateField> fieldsOf(LarsParamState& s) { return {{"momentum_buffer", &s.momentum_buffer()}}; }
 
 void validate(const LarsOptions& o) {
@@ -701,6 +658,10 @@ void LarsRule::apply(const std::vector<Tensor>& params, const std::vector<Tensor
   markWritten(params);
 }
 
+template struct FieldsOptions<AdamWOptions>;
+template struct FieldsOptions<AgdOptions>;
+template struct FieldsOptions<LambOptions>;
+template struct FieldsOptions<LarsOptions>;
 template struct FieldsParamState<MomentsParamState>;
 template struct FieldsParamState<AgdParamState>;
 template struct FieldsParamState<LarsParamState>;
@@ -713,21 +674,7 @@ template class FusedOptimizer<LarsRule>;
 
 WsamOptions::WsamOptions(double rho) : rho_(rho) {}
 
-void WsamOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(rho);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(gamma);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adaptive);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decouple);
-}
-
-void WsamOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, rho);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, gamma);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adaptive);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decouple);
-}
+template struct FieldsOptions<WsamOptions>;
 
 std::vector<StateField> fieldsOf(WsamParamState& s) { return {{"e", &s.e()}, {"grad", &s.grad()}}; }
 

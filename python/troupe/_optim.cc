@@ -74,59 +74,32 @@ std::tuple<double, double> betas(const py::dict& group, const char* optimizer) {
   return {number(py::object(seq[0]), optimizer, "betas[0]"), number(py::object(seq[1]), optimizer, "betas[1]")};
 }
 
-// The options of a rule from a param group dict: one specialisation per optimizer.
-template <typename Options>
-Options optionsFrom(const py::dict& g);
-
-template <>
-AdamWOptions optionsFrom(const py::dict& g) {
-  AdamWOptions o(number(g, "AdamW", "lr"));
-  o.betas(betas(g, "AdamW")).eps(number(g, "AdamW", "eps")).weight_decay(number(g, "AdamW", "weight_decay"));
-  validate(o);
-  return o;
+// One hyper-parameter from a param group dict, by its C++ type.
+void read(const py::dict& g, const char* optimizer, const char* key, double& value) {
+  value = number(g, optimizer, key);
+}
+void read(const py::dict& g, const char* optimizer, const char* key, bool& value) {
+  value = flag(g, optimizer, key);
+}
+void read(const py::dict& g, const char* optimizer, const char* /*key*/, std::tuple<double, double>& value) {
+  value = betas(g, optimizer);
+}
+void read(const py::dict& g, const char* optimizer, const char* key, c10::optional<double>& value) {
+  const py::object obj = entry(g, optimizer, key);
+  value = obj.is_none() ? c10::nullopt : c10::optional<double>(number(obj, optimizer, key));
 }
 
-template <>
-AgdOptions optionsFrom(const py::dict& g) {
-  AgdOptions o(number(g, "AGD", "lr"));
-  o.betas(betas(g, "AGD"))
-      .delta(number(g, "AGD", "delta"))
-      .weight_decay(number(g, "AGD", "weight_decay"))
-      .weight_decouple(flag(g, "AGD", "weight_decouple"))
-      .fixed_decay(flag(g, "AGD", "fixed_decay"))
-      .amsgrad(flag(g, "AGD", "amsgrad"))
-      .win(flag(g, "AGD", "win"));
-  const py::object clip = entry(g, "AGD", "clip");
-  if (!clip.is_none()) o.clip(number(clip, "AGD", "clip"));
-  validate(o);
-  return o;
-}
-
-template <>
-LambOptions optionsFrom(const py::dict& g) {
-  LambOptions o(number(g, "LAMB", "lr"));
-  o.betas(betas(g, "LAMB"))
-      .eps(number(g, "LAMB", "eps"))
-      .weight_decay(number(g, "LAMB", "weight_decay"))
-      .bias_correction(flag(g, "LAMB", "bias_correction"));
-  validate(o);
-  return o;
-}
-
-template <>
-LarsOptions optionsFrom(const py::dict& g) {
-  LarsOptions o(number(g, "LARS", "lr"));
-  o.momentum(number(g, "LARS", "momentum"))
-      .eeta(number(g, "LARS", "eeta"))
-      .weight_decay(number(g, "LARS", "weight_decay"))
-      .epsilon(number(g, "LARS", "epsilon"));
+// The options of a rule from a param group dict, by the keys forEachOption lists, validated.
+template <typename Rule>
+typename Rule::Options optionsFrom(const py::dict& g) {
+  typename Rule::Options o;
+  forEachOption(o, [&](const char* key, auto& value) { read(g, Rule::kName, key, value); });
   validate(o);
   return o;
 }
 
 // WSAM's keys live in the base optimizer's group dicts, so its epsilon is `sam_eps` there.
-template <>
-WsamOptions optionsFrom(const py::dict& g) {
+WsamOptions wsamOptions(const py::dict& g) {
   const double sam_eps = number(g, "WSAM", "sam_eps");
   if (!std::isfinite(sam_eps) || sam_eps < 0) {
     throw py::value_error("WSAM: sam_eps must be a finite number >= 0, got " +
@@ -230,7 +203,7 @@ auto onStates(const char* optimizer, size_t params, const py::list& states, cons
 template <typename Rule>
 void stepAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
              const py::list& states, int threads) {
-  const auto o = optionsFrom<typename Rule::Options>(group);
+  const auto o = optionsFrom<Rule>(group);
   onStates<typename Rule::State>(Rule::kName, params.size(), states,
                                  [&](const auto& st) { Rule::step(params, grads, st, o, threads); });
 }
@@ -240,7 +213,7 @@ void stepAll(const py::dict& group, const std::vector<Tensor>& params, const std
 template <typename Rule>
 Tensor normsAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                 const py::list& states, int threads) {
-  const auto o = optionsFrom<typename Rule::Options>(group);
+  const auto o = optionsFrom<Rule>(group);
   return packNorms(onStates<typename Rule::State>(Rule::kName, params.size(), states, [&](const auto& st) {
     return Rule::norms(params, grads, st, o, threads);
   }));
@@ -250,7 +223,7 @@ Tensor normsAll(const py::dict& group, const std::vector<Tensor>& params, const 
 template <typename Rule>
 void applyAll(const py::dict& group, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
               const py::list& states, const Tensor& sums, int threads) {
-  const auto o = optionsFrom<typename Rule::Options>(group);
+  const auto o = optionsFrom<Rule>(group);
   onStates<typename Rule::State>(Rule::kName, params.size(), states, [&](const auto& st) {
     Rule::apply(params, grads, st, o, unpackNorms(Rule::kName, sums, params.size()), threads);
   });
@@ -285,11 +258,11 @@ PYBIND11_MODULE(_optim, m) {
   m.def("default_threads", &o::defaultKernelThreads,
         "CPUs this process may run on: the default kernel thread count.");
 
-  m.def("validate_adamw", [](const py::dict& g) { o::optionsFrom<o::AdamWOptions>(g); }, py::arg("group"));
-  m.def("validate_agd", [](const py::dict& g) { o::optionsFrom<o::AgdOptions>(g); }, py::arg("group"));
-  m.def("validate_lamb", [](const py::dict& g) { o::optionsFrom<o::LambOptions>(g); }, py::arg("group"));
-  m.def("validate_lars", [](const py::dict& g) { o::optionsFrom<o::LarsOptions>(g); }, py::arg("group"));
-  m.def("validate_wsam", [](const py::dict& g) { o::optionsFrom<o::WsamOptions>(g); }, py::arg("group"));
+  m.def("validate_adamw", [](const py::dict& g) { o::optionsFrom<o::AdamWRule>(g); }, py::arg("group"));
+  m.def("validate_agd", [](const py::dict& g) { o::optionsFrom<o::AgdRule>(g); }, py::arg("group"));
+  m.def("validate_lamb", [](const py::dict& g) { o::optionsFrom<o::LambRule>(g); }, py::arg("group"));
+  m.def("validate_lars", [](const py::dict& g) { o::optionsFrom<o::LarsRule>(g); }, py::arg("group"));
+  m.def("validate_wsam", [](const py::dict& g) { o::wsamOptions(g); }, py::arg("group"));
 
   m.def("adamw_step", &o::stepAll<o::AdamWRule>, py::arg("group"), py::arg("params"), py::arg("grads"),
         py::arg("states"), py::arg("threads"));

@@ -14,7 +14,7 @@
 
 namespace troupe::optimizers {
 
-struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
+struct AdamWOptions : public FieldsOptions<AdamWOptions> {
   AdamWOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
   TORCH_ARG(double, lr) = 1e-3;
   using betas_t = std::tuple<double, double>;
@@ -23,14 +23,21 @@ struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOption
   TORCH_ARG(double, weight_decay) = 1e-2;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
 // Throws c10::ValueError naming the option and its value (lr < 0, betas outside [0, 1), ...).
 void validate(const AdamWOptions& options);
+
+// The hyper-parameters by name, in the order archives and param group dicts are read.
+template <typename Visit>
+void forEachOption(AdamWOptions& o, Visit&& visit) {
+  visit("lr", o.lr());
+  visit("betas", o.betas());
+  visit("eps", o.eps());
+  visit("weight_decay", o.weight_decay());
+}
 
 using AdamWParamState = MomentsParamState;
 
@@ -42,6 +49,7 @@ struct AdamWRule : RuleOf<AdamWOptions, AdamWParamState> {
 };
 
 using AdamW = FusedOptimizer<AdamWRule>;
+extern template struct FieldsOptions<AdamWOptions>;
 extern template class FusedOptimizer<AdamWRule>;
 
 }  // namespace troupe::optimizers

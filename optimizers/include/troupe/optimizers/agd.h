@@ -16,7 +16,7 @@
 
 namespace troupe::optimizers {
 
-struct AgdOptions : public torch::optim::OptimizerCloneableOptions<AgdOptions> {
+struct AgdOptions : public FieldsOptions<AgdOptions> {
   AgdOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
   TORCH_ARG(double, lr) = 1e-3;
   using betas_t = std::tuple<double, double>;
@@ -30,14 +30,26 @@ struct AgdOptions : public torch::optim::OptimizerCloneableOptions<AgdOptions> {
   TORCH_ARG(c10::optional<double>, clip) = c10::nullopt;  // |u| <= clip elementwise
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
 // Throws c10::ValueError naming the option and its value.
 void validate(const AgdOptions& options);
+
+// The hyper-parameters by name, in the order archives and param group dicts are read.
+template <typename Visit>
+void forEachOption(AgdOptions& o, Visit&& visit) {
+  visit("lr", o.lr());
+  visit("betas", o.betas());
+  visit("delta", o.delta());
+  visit("weight_decay", o.weight_decay());
+  visit("weight_decouple", o.weight_decouple());
+  visit("fixed_decay", o.fixed_decay());
+  visit("amsgrad", o.amsgrad());
+  visit("win", o.win());
+  visit("clip", o.clip());
+}
 
 struct AgdParamState : public FieldsParamState<AgdParamState> {
   TORCH_ARG(int64_t, step) = 0;
@@ -60,6 +72,7 @@ struct AgdRule : RuleOf<AgdOptions, AgdParamState> {
 
 using Agd = FusedOptimizer<AgdRule>;
 extern template struct FieldsParamState<AgdParamState>;
+extern template struct FieldsOptions<AgdOptions>;
 extern template class FusedOptimizer<AgdRule>;
 
 }  // namespace troupe::optimizers

@@ -42,6 +42,15 @@ struct StateField {
   int64_t* counter = nullptr;
 };
 
+// LibTorch options whose archive form is their hyper-parameters, each under its name, as
+// forEachOption(Derived&, visit) lists them (beside each options struct); the Python binding
+// reads a param group dict by the same list.
+template <typename Derived>
+struct FieldsOptions : public torch::optim::OptimizerCloneableOptions<Derived> {
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+};
+
 // A LibTorch param state whose archive form is its fields: each field under its name, undefined
 // tensors left out (as LibTorch's own states do).
 template <typename Derived>

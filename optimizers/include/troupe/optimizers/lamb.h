@@ -16,7 +16,7 @@
 
 namespace troupe::optimizers {
 
-struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions> {
+struct LambOptions : public FieldsOptions<LambOptions> {
   LambOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
   TORCH_ARG(double, lr) = 1e-3;
   using betas_t = std::tuple<double, double>;
@@ -26,14 +26,22 @@ struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions>
   TORCH_ARG(bool, bias_correction) = false;  // lr_t = lr * sqrt(1-b2^t)/(1-b1^t)
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
 // Throws c10::ValueError naming the option and its value.
 void validate(const LambOptions& options);
+
+// The hyper-parameters by name, in the order archives and param group dicts are read.
+template <typename Visit>
+void forEachOption(LambOptions& o, Visit&& visit) {
+  visit("lr", o.lr());
+  visit("betas", o.betas());
+  visit("eps", o.eps());
+  visit("weight_decay", o.weight_decay());
+  visit("bias_correction", o.bias_correction());
+}
 
 using LambParamState = MomentsParamState;
 
@@ -50,6 +58,7 @@ struct LambRule : RuleOf<LambOptions, LambParamState> {
 };
 
 using Lamb = FusedOptimizer<LambRule>;
+extern template struct FieldsOptions<LambOptions>;
 extern template class FusedOptimizer<LambRule>;
 
 }  // namespace troupe::optimizers

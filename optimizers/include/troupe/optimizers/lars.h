@@ -15,7 +15,7 @@
 
 namespace troupe::optimizers {
 
-struct LarsOptions : public torch::optim::OptimizerCloneableOptions<LarsOptions> {
+struct LarsOptions : public FieldsOptions<LarsOptions> {
   LarsOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
   TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(double, momentum) = 0;
@@ -24,14 +24,22 @@ struct LarsOptions : public torch::optim::OptimizerCloneableOptions<LarsOptions>
   TORCH_ARG(double, epsilon) = 0;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
 // Throws c10::ValueError naming the option and its value.
 void validate(const LarsOptions& options);
+
+// The hyper-parameters by name, in the order archives and param group dicts are read.
+template <typename Visit>
+void forEachOption(LarsOptions& o, Visit&& visit) {
+  visit("lr", o.lr());
+  visit("momentum", o.momentum());
+  visit("eeta", o.eeta());
+  visit("weight_decay", o.weight_decay());
+  visit("epsilon", o.epsilon());
+}
 
 struct LarsParamState : public FieldsParamState<LarsParamState> {
   TORCH_ARG(torch::Tensor, momentum_buffer);  // undefined until the first step with momentum
@@ -52,6 +60,7 @@ struct LarsRule : RuleOf<LarsOptions, LarsParamState> {
 
 using Lars = FusedOptimizer<LarsRule>;
 extern template struct FieldsParamState<LarsParamState>;
+extern template struct FieldsOptions<LarsOptions>;
 extern template class FusedOptimizer<LarsRule>;
 
 }  // namespace troupe::optimizers

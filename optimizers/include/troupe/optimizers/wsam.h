@@ -25,7 +25,7 @@
 
 namespace troupe::optimizers {
 
-struct WsamOptions : public torch::optim::OptimizerCloneableOptions<WsamOptions> {
+struct WsamOptions : public FieldsOptions<WsamOptions> {
   WsamOptions(double rho = 0.05);  // NOLINT: implicit, as LibTorch's options
   TORCH_ARG(double, rho) = 0.05;
   TORCH_ARG(double, gamma) = 0.9;
@@ -35,12 +35,22 @@ struct WsamOptions : public torch::optim::OptimizerCloneableOptions<WsamOptions>
 
  public:
   double alpha() const { return gamma() / (1 - gamma()); }
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
 // Throws c10::ValueError naming the option and its value (rho < 0, gamma outside [0, 1), ...).
 void validate(const WsamOptions& options);
+
+// The hyper-parameters by name, in the order archives are read (troupe.optim.WSAM keeps them in
+// the base optimizer's group dicts, its eps as sam_eps).
+template <typename Visit>
+void forEachOption(WsamOptions& o, Visit&& visit) {
+  visit("rho", o.rho());
+  visit("gamma", o.gamma());
+  visit("eps", o.eps());
+  visit("adaptive", o.adaptive());
+  visit("decouple", o.decouple());
+}
+extern template struct FieldsOptions<WsamOptions>;
 
 struct WsamParamState : public torch::optim::OptimizerCloneableParamState<WsamParamState> {
   TORCH_ARG(torch::Tensor, e);     // the perturbation; after the restore, g1 - g0 (decouple)
