@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <time.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -258,32 +259,40 @@ TEST_CASE("shared memory gives the same bytes as TCP for every operation, type a
   }
 }
 
-TEST_CASE("a ring over two hosts of two ranks each: shared memory within each host, TCP between them, same bytes") {
+TEST_CASE("a ring over several hosts: shared memory within each host, TCP between them, same bytes") {
   testing::RedisServerProcess redis;
-  TempDir dir;
-  const int world = 4;
-  const std::string group = "compare-hosts";
-  // Ranks 0, 1 on host "a" and 2, 3 on "b" (the seam splits this machine): the ring's hops
-  // 0->1 and 2->3 go through each host's segment, 1->2 and 3->0 through TCP.
-  std::vector<std::unique_ptr<RankProcess>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::make_unique<RankProcess>(
-        redis, dir.path(),
-        std::vector<std::string>{"--mode", "compare", "--group", group, "--count", "300007", "--small-bytes", "4096",
-                                 "--chunk-bytes", "8192", "--rank", std::to_string(r), "--world",
-                                 std::to_string(world)},
-        r, std::vector<std::string>{r < 2 ? "TROUPE_COLLECTIVES_HOST_ID=a" : "TROUPE_COLLECTIVES_HOST_ID=b"}));
+  // The seam splits this machine into hosts. "aabb": two hosts of two ranks; the ring's hops 0->1
+  // and 2->3 go through each host's segment, 1->2 and 3->0 through TCP. "aaab": rank 1 has pipes
+  // on both sides (bigger chunks) while ranks 0 and 2 chunk as TCP does, so the two ends of the
+  // pipes 0->1 and 1->2 cut the stream differently.
+  for (const std::string hosts : {"aabb", "aaab"}) {
+    CAPTURE(hosts);
+    TempDir dir;
+    const int world = 4;
+    const std::string group = "compare-hosts-" + hosts;
+    std::vector<std::unique_ptr<RankProcess>> ranks;
+    for (int r = 0; r < world; ++r) {
+      ranks.push_back(std::make_unique<RankProcess>(
+          redis, dir.path(),
+          std::vector<std::string>{"--mode", "compare", "--group", group, "--count", "300007", "--small-bytes",
+                                   "4096", "--chunk-bytes", "8192", "--rank", std::to_string(r), "--world",
+                                   std::to_string(world)},
+          r, std::vector<std::string>{std::string("TROUPE_COLLECTIVES_HOST_ID=") + hosts[static_cast<size_t>(r)]}));
+    }
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      auto exit = ranks[r]->wait(120s);
+      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 120 s");
+      INFO(ranks[r]->errors());
+      CHECK(exit->exitCode == 0);
+      CHECK(ranks[r]->output().find("COMPARE OK") != std::string::npos);
+      const size_t onHost = static_cast<size_t>(std::count(hosts.begin(), hosts.end(), hosts[static_cast<size_t>(r)]));
+      // A segment per host with at least two ranks; a rank alone on its host has none.
+      CHECK(ranks[r]->output().find(onHost > 1 ? fmt::format(" shm=1 host_ranks={}", onHost) : std::string(" shm=0"))
+            != std::string::npos);
+    }
+    CHECK(shmLeftovers(group).empty());
   }
-  for (int r = 0; r < world; ++r) {
-    CAPTURE(r);
-    auto exit = ranks[r]->wait(120s);
-    REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 120 s");
-    INFO(ranks[r]->errors());
-    CHECK(exit->exitCode == 0);
-    CHECK(ranks[r]->output().find("COMPARE OK") != std::string::npos);
-    CHECK(ranks[r]->output().find(" shm=1 host_ranks=2") != std::string::npos);  // a segment per host
-  }
-  CHECK(shmLeftovers(group).empty());
 }
 
 TEST_CASE("kill -9 of a rank mid-allreduce: the others fail within 2 s naming it, then epoch+1 "

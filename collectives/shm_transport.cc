@@ -371,6 +371,10 @@ uint64_t segmentBytes(int localCount, size_t pipeBytes) {
   return total > kMaxSegmentBytes ? 0 : total;
 }
 
+size_t shmChunkBytes(size_t chunkBytes) {
+  return std::max(chunkBytes, std::min<size_t>(size_t{1} << 20, 4 * chunkBytes));
+}
+
 size_t pipeBytesFor(int localCount, size_t chunkBytes) {
   if (localCount < 2 || localCount > kMaxLocalRanks) return 0;
   const size_t wanted = std::clamp<size_t>(chunkBytes <= kMaxPipeBytes / 4 ? 4 * chunkBytes : kMaxPipeBytes,
@@ -432,7 +436,7 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
         if (!name.empty()) ::shm_unlink(name.c_str());
       }
     } unlink;
-    pipeBytes = pipeBytesFor(localCount, options.chunkBytes);
+    pipeBytes = pipeBytesFor(localCount, shmChunkBytes(std::max<size_t>(options.chunkBytes & ~size_t{63}, 4096)));
     const uint64_t total = segmentBytes(localCount, pipeBytes);
     if (enabled && total > 0) {
       removeStaleSegments(options);

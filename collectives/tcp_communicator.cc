@@ -579,6 +579,10 @@ class TcpCommunicator final : public Communicator {
     ++opNumber_;
     events_.clear();
     finishReduce_ = false;
+    // Ring and chain steps go to the next rank and come from the previous one: bigger chunks when
+    // both are pipes (shmChunkBytes), the TCP chunk otherwise.
+    opChunkBytes_ = elementsPerChunkBytes_;
+    if (n_ > 1 && peers_[mod(me_ + 1)]->shm && peers_[mod(me_ - 1)]->shm) opChunkBytes_ = shmChunkBytes(elementsPerChunkBytes_);
     const Request& r = current_;
     const size_t elem = dataTypeSize(r.type);
     const size_t bytes = r.count * elem;
@@ -708,7 +712,7 @@ class TcpCommunicator final : public Communicator {
   }
 
   size_t chunkElements() const {
-    return std::max<size_t>(1, elementsPerChunkBytes_ / dataTypeSize(current_.type));
+    return std::max<size_t>(1, opChunkBytes_ / dataTypeSize(current_.type));
   }
 
   int divisorFor(ReduceOp op) const { return op == ReduceOp::kAvg ? n_ : 1; }
@@ -1538,6 +1542,7 @@ class TcpCommunicator final : public Communicator {
   std::vector<uint8_t> events_;
   Status broken_;
   bool finishReduce_ = false;
+  size_t opChunkBytes_ = 0;  // the current operation's ring chunk
   char* directOut_ = nullptr;
   const char* directSelf_ = nullptr;
   size_t directCount_ = 0;

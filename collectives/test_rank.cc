@@ -115,7 +115,7 @@ uint64_t sharedMemoryMapped(const std::string& group) {
 // How many ranks share the segment of `bytes` (its layout's size for that many ranks), 0: none.
 int segmentRanks(uint64_t bytes, size_t chunkBytes) {
   for (int ranks = 2; ranks <= 64 && bytes > 0; ++ranks) {
-    if (segmentBytes(ranks, pipeBytesFor(ranks, chunkBytes)) == bytes) return ranks;
+    if (segmentBytes(ranks, pipeBytesFor(ranks, shmChunkBytes(chunkBytes))) == bytes) return ranks;
   }
   return 0;
 }
