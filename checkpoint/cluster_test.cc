@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
-#include "testing/cluster_fixture.h"
+#include "troupe/testing/cluster_fixture.h"
 #include "troupe/checkpoint/checkpoint_dir.h"
 #include "troupe/checkpoint/flash_segment.h"
 #include "troupe/runtime/client.h"

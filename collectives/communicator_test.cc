@@ -20,7 +20,7 @@
 
 #include <fmt/format.h>
 
-#include "testing/redis_server.h"
+#include "troupe/testing/redis_server.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"

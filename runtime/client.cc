@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "schema_convert.h"
+#include "troupe/runtime/schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"

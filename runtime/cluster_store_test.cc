@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "testing/redis_server.h"
+#include "troupe/testing/redis_server.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/process.h"

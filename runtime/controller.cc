@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "controller_core.h"
-#include "schema_convert.h"
+#include "troupe/runtime/schema_convert.h"
 #include "store_records.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/actor.h"

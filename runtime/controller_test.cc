@@ -4,7 +4,7 @@
 
 #include <signal.h>
 
-#include "testing/cluster_fixture.h"
+#include "troupe/testing/cluster_fixture.h"
 
 namespace troupe {
 namespace {

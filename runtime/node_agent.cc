@@ -15,7 +15,7 @@
 
 #include <asio/steady_timer.hpp>
 
-#include "schema_convert.h"
+#include "troupe/runtime/schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"

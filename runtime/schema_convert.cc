@@ -1,4 +1,4 @@
-#include "schema_convert.h"
+#include "troupe/runtime/schema_convert.h"
 
 namespace troupe {
 

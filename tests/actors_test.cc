@@ -2,7 +2,7 @@
 // through the C++ client API over loopback sockets.
 #include <doctest/doctest.h>
 
-#include "testing/cluster_fixture.h"
+#include "troupe/testing/cluster_fixture.h"
 #include <fstream>
 
 #include "troupe/runtime/client.h"

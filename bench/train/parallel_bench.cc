@@ -38,7 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../bench_ranks.h"
-#include "testing/redis_server.h"
+#include "troupe/testing/redis_server.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/process.h"

@@ -29,7 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../bench_ranks.h"
-#include "testing/redis_server.h"
+#include "troupe/testing/redis_server.h"
 #include "troupe/actors/dataset.h"
 #include "troupe/actors/shard_queue.h"
 #include "troupe/actors/trainer_engine.h"

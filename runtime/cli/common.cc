@@ -5,7 +5,7 @@
 #include <iostream>
 
 #include "cli.h"
-#include "schema_convert.h"
+#include "troupe/runtime/schema_convert.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe::cli {

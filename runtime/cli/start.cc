@@ -9,7 +9,7 @@
 #include <iostream>
 
 #include "cli.h"
-#include "head_supervisor.h"
+#include "../head_supervisor.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/resources.h"

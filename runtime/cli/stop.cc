@@ -9,7 +9,7 @@
 #include <iostream>
 
 #include "cli.h"
-#include "head_supervisor.h"
+#include "../head_supervisor.h"
 
 namespace troupe::cli {
 

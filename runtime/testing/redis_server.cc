@@ -1,4 +1,4 @@
-#include "testing/redis_server.h"
+#include "troupe/testing/redis_server.h"
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>

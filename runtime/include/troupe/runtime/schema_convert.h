@@ -1,4 +1,5 @@
-// Conversions between the store's records and their Cap'n Proto form. Internal to runtime/.
+// Conversions between the store's records and their Cap'n Proto form (troupe.capnp): for every
+// process that speaks the cluster's RPC (controller, node agents, clients, tests).
 #pragma once
 
 #include "troupe.capnp.h"

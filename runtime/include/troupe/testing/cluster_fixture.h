@@ -11,8 +11,8 @@
 
 #include <fmt/format.h>
 
-#include "schema_convert.h"
-#include "testing/redis_server.h"
+#include "troupe/runtime/schema_convert.h"
+#include "troupe/testing/redis_server.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
