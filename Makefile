@@ -15,6 +15,7 @@ build: setup
 	@ninja -C $(BUILD)
 
 test: build
+	scripts/check-layers
 	meson test -C $(BUILD) --print-errorlogs
 	$(PYTHON) -m pytest -q tests
 	FUZZ_SECONDS=10 scripts/fuzz
