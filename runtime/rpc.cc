@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "forwarding_stream.h"
 #include "handshake.h"
 #include "troupe/runtime/logging.h"
 
@@ -20,9 +21,10 @@ namespace {
 // Reads the socket in blocks of up to 64 KiB: Cap'n Proto reads each message as a header, then
 // the rest, so without it every message costs two or three read calls; with it, usually one,
 // and a Finish that arrives with the next Call shares it too. Large reads go straight through.
-class BufferedStream final : public kj::AsyncIoStream {
+class BufferedStream final : public ForwardingStream {
  public:
-  explicit BufferedStream(kj::Own<kj::AsyncIoStream> inner) : inner_(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {}
+  explicit BufferedStream(kj::Own<kj::AsyncIoStream> inner)
+      : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {}
 
   kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
     auto* out = static_cast<kj::byte*>(buffer);
@@ -40,28 +42,11 @@ class BufferedStream final : public kj::AsyncIoStream {
           return tryRead(out + n, std::min(minBytes - n, got), maxBytes - n).then([n](size_t more) { return n + more; });
         });
   }
-  kj::Promise<void> write(const void* buffer, size_t size) override { return inner_->write(buffer, size); }
-  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
-    // Writes are not held back to be merged: a worker that runs a long call on this thread would
-    // hold back the replies before it.
-    return inner_->write(pieces);
-  }
-  kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
-  void shutdownWrite() override { inner_->shutdownWrite(); }
-  void abortRead() override { inner_->abortRead(); }
-  void getsockopt(int level, int option, void* value, uint* length) override {
-    inner_->getsockopt(level, option, value, length);
-  }
-  void setsockopt(int level, int option, const void* value, uint length) override {
-    inner_->setsockopt(level, option, value, length);
-  }
-  void getsockname(struct sockaddr* addr, uint* length) override { inner_->getsockname(addr, length); }
-  void getpeername(struct sockaddr* addr, uint* length) override { inner_->getpeername(addr, length); }
-  kj::Maybe<int> getFd() const override { return inner_->getFd(); }
+  // Writes are not held back to be merged: a worker that runs a long call on this thread would
+  // hold back the replies before it.
 
  private:
   static constexpr size_t kSize = 64 * 1024;
-  kj::Own<kj::AsyncIoStream> inner_;
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
 };

@@ -25,6 +25,8 @@
 #include <kj/compat/tls.h>
 #include <kj/debug.h>
 
+#include "forwarding_stream.h"
+
 namespace troupe::tls {
 namespace {
 
@@ -229,10 +231,10 @@ kj::Promise<kj::Own<kj::AsyncIoStream>> Streams::client(kj::Own<kj::AsyncIoStrea
 
 namespace {
 
-class PrefixedStream final : public kj::AsyncIoStream {
+class PrefixedStream final : public ForwardingStream {
  public:
   PrefixedStream(kj::Own<kj::AsyncIoStream> inner, kj::Array<kj::byte> prefix)
-      : inner_(kj::mv(inner)), prefix_(kj::mv(prefix)) {}
+      : ForwardingStream(kj::mv(inner)), prefix_(kj::mv(prefix)) {}
 
   kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
     if (at_ >= prefix_.size()) return inner_->tryRead(buffer, minBytes, maxBytes);
@@ -244,25 +246,8 @@ class PrefixedStream final : public kj::AsyncIoStream {
       return n + more;
     });
   }
-  kj::Promise<void> write(const void* buffer, size_t size) override { return inner_->write(buffer, size); }
-  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
-    return inner_->write(pieces);
-  }
-  kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
-  void shutdownWrite() override { inner_->shutdownWrite(); }
-  void abortRead() override { inner_->abortRead(); }
-  void getsockopt(int level, int option, void* value, uint* length) override {
-    inner_->getsockopt(level, option, value, length);
-  }
-  void setsockopt(int level, int option, const void* value, uint length) override {
-    inner_->setsockopt(level, option, value, length);
-  }
-  void getsockname(struct sockaddr* addr, uint* length) override { inner_->getsockname(addr, length); }
-  void getpeername(struct sockaddr* addr, uint* length) override { inner_->getpeername(addr, length); }
-  kj::Maybe<int> getFd() const override { return inner_->getFd(); }
 
  private:
-  kj::Own<kj::AsyncIoStream> inner_;
   kj::Array<kj::byte> prefix_;
   size_t at_ = 0;
 };

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "../redis_connection.h"
 #include "troupe/runtime/ids.h"
 
 namespace troupe::testing {
@@ -27,15 +28,8 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::seconds kStartDeadline{10};
 constexpr int kPortAttempts = 3;
 
-struct ContextDeleter {
-  void operator()(redisContext* context) const { redisFree(context); }
-};
-using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
-
-struct ReplyDeleter {
-  void operator()(redisReply* reply) const { freeReplyObject(reply); }
-};
-using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
+using redis::ContextPtr;
+using redis::ReplyPtr;
 
 std::string readFile(const std::string& path) {
   std::ifstream in(path);
