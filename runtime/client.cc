@@ -202,6 +202,19 @@ struct ActorConnection {
   std::vector<Queued> lost;  // lost with the worker, waiting for the verdict on the incarnation
   std::vector<Queued> held;  // made while recovering
 
+  // The last reference may go from inside `resolving`'s own callback (connectAlive holds one
+  // while `resolving` holds it): destroying the promise there would destroy the running
+  // callback, which KJ aborts on. So it, and the connection, go on a later turn of the loop
+  // (not into shared->tasks: `shared` may be going with us).
+  // With no event loop left nothing can be running, and they simply go now.
+  ~ActorConnection() {
+    try {
+      KJ_IF_MAYBE(r, resolving) { kj::evalLater([r = kj::mv(*r)]() {}).detach([](kj::Exception&&) {}); }
+      if (rpc) kj::evalLater([old = kj::mv(rpc)]() {}).detach([](kj::Exception&&) {});
+    } catch (...) {
+    }
+  }
+
   std::string died(const ActorRecord& r) const { return fmt::format("actor {} ({}) died: {}", id.hex(), type, r.deathReason); }
 
   void learn(const ActorRecord& r) {
