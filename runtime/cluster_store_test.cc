@@ -603,6 +603,21 @@ TEST_CASE_TEMPLATE("reserve: fractional amounts add up exactly", Backend, TROUPE
   CHECK(listedUsed(*store, small.id).at("CPU") == 0.1 + 0.1 + 0.1);
   // ...but not one bit more.
   CHECK_FALSE(mustReserve(*store, {{small.id, "actor:g", {{"CPU", 1e-6}}}}));
+
+  // `used` changes by each claim made or released (it does not re-add every claim), and a
+  // node whose claims are all released is back at exactly 0, whatever order they went in.
+  NodeRecord busy = registerResourceNode(*store, {{"CPU", 1}});
+  for (int i = 0; i < 10; ++i) CHECK(mustReserve(*store, {{busy.id, fmt::format("pg:x:{}", i), {{"CPU", 0.1}}}}));
+  CHECK_FALSE(mustReserve(*store, {{busy.id, "pg:x:10", {{"CPU", 0.1}}}}));
+  for (int i : {3, 7, 0}) REQUIRE(store->release({{busy.id, fmt::format("pg:x:{}", i), {}}}).isOk());
+  CHECK(mustReserve(*store, {{busy.id, "pg:y:0", {{"CPU", 0.25}}}}));
+  CHECK(mustReserve(*store, {{busy.id, "pg:x:1", {{"CPU", 0.05}}}}));  // replaces its own 0.1
+  CHECK(listedUsed(*store, busy.id).at("CPU") == doctest::Approx(0.9));
+  CHECK_FALSE(mustReserve(*store, {{busy.id, "pg:y:1", {{"CPU", 0.11}}}}));
+  std::vector<Reservation> all = {{busy.id, "pg:y:0", {}}};
+  for (int i = 0; i < 10; ++i) all.push_back({busy.id, fmt::format("pg:x:{}", i), {}});
+  REQUIRE(store->release(all).isOk());
+  CHECK(listedUsed(*store, busy.id) == Resources{{"CPU", 0}});
 }
 
 TEST_CASE_TEMPLATE("reserve: custom resources", Backend, TROUPE_STORE_BACKENDS) {

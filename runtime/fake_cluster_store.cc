@@ -86,6 +86,18 @@ struct FakeClusterState {
     node.used = std::move(used);
   }
 
+  // Caller holds `mutex`. Adds sign * delta to the node's `used`, as the Redis store's addUsed
+  // does: a sum back within 1e-9 of zero (relative to the total) is 0.
+  static void addUsed(NodeRecord& node, const Resources& delta, double sign) {
+    for (const auto& [name, amount] : node.total) node.used.try_emplace(name, 0);
+    for (const auto& [name, amount] : delta) {
+      double sum = node.used[name] + sign * amount;
+      auto total = node.total.find(name);
+      if (std::abs(sum) <= 1e-9 * std::max(1.0, total == node.total.end() ? 0.0 : total->second)) sum = 0;
+      node.used[name] = sum;
+    }
+  }
+
   // Caller holds `mutex`. Lock order: state mutex, then a queue's mutex.
   void publish(const ClusterEvent& event) {
     std::erase_if(subscribers, [](const std::weak_ptr<EventQueue>& weak) { return weak.expired(); });
@@ -273,11 +285,11 @@ class FakeClusterStore final : public ClusterStore {
         return false;
       }
       // A holder's new claim replaces its old one, so only the other holders count.
-      Resources others;
+      Resources others = node->second.record.used;
       if (auto it = state_->claims.find(nodeId); it != state_->claims.end()) {
         for (const auto& [holder, resources] : it->second) {
-          if (holders.contains(holder)) continue;
-          for (const auto& [name, amount] : resources) others[name] += amount;
+          if (!holders.contains(holder)) continue;
+          for (const auto& [name, amount] : resources) others[name] -= amount;
         }
       }
       Resources demand;
@@ -293,8 +305,12 @@ class FakeClusterStore final : public ClusterStore {
     }
     for (const auto& [nodeId, holders] : wanted) {
       auto& nodeClaims = state_->claims[nodeId];
-      for (const auto& [holder, resources] : holders) nodeClaims[holder] = *resources;
-      state_->recomputeUsed(state_->nodes.at(nodeId).record);
+      NodeRecord& node = state_->nodes.at(nodeId).record;
+      for (const auto& [holder, resources] : holders) {
+        if (auto old = nodeClaims.find(holder); old != nodeClaims.end()) state_->addUsed(node, old->second, -1);
+        state_->addUsed(node, *resources, 1);
+        nodeClaims[holder] = *resources;
+      }
     }
     return true;
   }
@@ -307,17 +323,16 @@ class FakeClusterStore final : public ClusterStore {
   }
 
   void releaseLocked(const std::vector<Reservation>& reservations) {
-    std::set<NodeId> changed;
     for (const Reservation& r : reservations) {
       auto it = state_->claims.find(r.nodeId);
-      if (it == state_->claims.end() || it->second.erase(r.holder) == 0) continue;
-      if (it->second.empty()) state_->claims.erase(it);
-      changed.insert(r.nodeId);
-    }
-    for (const NodeId& id : changed) {
-      if (auto node = state_->nodes.find(id); node != state_->nodes.end()) {
-        state_->recomputeUsed(node->second.record);
+      if (it == state_->claims.end()) continue;
+      auto held = it->second.find(r.holder);
+      if (held == it->second.end()) continue;
+      if (auto node = state_->nodes.find(r.nodeId); node != state_->nodes.end()) {
+        state_->addUsed(node->second.record, held->second, -1);
       }
+      it->second.erase(held);
+      if (it->second.empty()) state_->claims.erase(it);
     }
   }
 

@@ -8,12 +8,21 @@
 namespace troupe::redis_scripts {
 
 // Defines recomputeUsed(nodeKey, claimsKey): rewrites the node's `used` as the sum of its
-// claims, listing every resource in `total` (0 when unclaimed). Prepended to the scripts that
-// change claims. The JSON is built by hand because cjson writes numbers with 14 significant
-// digits, which would turn a sum of exact claims into a `used` that no longer adds up.
-// TODO(correctness): sums follow the hash's field order while the fake sums in holder order;
-// for quantities that are not exact binary fractions `used` may then differ in the last bit.
+// claims, listing every resource in `total` (0 when unclaimed); run when a node (re)registers.
+// And addUsed(nodeKey, delta, sign): adds sign * delta (a resources table) to `used`, so a
+// claim made or released costs what that claim names, not every claim on the node (a node
+// holding 10,000 groups' bundles). A sum that returns to within 1e-9 of zero (relative to the
+// node's total) is written as 0, so drift from inexact decimals does not accumulate there.
+// The JSON is built by hand because cjson writes numbers with 14 significant digits, which
+// would turn a sum of exact claims into a `used` that no longer adds up.
 inline constexpr const char* kRecomputeUsedLua = R"lua(
+local function writeUsed(nodeKey, used)
+  local parts = {}
+  for name, amount in pairs(used) do
+    table.insert(parts, cjson.encode(name) .. ':' .. string.format('%.17g', amount))
+  end
+  redis.call('HSET', nodeKey, 'used', '{' .. table.concat(parts, ',') .. '}')
+end
 local function recomputeUsed(nodeKey, claimsKey)
   local used = {}
   for name, _ in pairs(cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')) do
@@ -25,11 +34,18 @@ local function recomputeUsed(nodeKey, claimsKey)
       used[name] = (used[name] or 0) + amount
     end
   end
-  local parts = {}
-  for name, amount in pairs(used) do
-    table.insert(parts, cjson.encode(name) .. ':' .. string.format('%.17g', amount))
+  writeUsed(nodeKey, used)
+end
+local function addUsed(nodeKey, delta, sign)
+  local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
+  local used = cjson.decode(redis.call('HGET', nodeKey, 'used') or '{}')
+  for name, _ in pairs(total) do used[name] = used[name] or 0 end
+  for name, amount in pairs(delta) do
+    local sum = (used[name] or 0) + sign * amount
+    if math.abs(sum) <= 1e-9 * math.max(1, total[name] or 0) then sum = 0 end
+    used[name] = sum
   end
-  redis.call('HSET', nodeKey, 'used', '{' .. table.concat(parts, ',') .. '}')
+  writeUsed(nodeKey, used)
 end
 )lua";
 
@@ -231,16 +247,20 @@ local function reserveClaims(keys, argv, k, a, n)
       node.demand[name] = (node.demand[name] or 0) + amount
     end
   end
+  -- What the node's other claims use: its `used` less what these holders hold now (a
+  -- repeated reservation replaces its own claim).
   for _, nodeKey in ipairs(order) do
     local node = nodes[nodeKey]
     if redis.call('HGET', nodeKey, 'state') ~= 'ALIVE' then return false end
     local total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
-    local others = {}
-    local claims = redis.call('HGETALL', node.claimsKey)
-    for j = 1, #claims, 2 do
-      if node.holders[claims[j]] == nil then
-        for name, amount in pairs(cjson.decode(claims[j + 1])) do
-          others[name] = (others[name] or 0) + amount
+    local others = cjson.decode(redis.call('HGET', nodeKey, 'used') or '{}')
+    node.held = {}
+    for holder, _ in pairs(node.holders) do
+      local old = redis.call('HGET', node.claimsKey, holder)
+      if old then
+        for name, amount in pairs(cjson.decode(old)) do
+          others[name] = (others[name] or 0) - amount
+          node.held[name] = (node.held[name] or 0) + amount
         end
       end
     end
@@ -253,7 +273,8 @@ local function reserveClaims(keys, argv, k, a, n)
     for holder, resources in pairs(node.holders) do
       redis.call('HSET', node.claimsKey, holder, resources)
     end
-    recomputeUsed(nodeKey, node.claimsKey)
+    addUsed(nodeKey, node.held, -1)
+    addUsed(nodeKey, node.demand, 1)
   end
   return true
 end
@@ -288,17 +309,17 @@ local waiting = function() return redis.call('SCARD', KEYS[3]) + redis.call('SCA
 local bundles = redis.call('HGET', KEYS[1], 'bundles')
 if not bundles then return {0, waiting()} end
 if redis.call('SCARD', KEYS[4]) > 0 then return {2, waiting()} end
-local changed = {}
 for i, bundle in ipairs(cjson.decode(bundles)) do
   local node = bundle['node_id']
   if type(node) == 'string' and node ~= '' then
-    local claims = ARGV[2] .. node
-    if redis.call('HDEL', claims, 'pg:' .. ARGV[1] .. ':' .. (i - 1)) == 1 then changed[node] = claims end
+    local claims, holder = ARGV[2] .. node, 'pg:' .. ARGV[1] .. ':' .. (i - 1)
+    local held = redis.call('HGET', claims, holder)
+    if held then
+      redis.call('HDEL', claims, holder)
+      local nodeKey = ARGV[3] .. node
+      if redis.call('EXISTS', nodeKey) == 1 then addUsed(nodeKey, cjson.decode(held), -1) end
+    end
   end
-end
-for node, claims in pairs(changed) do
-  local nodeKey = ARGV[3] .. node
-  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, claims) end
 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -330,16 +351,13 @@ return out
 // KEYS: per claim, its node hash and that node's claims hash. ARGV: per claim, the holder.
 // `used` is rewritten only on nodes that lost a claim, and only while the node exists.
 inline constexpr const char* kReleaseBody = R"lua(
-local changed, order = {}, {}
 for i = 1, #ARGV do
   local nodeKey = KEYS[2 * i - 1]
-  if redis.call('HDEL', KEYS[2 * i], ARGV[i]) == 1 and not changed[nodeKey] then
-    changed[nodeKey] = KEYS[2 * i]
-    table.insert(order, nodeKey)
+  local held = redis.call('HGET', KEYS[2 * i], ARGV[i])
+  if held then
+    redis.call('HDEL', KEYS[2 * i], ARGV[i])
+    if redis.call('EXISTS', nodeKey) == 1 then addUsed(nodeKey, cjson.decode(held), -1) end
   end
-end
-for _, nodeKey in ipairs(order) do
-  if redis.call('EXISTS', nodeKey) == 1 then recomputeUsed(nodeKey, changed[nodeKey]) end
 end
 return 1
 )lua";
