@@ -5,9 +5,14 @@ needs root), each figure next to its peer measured in the same run between the s
   64-byte TCP ping-pong between the two hosts, in alternating slices (median ratio), with and
   without --tls;
 - a 64 MB float32 all-reduce's bus bandwidth, one rank per host (2 and 4 hosts), against
-  torch.distributed's gloo across the same hosts, and with TLS.
+  torch.distributed's gloo across the same hosts, and with TLS;
+- the same all-reduce over 4 ranks on 2 hosts, 2 ranks per host (ranks 0, 1 on host 0 and 2, 3 on
+  host 1, so the ring crosses between hosts twice and each host's other hop uses its shared-memory
+  pipes), against gloo in the same layout; min / median / max of 5 timed all-reduces, each timed
+  as its slowest rank (issue 18's target: at least 1x gloo).
 With --json the last line is one JSON object: hosts, sync_vs_floor, allreduce_vs_gloo (per world
-size), tls_call_cost, tls_busbw_cost (the fraction of calls/s and bus bandwidth TLS costs).
+size), allreduce_2x2_64mb_vs_gloo (gloo ms / Troupe ms in the 2x2 layout) and allreduce_2x2 (its
+figures), tls_call_cost, tls_busbw_cost (the fraction of calls/s and bus bandwidth TLS costs).
 """
 import json
 import os
@@ -141,9 +146,10 @@ def busbw(world, ms):
     return 2 * (world - 1) / world * BYTES / (ms / 1e3) / 1e9
 
 
-def troupe_allreduce(hosts, tls_token):
-    """Median ms of 5 timed 64 MB all-reduces, one rank per host, each bound to its host's address."""
-    head = hosts[0]
+def troupe_allreduce(placement, tls_token, env=None):
+    """{ms, min_ms, max_ms} of 5 timed 64 MB all-reduces (the median, fastest and slowest of each one's
+    slowest rank); placement[r] is the host of rank r, and each rank binds its host's address."""
+    head = placement[0]
     password = secrets.token_hex(16)
     redis_port = PORT + 2
     redis = head.popen(["redis-server", "--bind", head.address, "--port", str(redis_port), "--requirepass", password,
@@ -156,40 +162,54 @@ def troupe_allreduce(hosts, tls_token):
                 ready = True
                 break
         assert ready, "the benchmark's redis-server did not start"
-        world = len(hosts)
+        world = len(placement)
         group = f"mh-{world}-{secrets.token_hex(3)}"
         ranks = []
-        for r, host in enumerate(hosts):
-            env = {"TROUPE_BENCH_REDIS_HOST": head.address, "TROUPE_BENCH_REDIS_PORT": str(redis_port),
-                   "TROUPE_BENCH_REDIS_PASSWORD": password, "TROUPE_BENCH_HOST": host.address}
+        for r, host in enumerate(placement):
+            rank_env = {"TROUPE_BENCH_REDIS_HOST": head.address, "TROUPE_BENCH_REDIS_PORT": str(redis_port),
+                        "TROUPE_BENCH_REDIS_PASSWORD": password, "TROUPE_BENCH_HOST": host.address, **(env or {})}
             if tls_token:
-                env["TROUPE_BENCH_TLS_TOKEN"] = tls_token
+                rank_env["TROUPE_BENCH_TLS_TOKEN"] = tls_token
             ranks.append(host.popen([str(BUILD / "collectives" / "allreduce_bench"), "--serve-rank", str(r), "--world",
                                      str(world), "--group", group, "--sizes",
-                                     f"{BYTES}:5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     f"{BYTES}:5"], env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True))
         outs = [p.communicate(timeout=300) for p in ranks]
         for p, (out, err) in zip(ranks, outs):
             assert p.returncode == 0, f"a Troupe rank failed ({p.returncode}): {err[-2000:]}"
-        return json.loads(outs[0][0].strip().splitlines()[-1])["ms"]
+        return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
         redis.kill()
         redis.wait()
 
 
-def gloo_allreduce(hosts):
-    head = hosts[0]
-    world = len(hosts)
+def gloo_allreduce(placement):
+    """gloo_peer.py's {ms, min_ms, max_ms}, measured as troupe_allreduce measures, placement[r] hosting rank r."""
+    head = placement[0]
+    world = len(placement)
     procs = []
-    for r, host in enumerate(hosts):
+    for r, host in enumerate(placement):
         env = {"MASTER_ADDR": head.address, "MASTER_PORT": str(PORT + 3), "RANK": str(r), "WORLD_SIZE": str(world),
-               "GLOO_SOCKET_IFNAME": "eth0"}
+               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         procs.append(host.popen(["/usr/bin/python3", str(HERE / "allreduce" / "gloo_peer.py"), f"{BYTES}:5"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"a gloo rank failed: {err[-2000:]}"
-    return json.loads(outs[0][0].strip().splitlines()[-1])["ms"]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def allreduce_2x2(bed):
+    """4 ranks, 2 per host on 2 hosts: Troupe (shared memory within each host, TCP between them) against
+    gloo in the same layout."""
+    a, b = bed.hosts[0], bed.hosts[1]
+    placement = [a, a, b, b]
+    t = troupe_allreduce(placement, None)
+    g = gloo_allreduce(placement)
+    spread = lambda x: [x["min_ms"], x["ms"], x["max_ms"]]  # noqa: E731
+    return {"world": 4, "hosts": 2, "ranks_per_host": 2, "troupe_ms": t["ms"], "gloo_ms": g["ms"],
+            "troupe_spread_ms": spread(t), "gloo_spread_ms": spread(g), "troupe_busbw_gbs": busbw(4, t["ms"]),
+            "gloo_busbw_gbs": busbw(4, g["ms"]), "ratio": g["ms"] / t["ms"]}
 
 
 def main():
@@ -210,12 +230,14 @@ def main():
         for world in (2, 4):
             hosts = bed.hosts[:world]
             log(f"64 MB all-reduce, {world} hosts: troupe, troupe --tls, gloo...")
-            t = troupe_allreduce(hosts, None)
-            s = troupe_allreduce(hosts, token)
-            g = gloo_allreduce(hosts)
+            t = troupe_allreduce(hosts, None)["ms"]
+            s = troupe_allreduce(hosts, token)["ms"]
+            g = gloo_allreduce(hosts)["ms"]
             rows.append({"world": world, "troupe_ms": t, "troupe_tls_ms": s, "gloo_ms": g,
                          "troupe_busbw_gbs": busbw(world, t), "troupe_tls_busbw_gbs": busbw(world, s),
                          "gloo_busbw_gbs": busbw(world, g), "ratio": g / t})
+        log("64 MB all-reduce, 4 ranks on 2 hosts (2 per host): troupe, gloo...")
+        two_by_two = allreduce_2x2(bed)
     finally:
         bed.close()
 
@@ -230,6 +252,12 @@ def main():
               f"gloo {r['gloo_busbw_gbs']:.2f} GB/s | {r['ratio']:.2f} |")
         print(f"| the same with TLS | {r['troupe_tls_busbw_gbs']:.2f} GB/s | | "
               f"{r['troupe_tls_busbw_gbs'] / r['troupe_busbw_gbs']:.2f} of plain |")
+    r = two_by_two
+    print(f"| 64 MB all-reduce busbw, 4 ranks on 2 hosts (2 per host) | {r['troupe_busbw_gbs']:.2f} GB/s | "
+          f"gloo {r['gloo_busbw_gbs']:.2f} GB/s | {r['ratio']:.2f} |")
+    line = lambda x: " / ".join(f"{v:.1f}" for v in x)  # noqa: E731
+    print(f"4 ranks on 2 hosts, ms of 5 all-reduces (min / median / max): Troupe {line(r['troupe_spread_ms'])}, "
+          f"gloo {line(r['gloo_spread_ms'])}")
     tls_call_cost = 1 - tls["ratio"] / plain["ratio"]
     tls_busbw_cost = statistics.mean(1 - r["troupe_tls_busbw_gbs"] / r["troupe_busbw_gbs"] for r in rows)
     print(f"TLS costs {tls_call_cost:.0%} of sync calls/s (relative to the floor) and {tls_busbw_cost:.0%} "
@@ -237,7 +265,8 @@ def main():
     if as_json:
         print(json.dumps({"hosts": [2, 4], "sync_vs_floor": plain["ratio"], "sync_per_s": plain["sync_per_s"],
                           "floor_per_s": plain["floor_per_s"], "tls_sync_vs_floor": tls["ratio"],
-                          "allreduce_vs_gloo": rows, "tls_call_cost": tls_call_cost,
+                          "allreduce_vs_gloo": rows, "allreduce_2x2_64mb_vs_gloo": two_by_two["ratio"],
+                          "allreduce_2x2": two_by_two, "tls_call_cost": tls_call_cost,
                           "tls_busbw_cost": tls_busbw_cost}))
 
 
