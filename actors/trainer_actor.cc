@@ -208,6 +208,7 @@ class Trainer final : public Actor {
           .dump();
     }
     if (method == "pin") {
+      if (j.value("snapshot", false)) TROUPE_RETURN_IF_ERROR(snapshotCurrentStep());
       auto pinned = pin();
       if (!pinned.isOk()) return pinned.status();
       return Json{{"pinned", *pinned}}.dump();
@@ -648,6 +649,19 @@ class Trainer final : public Actor {
     if (!pinned.isOk()) return pinned.status();
     return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"pinned", *pinned}}
         .dump();
+  }
+
+  // Makes sure this bundle's segment holds a complete snapshot of the current step, taking one
+  // now unless a step's snapshot already did. A resize restores the current step on every rank
+  // (and, under ZeRO, reads the leaving ranks' snapshots of it; a new member copies a node mate's),
+  // while snapshot_every > 1 skips the steps between its multiples, chunk ends included.
+  Status snapshotCurrentStep() {
+    const int64_t step = engine_->stepCount();
+    if (step == 0) return Status::ok();  // step 0 is re-made from the seed
+    if (!resnapshot_ && segment_ && segment_->completeAt(static_cast<uint64_t>(step))) return Status::ok();
+    TROUPE_RETURN_IF_ERROR(snapshot());
+    resnapshot_ = false;
+    return Status::ok();
   }
 
   // Pins this rank's newest snapshot (in memory and, once the checkpoint actor confirms it, in

@@ -1035,6 +1035,10 @@ class ElasticTrainer:
         added to the placement group, new trainers start from a member's memory snapshot) at
         a step boundary; no step is lost either way."""
         current = len(self.trainers)
+        # Every rank restores the current step after the move, a new member copies a node mate's
+        # snapshot of it, and under ZeRO the ranks re-shard from every old rank's (the leaving
+        # ones' included): each rank snapshots it now, as snapshot_every > 1 skips most steps.
+        _api.get([_json_call(t, "pin", {"snapshot": True}) for t in self.trainers], timeout=self.recovery_timeout)
         if workers < current:
             leaving = self._bundles[workers:]
             for t in self.trainers[workers:]:

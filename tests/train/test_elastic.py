@@ -139,6 +139,31 @@ def test_after_a_shrink_the_loss_curve_matches_the_uninterrupted_run(cluster):
     assert worst <= 1e-5, f"loss curves differ by up to {worst}"
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_resizes_at_steps_between_memory_snapshots_keep_every_step(cluster, zero):
+    """Snapshots every 2 steps (as the adaptive interval or the tuner's runs may have them) and
+    resizes at steps 3 and 5, which no periodic snapshot holds: every rank restores the step it
+    is at, and under ZeRO-2 re-shards from the leaving rank's snapshot of it. The result equals
+    the same resizes with a snapshot every step, bit for bit."""
+    runs = {}
+    for every in (1, 2):
+        with make(zero=zero, checkpoint={"snapshot_every": every}) as t:
+            t.fit(3)
+            t.resize(1)
+            t.fit(2)
+            t.resize(2)
+            t.fit(2)
+            assert [row["step"] for row in t.history] == list(range(1, 8))
+            assert [row["world_size"] for row in t.history] == [2, 2, 2, 1, 1, 2, 2]
+            hashes = t.parameter_hash()
+            assert len(set(hashes)) == 1, "the ranks hold different models"
+            record = group_record(t)
+            assert any("resized from 2 to 1 trainer(s) at step 3" in e for e in record["events"]), record["events"]
+            assert any("resized from 1 to 2 trainer(s) at step 5" in e for e in record["events"]), record["events"]
+            runs[every] = (hashes[0], [row["loss"] for row in t.history])
+    assert runs[2] == runs[1]
+
+
 def test_a_group_that_cannot_be_placed_says_why(cluster):
     from troupe.train import GroupPlacementError
 

@@ -21,6 +21,9 @@
 //   run     {"from", "steps"} -> {"metrics": [StepMetrics as JSON per step], "hash"}: trains
 //            steps [from, from + steps); a collective failure ends it with an error
 //   configure {"snapshot_every": n} -> {"snapshot_every": n}
+//   pin     {"snapshot": bool} -> {"pinned": step or null}: pins the newest memory snapshot here
+//            and in its replica; with "snapshot", the current step is snapshotted first unless
+//            it already is (a resize restores the current step whatever snapshot_every is)
 //   hash    {} -> {"hash", "step"}
 #pragma once
 
