@@ -9,10 +9,12 @@ needs root), each figure next to its peer measured in the same run between the s
 - the same all-reduce over 4 ranks on 2 hosts, 2 ranks per host (ranks 0, 1 on host 0 and 2, 3 on
   host 1, so the ring crosses between hosts twice and each host's other hop uses its shared-memory
   pipes), against gloo in the same layout; min / median / max of 5 timed all-reduces, each timed
-  as its slowest rank (issue 18's target: at least 1x gloo).
+  as its slowest rank (issue 18's target: at least 1x gloo), and beside it the floor of its cross-host
+  links: the bytes the ring sends between the hosts (96 MiB each way) as two raw TCP streams at once.
 With --json the last line is one JSON object: hosts, sync_vs_floor, allreduce_vs_gloo (per world
 size), allreduce_2x2_64mb_vs_gloo (gloo ms / Troupe ms in the 2x2 layout) and allreduce_2x2 (its
-figures), tls_call_cost, tls_busbw_cost (the fraction of calls/s and bus bandwidth TLS costs).
+figures, with tcp_floor_ms), tls_call_cost, tls_busbw_cost (the fraction of calls/s and bus bandwidth
+TLS costs).
 """
 import json
 import os
@@ -63,6 +65,30 @@ PINGPONG = textwrap.dedent("""
         for _ in range(int(sys.argv[5])):
             sys.stdin.readline()
             print(rounds(seconds), flush=True)
+""")
+
+# One raw TCP stream of `size` bytes per round (a 1-byte answer marks it received): the floor of a link.
+STREAM = textwrap.dedent("""
+    import socket, sys, time
+    role, host, port, size, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    view = memoryview(bytearray(size))
+    if role == "serve":
+        with socket.create_server((host, port)) as listener:
+            print("ready", flush=True)
+            conn, _ = listener.accept()
+            for _ in range(rounds):
+                got = 0
+                while got < size:
+                    got += conn.recv_into(view[got:], size - got)
+                conn.sendall(b"k")
+    else:
+        conn = socket.create_connection((host, port))
+        for _ in range(rounds):
+            sys.stdin.readline()
+            start = time.perf_counter()
+            conn.sendall(view)
+            conn.recv(1)
+            print((time.perf_counter() - start) * 1e3, flush=True)
 """)
 
 CALLS = textwrap.dedent("""
@@ -146,7 +172,7 @@ def busbw(world, ms):
     return 2 * (world - 1) / world * BYTES / (ms / 1e3) / 1e9
 
 
-def troupe_allreduce(placement, tls_token, env=None):
+def troupe_allreduce(placement, tls_token):
     """{ms, min_ms, max_ms} of 5 timed 64 MB all-reduces (the median, fastest and slowest of each one's
     slowest rank); placement[r] is the host of rank r, and each rank binds its host's address."""
     head = placement[0]
@@ -167,7 +193,7 @@ def troupe_allreduce(placement, tls_token, env=None):
         ranks = []
         for r, host in enumerate(placement):
             rank_env = {"TROUPE_BENCH_REDIS_HOST": head.address, "TROUPE_BENCH_REDIS_PORT": str(redis_port),
-                        "TROUPE_BENCH_REDIS_PASSWORD": password, "TROUPE_BENCH_HOST": host.address, **(env or {})}
+                        "TROUPE_BENCH_REDIS_PASSWORD": password, "TROUPE_BENCH_HOST": host.address}
             if tls_token:
                 rank_env["TROUPE_BENCH_TLS_TOKEN"] = tls_token
             ranks.append(host.popen([str(BUILD / "collectives" / "allreduce_bench"), "--serve-rank", str(r), "--world",
@@ -199,6 +225,30 @@ def gloo_allreduce(placement):
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
+def streams_floor(a, b, size, rounds=SLICES):
+    """Median over rounds of the ms for `size` bytes sent a -> b and b -> a at once over raw TCP (each round
+    as slow as its slower stream)."""
+    servers, clients = [], []
+    for i, (src, dst) in enumerate(((a, b), (b, a))):
+        port = str(PORT + 4 + i)
+        servers.append(dst.popen(["/usr/bin/python3", "-c", STREAM, "serve", dst.address, port, str(size), str(rounds)],
+                                 stdout=subprocess.PIPE, text=True))
+        assert servers[-1].stdout.readline().strip() == "ready", "the stream server did not start"
+        clients.append(src.popen(["/usr/bin/python3", "-c", STREAM, "client", dst.address, port, str(size),
+                                  str(rounds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
+    times = []
+    for _ in range(rounds):
+        for c in clients:
+            c.stdin.write("\n")
+            c.stdin.flush()
+        times.append(max(float(c.stdout.readline()) for c in clients))
+    for p in clients + servers:
+        if p.stdin:
+            p.stdin.close()
+        p.wait(30)
+    return statistics.median(times)
+
+
 def allreduce_2x2(bed):
     """4 ranks, 2 per host on 2 hosts: Troupe (shared memory within each host, TCP between them) against
     gloo in the same layout."""
@@ -206,10 +256,13 @@ def allreduce_2x2(bed):
     placement = [a, a, b, b]
     t = troupe_allreduce(placement, None)
     g = gloo_allreduce(placement)
+    # The ring 0 -> 1 -> 2 -> 3 -> 0 crosses between the hosts at 1 -> 2 and 3 -> 0, each carrying
+    # 2 (n - 1) / n of the buffer.
+    floor = streams_floor(a, b, 2 * 3 * BYTES // 4)
     spread = lambda x: [x["min_ms"], x["ms"], x["max_ms"]]  # noqa: E731
     return {"world": 4, "hosts": 2, "ranks_per_host": 2, "troupe_ms": t["ms"], "gloo_ms": g["ms"],
             "troupe_spread_ms": spread(t), "gloo_spread_ms": spread(g), "troupe_busbw_gbs": busbw(4, t["ms"]),
-            "gloo_busbw_gbs": busbw(4, g["ms"]), "ratio": g["ms"] / t["ms"]}
+            "gloo_busbw_gbs": busbw(4, g["ms"]), "ratio": g["ms"] / t["ms"], "tcp_floor_ms": floor}
 
 
 def main():
@@ -257,7 +310,8 @@ def main():
           f"gloo {r['gloo_busbw_gbs']:.2f} GB/s | {r['ratio']:.2f} |")
     line = lambda x: " / ".join(f"{v:.1f}" for v in x)  # noqa: E731
     print(f"4 ranks on 2 hosts, ms of 5 all-reduces (min / median / max): Troupe {line(r['troupe_spread_ms'])}, "
-          f"gloo {line(r['gloo_spread_ms'])}")
+          f"gloo {line(r['gloo_spread_ms'])}; the ring's cross-host bytes as raw TCP (96 MiB each way at once): "
+          f"{r['tcp_floor_ms']:.1f} ms (Troupe at {r['tcp_floor_ms'] / r['troupe_ms']:.2f} of that floor's speed)")
     tls_call_cost = 1 - tls["ratio"] / plain["ratio"]
     tls_busbw_cost = statistics.mean(1 - r["troupe_tls_busbw_gbs"] / r["troupe_busbw_gbs"] for r in rows)
     print(f"TLS costs {tls_call_cost:.0%} of sync calls/s (relative to the floor) and {tls_busbw_cost:.0%} "
