@@ -395,7 +395,7 @@ class CheckpointActor final : public Actor {
     TROUPE_LOG(kInfo, "checkpoint actor exiting: removed {} segment(s)", removed.size());
   }
 
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
     if (method != "release") return call(method, payload);
     // Restores in progress are cancelled, and the one the restore thread may be staging is let
     // finish, so none re-creates a segment after they are removed.

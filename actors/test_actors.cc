@@ -148,7 +148,7 @@ class Relay final : public TestActor {
  public:
   using TestActor::TestActor;
 
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
     if (method != "relay") return call(method, payload);
     // payload: "<actor id> <method> <payload...>"
     auto first = payload.find(' ');
@@ -156,8 +156,8 @@ class Relay final : public TestActor {
     if (second == std::string::npos || context_.cluster == nullptr) {
       return Result<std::string>(Status(StatusCode::kInvalidArgument, "relay needs '<actor id> <method> <payload>'"));
     }
-    auto target = context_.cluster->actor(ActorId(payload.substr(0, first)));
-    return target.call(payload.substr(first + 1, second - first - 1), payload.substr(second + 1))
+    auto target = context_.cluster->actor(ActorId(std::string(payload.substr(0, first))));
+    return target.call(std::string(payload.substr(first + 1, second - first - 1)), std::string(payload.substr(second + 1)))
         .then([](std::string reply) { return Result<std::string>(std::move(reply)); },
               [](kj::Exception&& e) { return Result<std::string>(statusFromException(e, "relay")); });
   }

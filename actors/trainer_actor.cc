@@ -115,9 +115,9 @@ class Trainer final : public Actor {
   // coordinator asks while a `run` hangs.
   bool answersAtOnce(const std::string& method) const override { return method == "activity" || method == "timeline"; }
 
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) override {
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
     if (method == "activity" || method == "timeline") return Result<std::string>(query(method));
-    Json j = Json::parse(payload.empty() ? std::string("{}") : payload, nullptr, false);
+    Json j = Json::parse(payload.empty() ? std::string_view("{}") : payload, nullptr, false);
     if (!j.is_object()) return Result<std::string>(Status(StatusCode::kInvalidArgument, "payload is not a JSON object"));
     auto done = kj::newPromiseAndCrossThreadFulfiller<Result<std::string>>();
     {

@@ -62,6 +62,18 @@ int main(int argc, char** argv) {
     printf("{\"pingpong_per_s\": %.0f}\n", 1e6 / troupe::bench::tcpRoundTripUs(argv[0], rounds));
     return 0;
   }
+  if (argc > 1 && std::string(argv[1]) == "--big-only") {  // for profiling: 16 MB echo calls only
+    troupe::bench::BenchCluster cluster(8);
+    auto io = kj::setupAsyncIo();
+    auto client = cluster.connect(io);
+    troupe::ActorOptions echo;
+    echo.type = "Echo";
+    auto actor = client->createActor(echo).wait(io.waitScope);
+    const std::string big(size_t(16) << 20, 'p');
+    int calls = argc > 2 ? atoi(argv[2]) : 50;
+    printf("16 MB echo: actor call MB/s (both ways): %.0f\n", syncRate(io, actor, big, calls) * 2.0 * big.size() / 1e6);
+    return 0;
+  }
   bool json = argc > 1 && std::string(argv[1]) == "--json";
   const int kSync = 2000, kPipelined = 30000, kWindow = 256, kCallers = 2, kRuns = 5;
   const size_t kBig = size_t(16) << 20;

@@ -202,19 +202,6 @@ struct ActorConnection {
   std::vector<Queued> lost;  // lost with the worker, waiting for the verdict on the incarnation
   std::vector<Queued> held;  // made while recovering
 
-  // The last reference may go from inside `resolving`'s own callback (connectAlive holds one
-  // while `resolving` holds it): destroying the promise there would destroy the running
-  // callback, which KJ aborts on. So it, and the connection, go on a later turn of the loop
-  // (not into shared->tasks: `shared` may be going with us).
-  // With no event loop left nothing can be running, and they simply go now.
-  ~ActorConnection() {
-    try {
-      KJ_IF_MAYBE(r, resolving) { kj::evalLater([r = kj::mv(*r)]() {}).detach([](kj::Exception&&) {}); }
-      if (rpc) kj::evalLater([old = kj::mv(rpc)]() {}).detach([](kj::Exception&&) {});
-    } catch (...) {
-    }
-  }
-
   std::string died(const ActorRecord& r) const { return fmt::format("actor {} ({}) died: {}", id.hex(), type, r.deathReason); }
 
   void learn(const ActorRecord& r) {
@@ -235,9 +222,16 @@ struct ActorConnection {
 
 namespace {
 
+// Its callbacks hold the connection weakly: the promise lives in c->resolving, and a strong
+// reference there would be a cycle whose last link goes from inside the promise's own callback
+// (KJ aborts on a callback destroying itself). The callers that wait on it hold it strongly.
 kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
+  std::weak_ptr<ActorConnection> weak = c;
+  auto gone = []() { return kj::Promise<void>(KJ_EXCEPTION(DISCONNECTED, "the actor handle was dropped")); };
   return c->shared->waitActor(c->id, c->minIncarnation, true, kWaitChunkMs)
-      .then([c](ActorRecord record) -> kj::Promise<void> {
+      .then([weak, gone](ActorRecord record) -> kj::Promise<void> {
+        auto c = weak.lock();
+        if (!c) return gone();
         c->learn(record);
         if (record.state == ActorState::kDead) throwStatus(Status(StatusCode::kActorDied, c->died(record)));
         if (record.state != ActorState::kAlive || record.incarnation < c->minIncarnation) {
@@ -248,10 +242,11 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
         uint32_t inc = record.incarnation;
         return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS)
             .then(
-                [c, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
+                [weak, gone, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
+                  auto c = weak.lock();
+                  if (!c) return gone();
                   c->cap = client->bootstrap<rpc::Actor>();
                   // Once the worker's connection drops, later calls go to the next incarnation.
-                  std::weak_ptr<ActorConnection> weak = c;
                   c->shared->tasks->add(client->onDisconnect().then([weak, inc]() {
                     if (auto alive = weak.lock()) alive->forget(inc);
                   }));
@@ -259,8 +254,10 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
                   c->incarnation = inc;
                   return kj::READY_NOW;
                 },
-                [c, inc](kj::Exception&&) -> kj::Promise<void> {
+                [weak, gone, inc](kj::Exception&&) -> kj::Promise<void> {
                   // It died between reporting ready and our connect: wait for what comes next.
+                  auto c = weak.lock();
+                  if (!c) return gone();
                   c->minIncarnation = std::max(c->minIncarnation, inc + 1);
                   return connectAlive(c);
                 });
@@ -352,6 +349,26 @@ constexpr size_t kMinBatch = 16;
 
 void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued);
 
+// Large arguments go from the caller's buffer straight to the socket, not copied into the
+// message: the call's queue entry holds `bytes` until its reply, so they outlive the message.
+// Cap'n Proto sends whole 8-byte words, so the bytes up to the next word boundary are zeroed
+// first, in the string's own storage (nothing else of this process's memory goes out).
+void setPayload(rpc::Actor::CallParams::Builder params, std::string& bytes) {
+  constexpr size_t kReferenceFrom = 64 * 1024;
+  const size_t size = bytes.size();
+  if (size < kReferenceFrom) {
+    params.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), size));
+    return;
+  }
+  if (size_t padded = (size + 7) & ~size_t{7}; padded != size) {
+    bytes.append(padded - size, '\0');
+    bytes.resize(size);
+  }
+  auto orphanage = capnp::Orphanage::getForMessageContaining(params);
+  params.adoptPayload(
+      orphanage.referenceExternalData(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), size)));
+}
+
 // Sends what was queued this turn: separate calls for a few, one batch for a burst.
 void flush(std::shared_ptr<ActorConnection> c) {
   std::vector<ActorConnection::Queued> queued = std::move(c->queue);
@@ -384,7 +401,7 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
           auto& call = calls->front();
           auto request = target.first.callRequest();
           request.setMethod(call.method);
-          request.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(call.payload.data()), call.payload.size()));
+          setPayload(request, call.payload);
           return request.send().then(
               [c, calls](capnp::Response<rpc::Actor::CallResults> response) {
                 auto r = response.getResult();
@@ -425,12 +442,23 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
       },
       [calls](kj::Exception&& e) {
         for (auto& call : *calls) call.reply->reject(kj::cp(e));
+      }).catch_([calls](kj::Exception&& e) {
+        // Thrown while sending (e.g. a message over the limit): the calls not yet answered fail with it.
+        for (auto& call : *calls) {
+          if (call.reply->isWaiting()) call.reply->reject(kj::cp(e));
+        }
       }));
 }
 
 // Queues the call; the first call of a turn schedules the flush at the end of the turn.
 kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
                                    int attempt) {
+  if (payload.size() > kMaxRpcMessageBytes - 4096) {  // the rest of the message needs a little room
+    return exceptionFromStatus(Status(
+        StatusCode::kInvalidArgument,
+        fmt::format("actor {} ({}).{}: the arguments are {} bytes, larger than one call carries ({} bytes)",
+                    c->id.hex(), c->type, method, payload.size(), kMaxRpcMessageBytes - 4096)));
+  }
   auto paf = kj::newPromiseAndFulfiller<std::string>();
   bool first = c->queue.empty();
   c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller), c->nextSeq++});
@@ -487,6 +515,7 @@ kj::Promise<ActorRecord> ActorHandle::ready() {
 
 kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& io, const HostPort& controller,
                                                           std::string token) {
+  keepMessageBuffers();
   return RpcClient::connect(io, controller, token, 10 * kj::SECONDS)
       .then([&io, token, controller](kj::Own<RpcClient> rpc) {
         auto shared = std::make_shared<Shared>(io, token, controller, kj::mv(rpc));

@@ -3,8 +3,11 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 
+#include <malloc.h>
+
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include <capnp/rpc.h>
 #include <kj/debug.h>
@@ -51,14 +54,34 @@ class BufferedStream final : public ForwardingStream {
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
 };
 
-class RpcServerImpl final : public RpcServer {
+capnp::ReaderOptions readerOptions() {
+  capnp::ReaderOptions options;
+  options.traversalLimitInWords = kMaxRpcMessageBytes / sizeof(capnp::word);
+  return options;
+}
+
+// One authenticated connection served by the RPC system (as capnp::TwoPartyServer does, with
+// our message size bound).
+struct ServedConnection {
+  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap)
+      : stream(kj::heap<BufferedStream>(kj::mv(s))),
+        network(*stream, capnp::rpc::twoparty::Side::SERVER, readerOptions()),
+        rpcSystem(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
+  kj::Own<kj::AsyncIoStream> stream;
+  capnp::TwoPartyVatNetwork network;
+  capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpcSystem;
+};
+
+class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                 capnp::Capability::Client bootstrap)
-      : twoParty_(kj::mv(bootstrap)),
+      : bootstrap_(kj::mv(bootstrap)), connections_(*this),
         acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
                   [this](kj::Own<kj::AsyncIoStream> stream) {
-                    twoParty_.accept(kj::heap<BufferedStream>(kj::mv(stream)));
+                    auto served = kj::heap<ServedConnection>(kj::mv(stream), bootstrap_);
+                    auto gone = served->network.onDisconnect();
+                    connections_.add(gone.attach(kj::mv(served)));
                     return kj::READY_NOW;
                   }) {}
 
@@ -66,11 +89,33 @@ class RpcServerImpl final : public RpcServer {
   uint64_t refusedConnections() const override { return acceptor_.refused(); }
 
  private:
-  capnp::TwoPartyServer twoParty_;  // owns the authenticated connections
+  void taskFailed(kj::Exception&& e) override {
+    TROUPE_LOG(kDebug, "RPC connection ended: {}", e.getDescription().cStr());
+  }
+
+  capnp::Capability::Client bootstrap_;
+  kj::TaskSet connections_;  // owns the authenticated connections
   handshake::Acceptor acceptor_;
 };
 
+// The server's bootstrap capability (as capnp::TwoPartyClient::bootstrap asks for it).
+capnp::Capability::Client bootstrapOf(capnp::RpcSystem<capnp::rpc::twoparty::VatId>& rpcSystem) {
+  capnp::word scratch[4] = {};
+  capnp::MallocMessageBuilder message(scratch);
+  auto server = message.getRoot<capnp::rpc::twoparty::VatId>();
+  server.setSide(capnp::rpc::twoparty::Side::SERVER);
+  return rpcSystem.bootstrap(server);
+}
+
 }  // namespace
+
+void keepMessageBuffers() {
+  static std::once_flag once;
+  std::call_once(once, []() {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest allowed value
+    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  });
+}
 
 Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
                                              std::string token, capnp::Capability::Client bootstrap) {
@@ -83,10 +128,11 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
 
 RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream)
     : stream_(kj::heap<BufferedStream>(kj::mv(stream))),
-      client_(*stream_),
-      bootstrap_(client_.bootstrap()),
+      network_(*stream_, capnp::rpc::twoparty::Side::CLIENT, readerOptions()),
+      rpcSystem_(capnp::makeRpcClient(network_)),
+      bootstrap_(bootstrapOf(rpcSystem_)),
       disconnected_(kj::heap<bool>(false)),
-      watch_(client_.onDisconnect()
+      watch_(network_.onDisconnect()
                  .then([flag = disconnected_.get()]() { *flag = true; },
                        [flag = disconnected_.get()](kj::Exception&&) { *flag = true; })
                  .eagerlyEvaluate(nullptr)) {}

@@ -33,12 +33,11 @@ class ActorService final : public rpc::Actor::Server {
 
  protected:
   kj::Promise<void> call(CallContext context) override {
+    // The arguments are read in place: the context (held below) keeps the message alive.
     auto params = context.getParams();
     auto payload = params.getPayload();
     std::string method = params.getMethod().cStr();
-    std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
-    context.releaseParams();
-    return schedule(kj::mv(method), kj::mv(bytes))
+    return schedule(kj::mv(method), std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()))
         .then([context, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
           counted(arrived, result.isOk());
           // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
@@ -60,8 +59,7 @@ class ActorService final : public rpc::Actor::Server {
     if (i == calls.size()) return kj::READY_NOW;
     std::string method = calls[i].getMethod().cStr();
     auto payload = calls[i].getPayload();
-    std::string bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
-    return schedule(kj::mv(method), kj::mv(bytes))
+    return schedule(kj::mv(method), std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()))
         .then([this, context, i, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
           counted(arrived, result.isOk());
           auto reply = context.getResults().getReplies()[i];
@@ -83,11 +81,10 @@ class ActorService final : public rpc::Actor::Server {
   }
 
   // A query the actor answers at once runs now; every other call in turn.
-  kj::Promise<Result<std::string>> schedule(std::string method, std::string bytes) {
-    if (actor_->answersAtOnce(method)) return actor_->callAsync(method, kj::mv(bytes));
-    return inTurn([this, method = kj::mv(method), bytes = kj::mv(bytes)]() mutable {
-      return actor_->callAsync(method, kj::mv(bytes));
-    });
+  // `payload` stays valid until the promise resolves (the call's context holds its message).
+  kj::Promise<Result<std::string>> schedule(std::string method, std::string_view payload) {
+    if (actor_->answersAtOnce(method)) return actor_->callAsync(method, payload);
+    return inTurn([this, method = kj::mv(method), payload]() { return actor_->callAsync(method, payload); });
   }
 
   // Runs `start` once every earlier call has finished: one call at a time, in arrival order,
@@ -153,6 +150,7 @@ int main(int argc, char** argv) {
   }
   // The worker must not outlive its node agent (kill -9 of the agent included).
   prctl(PR_SET_PDEATHSIG, SIGKILL);
+  keepMessageBuffers();
   CLI::App app{"Troupe worker: hosts one actor (started by a node agent)"};
   std::string actorId, type, controller, ip = "127.0.0.1", argsFile, logLevelName = "info";
   unsigned incarnation = 1;

@@ -937,6 +937,7 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
 }  // namespace troupe
 
 PYBIND11_MODULE(_core, m) {
+  troupe::keepMessageBuffers();
   using troupe::Runtime;
   m.doc() = "Troupe's C++ runtime (used by the troupe package; not a public API)";
   py::register_exception_translator([](std::exception_ptr p) {

@@ -372,3 +372,17 @@ def test_decorator_and_option_arguments_are_checked():
     with pytest.raises(ValueError, match="kill\\(\\) takes an ActorHandle"):
         troupe.kill("not an actor handle")
     assert troupe.wait([]) == ([], [])
+
+
+@troupe.remote(num_cpus=0)
+class Mirror:
+    def echo(self, data):
+        return data
+
+
+def test_arguments_and_results_over_64_mib_travel_whole():
+    # Cap'n Proto refuses messages over 64 MiB by default; calls carry up to 1 GiB.
+    data = bytes(range(256)) * ((100 << 20) // 256) + b"tail"
+    m = Mirror.remote()
+    assert troupe.get(m.echo.remote(data)) == data
+    troupe.kill(m)

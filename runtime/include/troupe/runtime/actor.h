@@ -49,7 +49,9 @@ class Actor {
   virtual Result<std::string> call(const std::string& method, std::string_view payload) = 0;
   // The same, for actors that wait on other actors or I/O: the worker runs the next call only
   // once this promise resolves, so calls keep their order. Default: the synchronous call().
-  virtual kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string payload) {
+  // `payload` points into the received message (no copy) and stays valid until the promise
+  // resolves; copy what is kept longer.
+  virtual kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) {
     return call(method, payload);
   }
   // The actor's typed Cap'n Proto interface, for actors that have one.

@@ -16,6 +16,11 @@
 
 namespace troupe {
 
+// The largest RPC message either side sends or accepts (a call's arguments or result). Cap'n
+// Proto's default, 64 MiB, would refuse a 100 MB array; past this bound a call fails at the
+// sender with a clear error.
+inline constexpr size_t kMaxRpcMessageBytes = size_t(1) << 30;
+
 // Serves `bootstrap` to every connection on `bind` that presents `token`.
 class RpcServer {
  public:
@@ -46,13 +51,14 @@ class RpcClient {
     return bootstrap_.castAs<T>();
   }
   // Resolves when the server closes the connection.
-  kj::Promise<void> onDisconnect() { return client_.onDisconnect(); }
+  kj::Promise<void> onDisconnect() { return network_.onDisconnect(); }
   // True once the connection is gone: make a new RpcClient to go on.
   bool disconnected() const { return *disconnected_; }
 
  private:
   kj::Own<kj::AsyncIoStream> stream_;
-  capnp::TwoPartyClient client_;
+  capnp::TwoPartyVatNetwork network_;
+  capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpcSystem_;
   capnp::Capability::Client bootstrap_;
   kj::Own<bool> disconnected_;
   kj::Promise<void> watch_;
@@ -63,6 +69,13 @@ class RpcClient {
 // the caller intact. statusFromException reads the code back (never guessing from the text);
 // an exception without one (a broken connection, KJ's own) maps from its KJ type.
 // FAILED unless `type` says otherwise (DISCONNECTED: the connection itself was refused or lost).
+// Keeps the memory of freed buffers up to 32 MiB mapped for the next message (glibc's
+// mallopt; up to 256 MiB of it in all) instead of returning it to the kernel at once. A 16 MB
+// argument or result otherwise costs a fresh mapping each time, whose page faults took four
+// times the copying itself here. Called by workers, drivers (ClusterClient::connect) and the
+// Python module; idempotent.
+void keepMessageBuffers();
+
 kj::Exception exceptionFromStatus(const Status& status, kj::Exception::Type type = kj::Exception::Type::FAILED);
 // Turns a KJ exception from an RPC into a Status with a readable message (`what: message`).
 Status statusFromException(const kj::Exception& e, const std::string& what);
