@@ -62,16 +62,23 @@ int main(int argc, char** argv) {
     printf("{\"pingpong_per_s\": %.0f}\n", 1e6 / troupe::bench::tcpRoundTripUs(argv[0], rounds));
     return 0;
   }
-  if (argc > 1 && std::string(argv[1]) == "--big-only") {  // for profiling: 16 MB echo calls only
+  // For profiling one path alone: --big-only [CALLS] (16 MB echo calls), --sync-only [CALLS]
+  // (64 B sync calls).
+  if (argc > 1 && (std::string(argv[1]) == "--big-only" || std::string(argv[1]) == "--sync-only")) {
+    bool big = std::string(argv[1]) == "--big-only";
     troupe::bench::BenchCluster cluster(8);
     auto io = kj::setupAsyncIo();
     auto client = cluster.connect(io);
     troupe::ActorOptions echo;
     echo.type = "Echo";
     auto actor = client->createActor(echo).wait(io.waitScope);
-    const std::string big(size_t(16) << 20, 'p');
-    int calls = argc > 2 ? atoi(argv[2]) : 50;
-    printf("16 MB echo: actor call MB/s (both ways): %.0f\n", syncRate(io, actor, big, calls) * 2.0 * big.size() / 1e6);
+    int calls = argc > 2 ? atoi(argv[2]) : (big ? 50 : 20000);
+    if (big) {
+      const std::string payload(size_t(16) << 20, 'p');
+      printf("16 MB echo: actor call MB/s (both ways): %.0f\n", syncRate(io, actor, payload, calls) * 2.0 * payload.size() / 1e6);
+    } else {
+      printf("64 B sync calls/s: %.0f\n", syncRate(io, actor, std::string(64, 'x'), calls));
+    }
     return 0;
   }
   bool json = argc > 1 && std::string(argv[1]) == "--json";
