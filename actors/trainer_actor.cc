@@ -84,6 +84,8 @@ class Trainer final : public Actor {
   static Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view args) {
     Json j = Json::parse(args, nullptr, false);
     if (!j.is_object()) return Status(StatusCode::kInvalidArgument, "Trainer init args are not a JSON object");
+    // tests: a member whose first start fails (its restart starts again)
+    if (context.incarnation == 1 && j.value("fault_kill_at_start", false)) ::raise(SIGKILL);
     auto options = engineOptions(j.value("engine", Json::object()));
     if (!options.isOk()) return options.status();
     auto engine = TrainerEngine::create(*options);
@@ -152,6 +154,7 @@ class Trainer final : public Actor {
         killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
         slowMs_(spec.value("fault_slow_ms", int64_t{0})),
         hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
+        killInJoin_(context.incarnation == 1 && spec.value("fault_kill_in_join", false)),
         options_(std::move(options)) {
     compute_ = std::thread([this]() { computeLoop(); });
   }
@@ -239,6 +242,7 @@ class Trainer final : public Actor {
   }
 
   Result<std::string> join(const Json& j) {
+    if (killInJoin_) ::raise(SIGKILL);  // a member lost while the group joins a new epoch
     collectives::CommunicatorOptions o;
     o.group = group_;
     o.host = context_.nodeIp;  // peers on other hosts connect to it
@@ -714,6 +718,7 @@ class Trainer final : public Actor {
   int64_t killAtStep_;  // tests: SIGKILL itself in the middle of this step (first incarnation only)
   int64_t slowMs_;  // tests: every step's compute is this much longer (a straggler)
   int64_t hangAtStep_;  // tests: the step at which this rank hangs
+  bool killInJoin_;     // tests: SIGKILL itself on its first join (first incarnation only)
   int prefetch_ = 2;                                             // batches asked for ahead
   std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only
   TrainerEngineOptions options_;

@@ -373,7 +373,9 @@ class ElasticTrainer:
         self.history: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._resize_to: int | None = None
-        self._fault = dict(_fault or {})  # tests: {"rank": r, "kill_at_step": s, "checkpoint": fault spec}
+        self._fresh: set[str] = set()  # members a grow added that do not hold the group's state yet
+        # tests: {"rank": r, "kill_at_step": s, "join_kill_bundle": b, "start_kill_bundle": b, "checkpoint": fault spec}
+        self._fault = dict(_fault or {})
         self.recoveries: list[dict[str, Any]] = []
         self._place(scaling.workers or scaling.max_workers)
         if ckpt.resume:
@@ -467,7 +469,9 @@ class ElasticTrainer:
                 "min_workers": self.min_workers,
                 "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
                 "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0,
-                "fault_hang_at_step": self._fault.get("hang_at_step", -1) if self._fault.get("hang_rank") == bundle else -1}
+                "fault_hang_at_step": self._fault.get("hang_at_step", -1) if self._fault.get("hang_rank") == bundle else -1,
+                "fault_kill_in_join": self._fault.get("join_kill_bundle") == bundle,
+                "fault_kill_at_start": self._fault.get("start_kill_bundle") == bundle}
         return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
                               placement_group=self.group_id, bundle_index=bundle, lifetime=self._lifetime)
 
@@ -477,7 +481,10 @@ class ElasticTrainer:
     def _join_all(self, restore_step=None, fresh=()):
         """Every trainer joins a new epoch of the group (a new communicator), then restores
         `restore_step` (None: the newest step every rank holds in memory). Trainers in `fresh`
-        (new members) restore from the memory of the first other member on their node."""
+        (new members) restore from the memory of the first other member on their node; so do
+        those of a grow whose join or restore failed (self._fresh), when the recovery joins again."""
+        fresh = set(fresh) | {t.actor_id for t in self.trainers if t.actor_id in self._fresh}
+        self._fresh = set(fresh)  # until they hold the group's state
         # The controller advances the epoch when a member dies; the trainers' join advances it
         # otherwise (joining an epoch ends every earlier one: collectives/README.md).
         epoch = self._epoch() + 1
@@ -516,6 +523,7 @@ class ElasticTrainer:
                     raise
                 self._event(f"step {restore_step} is not held for every member ({str(e).splitlines()[0][:160]}); "
                             f"restoring step {candidates[i + 1]}")
+        self._fresh = set()
         self._settle()
 
     def _settle(self):
@@ -682,7 +690,7 @@ class ElasticTrainer:
         self.steps_per_call = doc.get("steps_per_call", 10)
         self.recovery_timeout, self.replace_timeout, self.progress = 60.0, 20.0, progress
         self.history, self.events, self.recoveries, self.tuner_decisions = [], [], [], []
-        self._resize_to, self._fault = None, {}
+        self._resize_to, self._fault, self._fresh = None, {}, set()
         self._settings = {"threads": int(self._engine.get("threads", 1)), "prefetch": 2}
         self._pg = self._rt.placement_group(self.group_id)
         self._bundles = list(doc["bundles"])
@@ -757,13 +765,24 @@ class ElasticTrainer:
                     self._event(f"stopped at step {self.step} at the request of another driver")
                     self._record({"state": "STOPPED"})
                     break
-                if self._resize_to is not None and self._resize_to != len(self.trainers):
-                    self._apply_resize(self._resize_to)
-                self._resize_to = None
-                chunk = min(self.steps_per_call, target - self.step)
-                t0 = time.monotonic()
-                refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
+                resize_to, self._resize_to = self._resize_to, None
+                refs = []
                 try:
+                    if resize_to is not None and resize_to != len(self.trainers):
+                        # A member may end while the group moves (a new trainer whose start fails,
+                        # a crash): the epoch advances under the joins, which then fail. That is a
+                        # failure like one in a chunk, recovered the same way (the members that
+                        # answer join a new epoch and restore the step every old one pinned).
+                        current = len(self.trainers)
+                        try:
+                            self._apply_resize(resize_to)
+                        except (ActorDiedError, ActorError) as e:
+                            self._event(f"failure during the resize from {current} to {resize_to} trainer(s) at "
+                                        f"step {self.step}: {str(e).splitlines()[0][:200]}")
+                            raise
+                    chunk = min(self.steps_per_call, target - self.step)
+                    t0 = time.monotonic()
+                    refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
                     replies = [_load(x) for x in self._gather(refs, watch=True)]
                 except (ActorDiedError, ActorError) as failure:
                     self._failures += 1
@@ -892,6 +911,10 @@ class ElasticTrainer:
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
         self._tell_members()
         self._join_all()
+        # A restarted member starts with its spawn's settings, and one a failed grow added missed
+        # the resize's configure: every member gets the group's current ones.
+        _api.get([_json_call(t, "configure", {**self._settings, "snapshot_every": self._checkpoint["snapshot_every"]})
+                  for t in self.trainers], timeout=self.recovery_timeout)
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         self.recoveries.append({"step": self.step, "recovery_s": took})

@@ -164,6 +164,36 @@ def test_resizes_at_steps_between_memory_snapshots_keep_every_step(cluster, zero
     assert runs[2] == runs[1]
 
 
+@pytest.mark.parametrize("fault", ["join_kill_bundle", "start_kill_bundle"])
+def test_a_new_member_lost_while_a_grow_joins_is_recovered_and_no_step_is_lost(cluster, fault):
+    """The trainer added by a grow is SIGKILLed on its first join, or in its first start (the
+    controller restarts it): the group's epoch moves on under the joins of the resize, which fail
+    (rank 0's rendezvous is aborted; a restarted member asks for an epoch that is already over:
+    "group ... is already at epoch"). The resize is recovered like a failed chunk: the restarted
+    member copies rank 0's snapshot of the step the group was at, and training goes on at 2
+    trainers, equal to the same grow without the fault."""
+    with make(workers=1) as clean:
+        clean.fit(3)
+        clean.resize(2)
+        clean.fit(3)
+        expected = [row["loss"] for row in clean.history]
+        expected_hash = clean.parameter_hash()[0]
+    with make(workers=1, _fault={fault: 1}) as t:
+        t.fit(3)
+        t.resize(2)
+        t.fit(3)
+        assert t.step == 6 and len(t.trainers) == 2
+        assert [row["step"] for row in t.history] == list(range(1, 7))
+        assert [row["world_size"] for row in t.history] == [1, 1, 1, 2, 2, 2]
+        assert len(t.recoveries) == 1, t.events
+        assert t.recoveries[0]["step"] == 3
+        texts = [e["text"] for e in t.events]
+        assert any(x.startswith("failure during the resize from 1 to 2") for x in texts), texts
+        hashes = t.parameter_hash()
+        assert hashes == [expected_hash, expected_hash]
+        assert [row["loss"] for row in t.history] == expected
+
+
 def test_a_group_that_cannot_be_placed_says_why(cluster):
     from troupe.train import GroupPlacementError
 
