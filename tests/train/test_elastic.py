@@ -264,7 +264,10 @@ def test_the_tuner_shrinks_four_trainers_on_two_cores_and_throughput_improves():
             assert all(d["target"] in range(1, 5) for d in t.tuner_decisions)
             measured = [d for d in changes if d["prediction_error"] is not None]
             assert measured, "the outcome of the change was not measured"
-            assert any("tuner: shrink 4 -> 2" in e for e in group_record(t)["events"])
+            # The first shrink goes to 2, or to 3 when the model at 4 cannot tell yet and the
+            # tuner explores (then 3 -> 2); its event names the move made.
+            first = f"tuner: shrink 4 -> {changes[0]['target']}"
+            assert any(first in e for e in group_record(t)["events"]), (first, group_record(t)["events"])
     finally:
         troupe.shutdown()
 
