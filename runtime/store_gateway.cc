@@ -1,4 +1,4 @@
-#include "store_gateway.h"
+#include "troupe/runtime/store_gateway.h"
 
 #include <fmt/format.h>
 #include <kj/debug.h>

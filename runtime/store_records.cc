@@ -36,6 +36,14 @@ const char* actorStateName(ActorState state) {
   return "UNKNOWN";
 }
 
+std::optional<ActorState> actorStateFromName(const std::string& name) {
+  for (ActorState state :
+       {ActorState::kPending, ActorState::kAlive, ActorState::kRestarting, ActorState::kDead}) {
+    if (name == actorStateName(state)) return state;
+  }
+  return std::nullopt;
+}
+
 const char* placementStrategyName(PlacementStrategy strategy) {
   switch (strategy) {
     case PlacementStrategy::kPack: return "PACK";
@@ -98,13 +106,7 @@ Status malformed(const std::string& key, const std::string& detail) {
                             key, detail));
 }
 
-std::optional<ActorState> parseActorState(const std::string& name) {
-  for (ActorState state :
-       {ActorState::kPending, ActorState::kAlive, ActorState::kRestarting, ActorState::kDead}) {
-    if (name == actorStateName(state)) return state;
-  }
-  return std::nullopt;
-}
+std::optional<ActorState> parseActorState(const std::string& name) { return actorStateFromName(name); }
 
 std::optional<PlacementGroupState> parsePlacementGroupState(const std::string& name) {
   for (PlacementGroupState state : {PlacementGroupState::kPending, PlacementGroupState::kCreated,

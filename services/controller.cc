@@ -8,7 +8,6 @@
 
 #include "controller_core.h"
 #include "troupe/runtime/schema_convert.h"
-#include "store_records.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/ids.h"
@@ -138,7 +137,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       page->nodePrefix = params.getActorNode().cStr();
       std::string state = params.getActorState().cStr();
       if (!state.empty()) {
-        page->state = store_records::parseActorState(state);
+        page->state = actorStateFromName(state);
         if (!page->state) throwStatus(Status(StatusCode::kInvalidArgument,
                                              fmt::format("status: no actor state '{}' (PENDING, ALIVE, RESTARTING or DEAD)", state)));
       }

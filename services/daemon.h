@@ -1,5 +1,5 @@
 // What troupe-controller and troupe-node share: logging into the run directory, a pid file
-// that `troupe stop` finds, and a promise for SIGTERM/SIGINT. Internal to runtime/.
+// that `troupe stop` finds, and a promise for SIGTERM/SIGINT. Internal to services/.
 #pragma once
 
 #include <string>

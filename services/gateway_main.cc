@@ -4,7 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "daemon.h"
-#include "store_gateway.h"
+#include "troupe/runtime/store_gateway.h"
 #include "troupe/runtime/logging.h"
 
 int main(int argc, char** argv) {

@@ -2,7 +2,7 @@
 // gateway are each recorded when `troupe start --head` launches them, and the head's node agent
 // starts again any of them that exits (kill -9 included), until `troupe stop` marks the run
 // directory as stopping. Redis comes back from its AOF; the controller from Redis.
-// Internal to runtime/. Thread-safety: the free functions are safe anywhere; superviseHeadDaemons
+// Internal to services/. Thread-safety: the free functions are safe anywhere; superviseHeadDaemons
 // runs on the calling thread's KJ event loop.
 #pragma once
 

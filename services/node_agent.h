@@ -2,7 +2,7 @@
 // controller (which tells it where the store is), and heartbeats to Redis itself, so nodes stay
 // alive while the controller restarts. The head's agent reaches Redis directly (the password is
 // in its run directory); every other agent, and its workers, reach Redis through the head's
-// store gateway (store_gateway.h).
+// store gateway (troupe/runtime/store_gateway.h).
 // Thread-safety: created and destroyed on the KJ thread; its Redis store and heartbeat timer
 // live on the IoThread passed in.
 #pragma once

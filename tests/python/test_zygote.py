@@ -1,4 +1,4 @@
-"""Python workers forked by the node's zygote (python/troupe/_zygote.py, runtime/python_zygote.h):
+"""Python workers forked by the node's zygote (python/troupe/_zygote.py, services/python_zygote.h):
 they behave as spawned ones (calls, environment, logs, death reasons), a kill of the zygote leaves
 them running and the node forks the next ones from a new zygote, and TROUPE_PYTHON_ZYGOTE=0 spawns
 each worker as a new process."""

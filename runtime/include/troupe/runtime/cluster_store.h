@@ -53,6 +53,8 @@ struct ClusterMeta {
 
 enum class ActorState { kPending, kAlive, kRestarting, kDead };
 const char* actorStateName(ActorState state);  // "PENDING" / "ALIVE" / "RESTARTING" / "DEAD"
+// The state a name from actorStateName() stands for; nullopt for any other text.
+std::optional<ActorState> actorStateFromName(const std::string& name);
 
 // One actor. The controller is its only writer (workers and node agents report to it).
 struct ActorRecord {

@@ -1,8 +1,9 @@
 // The store gateway: how nodes on other hosts reach the cluster's Redis, which listens on the
-// head's loopback only. The head's node agent serves it on the node's address. A connection
-// proves the cluster token (handshake.h, purpose kStore); the gateway then opens a connection
-// to Redis, authenticates it with the password (which never leaves the head), and relays bytes
-// both ways, so a joined node's hiredis speaks plain RESP, pub/sub included, as if local.
+// head's loopback only. troupe-gateway (services/gateway_main.cc) serves it on the head's
+// address. A connection proves the cluster token (runtime's handshake, purpose kStore); the
+// gateway then opens a connection to Redis, authenticates it with the password (which never
+// leaves the head), and relays bytes both ways, so a joined node's hiredis speaks plain RESP,
+// pub/sub included, as if local.
 // Thread-safety: owned by the KJ thread that created it.
 #pragma once
 
