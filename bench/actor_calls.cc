@@ -62,26 +62,8 @@ int main(int argc, char** argv) {
     printf("{\"pingpong_per_s\": %.0f}\n", 1e6 / troupe::bench::tcpRoundTripUs(argv[0], rounds));
     return 0;
   }
-  // For profiling one path alone: --big-only [CALLS] (16 MB echo calls), --sync-only [CALLS]
-  // (64 B sync calls).
-  if (argc > 1 && (std::string(argv[1]) == "--big-only" || std::string(argv[1]) == "--sync-only")) {
-    bool big = std::string(argv[1]) == "--big-only";
-    troupe::bench::BenchCluster cluster(8);
-    auto io = kj::setupAsyncIo();
-    auto client = cluster.connect(io);
-    troupe::ActorOptions echo;
-    echo.type = "Echo";
-    auto actor = client->createActor(echo).wait(io.waitScope);
-    int calls = argc > 2 ? atoi(argv[2]) : (big ? 50 : 20000);
-    if (big) {
-      const std::string payload(size_t(16) << 20, 'p');
-      printf("16 MB echo: actor call MB/s (both ways): %.0f\n", syncRate(io, actor, payload, calls) * 2.0 * payload.size() / 1e6);
-    } else {
-      printf("64 B sync calls/s: %.0f\n", syncRate(io, actor, std::string(64, 'x'), calls));
-    }
-    return 0;
-  }
-  bool json = argc > 1 && std::string(argv[1]) == "--json";
+  const std::string mode = argc > 1 ? argv[1] : "";
+  bool json = mode == "--json";
   const int kSync = 2000, kPipelined = 30000, kWindow = 256, kCallers = 2, kRuns = 5;
   const size_t kBig = size_t(16) << 20;
 
@@ -91,6 +73,19 @@ int main(int argc, char** argv) {
   troupe::ActorOptions echo;
   echo.type = "Echo";
   auto actor = client->createActor(echo).wait(io.waitScope);
+
+  // For profiling one path alone: --big-only [CALLS] (16 MB echo calls), --sync-only [CALLS]
+  // (64 B sync calls).
+  if (mode == "--big-only") {
+    const std::string payload(kBig, 'p');
+    double rate = syncRate(io, actor, payload, argc > 2 ? atoi(argv[2]) : 50);
+    printf("16 MB echo: actor call MB/s (both ways): %.0f\n", rate * 2.0 * kBig / 1e6);
+    return 0;
+  }
+  if (mode == "--sync-only") {
+    printf("64 B sync calls/s: %.0f\n", syncRate(io, actor, std::string(64, 'x'), argc > 2 ? atoi(argv[2]) : 20000));
+    return 0;
+  }
 
   // Each run measures the floor and the calls back to back, so each ratio is of one moment.
   std::vector<double> floors, syncs, ratios, tcpMb, callMb, mbRatios;
