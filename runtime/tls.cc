@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,9 +16,14 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -77,11 +83,47 @@ struct Relay {
   SslPtr ssl;
   int net = -1;
   int local = -1;
+  std::atomic<bool> idle{false};  // every byte read from `local` has gone to TLS
   ~Relay() {
     if (net >= 0) ::close(net);
     if (local >= 0) ::close(local);
   }
 };
+
+// The running relays. A relay thread dies with its process, so at exit the process waits (at
+// most 2 s) until each has sent on what its owner wrote: a rank that writes its last message
+// (its goodbye) and returns from main must not lose it in the socketpair.
+struct Relays {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::set<Relay*> running;
+};
+Relays& relays() {
+  static auto* all = new Relays;  // never destroyed: relay threads use it until the process ends
+  return *all;
+}
+
+bool sentOn(Relay* r) {
+  int unread = 0;
+  return r->idle.load() && ::ioctl(r->local, FIONREAD, &unread) == 0 && unread == 0;
+}
+
+void drainRelaysAtExit() {
+  auto& all = relays();
+  std::unique_lock lock(all.mutex);
+  all.changed.wait_for(lock, std::chrono::seconds(2),
+                       [&]() { return std::all_of(all.running.begin(), all.running.end(), sentOn); });
+}
+
+void relayState(Relay* r, bool running) {
+  auto& all = relays();
+  {
+    std::lock_guard lock(all.mutex);
+    if (running) all.running.insert(r);
+    else all.running.erase(r);
+  }
+  all.changed.notify_all();
+}
 
 // Moves bytes both ways until either side ends; one thread, non-blocking I/O, because one SSL
 // object must not be used by two threads at once.
@@ -94,7 +136,14 @@ void blockSigpipe() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+void pumpBytes(Relay* r);
+
 void pump(std::unique_ptr<Relay> r) {
+  pumpBytes(r.get());
+  relayState(r.get(), false);
+}
+
+void pumpBytes(Relay* r) {
   blockSigpipe();
   // Large reads: every pass through the loop costs wake-ups, which cost more here than the crypto.
   std::vector<char> out(1 << 20), in(1 << 20);
@@ -104,7 +153,7 @@ void pump(std::unique_ptr<Relay> r) {
     if (outLen == 0) {
       ssize_t n = ::read(r->local, out.data(), out.size());
       if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return;
-      if (n > 0) outLen = static_cast<size_t>(n), outOff = 0, progress = true;
+      if (n > 0) outLen = static_cast<size_t>(n), outOff = 0, progress = true, r->idle = false;
       else localRead = true;
     }
     if (outLen > 0) {
@@ -150,6 +199,7 @@ void pump(std::unique_ptr<Relay> r) {
       }
     }
     if (progress) continue;
+    if (outLen == 0 && !r->idle.exchange(true)) relayState(r, true);  // wakes an exit waiting for it
     pollfd p[2] = {{r->local, static_cast<short>((localRead ? POLLIN : 0) | (localWrite ? POLLOUT : 0)), 0},
                    {r->net, static_cast<short>((netRead ? POLLIN : 0) | (netWrite ? POLLOUT : 0)), 0}};
     if (::poll(p, 2, -1) < 0 && errno != EINTR) return;
@@ -333,6 +383,9 @@ Result<int> relay(int fd, const std::string& token, bool server, std::chrono::mi
     ::setsockopt(end, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
   }
   ::fcntl(pair[0], F_SETFL, ::fcntl(pair[0], F_GETFL) | O_NONBLOCK);
+  static std::once_flag atExit;
+  std::call_once(atExit, []() { std::atexit(drainRelaysAtExit); });
+  relayState(r.get(), true);
   std::thread(pump, std::move(r)).detach();
   return pair[1];
 }

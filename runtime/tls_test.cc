@@ -1,11 +1,14 @@
 // TLS keyed by the cluster token: the identity is the same for the same token and only for it,
 // and the relay carries bytes both ways between two holders while refusing a stranger.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <future>
 #include <string>
 
@@ -30,6 +33,57 @@ std::pair<int, int> tcpPair() {
   int server = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
   ::close(listener);
   return {*client, server};
+}
+
+// The other process of the exit test below (this test binary, started again with the variable
+// set): relays to the port as a TLS client, writes kExitBytes and exits at once through exit(),
+// without closing its end.
+constexpr size_t kExitBytes = size_t(8) << 20;  // more than the socketpair holds
+const int exitSender = []() {
+  const char* port = std::getenv("TROUPE_TLS_TEST_EXIT_SENDER");
+  if (port == nullptr) return 0;
+  auto fd = connectTcp(HostPort{"127.0.0.1", static_cast<uint16_t>(std::atoi(port))}, std::chrono::seconds(5));
+  if (!fd.isOk()) _exit(2);
+  auto plain = tls::relay(*fd, "same", false, std::chrono::seconds(5));
+  if (!plain.isOk()) _exit(3);
+  std::string bytes(kExitBytes, 'e');
+  for (size_t at = 0; at < bytes.size();) {
+    ssize_t n = ::send(*plain, bytes.data() + at, bytes.size() - at, MSG_NOSIGNAL);
+    if (n <= 0) _exit(4);
+    at += static_cast<size_t>(n);
+  }
+  std::exit(0);
+}();
+
+TEST_CASE("tls: bytes a process writes just before it exits still reach the peer") {
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::listen(listener, 1) == 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  SpawnOptions o;
+  o.argv = {"/proc/self/exe"};
+  o.env = {fmt::format("TROUPE_TLS_TEST_EXIT_SENDER={}", ntohs(addr.sin_port))};
+  auto spawned = spawnProcess(o);
+  REQUIRE(spawned.isOk());
+  ChildProcess child(*spawned);
+  int s = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  ::close(listener);
+  REQUIRE(s >= 0);
+  auto served = tls::relay(s, "same", true, std::chrono::seconds(5));
+  REQUIRE(served.isOk());
+  std::string got(kExitBytes + 1, '\0');
+  size_t at = 0;
+  for (ssize_t n; (n = ::recv(*served, got.data() + at, got.size() - at, 0)) > 0;) at += static_cast<size_t>(n);
+  ::close(*served);
+  auto exited = child.wait(std::chrono::seconds(10));
+  REQUIRE(exited.has_value());
+  // Before the exit waited for the relay, the bytes still in its socketpair (megabytes) were lost.
+  CHECK(at == kExitBytes);
+  CHECK(got.substr(0, at) == std::string(at, 'e'));
 }
 
 TEST_CASE("tls: the cluster identity is derived from the token, the same in every process") {
