@@ -516,17 +516,19 @@ return 1
 
   Result<PendingWork> listPendingWork() override {
     PendingWork work;
-    auto groups = connection_.run({"EVAL", kListSetScript, "1", pendingGroupsKey(), placementGroupKeyPrefix()},
-                                  "listPendingWork");
-    if (!groups) return groups.status();
-    if ((*groups)->type != REDIS_REPLY_ARRAY) return unexpected("listPendingWork", **groups);
-    auto decoded = decodeGroups(**groups);
+    auto reply = connection_.run({"EVAL", kListSetScript, "2", pendingGroupsKey(), waitingActorsKey(),
+                                  placementGroupKeyPrefix(), actorKeyPrefix()},
+                                 "listPendingWork");  // one round trip for both
+    if (!reply) return reply.status();
+    const redisReply& both = **reply;
+    if (both.type != REDIS_REPLY_ARRAY || both.elements != 2 || both.element[0]->type != REDIS_REPLY_ARRAY ||
+        both.element[1]->type != REDIS_REPLY_ARRAY) {
+      return unexpected("listPendingWork", both);
+    }
+    auto decoded = decodeGroups(*both.element[0]);
     if (!decoded) return decoded.status();
     work.groups = std::move(*decoded);
-    auto actors = connection_.run({"EVAL", kListSetScript, "1", waitingActorsKey(), actorKeyPrefix()}, "listPendingWork");
-    if (!actors) return actors.status();
-    if ((*actors)->type != REDIS_REPLY_ARRAY) return unexpected("listPendingWork", **actors);
-    auto waiting = decodeActors(**actors);
+    auto waiting = decodeActors(*both.element[1]);
     if (!waiting) return waiting.status();
     work.actors = std::move(*waiting);
     // In the order a scan would have found them: oldest first.

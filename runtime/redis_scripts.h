@@ -337,15 +337,21 @@ if ARGV[3] == 'PENDING' then redis.call('SADD', KEYS[3], ARGV[2]) else redis.cal
 return 1
 )lua";
 
-// KEYS: a set of ids. ARGV: the prefix of their record hashes. The records of the set's
-// members, in no order; members whose record is gone are dropped from the set.
+// KEYS: sets of ids. ARGV: per set, the prefix of its members' record hashes. Per set, the
+// records of its members, in no order (one set: that list alone); members whose record is gone
+// are dropped from their set.
 inline constexpr const char* kListSetScript = R"lua(
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local fields = redis.call('HGETALL', ARGV[1] .. id)
-  if #fields > 0 then table.insert(out, fields) else redis.call('SREM', KEYS[1], id) end
+local lists = {}
+for i, set in ipairs(KEYS) do
+  local out = {}
+  for _, id in ipairs(redis.call('SMEMBERS', set)) do
+    local fields = redis.call('HGETALL', ARGV[i] .. id)
+    if #fields > 0 then table.insert(out, fields) else redis.call('SREM', set, id) end
+  end
+  lists[i] = out
 end
-return out
+if #KEYS == 1 then return lists[1] end
+return lists
 )lua";
 
 // KEYS: per claim, its node hash and that node's claims hash. ARGV: per claim, the holder.
