@@ -157,6 +157,15 @@ std::vector<std::string> shmLeftovers(const std::string& group) {
   return found;
 }
 
+// Waits for one rank to end: within `timeout`, with exit code 0, having printed `ok`.
+void expectRankOk(RankProcess& rank, std::chrono::seconds timeout, const std::string& ok) {
+  auto exit = rank.wait(timeout);
+  REQUIRE_MESSAGE(exit.has_value(), fmt::format("rank did not finish within {} s", timeout.count()));
+  INFO(rank.errors());
+  CHECK(exit->exitCode == 0);
+  CHECK(rank.output().find(ok) != std::string::npos);
+}
+
 // "ERROR <ns> <CODE> <message>" -> its parts.
 struct ErrorLine {
   int64_t ns = 0;
@@ -185,11 +194,7 @@ TEST_CASE("every operation, type and reduction matches the reference for 1 to 5 
                              "--small-bytes", "4096", "--chunk-bytes", "8192"});
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
-      auto exit = ranks[r]->wait(90s);
-      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 90 s");
-      INFO(ranks[r]->errors());
-      CHECK(exit->exitCode == 0);
-      CHECK(ranks[r]->output().find("MATRIX OK") != std::string::npos);
+      expectRankOk(*ranks[r], 90s, "MATRIX OK");
       // Ranks on one host exchange data through shared memory.
       CHECK(ranks[r]->output().find(world > 1 ? " shm=1" : " shm=0") != std::string::npos);
     }
@@ -215,11 +220,7 @@ TEST_CASE("TCP still works when shared memory is turned off (option or TROUPE_CO
     auto ranks = spawnRanks(redis, dir.path(), world, args, env);
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
-      auto exit = ranks[r]->wait(90s);
-      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 90 s");
-      INFO(ranks[r]->errors());
-      CHECK(exit->exitCode == 0);
-      CHECK(ranks[r]->output().find("MATRIX OK") != std::string::npos);
+      expectRankOk(*ranks[r], 90s, "MATRIX OK");
       CHECK(ranks[r]->output().find(" shm=0") != std::string::npos);
     }
   }
@@ -248,11 +249,7 @@ TEST_CASE("shared memory gives the same bytes as TCP for every operation, type a
     auto ranks = spawnRanks(redis, dir.path(), c.world, args);
     for (int r = 0; r < c.world; ++r) {
       CAPTURE(r);
-      auto exit = ranks[r]->wait(120s);
-      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 120 s");
-      INFO(ranks[r]->errors());
-      CHECK(exit->exitCode == 0);
-      CHECK(ranks[r]->output().find("COMPARE OK") != std::string::npos);
+      expectRankOk(*ranks[r], 120s, "COMPARE OK");
       CHECK(ranks[r]->output().find(fmt::format(" shm=1 host_ranks={}", c.world)) != std::string::npos);
     }
     CHECK(shmLeftovers(group).empty());
@@ -281,11 +278,7 @@ TEST_CASE("a ring over several hosts: shared memory within each host, TCP betwee
     }
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
-      auto exit = ranks[r]->wait(120s);
-      REQUIRE_MESSAGE(exit.has_value(), "rank did not finish within 120 s");
-      INFO(ranks[r]->errors());
-      CHECK(exit->exitCode == 0);
-      CHECK(ranks[r]->output().find("COMPARE OK") != std::string::npos);
+      expectRankOk(*ranks[r], 120s, "COMPARE OK");
       const size_t onHost = static_cast<size_t>(std::count(hosts.begin(), hosts.end(), hosts[static_cast<size_t>(r)]));
       // A segment per host with at least two ranks; a rank alone on its host has none.
       CHECK(ranks[r]->output().find(onHost > 1 ? fmt::format(" shm=1 host_ranks={}", onHost) : std::string(" shm=0"))

@@ -18,8 +18,8 @@
 namespace troupe {
 namespace {
 
-// A connected TCP pair on loopback: (client side, server side).
-std::pair<int, int> tcpPair() {
+// A listening socket on a free loopback port: (socket, port).
+std::pair<int, uint16_t> loopbackListener() {
   int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -28,7 +28,13 @@ std::pair<int, int> tcpPair() {
   REQUIRE(::listen(listener, 1) == 0);
   socklen_t len = sizeof(addr);
   ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  auto client = connectTcp(HostPort{"127.0.0.1", ntohs(addr.sin_port)}, std::chrono::seconds(2));
+  return {listener, ntohs(addr.sin_port)};
+}
+
+// A connected TCP pair on loopback: (client side, server side).
+std::pair<int, int> tcpPair() {
+  auto [listener, port] = loopbackListener();
+  auto client = connectTcp(HostPort{"127.0.0.1", port}, std::chrono::seconds(2));
   REQUIRE(client.isOk());
   int server = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
   ::close(listener);
@@ -56,17 +62,10 @@ const int exitSender = []() {
 }();
 
 TEST_CASE("tls: bytes a process writes just before it exits still reach the peer") {
-  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  REQUIRE(::listen(listener, 1) == 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  auto [listener, port] = loopbackListener();
   SpawnOptions o;
   o.argv = {"/proc/self/exe"};
-  o.env = {fmt::format("TROUPE_TLS_TEST_EXIT_SENDER={}", ntohs(addr.sin_port))};
+  o.env = {fmt::format("TROUPE_TLS_TEST_EXIT_SENDER={}", port)};
   auto spawned = spawnProcess(o);
   REQUIRE(spawned.isOk());
   ChildProcess child(*spawned);
