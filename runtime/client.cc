@@ -240,7 +240,7 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
         auto address = parseHostPort(record.address);
         if (!address.isOk()) throwStatus(address.status());
         uint32_t inc = record.incarnation;
-        return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS)
+        return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS, PeerWait::kSpinFirst)
             .then(
                 [weak, gone, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
                   auto c = weak.lock();

@@ -4,10 +4,15 @@
 #include <netinet/tcp.h>
 
 #include <malloc.h>
+#include <poll.h>
+#include <sched.h>
+#include <time.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include <capnp/rpc.h>
 #include <kj/debug.h>
@@ -21,13 +26,53 @@
 namespace troupe {
 namespace {
 
+int64_t monotonicNs() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+// The longest spin of a kSpinFirst connection, in ns (TROUPE_RPC_SPIN_US, default 200 us).
+int64_t maxSpinNs() {
+  static const int64_t ns = []() -> int64_t {
+    const char* env = getenv("TROUPE_RPC_SPIN_US");
+    long us = env != nullptr ? atol(env) : 200;
+    return std::clamp<long>(us, 0, 100'000) * 1000;
+  }();
+  return ns;
+}
+
+// The kSpinFirst connections of one event-loop thread and their one poll: it ends as soon as any
+// of them is readable, so a spin for one peer never holds back another's answer.
+struct Spinner {
+  std::vector<pollfd> fds;
+  int64_t window = maxSpinNs();
+  int64_t deadline = 0;
+  const void* owner = nullptr;  // the connection whose promise runs the poll, if one does
+};
+thread_local Spinner tSpinner;
+
 // Reads the socket in blocks of up to 64 KiB: Cap'n Proto reads each message as a header, then
 // the rest, so without it every message costs two or three read calls; with it, usually one,
 // and a Finish that arrives with the next Call shares it too. Large reads go straight through.
+// With PeerWait::kSpinFirst it also polls for the peer's next message before the loop sleeps.
 class BufferedStream final : public ForwardingStream {
  public:
-  explicit BufferedStream(kj::Own<kj::AsyncIoStream> inner)
-      : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {}
+  BufferedStream(kj::Own<kj::AsyncIoStream> inner, PeerWait wait)
+      : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {
+    KJ_IF_MAYBE(fd, inner_->getFd()) {
+      if (wait == PeerWait::kSpinFirst && maxSpinNs() > 0) {
+        fd_ = *fd;
+        tSpinner.fds.push_back(pollfd{fd_, POLLIN, 0});
+      }
+    }
+  }
+  ~BufferedStream() noexcept(false) {
+    if (fd_ < 0) return;
+    auto& fds = tSpinner.fds;
+    fds.erase(std::remove_if(fds.begin(), fds.end(), [this](const pollfd& p) { return p.fd == fd_; }), fds.end());
+    if (tSpinner.owner == this) tSpinner.owner = nullptr;  // spin_ goes with us
+  }
 
   kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
     auto* out = static_cast<kj::byte*>(buffer);
@@ -42,16 +87,57 @@ class BufferedStream final : public ForwardingStream {
     return inner_->tryRead(buffer_.begin(), minBytes - n, kSize)
         .then([this, out, n, minBytes, maxBytes](size_t got) -> kj::Promise<size_t> {
           end_ = got;
+          spinForNext();
           return tryRead(out + n, std::min(minBytes - n, got), maxBytes - n).then([n](size_t more) { return n + more; });
         });
   }
   // Writes are not held back to be merged: a worker that runs a long call on this thread would
   // hold back the replies before it.
+  kj::Promise<void> write(const void* buffer, size_t size) override {
+    spinForNext();
+    return inner_->write(buffer, size);
+  }
+  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
+    spinForNext();
+    return inner_->write(pieces);
+  }
 
  private:
+  // After a message either way the peer's next one is usually close: the caller's answer, or
+  // the next call after a Finish. The poll runs only when the loop has nothing else to do
+  // (evalLast), so it never delays work; it ends once a spinning socket is readable (the loop's
+  // epoll then returns at once) or the window has passed. Other sockets and timers wait at most
+  // that window.
+  void spinForNext() {
+    if (fd_ < 0) return;
+    Spinner& spinner = tSpinner;
+    spinner.deadline = std::max(spinner.deadline, monotonicNs() + spinner.window);
+    if (spinner.owner == nullptr) {
+      spinner.owner = this;
+      spin_ = poll().eagerlyEvaluate(nullptr);
+    }
+  }
+  kj::Promise<void> poll() {
+    return kj::evalLast([this]() -> kj::Promise<void> {
+      Spinner& spinner = tSpinner;
+      if (::poll(spinner.fds.data(), spinner.fds.size(), 0) != 0) {
+        spinner.window = maxSpinNs();
+      } else if (monotonicNs() > spinner.deadline) {
+        spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
+      } else {
+        sched_yield();  // a runnable thread on this CPU goes first
+        return poll();
+      }
+      spinner.owner = nullptr;
+      return kj::READY_NOW;
+    });
+  }
+
   static constexpr size_t kSize = 64 * 1024;
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
+  int fd_ = -1;                       // >= 0: spins (PeerWait::kSpinFirst)
+  kj::Promise<void> spin_ = nullptr;  // the thread's poll, while this connection runs it
 };
 
 capnp::ReaderOptions readerOptions() {
@@ -63,8 +149,8 @@ capnp::ReaderOptions readerOptions() {
 // One authenticated connection served by the RPC system (as capnp::TwoPartyServer does, with
 // our message size bound).
 struct ServedConnection {
-  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap)
-      : stream(kj::heap<BufferedStream>(kj::mv(s))),
+  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap, PeerWait wait)
+      : stream(kj::heap<BufferedStream>(kj::mv(s), wait)),
         network(*stream, capnp::rpc::twoparty::Side::SERVER, readerOptions()),
         rpcSystem(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
   kj::Own<kj::AsyncIoStream> stream;
@@ -75,11 +161,11 @@ struct ServedConnection {
 class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
-                capnp::Capability::Client bootstrap)
+                capnp::Capability::Client bootstrap, PeerWait wait)
       : bootstrap_(kj::mv(bootstrap)), connections_(*this),
         acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
-                  [this](kj::Own<kj::AsyncIoStream> stream) {
-                    auto served = kj::heap<ServedConnection>(kj::mv(stream), bootstrap_);
+                  [this, wait](kj::Own<kj::AsyncIoStream> stream) {
+                    auto served = kj::heap<ServedConnection>(kj::mv(stream), bootstrap_, wait);
                     auto gone = served->network.onDisconnect();
                     connections_.add(gone.attach(kj::mv(served)));
                     return kj::READY_NOW;
@@ -118,16 +204,17 @@ void keepMessageBuffers() {
 }
 
 Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
-                                             std::string token, capnp::Capability::Client bootstrap) {
+                                             std::string token, capnp::Capability::Client bootstrap,
+                                             PeerWait wait) {
   auto listener = handshake::listen(io, bind);
   if (!listener.isOk()) return listener.status();
   kj::Own<RpcServer> server =
-      kj::heap<RpcServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(bootstrap));
+      kj::heap<RpcServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(bootstrap), wait);
   return server;
 }
 
-RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream)
-    : stream_(kj::heap<BufferedStream>(kj::mv(stream))),
+RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream, PeerWait wait)
+    : stream_(kj::heap<BufferedStream>(kj::mv(stream), wait)),
       network_(*stream_, capnp::rpc::twoparty::Side::CLIENT, readerOptions()),
       rpcSystem_(capnp::makeRpcClient(network_)),
       bootstrap_(bootstrapOf(rpcSystem_)),
@@ -174,7 +261,7 @@ kj::Promise<kj::Own<kj::AsyncIoStream>> connectPatiently(kj::AsyncIoContext& io,
 }  // namespace
 
 kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
-                                                  std::string token, kj::Duration timeout) {
+                                                  std::string token, kj::Duration timeout, PeerWait wait) {
   std::string where = address.toString();
   auto shared = std::make_shared<const std::string>(kj::mv(token));
   auto connected =
@@ -188,7 +275,7 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
             tls::require();
             return connectPatiently(io, address, shared, true);
           })
-          .then([](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream)); });
+          .then([wait](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream), wait); });
   auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<RpcClient> {
     kj::throwFatalException(exceptionFromStatus(Status(StatusCode::kDeadlineExceeded, "no answer in time"),
                                                 kj::Exception::Type::DISCONNECTED));

@@ -5,7 +5,10 @@
 
 #include <unistd.h>
 
+#include <time.h>
+
 #include <atomic>
+#include <future>
 #include <thread>
 
 #include <fmt/format.h>
@@ -280,6 +283,47 @@ TEST_CASE("rpc: every status code a server throws reaches the client as the same
   // An exception without a code (KJ's own, a broken connection) maps from its KJ type.
   CHECK(statusFromException(KJ_EXCEPTION(DISCONNECTED, "gone"), "").code() == StatusCode::kUnavailable);
   CHECK(statusFromException(KJ_EXCEPTION(FAILED, "[NOT_A_CODE] x"), "").code() == StatusCode::kInternal);
+}
+
+double threadCpuMs() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+// Actor calls wait for their answer by polling first (PeerWait::kSpinFirst). The poll must end:
+// a connection gone quiet costs one window of CPU, then nothing; a kSleep connection costs none.
+TEST_CASE("rpc: a spinning connection polls one window after its last message, then sleeps") {
+  setenv("TROUPE_RPC_SPIN_US", "20000", 1);  // read once per process: no spinning stream before this
+  std::promise<int> port;
+  std::atomic<bool> stop{false};
+  std::thread server([&]() {
+    kj::AsyncIoContext io = kj::setupAsyncIo();
+    auto s = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, "secret-token",
+                               rpc::NodeAgent::Client(kj::heap<PingService>()), PeerWait::kSpinFirst);
+    port.set_value(s.isOk() ? (*s)->port() : -1);
+    while (!stop) io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(io.waitScope);
+  });
+  int p = port.get_future().get();
+  REQUIRE(p > 0);
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  auto idleCpuMs = [&](PeerWait wait) {
+    auto client = RpcClient::connect(io, HostPort{"127.0.0.1", p}, "secret-token", 5 * kj::SECONDS, wait)
+                      .wait(io.waitScope);
+    auto agent = client->bootstrap<rpc::NodeAgent>();
+    for (int i = 0; i < 100; ++i) CHECK(agent.pingRequest().send().wait(io.waitScope).getPid() == getpid());
+    double before = threadCpuMs();
+    io.provider->getTimer().afterDelay(300 * kj::MILLISECONDS).wait(io.waitScope);
+    return threadCpuMs() - before;
+  };
+  double spinning = idleCpuMs(PeerWait::kSpinFirst);
+  double sleeping = idleCpuMs(PeerWait::kSleep);
+  stop = true;
+  server.join();
+  INFO("idle CPU after the last call: spinning ", spinning, " ms, sleeping ", sleeping, " ms");
+  CHECK(spinning > 2);    // it polled (for up to 20 ms, less when other threads wanted the CPU)
+  CHECK(spinning < 100);  // and stopped
+  CHECK(sleeping < 2);
 }
 
 }  // namespace

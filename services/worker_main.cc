@@ -200,7 +200,8 @@ int main(int argc, char** argv) {
   }
 
   auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
-                                  rpc::Actor::Client(kj::heap<ActorService>(std::move(*actor), type)));
+                                  rpc::Actor::Client(kj::heap<ActorService>(std::move(*actor), type)),
+                                  PeerWait::kSpinFirst);
   if (!server.isOk()) {
     fprintf(stderr, "troupe-worker: %s\n", server.status().message().c_str());
     return 1;

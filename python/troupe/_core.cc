@@ -925,7 +925,7 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
   kj::UnixEventPort::captureSignal(SIGTERM);
   auto io = kj::setupAsyncIo();
   auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
-                                  rpc::Actor::Client(kj::heap<PythonActor>(dispatch, concurrent)));
+                                  rpc::Actor::Client(kj::heap<PythonActor>(dispatch, concurrent)), PeerWait::kSpinFirst);
   if (!server.isOk()) throw std::runtime_error(server.status().message());
   std::string address = HostPort{ip, (*server)->port()}.toString();
   auto cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);

@@ -21,13 +21,24 @@ namespace troupe {
 // sender with a clear error.
 inline constexpr size_t kMaxRpcMessageBytes = size_t(1) << 30;
 
+// How a connection's thread waits for the peer's next message once it has nothing else to do.
+//   kSleep      in epoll at once (daemons: the controller, node agents, the store gateway).
+//   kSpinFirst  first polls the socket for a short window after each message sent or received
+//               (200 us, TROUPE_RPC_SPIN_US; 0 turns it off), yielding the CPU to anything else
+//               runnable, then sleeps. Actor calls use it: a wake-up from epoll costs more than a
+//               whole call on a virtual machine. The window halves after each poll that found
+//               nothing (down to 1/8) and is whole again after one that found the answer,
+//               so a peer that answers slowly costs little polling.
+enum class PeerWait { kSleep, kSpinFirst };
+
 // Serves `bootstrap` to every connection on `bind` that presents `token`.
 class RpcServer {
  public:
   // Binds host:port (port 0: any free port). kAlreadyExists when the port is taken,
   // kInvalidArgument for an address that cannot be bound.
   static Result<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const HostPort& bind,
-                                           std::string token, capnp::Capability::Client bootstrap);
+                                           std::string token, capnp::Capability::Client bootstrap,
+                                           PeerWait wait = PeerWait::kSleep);
   virtual ~RpcServer() noexcept(false) = default;
   virtual int port() const = 0;
   // Connections closed for a wrong or missing token (shown in logs and checked by tests).
@@ -40,8 +51,9 @@ class RpcClient {
   // Connects and presents `token`. Rejects with a KJ exception naming the address: refused,
   // token rejected, or no answer within `timeout`.
   static kj::Promise<kj::Own<RpcClient>> connect(kj::AsyncIoContext& io, const HostPort& address,
-                                                 std::string token, kj::Duration timeout);
-  RpcClient(kj::Own<kj::AsyncIoStream> stream);
+                                                 std::string token, kj::Duration timeout,
+                                                 PeerWait wait = PeerWait::kSleep);
+  RpcClient(kj::Own<kj::AsyncIoStream> stream, PeerWait wait = PeerWait::kSleep);
 
   // The server's bootstrap capability, taken once at connect: once the connection is gone
   // its calls reject with DISCONNECTED (asking capnp for a new bootstrap on a dead
