@@ -1,5 +1,7 @@
 // bench/run actor_calls: actor method calls through Troupe (caller -> worker over Cap'n Proto,
-// token-authenticated, another process) against the floor: a raw 64-byte TCP ping-pong.
+// token-authenticated, another process) against the floor: a raw 64-byte TCP ping-pong, blocking
+// in recv (the target's floor), and the same ping-pong polling (no wake-ups), for comparison with
+// actor connections, which poll for a while before they sleep.
 //   1:1 sync       one caller, one call at a time
 //   1:1 pipelined  one caller, 256 calls in flight
 //   n:n pipelined  n caller processes, each with its own actor (n = 2: this machine's cores)
@@ -88,12 +90,14 @@ int main(int argc, char** argv) {
   }
 
   // Each run measures the floor and the calls back to back, so each ratio is of one moment.
-  std::vector<double> floors, syncs, ratios, tcpMb, callMb, mbRatios;
+  std::vector<double> floors, pollFloors, syncs, ratios, pollRatios, tcpMb, callMb, mbRatios;
   const std::string big(kBig, 'p');
   for (int run = 0; run < kRuns; ++run) {
     floors.push_back(1e6 / troupe::bench::tcpRoundTripUs(argv[0], kSync));
     syncs.push_back(syncRate(io, actor, std::string(64, 'x'), kSync));
     ratios.push_back(syncs.back() / floors.back());
+    pollFloors.push_back(1e6 / troupe::bench::tcpRoundTripUs(argv[0], kSync, 64, /*poll=*/true));
+    pollRatios.push_back(syncs.back() / pollFloors.back());
     tcpMb.push_back(2.0 * kBig / troupe::bench::tcpRoundTripUs(argv[0], 4, kBig));
     callMb.push_back(syncRate(io, actor, big, 4) * 2.0 * kBig / 1e6);
     mbRatios.push_back(callMb.back() / tcpMb.back());
@@ -129,6 +133,8 @@ int main(int argc, char** argv) {
   printf("%-44s %14s %10s\n", fmt::format("measure (median of {} runs)", kRuns).c_str(), "calls/s", "vs floor");
   printf("%-44s %14.0f %10s\n", "floor: raw TCP 64 B ping-pong (2 processes)", floorPerS, "1.00");
   printf("%-44s %14.0f %10.2f\n", "1:1 sync calls (64 B)", sync, median(ratios));
+  printf("%-44s %14.0f %10.2f\n", "polling floor: the ping-pong never sleeping", median(pollFloors),
+         median(pollFloors) / floorPerS);
   printf("%-44s %14.0f %10.2f\n", fmt::format("1:1 pipelined calls ({} in flight)", kWindow).c_str(), pipelined,
          pipelined / floorPerS);
   printf("%-44s %14.0f %10.2f\n", fmt::format("{}:{} pipelined calls", kCallers, kCallers).c_str(), nn, nn / floorPerS);
@@ -143,16 +149,17 @@ int main(int argc, char** argv) {
   printf("\npipelined / sync: %.1fx\n", pipelined / sync);
   printf("\n%-44s %10s %10s %10s\n", fmt::format("spread over {} runs", kRuns).c_str(), "min", "median", "max");
   printf("%-44s %s\n", "1:1 sync calls vs floor", spread(ratios, "{:10.2f} {:10.2f} {:10.2f}").c_str());
+  printf("%-44s %s\n", "1:1 sync calls vs polling floor", spread(pollRatios, "{:10.2f} {:10.2f} {:10.2f}").c_str());
   printf("%-44s %s\n", "16 MB echo: raw TCP MB/s (both ways)", spread(tcpMb, "{:10.0f} {:10.0f} {:10.0f}").c_str());
   printf("%-44s %s\n", "16 MB echo: actor call MB/s (both ways)", spread(callMb, "{:10.0f} {:10.0f} {:10.0f}").c_str());
   printf("%-44s %s\n", "16 MB echo: actor call / raw TCP", spread(mbRatios, "{:10.2f} {:10.2f} {:10.2f}").c_str());
   if (json) {
     printf("{\"sync_calls_per_s\": %.0f, \"pipelined_calls_per_s\": %.0f, \"nn_calls_per_s\": %.0f, "
            "\"pingpong_per_s\": %.0f, \"sync_vs_floor\": %.3f, \"sync_vs_floor_spread\": [%s], "
-           "\"pipelined_vs_sync\": %.2f, \"payload_mb_per_s\": %.0f, \"tcp_mb_per_s\": %.0f, "
+           "\"polling_pingpong_per_s\": %.0f, \"sync_vs_polling_floor\": %.3f, \"pipelined_vs_sync\": %.2f, \"payload_mb_per_s\": %.0f, \"tcp_mb_per_s\": %.0f, "
            "\"payload_vs_tcp\": %.3f, \"payload_vs_tcp_spread\": [%s], \"payload_sweep\": [%s]}\n",
            sync, pipelined, nn, floorPerS, median(ratios), spread(ratios, "{:.3f}, {:.3f}, {:.3f}").c_str(),
-           pipelined / sync, median(callMb), median(tcpMb), median(mbRatios),
+           median(pollFloors), median(pollRatios), pipelined / sync, median(callMb), median(tcpMb), median(mbRatios),
            spread(mbRatios, "{:.3f}, {:.3f}, {:.3f}").c_str(), sweep.c_str());
   }
   return 0;

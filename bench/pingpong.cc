@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -35,9 +37,12 @@ bool sendAll(int fd, const char* data, size_t size) {
   }
   return true;
 }
-bool recvAll(int fd, char* data, size_t size) {
+// `poll`: never sleep in the kernel; ask again until the bytes are there (as a spinning actor
+// connection does, but for as long as it takes).
+bool recvAll(int fd, char* data, size_t size, bool poll = false) {
   while (size > 0) {
-    ssize_t n = recv(fd, data, size, MSG_WAITALL);
+    ssize_t n = recv(fd, data, size, poll ? MSG_DONTWAIT : MSG_WAITALL);
+    if (n < 0 && poll && errno == EAGAIN) continue;
     if (n <= 0) return false;
     data += n;
     size -= static_cast<size_t>(n);
@@ -45,7 +50,7 @@ bool recvAll(int fd, char* data, size_t size) {
   return true;
 }
 
-int serve(int port, size_t bytes) {
+int serve(int port, size_t bytes, bool poll) {
   int listener = socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;
   setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -54,7 +59,7 @@ int serve(int port, size_t bytes) {
   int fd = accept(listener, nullptr, nullptr);
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   std::vector<char> buf(bytes);
-  while (recvAll(fd, buf.data(), bytes) && sendAll(fd, buf.data(), bytes)) {
+  while (recvAll(fd, buf.data(), bytes, poll) && sendAll(fd, buf.data(), bytes)) {
   }
   return 0;
 }
@@ -62,17 +67,18 @@ int serve(int port, size_t bytes) {
 }  // namespace
 
 bool maybeServeTcp(int argc, char** argv, int* exitCode) {
-  if (argc == 4 && std::string(argv[1]) == "--serve-tcp") {
-    *exitCode = serve(std::stoi(argv[2]), std::stoull(argv[3]));
+  if ((argc == 4 || argc == 5) && std::string(argv[1]) == "--serve-tcp") {
+    *exitCode = serve(std::stoi(argv[2]), std::stoull(argv[3]), argc == 5);
     return true;
   }
   return false;
 }
 
-double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes) {
+double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes, bool poll) {
   int port = *pickFreePort("127.0.0.1");
   SpawnOptions o;
   o.argv = {argv0, "--serve-tcp", std::to_string(port), std::to_string(bytes)};
+  if (poll) o.argv.push_back("--poll");
   ChildProcess server(*spawnProcess(o));
   auto addr = loopback(port);
   int fd = -1;
@@ -89,7 +95,7 @@ double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   std::vector<char> buf(bytes, 'p');
-  auto once = [&]() { return sendAll(fd, buf.data(), bytes) && recvAll(fd, buf.data(), bytes); };
+  auto once = [&]() { return sendAll(fd, buf.data(), bytes) && recvAll(fd, buf.data(), bytes, poll); };
   for (int i = 0; i < std::min(rounds, 200); ++i) once();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < rounds; ++i) once();

@@ -7,10 +7,11 @@
 
 namespace troupe::bench {
 
-// If argv asks for the echo server (`--serve-tcp PORT BYTES`), runs it and returns true.
+// If argv asks for the echo server (`--serve-tcp PORT BYTES [--poll]`), runs it and returns true.
 bool maybeServeTcp(int argc, char** argv, int* exitCode);
 // Spawns `argv0 --serve-tcp PORT BYTES` and measures `rounds` round trips of `bytes` each way;
-// returns microseconds each.
-double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes = 64);
+// returns microseconds each. `poll`: both sides poll the socket instead of sleeping in recv (no
+// wake-ups), the floor of a connection that spins.
+double tcpRoundTripUs(const char* argv0, int rounds, size_t bytes = 64, bool poll = false);
 
 }  // namespace troupe::bench

@@ -48,6 +48,7 @@ struct Spinner {
   std::vector<pollfd> fds;
   int64_t window = maxSpinNs();
   int64_t deadline = 0;
+  int64_t missedAt = 0;         // when the last poll gave up
   const void* owner = nullptr;  // the connection whose promise runs the poll, if one does
 };
 thread_local Spinner tSpinner;
@@ -87,18 +88,18 @@ class BufferedStream final : public ForwardingStream {
     return inner_->tryRead(buffer_.begin(), minBytes - n, kSize)
         .then([this, out, n, minBytes, maxBytes](size_t got) -> kj::Promise<size_t> {
           end_ = got;
-          spinForNext();
+          spinForNext(/*peerSpoke=*/true);
           return tryRead(out + n, std::min(minBytes - n, got), maxBytes - n).then([n](size_t more) { return n + more; });
         });
   }
   // Writes are not held back to be merged: a worker that runs a long call on this thread would
   // hold back the replies before it.
   kj::Promise<void> write(const void* buffer, size_t size) override {
-    spinForNext();
+    spinForNext(/*peerSpoke=*/false);
     return inner_->write(buffer, size);
   }
   kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
-    spinForNext();
+    spinForNext(/*peerSpoke=*/false);
     return inner_->write(pieces);
   }
 
@@ -107,11 +108,14 @@ class BufferedStream final : public ForwardingStream {
   // the next call after a Finish. The poll runs only when the loop has nothing else to do
   // (evalLast), so it never delays work; it ends once a spinning socket is readable (the loop's
   // epoll then returns at once) or the window has passed. Other sockets and timers wait at most
-  // that window.
-  void spinForNext() {
+  // that window. A message that arrives within a whole window after a poll gave up says the
+  // window was too short: it is whole again.
+  void spinForNext(bool peerSpoke) {
     if (fd_ < 0) return;
     Spinner& spinner = tSpinner;
-    spinner.deadline = std::max(spinner.deadline, monotonicNs() + spinner.window);
+    int64_t now = monotonicNs();
+    if (peerSpoke && now - spinner.missedAt < maxSpinNs()) spinner.window = maxSpinNs();
+    spinner.deadline = std::max(spinner.deadline, now + spinner.window);
     if (spinner.owner == nullptr) {
       spinner.owner = this;
       spin_ = poll().eagerlyEvaluate(nullptr);
@@ -122,8 +126,9 @@ class BufferedStream final : public ForwardingStream {
       Spinner& spinner = tSpinner;
       if (::poll(spinner.fds.data(), spinner.fds.size(), 0) != 0) {
         spinner.window = maxSpinNs();
-      } else if (monotonicNs() > spinner.deadline) {
+      } else if (int64_t now = monotonicNs(); now > spinner.deadline) {
         spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
+        spinner.missedAt = now;
       } else {
         sched_yield();  // a runnable thread on this CPU goes first
         return poll();

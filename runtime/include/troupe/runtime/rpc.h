@@ -27,8 +27,9 @@ inline constexpr size_t kMaxRpcMessageBytes = size_t(1) << 30;
 //               (200 us, TROUPE_RPC_SPIN_US; 0 turns it off), yielding the CPU to anything else
 //               runnable, then sleeps. Actor calls use it: a wake-up from epoll costs more than a
 //               whole call on a virtual machine. The window halves after each poll that found
-//               nothing (down to 1/8) and is whole again after one that found the answer,
-//               so a peer that answers slowly costs little polling.
+//               nothing (down to 1/8) and is whole again after one that found the answer
+//               or when the answer came within a whole window after all: a peer that answers
+//               slowly costs little polling.
 enum class PeerWait { kSleep, kSpinFirst };
 
 // Serves `bootstrap` to every connection on `bind` that presents `token`.
