@@ -332,6 +332,10 @@ def test_a_slow_trainer_is_flagged_as_a_straggler_and_no_healthy_rank_is(cluster
         assert flagged[0]["step"] <= 9  # within the first chunks after the 6-step window filled
         assert not any("straggler: rank 0" in e["text"] for e in t.events)
         assert any("straggler: rank 1" in e for e in record["events"])
+        # A step's split is the straggler's: rank 0's 300 ms wait for it is not communication
+        # (the tuner read it as ring latency that fewer ranks would save).
+        last = t.history[-1]
+        assert last["compute_s"] > 0.3 and last["comm_s"] < 0.15, last
 
 
 def _read_tfrecords(path):
