@@ -96,11 +96,11 @@ class BufferedStream final : public ForwardingStream {
   // hold back the replies before it.
   kj::Promise<void> write(const void* buffer, size_t size) override {
     spinForNext(/*peerSpoke=*/false);
-    return inner_->write(buffer, size);
+    return writing(inner_->write(buffer, size));
   }
   kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
     spinForNext(/*peerSpoke=*/false);
-    return inner_->write(pieces);
+    return writing(inner_->write(pieces));
   }
 
  private:
@@ -121,6 +121,27 @@ class BufferedStream final : public ForwardingStream {
       spin_ = poll().eagerlyEvaluate(nullptr);
     }
   }
+  // While a write waits for room in the socket (a large message), the poll also ends when
+  // there is room: otherwise each refill of the socket buffer would wait out the window.
+  kj::Promise<void> writing(kj::Promise<void> written) {
+    if (fd_ < 0) return written;
+    if (writes_++ == 0) watch(POLLIN | POLLOUT);
+    // A continuation, not an attachment: capnp keeps a finished write's promise until the next.
+    return written.then([this]() { wrote(); },
+                        [this](kj::Exception&& e) {
+                          wrote();
+                          kj::throwFatalException(kj::mv(e));
+                        });
+  }
+  void wrote() {
+    if (--writes_ == 0) watch(POLLIN);
+  }
+  void watch(short events) {
+    for (auto& p : tSpinner.fds) {
+      if (p.fd == fd_) p.events = events;
+    }
+  }
+
   kj::Promise<void> poll() {
     return kj::evalLast([this]() -> kj::Promise<void> {
       Spinner& spinner = tSpinner;
@@ -142,6 +163,7 @@ class BufferedStream final : public ForwardingStream {
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
   int fd_ = -1;                       // >= 0: spins (PeerWait::kSpinFirst)
+  int writes_ = 0;                    // writes not yet finished
   kj::Promise<void> spin_ = nullptr;  // the thread's poll, while this connection runs it
 };
 
