@@ -34,12 +34,13 @@ LogErrors gLogErrors;
 }  // namespace
 
 struct ClusterClient::Shared : std::enable_shared_from_this<ClusterClient::Shared> {
-  Shared(kj::AsyncIoContext& io, std::string token, HostPort address, kj::Own<RpcClient> rpc)
-      : io(io), token(std::move(token)), address(std::move(address)), rpc(kj::mv(rpc)),
+  Shared(kj::AsyncIoContext& io, std::string token, HostPort address, kj::Own<RpcClient> rpc, PeerWait actorCalls)
+      : io(io), token(std::move(token)), address(std::move(address)), actorCalls(actorCalls), rpc(kj::mv(rpc)),
         controller(this->rpc->bootstrap<rpc::Controller>()), tasks(kj::heap<kj::TaskSet>(gLogErrors)) {}
   kj::AsyncIoContext& io;
   std::string token;
   HostPort address;
+  PeerWait actorCalls;
   kj::Own<RpcClient> rpc;
   rpc::Controller::Client controller;
   uint64_t generation = 0;  // of `rpc`: each reconnect makes a new one
@@ -240,7 +241,7 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
         auto address = parseHostPort(record.address);
         if (!address.isOk()) throwStatus(address.status());
         uint32_t inc = record.incarnation;
-        return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS, PeerWait::kSpinFirst)
+        return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS, c->shared->actorCalls)
             .then(
                 [weak, gone, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
                   auto c = weak.lock();
@@ -514,11 +515,11 @@ kj::Promise<ActorRecord> ActorHandle::ready() {
 }
 
 kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& io, const HostPort& controller,
-                                                          std::string token) {
+                                                          std::string token, PeerWait actorCalls) {
   keepMessageBuffers();
   return RpcClient::connect(io, controller, token, 10 * kj::SECONDS)
-      .then([&io, token, controller](kj::Own<RpcClient> rpc) {
-        auto shared = std::make_shared<Shared>(io, token, controller, kj::mv(rpc));
+      .then([&io, token, controller, actorCalls](kj::Own<RpcClient> rpc) {
+        auto shared = std::make_shared<Shared>(io, token, controller, kj::mv(rpc), actorCalls);
         // Through withController: a controller that cannot reach Redis right now is asked again.
         return shared->withController([shared](rpc::Controller::Client&) { return shared->openSession(); }).then([shared]() {
           return kj::Own<ClusterClient>(new ClusterClient(shared), kj::_::HeapDisposer<ClusterClient>::instance);

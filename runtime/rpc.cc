@@ -4,7 +4,6 @@
 #include <netinet/tcp.h>
 
 #include <malloc.h>
-#include <poll.h>
 #include <sched.h>
 #include <time.h>
 
@@ -42,14 +41,15 @@ int64_t maxSpinNs() {
   return ns;
 }
 
-// The kSpinFirst connections of one event-loop thread and their one poll: it ends as soon as any
-// of them is readable, so a spin for one peer never holds back another's answer.
+// The spin of one event-loop thread, shared by its kSpinFirst connections. While it runs, the
+// thread's WaitScope polls the OS (epoll, timeout 0) between turns, so every socket, timer and
+// cross-thread wake-up of the loop is seen at once; the spin only keeps the loop from sleeping.
 struct Spinner {
-  std::vector<pollfd> fds;
   int64_t window = maxSpinNs();
   int64_t deadline = 0;
-  int64_t missedAt = 0;         // when the last poll gave up
-  const void* owner = nullptr;  // the connection whose promise runs the poll, if one does
+  int64_t missedAt = 0;         // when the last spin ended without a message from a peer
+  int heard = 0;                // messages from peers during this spin
+  const void* owner = nullptr;  // the connection whose promise runs the spin, if one does
 };
 thread_local Spinner tSpinner;
 
@@ -59,20 +59,15 @@ thread_local Spinner tSpinner;
 // With PeerWait::kSpinFirst it also polls for the peer's next message before the loop sleeps.
 class BufferedStream final : public ForwardingStream {
  public:
-  BufferedStream(kj::Own<kj::AsyncIoStream> inner, PeerWait wait)
-      : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)) {
-    KJ_IF_MAYBE(fd, inner_->getFd()) {
-      if (wait == PeerWait::kSpinFirst && maxSpinNs() > 0) {
-        fd_ = *fd;
-        tSpinner.fds.push_back(pollfd{fd_, POLLIN, 0});
-      }
-    }
-  }
+  // `spinScope`: spin first (PeerWait::kSpinFirst), on the loop this scope runs.
+  BufferedStream(kj::Own<kj::AsyncIoStream> inner, kj::WaitScope* spinScope)
+      : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)),
+        spinScope_(spinScope != nullptr && maxSpinNs() > 0 ? spinScope : nullptr) {}
   ~BufferedStream() noexcept(false) {
-    if (fd_ < 0) return;
-    auto& fds = tSpinner.fds;
-    fds.erase(std::remove_if(fds.begin(), fds.end(), [this](const pollfd& p) { return p.fd == fd_; }), fds.end());
-    if (tSpinner.owner == this) tSpinner.owner = nullptr;  // spin_ goes with us
+    if (spinScope_ != nullptr && tSpinner.owner == this) {  // spin_ goes with us
+      tSpinner.owner = nullptr;
+      spinScope_->setBusyPollInterval(kj::maxValue);
+    }
   }
 
   kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
@@ -96,65 +91,51 @@ class BufferedStream final : public ForwardingStream {
   // hold back the replies before it.
   kj::Promise<void> write(const void* buffer, size_t size) override {
     spinForNext(/*peerSpoke=*/false);
-    return writing(inner_->write(buffer, size));
+    return inner_->write(buffer, size);
   }
   kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
     spinForNext(/*peerSpoke=*/false);
-    return writing(inner_->write(pieces));
+    return inner_->write(pieces);
   }
 
  private:
   // After a message either way the peer's next one is usually close: the caller's answer, or
-  // the next call after a Finish. The poll runs only when the loop has nothing else to do
-  // (evalLast), so it never delays work; it ends once a spinning socket is readable (the loop's
-  // epoll then returns at once) or the window has passed. Other sockets and timers wait at most
-  // that window. A message that arrives within a whole window after a poll gave up says the
-  // window was too short: it is whole again.
+  // the next call after a Finish. So the loop spins (an evalLast task: it runs only when the loop
+  // has nothing else to do, and never delays work) until a window has passed since the last
+  // message, polling the OS between turns instead of sleeping in epoll. A spin that heard no
+  // peer halves the thread's window (down to 1/8); a message that arrives within a whole window
+  // after such a spin makes it whole again (without that, one slow stretch left it too short to
+  // catch any answer).
   void spinForNext(bool peerSpoke) {
-    if (fd_ < 0) return;
+    if (spinScope_ == nullptr) return;
     Spinner& spinner = tSpinner;
     int64_t now = monotonicNs();
-    if (peerSpoke && now - spinner.missedAt < maxSpinNs()) spinner.window = maxSpinNs();
+    if (peerSpoke) {
+      ++spinner.heard;
+      if (now - spinner.missedAt < maxSpinNs()) spinner.window = maxSpinNs();
+    }
     spinner.deadline = std::max(spinner.deadline, now + spinner.window);
     if (spinner.owner == nullptr) {
       spinner.owner = this;
-      spin_ = poll().eagerlyEvaluate(nullptr);
+      spinner.heard = 0;
+      spinScope_->setBusyPollInterval(0);
+      spin_ = spin().eagerlyEvaluate(nullptr);
     }
   }
-  // While a write waits for room in the socket (a large message), the poll also ends when
-  // there is room: otherwise each refill of the socket buffer would wait out the window.
-  kj::Promise<void> writing(kj::Promise<void> written) {
-    if (fd_ < 0) return written;
-    if (writes_++ == 0) watch(POLLIN | POLLOUT);
-    // A continuation, not an attachment: capnp keeps a finished write's promise until the next.
-    return written.then([this]() { wrote(); },
-                        [this](kj::Exception&& e) {
-                          wrote();
-                          kj::throwFatalException(kj::mv(e));
-                        });
-  }
-  void wrote() {
-    if (--writes_ == 0) watch(POLLIN);
-  }
-  void watch(short events) {
-    for (auto& p : tSpinner.fds) {
-      if (p.fd == fd_) p.events = events;
-    }
-  }
-
-  kj::Promise<void> poll() {
+  kj::Promise<void> spin() {
     return kj::evalLast([this]() -> kj::Promise<void> {
       Spinner& spinner = tSpinner;
-      if (::poll(spinner.fds.data(), spinner.fds.size(), 0) != 0) {
-        spinner.window = maxSpinNs();
-      } else if (int64_t now = monotonicNs(); now > spinner.deadline) {
+      int64_t now = monotonicNs();
+      if (now <= spinner.deadline) {
+        sched_yield();  // a runnable thread on this CPU goes first
+        return spin();
+      }
+      if (spinner.heard == 0) {
         spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
         spinner.missedAt = now;
-      } else {
-        sched_yield();  // a runnable thread on this CPU goes first
-        return poll();
       }
       spinner.owner = nullptr;
+      spinScope_->setBusyPollInterval(kj::maxValue);  // KJ's default: no polls between turns
       return kj::READY_NOW;
     });
   }
@@ -162,9 +143,8 @@ class BufferedStream final : public ForwardingStream {
   static constexpr size_t kSize = 64 * 1024;
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
-  int fd_ = -1;                       // >= 0: spins (PeerWait::kSpinFirst)
-  int writes_ = 0;                    // writes not yet finished
-  kj::Promise<void> spin_ = nullptr;  // the thread's poll, while this connection runs it
+  kj::WaitScope* spinScope_;          // non-null: spins (PeerWait::kSpinFirst)
+  kj::Promise<void> spin_ = nullptr;  // the thread's spin, while this connection runs it
 };
 
 capnp::ReaderOptions readerOptions() {
@@ -176,8 +156,8 @@ capnp::ReaderOptions readerOptions() {
 // One authenticated connection served by the RPC system (as capnp::TwoPartyServer does, with
 // our message size bound).
 struct ServedConnection {
-  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap, PeerWait wait)
-      : stream(kj::heap<BufferedStream>(kj::mv(s), wait)),
+  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap, kj::WaitScope* spinScope)
+      : stream(kj::heap<BufferedStream>(kj::mv(s), spinScope)),
         network(*stream, capnp::rpc::twoparty::Side::SERVER, readerOptions()),
         rpcSystem(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
   kj::Own<kj::AsyncIoStream> stream;
@@ -191,8 +171,9 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
                 capnp::Capability::Client bootstrap, PeerWait wait)
       : bootstrap_(kj::mv(bootstrap)), connections_(*this),
         acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
-                  [this, wait](kj::Own<kj::AsyncIoStream> stream) {
-                    auto served = kj::heap<ServedConnection>(kj::mv(stream), bootstrap_, wait);
+                  [this, spinScope = wait == PeerWait::kSpinFirst ? &io.waitScope : nullptr](
+                      kj::Own<kj::AsyncIoStream> stream) {
+                    auto served = kj::heap<ServedConnection>(kj::mv(stream), bootstrap_, spinScope);
                     auto gone = served->network.onDisconnect();
                     connections_.add(gone.attach(kj::mv(served)));
                     return kj::READY_NOW;
@@ -240,8 +221,8 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
   return server;
 }
 
-RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream, PeerWait wait)
-    : stream_(kj::heap<BufferedStream>(kj::mv(stream), wait)),
+RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream, kj::WaitScope* spinScope)
+    : stream_(kj::heap<BufferedStream>(kj::mv(stream), spinScope)),
       network_(*stream_, capnp::rpc::twoparty::Side::CLIENT, readerOptions()),
       rpcSystem_(capnp::makeRpcClient(network_)),
       bootstrap_(bootstrapOf(rpcSystem_)),
@@ -302,7 +283,9 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
             tls::require();
             return connectPatiently(io, address, shared, true);
           })
-          .then([wait](kj::Own<kj::AsyncIoStream> stream) { return kj::heap<RpcClient>(kj::mv(stream), wait); });
+          .then([spinScope = wait == PeerWait::kSpinFirst ? &io.waitScope : nullptr](kj::Own<kj::AsyncIoStream> stream) {
+            return kj::heap<RpcClient>(kj::mv(stream), spinScope);
+          });
   auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<RpcClient> {
     kj::throwFatalException(exceptionFromStatus(Status(StatusCode::kDeadlineExceeded, "no answer in time"),
                                                 kj::Exception::Type::DISCONNECTED));

@@ -294,7 +294,7 @@ double threadCpuMs() {
 // Actor calls wait for their answer by polling first (PeerWait::kSpinFirst). The poll must end:
 // a connection gone quiet costs one window of CPU, then nothing; a kSleep connection costs none.
 TEST_CASE("rpc: a spinning connection polls one window after its last message, then sleeps") {
-  setenv("TROUPE_RPC_SPIN_US", "20000", 1);  // read once per process: no spinning stream before this
+  setenv("TROUPE_RPC_SPIN_US", "100000", 1);  // read once per process: no spinning stream before this
   std::promise<int> port;
   std::atomic<bool> stop{false};
   std::thread server([&]() {
@@ -313,7 +313,7 @@ TEST_CASE("rpc: a spinning connection polls one window after its last message, t
     auto agent = client->bootstrap<rpc::NodeAgent>();
     for (int i = 0; i < 100; ++i) CHECK(agent.pingRequest().send().wait(io.waitScope).getPid() == getpid());
     double before = threadCpuMs();
-    io.provider->getTimer().afterDelay(300 * kj::MILLISECONDS).wait(io.waitScope);
+    io.provider->getTimer().afterDelay(600 * kj::MILLISECONDS).wait(io.waitScope);
     return threadCpuMs() - before;
   };
   double spinning = idleCpuMs(PeerWait::kSpinFirst);
@@ -321,8 +321,10 @@ TEST_CASE("rpc: a spinning connection polls one window after its last message, t
   stop = true;
   server.join();
   INFO("idle CPU after the last call: spinning ", spinning, " ms, sleeping ", sleeping, " ms");
-  CHECK(spinning > 2);    // it polled (for up to 20 ms, less when other threads wanted the CPU)
-  CHECK(spinning < 100);  // and stopped
+  // It spun for 100 ms of wall time, yielding to other runnable threads (a loaded machine
+  // leaves it a fraction of that), and stopped.
+  CHECK(spinning > 5);
+  CHECK(spinning < 300);
   CHECK(sleeping < 2);
 }
 

@@ -148,7 +148,9 @@ class Runtime {
         tasks_ = tasks.get();
       }
       KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-        client_ = ClusterClient::connect(io, hp, token).wait(io.waitScope);
+        // Actor connections sleep here: the loop also runs through other WaitScopes (a waiting
+        // Python thread's), and scope.poll() after each submission would wait out a spin.
+        client_ = ClusterClient::connect(io, hp, token, PeerWait::kSleep).wait(io.waitScope);
       })) {
         error = statusFromException(*e, "");
       }

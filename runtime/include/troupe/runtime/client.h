@@ -20,6 +20,7 @@
 
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
+#include "troupe/runtime/rpc.h"
 
 namespace troupe {
 
@@ -65,8 +66,10 @@ class ActorHandle {
 class ClusterClient {
  public:
   // Connects to the controller with the cluster token; rejects naming the address and why.
+  // `actorCalls`: how connections to actors wait for answers (rpc.h; kSleep where the loop is
+  // run through other WaitScopes than io's).
   static kj::Promise<kj::Own<ClusterClient>> connect(kj::AsyncIoContext& io, const HostPort& controller,
-                                                     std::string token);
+                                                     std::string token, PeerWait actorCalls = PeerWait::kSpinFirst);
   ~ClusterClient();
 
   // Creates the actor and resolves with its handle once it is ALIVE. Rejects if it cannot be

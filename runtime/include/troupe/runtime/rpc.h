@@ -23,13 +23,13 @@ inline constexpr size_t kMaxRpcMessageBytes = size_t(1) << 30;
 
 // How a connection's thread waits for the peer's next message once it has nothing else to do.
 //   kSleep      in epoll at once (daemons: the controller, node agents, the store gateway).
-//   kSpinFirst  first polls the socket for a short window after each message sent or received
-//               (200 us, TROUPE_RPC_SPIN_US; 0 turns it off), yielding the CPU to anything else
-//               runnable, then sleeps. Actor calls use it: a wake-up from epoll costs more than a
-//               whole call on a virtual machine. The window halves after each poll that found
-//               nothing (down to 1/8) and is whole again after one that found the answer
-//               or when the answer came within a whole window after all: a peer that answers
-//               slowly costs little polling.
+//   kSpinFirst  first spins for a short window after each message sent or received (200 us,
+//               TROUPE_RPC_SPIN_US; 0 turns it off): the loop polls the OS between turns instead
+//               of sleeping (WaitScope::setBusyPollInterval on the AsyncIoContext's scope, which
+//               must be the scope that runs the loop), yielding the CPU to anything else
+//               runnable. Actor calls use it: a wake-up from epoll costs more than a whole call
+//               on a virtual machine. A spin that heard nothing halves the window (down to 1/8);
+//               it is whole again when an answer comes within a whole window after all.
 enum class PeerWait { kSleep, kSpinFirst };
 
 // Serves `bootstrap` to every connection on `bind` that presents `token`.
@@ -54,7 +54,8 @@ class RpcClient {
   static kj::Promise<kj::Own<RpcClient>> connect(kj::AsyncIoContext& io, const HostPort& address,
                                                  std::string token, kj::Duration timeout,
                                                  PeerWait wait = PeerWait::kSleep);
-  RpcClient(kj::Own<kj::AsyncIoStream> stream, PeerWait wait = PeerWait::kSleep);
+  // `spinScope`: spin first (PeerWait::kSpinFirst) on the loop this scope runs.
+  explicit RpcClient(kj::Own<kj::AsyncIoStream> stream, kj::WaitScope* spinScope = nullptr);
 
   // The server's bootstrap capability, taken once at connect: once the connection is gone
   // its calls reject with DISCONNECTED (asking capnp for a new bootstrap on a dead
