@@ -1565,6 +1565,147 @@ TEST_CASE_TEMPLATE("listLiveActors skips DEAD actors; listActors shows them", Ba
   CHECK(store->listLiveActors()->empty());
 }
 
+TEST_CASE_TEMPLATE("listNodeActors follows each live actor to its node; listDeadNodesWithWork finds what a death left",
+                   Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord a = sampleNode("a"), b = sampleNode("b");
+  REQUIRE(store->registerNode(a, kLongTtl).isOk());
+  REQUIRE(store->registerNode(b, kLongTtl).isOk());
+  auto idsOn = [&](const NodeId& node) {
+    auto listed = store->listNodeActors(node);
+    REQUIRE_MESSAGE(listed.isOk(), listed.status().toString());
+    std::set<ActorId> ids;
+    for (const auto& actor : *listed) ids.insert(actor.id);
+    return ids;
+  };
+  ActorRecord x = sampleActor(), y = sampleActor(), waiting = sampleActor();
+  x.state = y.state = ActorState::kAlive;
+  x.nodeId = y.nodeId = a.id;
+  waiting.state = ActorState::kPending;
+  waiting.nodeId = NodeId();
+  REQUIRE(store->putActor(x).isOk());
+  REQUIRE(store->putActor(y).isOk());
+  REQUIRE(store->putActor(waiting).isOk());
+  CHECK(idsOn(a.id) == std::set<ActorId>{x.id, y.id});
+  CHECK(idsOn(b.id).empty());
+  // A restart on another node moves it; an actor that dies leaves the index.
+  x.state = ActorState::kRestarting;
+  x.nodeId = b.id;
+  REQUIRE(store->putActor(x).isOk());
+  y.state = ActorState::kDead;
+  REQUIRE(store->putActor(y).isOk());
+  CHECK(idsOn(a.id).empty());
+  CHECK(idsOn(b.id) == std::set<ActorId>{x.id});
+
+  // Only DEAD nodes are listed, and only while something is still on them.
+  REQUIRE(*store->reserve({Reservation{a.id, "pg:00ff:0", {{"CPU", 1}}}}));
+  CHECK(store->listDeadNodesWithWork()->empty());
+  REQUIRE(store->markNodeDead(a.id, "test").isOk());
+  REQUIRE(store->markNodeDead(b.id, "test").isOk());
+  auto busy = store->listDeadNodesWithWork();
+  REQUIRE(busy.isOk());
+  CHECK(std::set<NodeId>(busy->begin(), busy->end()) == std::set<NodeId>{a.id, b.id});  // a claim; an actor
+  REQUIRE(store->release({Reservation{a.id, "pg:00ff:0", {}}}).isOk());
+  x.state = ActorState::kRestarting;
+  x.nodeId = NodeId();
+  REQUIRE(store->putActor(x).isOk());
+  CHECK(store->listDeadNodesWithWork()->empty());
+}
+
+TEST_CASE("Redis forgets a DEAD node's actor index with its record") {
+  testing::RedisServerProcess server;
+  auto options = server.options("test");
+  options.keepDeadNodes = 1;
+  auto store = connectRedisStore(options);
+  REQUIRE(store.isOk());
+  NodeRecord first = sampleNode("first"), second = sampleNode("second");
+  for (const NodeRecord& node : {first, second}) {
+    REQUIRE((*store)->registerNode(node, std::chrono::seconds(30)).isOk());
+    ActorRecord stranded = sampleActor();
+    stranded.state = ActorState::kAlive;
+    stranded.nodeId = node.id;
+    REQUIRE((*store)->putActor(stranded).isOk());
+  }
+  REQUIRE((*store)->markNodeDead(first.id, "test").isOk());
+  CHECK((*store)->listNodeActors(first.id)->size() == 1);
+  CHECK((*store)->listDeadNodesWithWork()->size() == 1);
+  // The second death pushes one of the two (the older, or the lower id within a millisecond)
+  // out of the kept history, index and all.
+  REQUIRE((*store)->markNodeDead(second.id, "test").isOk());
+  CHECK((*store)->listNodeActors(first.id)->size() + (*store)->listNodeActors(second.id)->size() == 1);
+  CHECK((*store)->listDeadNodesWithWork()->size() == 1);
+}
+
+TEST_CASE("redis store: a status page reads the page's records, not every actor's, and its counts stay exact") {
+  testing::RedisServerProcess server;
+  auto options = server.options("test");
+  options.keepDeadActors = 5;
+  auto store = connectRedisStore(options);
+  REQUIRE(store.isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  // The calls Redis made for the store since the last reset: scripts' own calls count too.
+  auto recordReads = [&]() {
+    ReplyPtr stats = rawCommand(admin.get(), {"INFO", "commandstats"});
+    REQUIRE(stats->type == REDIS_REPLY_STRING);
+    std::string text(stats->str, stats->len);
+    long total = 0;
+    for (const char* command : {"cmdstat_hget:", "cmdstat_hmget:", "cmdstat_hgetall:"}) {
+      auto at = text.find(command);
+      if (at != std::string::npos) total += std::stol(text.substr(text.find("calls=", at) + 6));
+    }
+    return total;
+  };
+  std::vector<ActorRecord> actors;
+  for (int i = 0; i < 300; ++i) {
+    ActorRecord a = sampleActor();
+    a.name.clear();
+    a.state = ActorState::kAlive;
+    a.createdMs = 1000 + i;
+    actors.push_back(a);
+    REQUIRE((*store)->putActor(a).isOk());
+  }
+  ActorQuery query;
+  query.limit = 10;
+  REQUIRE((*store)->listActorsPage(query).isOk());  // the first page counts the records once
+  REQUIRE(rawCommand(admin.get(), {"CONFIG", "RESETSTAT"})->type != REDIS_REPLY_ERROR);
+  auto page = (*store)->listActorsPage(query);
+  REQUIRE(page.isOk());
+  CHECK(page->actors.size() == 10);
+  CHECK(page->matching == 300);
+  CHECK(page->countsByState.at(ActorState::kAlive) == 300);
+  CHECK(recordReads() <= 12);
+  // A state filter stops once its page is full, and knows its total from the counts.
+  query.state = ActorState::kAlive;
+  REQUIRE(rawCommand(admin.get(), {"CONFIG", "RESETSTAT"})->type != REDIS_REPLY_ERROR);
+  page = (*store)->listActorsPage(query);
+  REQUIRE(page.isOk());
+  CHECK(page->actors.size() == 10);
+  CHECK(page->matching == 300);
+  CHECK(recordReads() <= 25);
+  query.state.reset();
+
+  // The counts follow every change: deaths, restarts, and DEAD records trimmed past keepDeadActors.
+  for (int i = 0; i < 8; ++i) {
+    actors[i].state = ActorState::kDead;
+    actors[i].updatedMs = 5000 + i;
+    REQUIRE((*store)->putActor(actors[i]).isOk());
+    REQUIRE((*store)->putActor(actors[i]).isOk());  // a retried write counts once
+  }
+  actors[10].state = ActorState::kRestarting;
+  REQUIRE((*store)->putActor(actors[10]).isOk());
+  page = (*store)->listActorsPage(query);
+  REQUIRE(page.isOk());
+  auto listed = (*store)->listActors();
+  REQUIRE(listed.isOk());
+  std::map<ActorState, uint64_t> recount;
+  for (const auto& a : *listed) recount[a.state] += 1;
+  CHECK(recount[ActorState::kDead] == 5);
+  CHECK(page->countsByState == recount);
+  CHECK(page->matching == listed->size());
+}
+
 TEST_CASE("Redis keeps only the newest DEAD actor records") {
   testing::RedisServerProcess server;
   auto options = server.options("test");

@@ -400,6 +400,28 @@ class FakeClusterStore final : public ClusterStore {
     return live;
   }
 
+  Result<std::vector<ActorRecord>> listNodeActors(const NodeId& node) override {
+    if (node.empty()) return emptyId();
+    auto live = listLiveActors();
+    if (!live.isOk()) return live.status();
+    std::erase_if(*live, [&](const ActorRecord& a) { return a.nodeId != node; });
+    return live;
+  }
+
+  Result<std::vector<NodeId>> listDeadNodesWithWork() override {
+    std::lock_guard lock(state_->mutex);
+    std::set<NodeId> busy;
+    for (const auto& [id, claims] : state_->claims) busy.insert(id);
+    for (const auto& [id, actor] : state_->actors) {
+      if (actor.state != ActorState::kDead && !actor.nodeId.empty()) busy.insert(actor.nodeId);
+    }
+    std::vector<NodeId> out;
+    for (const auto& [id, node] : state_->nodes) {
+      if (node.record.state == NodeState::kDead && busy.count(id)) out.push_back(id);
+    }
+    return out;
+  }
+
   Result<bool> claimActorName(const std::string& name, const ActorId& id) override {
     TROUPE_RETURN_IF_ERROR(checkNameArgs(name, id));
     std::lock_guard lock(state_->mutex);

@@ -16,6 +16,8 @@
 //                             clock): nodes are not judged until it has served one heartbeat TTL
 //   P node_res:<id>    hash  holder -> JSON resources: the claims on the node (reserve/release)
 //   P actors           zset  actor ids scored by created_ms
+//   P actor_counts     hash  state -> how many records in `actors` have it (and _counted): what
+//                             status counts, kept by putActor once the first status made it
 //   P actor:<id>       hash  {id, type, name, node_id, pid, address, state, incarnation,
 //                             restarts, max_restarts, max_task_retries, detached, owner, resources (JSON),
 //                             init_args (raw bytes), placement_group, bundle_index, death_reason,
@@ -23,6 +25,8 @@
 //   P dead_nodes       zset  the ids of DEAD nodes scored by death time: the newest
 //                             RedisOptions::keepDeadNodes are kept, older records deleted
 //   P live_actors      zset  the ids of actors not DEAD, scored by created_ms (what scans read)
+//   P node_actors:<id> set   ids of the actors not DEAD placed on the node (what its death touches);
+//                             deleted with the node's record when it leaves the DEAD history
 //   P dead_actors      zset  the ids of DEAD actors scored by updated_ms: the newest
 //                             RedisOptions::keepDeadActors are kept, older records deleted
 //   P actor_name:<name> string: the id of the actor holding the name
@@ -303,13 +307,14 @@ return 1
     std::vector<std::string> args = {
         "EVAL",
         kPutActorScript,
-        "6",
+        "7",
         actorKey(actor.id),
         actorsKey(),
         liveActorsKey(),
         deadActorsKey(),
         waitingActorsKey(),
         actor.placementGroup.empty() ? std::string() : groupActorsKey(actor.placementGroup),
+        actorCountsKey(),
         std::to_string(actor.createdMs),
         actor.id.hex(),
         actorStateName(actor.state),
@@ -318,6 +323,8 @@ return 1
         actorKeyPrefix(),
         waitsForNode(actor) ? "1" : "0",
         groupActorsKeyPrefix(),
+        nodeActorsKeyPrefix(),
+        actor.nodeId.hex(),
         "id", actor.id.hex(),
         "type", actor.type,
         "name", actor.name,
@@ -370,7 +377,7 @@ return 1
   }
 
   Result<ActorPage> listActorsPage(const ActorQuery& query) override {
-    auto reply = connection_.run({"EVAL", kListActorsPageScript, "1", actorsKey(), actorKeyPrefix(),
+    auto reply = connection_.run({"EVAL", kListActorsPageScript, "2", actorsKey(), actorCountsKey(), actorKeyPrefix(),
                                   query.state ? actorStateName(*query.state) : "", query.nodePrefix,
                                   std::to_string(query.offset), std::to_string(query.limit)},
                                  "listActorsPage");
@@ -411,6 +418,26 @@ return 1
       actors.push_back(std::move(actor).value());
     }
     return actors;
+  }
+
+  Result<std::vector<ActorRecord>> listNodeActors(const NodeId& node) override {
+    if (node.empty()) return emptyId();
+    auto reply = connection_.run({"EVAL", kListSetScript, "1", nodeActorsKeyPrefix() + node.hex(), actorKeyPrefix()},
+                                 "listNodeActors");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listNodeActors", **reply);
+    return decodeActors(**reply);
+  }
+
+  Result<std::vector<NodeId>> listDeadNodesWithWork() override {
+    auto reply = connection_.run({"EVAL", kDeadNodesWithWorkScript, "1", deadNodesKey(), claimsKeyPrefix(),
+                                  nodeActorsKeyPrefix()},
+                                 "listDeadNodesWithWork");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY) return unexpected("listDeadNodesWithWork", **reply);
+    std::vector<NodeId> nodes;
+    for (size_t i = 0; i < (*reply)->elements; ++i) nodes.emplace_back(replyText(*(*reply)->element[i]));
+    return nodes;
   }
 
   Result<bool> claimActorName(const std::string& name, const ActorId& id) override {
@@ -771,6 +798,8 @@ return 1
   std::string liveActorsKey() const { return prefix_ + "live_actors"; }
   std::string deadNodesKey() const { return prefix_ + "dead_nodes"; }
   std::string claimsKeyPrefix() const { return prefix_ + "node_res:"; }
+  // kBuryNodeLua derives this from claimsKeyPrefix(): keep the two names in step.
+  std::string nodeActorsKeyPrefix() const { return prefix_ + "node_actors:"; }
   std::string deadActorsKey() const { return prefix_ + "dead_actors"; }
   std::string nodesKey() const { return prefix_ + "nodes"; }
   std::string nodeKeyPrefix() const { return prefix_ + "node:"; }
@@ -780,6 +809,7 @@ return 1
   std::string eventsChannel() const { return prefix_ + "events"; }
   std::string claimsKey(const NodeId& id) const { return prefix_ + "node_res:" + id.hex(); }
   std::string actorsKey() const { return prefix_ + "actors"; }
+  std::string actorCountsKey() const { return prefix_ + "actor_counts"; }
   std::string actorKeyPrefix() const { return prefix_ + "actor:"; }
   std::string actorKey(const ActorId& id) const { return actorKeyPrefix() + id.hex(); }
   std::string actorNameKey(const std::string& name) const { return prefix_ + "actor_name:" + name; }

@@ -81,15 +81,17 @@ local function storeUpMs(runKey)
 end
 )lua";
 
-// Records that node `id` died, and deletes the oldest DEAD nodes beyond `keep` (their hash and
-// claims), so listings and reaps cost what is alive plus a bounded history.
+// Records that node `id` died, and deletes the oldest DEAD nodes beyond `keep` (their hash,
+// claims and actor index), so listings and reaps cost what is alive plus a bounded history.
+// The actor index's prefix is the claims prefix with node_res: read as node_actors:.
 inline constexpr const char* kBuryNodeLua = R"lua(
 local function buryNode(deadKey, nodesKey, nodePrefix, claimsPrefix, id, now, keep)
   redis.call('ZADD', deadKey, now, id)
   local extra = redis.call('ZCARD', deadKey) - keep
   if extra > 0 then
+    local actorsPrefix = string.gsub(claimsPrefix, 'node_res:$', 'node_actors:')
     for _, old in ipairs(redis.call('ZRANGE', deadKey, 0, extra - 1)) do
-      redis.call('DEL', nodePrefix .. old, claimsPrefix .. old)
+      redis.call('DEL', nodePrefix .. old, claimsPrefix .. old, actorsPrefix .. old)
       redis.call('ZREM', nodesKey, old)
     end
     redis.call('ZREMRANGEBYRANK', deadKey, 0, extra - 1)
@@ -189,38 +191,64 @@ end
 return out
 )lua";
 
-// KEYS: the actors zset. ARGV: key prefix, state ('' any), node id prefix ('' any), offset,
-// limit. Returns {state/count pairs of every actor, how many pass the filters, the page's
-// records without init_args}. Only the page's records are read whole.
+// KEYS: the actors zset, the actor-counts hash. ARGV: key prefix, state ('' any), node id prefix
+// ('' any), offset, limit. Returns {state/count pairs of every actor, how many pass the filters,
+// the page's records without init_args}. The counts come from the hash putActor keeps (made here
+// by one pass over the records the first time, for a store written before it existed). Without
+// filters only the page's records are read; with a state alone the walk stops once the page is
+// full; a node filter walks every record (its state and node only).
 inline constexpr const char* kListActorsPageScript = R"lua(
-local counts, page, matching = {}, {}, 0
-local first = tonumber(ARGV[4])
-local last = first + tonumber(ARGV[5])
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local key = ARGV[1] .. id
-  local f = redis.call('HMGET', key, 'state', 'node_id')
-  if f[1] then
-    counts[f[1]] = (counts[f[1]] or 0) + 1
-    if (ARGV[2] == '' or f[1] == ARGV[2]) and (ARGV[3] == '' or string.sub(f[2] or '', 1, #ARGV[3]) == ARGV[3]) then
-      if matching >= first and matching < last then
-        local fields = redis.call('HGETALL', key)
-        for i = 1, #fields, 2 do
-          if fields[i] == 'init_args' then
-            table.remove(fields, i)
-            table.remove(fields, i)
-            break
-          end
-        end
-        table.insert(page, fields)
-      end
-      matching = matching + 1
+local function strip(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'init_args' then
+      table.remove(fields, i)
+      table.remove(fields, i)
+      break
     end
   end
+  return fields
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  local counts = {}
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local state = redis.call('HGET', ARGV[1] .. id, 'state')
+    if state then counts[state] = (counts[state] or 0) + 1 end
+  end
+  redis.call('HSET', KEYS[2], '_counted', '1')
+  for state, n in pairs(counts) do redis.call('HSET', KEYS[2], state, n) end
 end
 local flat = {}
-for state, n in pairs(counts) do
-  table.insert(flat, state)
-  table.insert(flat, n)
+local stored = redis.call('HGETALL', KEYS[2])
+for i = 1, #stored, 2 do
+  if stored[i] ~= '_counted' and tonumber(stored[i + 1]) > 0 then
+    table.insert(flat, stored[i])
+    table.insert(flat, tonumber(stored[i + 1]))
+  end
+end
+local first, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+local page = {}
+if ARGV[2] == '' and ARGV[3] == '' then
+  if limit > 0 then
+    for _, id in ipairs(redis.call('ZRANGE', KEYS[1], first, first + limit - 1)) do
+      local fields = redis.call('HGETALL', ARGV[1] .. id)
+      if #fields > 0 then table.insert(page, strip(fields)) end
+    end
+  end
+  return {flat, redis.call('ZCARD', KEYS[1]), page}
+end
+local known = nil
+if ARGV[3] == '' then known = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0') end
+local last, matching, total, chunk = first + limit, 0, redis.call('ZCARD', KEYS[1]), 1000
+for from = 0, total - 1, chunk do
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], from, from + chunk - 1)) do
+    local key = ARGV[1] .. id
+    local f = redis.call('HMGET', key, 'state', 'node_id')
+    if f[1] and (ARGV[2] == '' or f[1] == ARGV[2]) and (ARGV[3] == '' or string.sub(f[2] or '', 1, #ARGV[3]) == ARGV[3]) then
+      if matching >= first and matching < last then table.insert(page, strip(redis.call('HGETALL', key))) end
+      matching = matching + 1
+      if known and matching >= last then return {flat, known, page} end
+    end
+  end
 end
 return {flat, matching, page}
 )lua";
@@ -377,34 +405,58 @@ return 1
 )lua";
 
 // KEYS: actor hash, actors zset, live-actors zset, dead-actors zset, waiting-actors set, the
-// live-actors set of its placement group ('' when none).
+// live-actors set of its placement group ('' when none), the actor-counts hash (by state, of the
+// records in the actors zset; kept once kListActorsPageScript has made it).
 // ARGV: created ms, id, state, keep, updated ms, actor hash prefix, waiting ('1' when it waits
-// for a node), the prefix of the groups' live-actors sets, then the hash's field/value pairs. Live actors are indexed on their own, so the
-// controller's scans cost what is alive, not the history; only the newest `keep` DEAD actors are
-// kept (for status), older ones deleted.
+// for a node), the prefix of the groups' live-actors sets, the prefix of the nodes' live-actors
+// sets, its node id ('' when none), then the hash's field/value pairs. Live actors are indexed
+// on their own, and by node, so the controller's scans cost what is alive (or what was on a
+// node that died), not the history; only the newest `keep` DEAD actors are kept (for status),
+// older ones deleted.
 inline constexpr const char* kPutActorScript = R"lua(
-local old = redis.call('HGET', KEYS[1], 'placement_group')
-if old and old ~= '' then redis.call('SREM', ARGV[8] .. old, ARGV[2]) end
+local was = redis.call('HMGET', KEYS[1], 'placement_group', 'node_id', 'state')
+if was[1] and was[1] ~= '' then redis.call('SREM', ARGV[8] .. was[1], ARGV[2]) end
+if was[2] and was[2] ~= '' then redis.call('SREM', ARGV[9] .. was[2], ARGV[2]) end
+local counted = redis.call('EXISTS', KEYS[7]) == 1
+if counted then
+  if was[3] then redis.call('HINCRBY', KEYS[7], was[3], -1) end
+  redis.call('HINCRBY', KEYS[7], ARGV[3], 1)
+end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], unpack(ARGV, 11))
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[2]) else redis.call('SREM', KEYS[5], ARGV[2]) end
 if ARGV[3] ~= 'DEAD' then
   redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
   if KEYS[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[2]) end
+  if ARGV[10] ~= '' then redis.call('SADD', ARGV[9] .. ARGV[10], ARGV[2]) end
   return 1
 end
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[2])
 local extra = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[4])
 if extra > 0 then
+  local gone = 0
   for _, old in ipairs(redis.call('ZRANGE', KEYS[4], 0, extra - 1)) do
-    redis.call('DEL', ARGV[6] .. old)
+    gone = gone + redis.call('DEL', ARGV[6] .. old)
     redis.call('ZREM', KEYS[2], old)
   end
   redis.call('ZREMRANGEBYRANK', KEYS[4], 0, extra - 1)
+  if counted then redis.call('HINCRBY', KEYS[7], 'DEAD', -gone) end
 end
 return 1
+)lua";
+
+// KEYS: the dead-nodes zset. ARGV: the claims-hash prefix, the nodes' live-actors set prefix.
+// The DEAD nodes that still hold a claim or a live actor, oldest death first.
+inline constexpr const char* kDeadNodesWithWorkScript = R"lua(
+local out = {}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('EXISTS', ARGV[1] .. id) == 1 or redis.call('SCARD', ARGV[2] .. id) > 0 then
+    table.insert(out, id)
+  end
+end
+return out
 )lua";
 
 // KEYS: name key. ARGV: actor id. 1 when the name was free or already this actor's, so a

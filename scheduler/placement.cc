@@ -568,11 +568,18 @@ Result<NodeId> pickNode(const std::vector<NodeView>& nodes, const Resources& dem
   const NodeView* best = nullptr;
   double bestFree = 0;
   double bestUtilisation = 0;
+  // Free quantities are read in place, not as an available() map per node: this pass runs for
+  // every actor placed, over every node.
+  auto freeOf = [](const NodeView& node, const std::string& name) {
+    return quantityOf(node.total, name) - quantityOf(node.used, name);
+  };
+  const std::string cpu(kCpu);
   for (const NodeView& node : nodes) {
-    if (!node.alive || avoid.count(node.id) > 0) continue;
-    Resources free = available(node);
-    if (!fits(free, demand)) continue;
-    double nodeFree = freeCpu(free);
+    if (!node.alive || (!avoid.empty() && avoid.count(node.id) > 0)) continue;
+    bool fitsHere = true;
+    for (const auto& [name, qty] : demand) fitsHere = fitsHere && fitsOne(qty, freeOf(node, name));
+    if (!fitsHere) continue;
+    double nodeFree = freeOf(node, cpu);
     double nodeUtilisation = utilisation(node);
     bool better = best == nullptr || nodeFree > bestFree;
     if (best != nullptr && nodeFree == bestFree) {

@@ -482,9 +482,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   }
 
   // Failure detection: marks nodes whose heartbeat expired DEAD and moves their actors. The
-  // full reconciliation (which lists every actor and group) runs right after a reap, and
-  // otherwise only every kReconcileEvery ticks, for nodes that stopped cleanly or died while no
-  // controller ran.
+  // reconciliation (which reads the DEAD nodes' own indexes, never every actor or group) runs
+  // right after a reap, and otherwise every kReconcileEvery ticks, for nodes that stopped
+  // cleanly or died while no controller ran.
   static constexpr int kReconcileEvery = 8;
 
   kj::Promise<void> reapLoop(int tick = 0) {

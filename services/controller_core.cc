@@ -1,6 +1,7 @@
 #include "controller_core.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
@@ -18,6 +19,13 @@ constexpr int kReserveAttempts = 4;
 
 std::string actorHolder(const ActorId& id) { return "actor:" + id.hex(); }
 std::string bundleHolder(const PlacementGroupId& id, size_t index) { return fmt::format("pg:{}:{}", id.hex(), index); }
+// The group of a bundle's claim ("pg:<id>:<index>"); nullopt for an actor's.
+std::optional<PlacementGroupId> bundleHolderGroup(const std::string& holder) {
+  if (!holder.starts_with("pg:")) return std::nullopt;
+  auto colon = holder.rfind(':');
+  if (colon <= 3) return std::nullopt;
+  return PlacementGroupId(holder.substr(3, colon - 3));
+}
 
 // A removed bundle keeps its index with no resources and no node.
 bool isRemoved(const Bundle& b) { return b.resources.empty(); }
@@ -83,7 +91,7 @@ Status ControllerCore::place(ActorRecord& actor) {
     bool fresh = attempt > 0;
     auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
-    auto node = scheduler::pickNode(scheduler::viewsOf(*nodes), actor.resources);
+    auto node = scheduler::pickNode(**nodes, actor.resources);
     if (!node.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!node.isOk()) return node.status();
     std::vector<Reservation> claims = {Reservation{*node, actorHolder(actor.id), actor.resources}};
@@ -233,31 +241,45 @@ Status ControllerCore::killActor(const ActorId& id, bool noRestart, std::vector<
 
 Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions) {
   std::set<NodeId> dead(nodes.begin(), nodes.end());
-  // Bundles on a dead node lose their claim and wait to be placed again.
-  auto groups = store_.listPlacementGroups();
-  if (!groups.isOk()) return groups.status();
-  for (auto& group : *groups) {
-    if (group.state == PlacementGroupState::kRemoved) continue;
-    bool changed = false;
-    for (size_t i = 0; i < group.bundles.size(); ++i) {
-      Bundle& b = group.bundles[i];
-      if (!b.nodeId.empty() && dead.count(b.nodeId)) {
-        (void)store_.release({Reservation{b.nodeId, bundleHolder(group.id, i), {}}});
-        b.nodeId = NodeId();
-        changed = true;
+  // What was on each dead node, from its claims and its actor index: the cost follows what the
+  // node held, not the cluster's size.
+  for (const NodeId& node : dead) {
+    auto claims = store_.reservations(node);
+    if (!claims.isOk()) return claims.status();
+    // Bundles there lose their claim and wait to be placed again. The group is written first,
+    // its claims released after: a crash in between leaves a claim that the next pass finds
+    // (and releases) through the same index.
+    std::set<PlacementGroupId> groups;
+    for (const auto& [holder, resources] : *claims) {
+      if (auto group = bundleHolderGroup(holder)) groups.insert(*group);
+    }
+    for (const PlacementGroupId& id : groups) {
+      auto group = store_.getPlacementGroup(id);
+      if (!group.isOk()) return group.status();
+      if (!group->has_value() || (*group)->state == PlacementGroupState::kRemoved) continue;
+      bool changed = false;
+      for (Bundle& b : (*group)->bundles) {
+        if (!b.nodeId.empty() && dead.count(b.nodeId)) {
+          b.nodeId = NodeId();
+          changed = true;
+        }
+      }
+      if (changed) {
+        (*group)->state = PlacementGroupState::kPending;
+        (*group)->pendingReason = "pending: a node holding some of its bundles died";
+        TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(**group));
       }
     }
-    if (changed) {
-      group.state = PlacementGroupState::kPending;
-      group.pendingReason = "pending: a node holding some of its bundles died";
-      TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
+    auto actors = store_.listNodeActors(node);
+    if (!actors.isOk()) return actors.status();
+    for (const auto& actor : *actors) {
+      if (actor.state == ActorState::kDead || actor.nodeId != node) continue;
+      TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its node {} died", node.hex()), true, actions));
     }
-  }
-  auto actors = store_.listLiveActors();
-  if (!actors.isOk()) return actors.status();
-  for (const auto& actor : *actors) {
-    if (actor.state == ActorState::kDead || actor.nodeId.empty() || !dead.count(actor.nodeId)) continue;
-    TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its node {} died", actor.nodeId.hex()), true, actions));
+    // Whatever is claimed on a dead node now is held by nothing that runs there.
+    std::vector<Reservation> release;
+    for (const auto& [holder, resources] : *claims) release.push_back(Reservation{node, holder, {}});
+    TROUPE_RETURN_IF_ERROR(store_.release(release));
   }
   return retryPending(actions);
 }
@@ -277,45 +299,32 @@ Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAct
 }
 
 Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
-  auto nodes = store_.listNodes();
-  if (!nodes.isOk()) return nodes.status();
-  std::set<NodeId> dead;
-  for (const auto& n : *nodes) {
-    if (n.state == NodeState::kDead) dead.insert(n.id);
-  }
-  if (dead.empty()) return Status::ok();
-  std::set<NodeId> affected;
-  auto actors = store_.listLiveActors();
-  if (!actors.isOk()) return actors.status();
-  for (const auto& a : *actors) {
-    if (a.state != ActorState::kDead && dead.count(a.nodeId)) affected.insert(a.nodeId);
-  }
-  auto groups = store_.listPlacementGroups();
-  if (!groups.isOk()) return groups.status();
-  for (const auto& g : *groups) {
-    for (const auto& b : g.bundles) {
-      if (g.state != PlacementGroupState::kRemoved && dead.count(b.nodeId)) affected.insert(b.nodeId);
-    }
-  }
-  if (affected.empty()) return Status::ok();
-  return nodesDied(std::vector<NodeId>(affected.begin(), affected.end()), actions);
+  auto dead = store_.listDeadNodesWithWork();
+  if (!dead.isOk()) return dead.status();
+  if (dead->empty()) return Status::ok();
+  return nodesDied(*dead, actions);
 }
 
-Result<std::vector<NodeRecord>> ControllerCore::nodeView(bool fresh) {
+Result<const std::vector<scheduler::NodeView>*> ControllerCore::nodeView(bool fresh) {
   auto now = std::chrono::steady_clock::now();
-  if (fresh || nodes_.empty() || now - nodesRead_ > kNodeViewMaxAge) {
+  if (fresh || views_.empty() || now - nodesRead_ > kNodeViewMaxAge) {
     auto nodes = store_.listNodes();
     if (!nodes.isOk()) return nodes.status();
-    nodes_ = std::move(*nodes);
+    views_ = scheduler::viewsOf(*nodes);
+    viewIndex_.clear();
+    for (size_t i = 0; i < views_.size(); ++i) viewIndex_[views_[i].id] = i;
     nodesRead_ = now;
   }
-  return nodes_;
+  // Kept between calls, not copied: a placement costs a pass over the nodes, no more.
+  return &views_;
 }
 
 void ControllerCore::counted(const std::vector<Reservation>& claims) {
   for (const Reservation& claim : claims) {
-    auto node = std::find_if(nodes_.begin(), nodes_.end(), [&](const NodeRecord& n) { return n.id == claim.nodeId; });
-    if (node != nodes_.end()) node->used = scheduler::add(node->used, claim.resources);
+    auto it = viewIndex_.find(claim.nodeId);
+    if (it == viewIndex_.end()) continue;
+    Resources& used = views_[it->second].used;
+    for (const auto& [name, qty] : claim.resources) used[name] += qty;
   }
 }
 
@@ -342,7 +351,7 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, co
     bool fresh = attempt > 0;
     auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
-    auto placement = scheduler::placeBundles(scheduler::viewsOf(*nodes), demands, group.strategy, existing);
+    auto placement = scheduler::placeBundles(**nodes, demands, group.strategy, existing);
     if (!placement.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!placement.isOk()) return placement.status();
     std::vector<Reservation> claims;

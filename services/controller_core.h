@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/scheduler/placement.h"
 
 namespace troupe {
 
@@ -79,9 +80,9 @@ class ControllerCore {
   // its bundle has room). Sets actor.nodeId; errors as pickNode's.
   Status place(ActorRecord& actor);
   Status placeBundles(PlacementGroupRecord& group, size_t from);
-  // The nodes as read at most kNodeViewMaxAge ago (or now, when `fresh`), with the claims this
-  // core made since counted in.
-  Result<std::vector<NodeRecord>> nodeView(bool fresh);
+  // The scheduler's view of the nodes as read at most kNodeViewMaxAge ago (or now, when
+  // `fresh`), with the claims this core made since counted in. Valid until the next call.
+  Result<const std::vector<scheduler::NodeView>*> nodeView(bool fresh);
   void counted(const std::vector<Reservation>& claims);
   // The same, making the claims through `claim` (true: made; false: refused, try afresh).
   using ClaimFn = std::function<Result<bool>(const std::vector<Reservation>&)>;
@@ -96,7 +97,8 @@ class ControllerCore {
 
   ClusterStore& store_;
   static constexpr std::chrono::milliseconds kNodeViewMaxAge{500};
-  std::vector<NodeRecord> nodes_;
+  std::vector<scheduler::NodeView> views_;
+  std::unordered_map<NodeId, size_t> viewIndex_;  // node -> its place in views_
   std::chrono::steady_clock::time_point nodesRead_{};
 
   // Per actor, how many incarnations in a row ended within kStableRunMs of starting (or before

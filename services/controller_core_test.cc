@@ -3,14 +3,75 @@
 // nothing the second time (the RPC handlers are idempotent because these are).
 #include <doctest/doctest.h>
 
+#include <fmt/format.h>
+
 #include "controller_core.h"
 
 namespace troupe {
 namespace {
 
+// The fake store, but every call that lists all actors or all groups fails: what a node's death
+// touches must come from that node's own indexes.
+class ScanRefusingStore final : public ClusterStore {
+ public:
+  explicit ScanRefusingStore(std::unique_ptr<ClusterStore> inner) : inner_(std::move(inner)) {}
+  static Status refused(const char* what) {
+    return Status(StatusCode::kFailedPrecondition, fmt::format("{}: a scan of the whole cluster", what));
+  }
+  Status putMeta(const ClusterMeta& meta) override { return inner_->putMeta(meta); }
+  Result<std::optional<ClusterMeta>> getMeta() override { return inner_->getMeta(); }
+  Status putStoreGateway(const std::string& address) override { return inner_->putStoreGateway(address); }
+  Status registerNode(const NodeRecord& node, std::chrono::milliseconds ttl) override { return inner_->registerNode(node, ttl); }
+  Result<bool> heartbeat(const NodeId& id, std::chrono::milliseconds ttl) override { return inner_->heartbeat(id, ttl); }
+  Result<std::optional<NodeRecord>> getNode(const NodeId& id) override { return inner_->getNode(id); }
+  Result<std::vector<NodeRecord>> listNodes() override { return inner_->listNodes(); }
+  Result<std::vector<NodeId>> reapExpiredNodes() override { return inner_->reapExpiredNodes(); }
+  Status markNodeDead(const NodeId& id, const std::string& reason) override { return inner_->markNodeDead(id, reason); }
+  Result<bool> reserve(const std::vector<Reservation>& reservations) override { return inner_->reserve(reservations); }
+  Status release(const std::vector<Reservation>& reservations) override { return inner_->release(reservations); }
+  Result<std::map<std::string, Resources>> reservations(const NodeId& node) override { return inner_->reservations(node); }
+  Status putActor(const ActorRecord& actor) override { return inner_->putActor(actor); }
+  Result<std::optional<ActorRecord>> getActor(const ActorId& id) override { return inner_->getActor(id); }
+  Result<std::vector<ActorRecord>> listActors() override { return refused("listActors"); }
+  Result<ActorPage> listActorsPage(const ActorQuery&) override { return refused("listActorsPage"); }
+  Result<std::vector<ActorRecord>> listLiveActors() override { return refused("listLiveActors"); }
+  Result<std::vector<ActorRecord>> listNodeActors(const NodeId& node) override { return inner_->listNodeActors(node); }
+  Result<std::vector<NodeId>> listDeadNodesWithWork() override { return inner_->listDeadNodesWithWork(); }
+  Result<bool> claimActorName(const std::string& name, const ActorId& id) override { return inner_->claimActorName(name, id); }
+  Status releaseActorName(const std::string& name, const ActorId& id) override { return inner_->releaseActorName(name, id); }
+  Result<std::optional<ActorId>> lookupActorName(const std::string& name) override { return inner_->lookupActorName(name); }
+  Status putPlacementGroup(const PlacementGroupRecord& group) override { return inner_->putPlacementGroup(group); }
+  Result<std::optional<PlacementGroupRecord>> getPlacementGroup(const PlacementGroupId& id) override { return inner_->getPlacementGroup(id); }
+  Result<std::vector<PlacementGroupRecord>> listPlacementGroups() override { return refused("listPlacementGroups"); }
+  Status deletePlacementGroup(const PlacementGroupId& id) override { return inner_->deletePlacementGroup(id); }
+  Result<GroupCreation> createPlacementGroup(const PlacementGroupRecord& group, const std::vector<Reservation>& claims) override { return inner_->createPlacementGroup(group, claims); }
+  Result<GroupRemoval> removePlacementGroup(const PlacementGroupId& id) override { return inner_->removePlacementGroup(id); }
+  Result<std::vector<ActorRecord>> listGroupActors(const PlacementGroupId& id) override { return inner_->listGroupActors(id); }
+  Result<PendingWork> listPendingWork() override { return inner_->listPendingWork(); }
+  Status putSession(const std::string& id, const std::string& info) override { return inner_->putSession(id, info); }
+  Status deleteSession(const std::string& id) override { return inner_->deleteSession(id); }
+  Result<std::map<std::string, std::string>> listSessions() override { return inner_->listSessions(); }
+  Result<std::unique_ptr<EventSubscription>> subscribe() override { return inner_->subscribe(); }
+  Result<int64_t> groupEpoch(const std::string& group) override { return inner_->groupEpoch(group); }
+  Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override { return inner_->advanceGroupEpoch(group, epoch); }
+  Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override { return inner_->watchGroupEpoch(group); }
+  Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank, const std::string& value, std::chrono::milliseconds ttl) override { return inner_->putRendezvousEntry(group, epoch, rank, value, ttl); }
+  Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group, int64_t epoch) override { return inner_->getRendezvous(group, epoch); }
+  Status putElasticGroup(const std::string& id, const std::string& doc) override { return inner_->putElasticGroup(id, doc); }
+  Status appendGroupEvent(const std::string& id, const std::string& text) override { return inner_->appendGroupEvent(id, text); }
+  Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override { return inner_->getElasticGroup(id); }
+  Result<std::vector<ElasticGroupRecord>> listElasticGroups() override { return inner_->listElasticGroups(); }
+  Status deleteElasticGroup(const std::string& id) override { return inner_->deleteElasticGroup(id); }
+
+ private:
+  std::unique_ptr<ClusterStore> inner_;
+};
+
 struct Core {
-  std::unique_ptr<ClusterStore> store = makeFakeClusterStore(makeFakeClusterState());
-  ControllerCore core{*store};
+  explicit Core(std::unique_ptr<ClusterStore> s = makeFakeClusterStore(makeFakeClusterState()))
+      : store(std::move(s)), core(*store) {}
+  std::unique_ptr<ClusterStore> store;
+  ControllerCore core;
   std::vector<WorkerAction> actions;
 
   NodeId addNode(double cpus, Resources extra = {}) {
@@ -217,6 +278,51 @@ TEST_CASE("core: actors on a dead node restart on another node") {
   REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
   CHECK(c.core.getActor(m.id)->state == ActorState::kDead);
   CHECK(c.core.getActor(restartable.id)->nodeId == fresh);
+}
+
+TEST_CASE("core: a node's death is reconciled from that node's indexes, without listing every actor or group") {
+  Core c(std::make_unique<ScanRefusingStore>(makeFakeClusterStore(makeFakeClusterState())));
+  ControllerCore& core = c.core;
+  NodeId doomed = c.addNode(2);
+  auto moving = *core.createActor(c.spec(1, -1), c.actions);
+  PlacementGroupRecord group;
+  group.id = PlacementGroupId::generate();
+  group.bundles = {Bundle{{{"CPU", 1}}, NodeId()}};
+  auto created = core.createPlacementGroup(group);
+  REQUIRE(created.isOk());
+  REQUIRE(created->bundles[0].nodeId == doomed);
+  NodeId other = c.addNode(6);
+  std::vector<ActorRecord> bystanders;
+  for (int i = 0; i < 3; ++i) bystanders.push_back(*core.createActor(c.spec(1), c.actions));
+  for (const auto& b : bystanders) CHECK(b.nodeId == other);
+
+  REQUIRE(c.store->markNodeDead(doomed, "test").isOk());
+  REQUIRE(c.store->listDeadNodesWithWork()->size() == 1);
+  REQUIRE(core.reconcileDeadNodes(c.actions).isOk());
+  auto moved = *core.getActor(moving.id);
+  CHECK(moved.nodeId == other);
+  CHECK(moved.incarnation == 2);
+  auto regrouped = *core.getPlacementGroup(group.id);
+  CHECK(regrouped.state == PlacementGroupState::kCreated);
+  CHECK(regrouped.bundles[0].nodeId == other);
+  CHECK(c.store->reservations(doomed)->empty());
+  // Nothing is left on the dead node: the next pass has nothing to do.
+  CHECK(c.store->listDeadNodesWithWork()->empty());
+  REQUIRE(core.reconcileDeadNodes(c.actions).isOk());
+  CHECK(core.getActor(moving.id)->incarnation == 2);
+  for (const auto& b : bystanders) CHECK(core.getActor(b.id)->incarnation == 1);
+}
+
+TEST_CASE("core: a claim left on a dead node by a holder that no longer runs there is released") {
+  Core c;
+  NodeId doomed = c.addNode(2);
+  // As a controller that crashed after writing a claim: nothing runs under it.
+  REQUIRE(*c.store->reserve({Reservation{doomed, "actor:00aa", {{"CPU", 1}}}}));
+  REQUIRE(c.store->markNodeDead(doomed, "test").isOk());
+  REQUIRE(c.store->listDeadNodesWithWork()->size() == 1);
+  REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
+  CHECK(c.store->reservations(doomed)->empty());
+  CHECK(c.store->listDeadNodesWithWork()->empty());
 }
 
 TEST_CASE("core: placement groups are atomic, resizable, and removal frees everything") {

@@ -248,6 +248,12 @@ class ClusterStore {
   // Only the actors not DEAD, sorted by creation time: what the controller scans, so its cost
   // follows what is alive, not the cluster's history.
   virtual Result<std::vector<ActorRecord>> listLiveActors() = 0;
+  // The actors not DEAD whose current incarnation is placed on `node` (any order), from an index
+  // putActor keeps: what the node's death touches, whatever the number of other actors.
+  virtual Result<std::vector<ActorRecord>> listNodeActors(const NodeId& node) = 0;
+  // The DEAD nodes (of those kept, RedisOptions::keepDeadNodes) that still hold claims or actors
+  // not DEAD: what the controller has yet to move off them. Costs the DEAD nodes kept.
+  virtual Result<std::vector<NodeId>> listDeadNodesWithWork() = 0;
   // Claims `name` for `id`: true if it was free or already `id`'s, false if another actor has it.
   virtual Result<bool> claimActorName(const std::string& name, const ActorId& id) = 0;
   // Frees `name` if `id` holds it.
