@@ -195,7 +195,7 @@ Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reas
   if (restart && !ranLong) quickEnds = ++quickEnds_[actor.id];
   if (!restart || ranLong) quickEnds_.erase(actor.id);
   actor.address.clear();
-  actor.pid = 0;
+  if (restart) actor.pid = 0;  // a DEAD record keeps its last pid: its logs and output name it
   actor.deathReason = reason;
   actor.updatedMs = wallClockMs();
   if (!restart) {

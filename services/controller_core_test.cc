@@ -174,6 +174,7 @@ TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports a
   CHECK(r.state == ActorState::kRestarting);
   CHECK(r.incarnation == 2);
   CHECK(r.restarts == 1);
+  CHECK(r.pid == 0);  // no process until the next incarnation is ready
   CHECK(r.deathReason.find("SIGSEGV") != std::string::npos);
   CHECK(c.spawns() == 2);
   CHECK(c.used(node) == 1);
@@ -185,6 +186,7 @@ TEST_CASE("core: restarts within max_restarts, stale and repeated exit reports a
   r = *c.core.getActor(a.id);
   CHECK(r.state == ActorState::kDead);
   CHECK(r.deathReason == "worker exited with code 3");
+  CHECK(r.pid == 2);  // its last pid, which its logs and output name
   CHECK(c.used(node) == 0);
 }
 

@@ -568,7 +568,7 @@ class Runtime {
     std::string type;
     int64_t outFrom = 0;
     int64_t errFrom = 0;
-    int64_t pid = 0;  // of the incarnation that wrote the output (a dead actor's record has 0)
+    int64_t pid = 0;  // of the incarnation that wrote the output
   };
 
   // Follows the output files of the actors this driver created (on their nodes' agents) and
@@ -625,7 +625,7 @@ class Runtime {
     std::string id = actor.id.hex();
     auto cursor = followed_.count(id) ? followed_[id] : Cursor{};
     if (actor.pid != 0) cursor.pid = followed_[id].pid = actor.pid;
-    // An actor that died before any read has no pid left in its record: name it by id.
+    // A DEAD record keeps its last pid; one that never started has none: name it by id.
     std::string who = cursor.pid != 0 ? fmt::format("pid={}", cursor.pid) : fmt::format("actor={}", id.substr(0, 8));
     std::string label = fmt::format("({} {})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type, who);
     return nodeAgent(nodeAddress).then([id, cursor](rpc::NodeAgent::Client agent) {
