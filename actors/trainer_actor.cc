@@ -266,7 +266,8 @@ class Trainer final : public Actor {
     }
     std::shared_ptr<collectives::Communicator> comm;
     if (o.worldSize > 1) {
-      auto c = collectives::connectCpuCommunicator(*store_, o);
+      collectives::ClusterRendezvousStore rendezvousStore(*store_);
+      auto c = collectives::connectCpuCommunicator(rendezvousStore, o);
       if (!c.isOk()) return c.status();
       comm = std::move(*c);
     }

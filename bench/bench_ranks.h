@@ -60,7 +60,8 @@ inline Result<std::shared_ptr<collectives::Communicator>> joinRanks(const std::s
   options.epoch = 1;
   options.rank = rank;
   options.worldSize = world;
-  auto connected = collectives::connectCpuCommunicator(**store, options);
+  collectives::ClusterRendezvousStore rendezvousStore(**store);
+  auto connected = collectives::connectCpuCommunicator(rendezvousStore, options);
   if (!connected) return connected.status();
   return std::shared_ptr<collectives::Communicator>(std::move(connected).value());
 }

@@ -384,6 +384,7 @@ std::vector<std::unique_ptr<Communicator>> connectAll(
   for (int r = 0; r < world; ++r) {
     pending.push_back(std::async(std::launch::async, [state, group, epoch, world, r, tweak] {
       auto store = makeFakeClusterStore(state);
+      ClusterRendezvousStore rendezvousStore(*store);
       CommunicatorOptions options;
       options.group = group;
       options.epoch = epoch;
@@ -391,7 +392,7 @@ std::vector<std::unique_ptr<Communicator>> connectAll(
       options.worldSize = world;
       options.rendezvousTimeout = 10s;
       if (tweak) tweak(options);
-      return connectCpuCommunicator(*store, options);
+      return connectCpuCommunicator(rendezvousStore, options);
     }));
   }
   std::vector<std::unique_ptr<Communicator>> comms;
@@ -522,25 +523,26 @@ TEST_CASE("a segment name left by a rank killed during an earlier epoch's setup 
 TEST_CASE("rendezvous: missing ranks are named after the timeout; a finished epoch is refused") {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);
+  ClusterRendezvousStore rendezvousStore(*store);
   CommunicatorOptions options;
   options.group = "partial";
   options.epoch = 3;
   options.rank = 0;
   options.worldSize = 3;
   options.rendezvousTimeout = 300ms;
-  auto alone = connectCpuCommunicator(*store, options);
+  auto alone = connectCpuCommunicator(rendezvousStore, options);
   REQUIRE_FALSE(alone.isOk());
   CHECK(alone.status().code() == StatusCode::kDeadlineExceeded);
   CHECK(alone.status().message().find("rank(s) 1, 2") != std::string::npos);
 
   REQUIRE(store->advanceGroupEpoch("partial", 4).isOk());
-  auto late = connectCpuCommunicator(*store, options);
+  auto late = connectCpuCommunicator(rendezvousStore, options);
   REQUIRE_FALSE(late.isOk());
   CHECK(late.status().code() == StatusCode::kAborted);
   CHECK(late.status().message().find("already at epoch 4") != std::string::npos);
 
   options.rank = 3;
-  CHECK(connectCpuCommunicator(*store, options).status().code() == StatusCode::kInvalidArgument);
+  CHECK(connectCpuCommunicator(rendezvousStore, options).status().code() == StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("an epoch advance during the rendezvous ends the wait with kAborted") {
@@ -555,7 +557,8 @@ TEST_CASE("an epoch advance during the rendezvous ends the wait with kAborted") 
     options.epoch = 1;
     options.worldSize = 2;  // rank 1 never comes
     options.rendezvousTimeout = 30s;
-    return connectCpuCommunicator(**own, options).status();
+    ClusterRendezvousStore rendezvousStore(**own);
+    return connectCpuCommunicator(rendezvousStore, options).status();
   });
   const auto deadline = Clock::now() + 10s;
   while ((*store)->getRendezvous("early", 1)->empty() && Clock::now() < deadline) {

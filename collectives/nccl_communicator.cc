@@ -304,7 +304,7 @@ Status NcclWork::wait() {
 
 }  // namespace
 
-Result<std::unique_ptr<Communicator>> connectNcclCommunicator(ClusterStore& store,
+Result<std::unique_ptr<Communicator>> connectNcclCommunicator(RendezvousStore& store,
                                                               const CommunicatorOptions& options,
                                                               const NcclOptions& nccl) {
   const int devices = cudaDeviceCount();

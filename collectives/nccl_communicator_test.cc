@@ -29,12 +29,13 @@ bool haveGpu() {
 TEST_CASE("connectNcclCommunicator fails cleanly when it cannot run") {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);
+  ClusterRendezvousStore rendezvousStore(*store);
   CommunicatorOptions options;
   options.group = "nccl";
   options.epoch = 1;
   NcclOptions nccl;
   nccl.device = cudaDeviceCount();  // one past the last device: never exists
-  auto comm = connectNcclCommunicator(*store, options, nccl);
+  auto comm = connectNcclCommunicator(rendezvousStore, options, nccl);
   REQUIRE_FALSE(comm.isOk());
   CHECK(comm.status().code() == StatusCode::kFailedPrecondition);
 }
@@ -42,10 +43,11 @@ TEST_CASE("connectNcclCommunicator fails cleanly when it cannot run") {
 TEST_CASE("NCCL all-reduce on one GPU (skips without a GPU)" * doctest::skip(!haveGpu())) {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);
+  ClusterRendezvousStore rendezvousStore(*store);
   CommunicatorOptions options;
   options.group = "nccl-gpu";
   options.epoch = 1;
-  auto comm = connectNcclCommunicator(*store, options, NcclOptions{});
+  auto comm = connectNcclCommunicator(rendezvousStore, options, NcclOptions{});
   REQUIRE_MESSAGE(comm.isOk(), comm.status().toString());
   CHECK((*comm)->barrier().isOk());
   REQUIRE(store->advanceGroupEpoch("nccl-gpu", 2).isOk());
@@ -62,10 +64,11 @@ TEST_CASE("NCCL operations on device buffers give the one-rank results (skips wi
           doctest::skip(!haveGpu())) {
   auto state = makeFakeClusterState();
   auto store = makeFakeClusterStore(state);
+  ClusterRendezvousStore rendezvousStore(*store);
   CommunicatorOptions options;
   options.group = "nccl-data";
   options.epoch = 1;
-  auto comm = connectNcclCommunicator(*store, options, NcclOptions{});
+  auto comm = connectNcclCommunicator(rendezvousStore, options, NcclOptions{});
   REQUIRE_MESSAGE(comm.isOk(), comm.status().toString());
   const size_t count = size_t{16} << 20;  // 64 MB of float32
   std::vector<float> host(count);

@@ -8,7 +8,7 @@ namespace troupe::collectives {
 bool ncclBackendBuilt() { return false; }
 int cudaDeviceCount() { return 0; }
 
-Result<std::unique_ptr<Communicator>> connectNcclCommunicator(ClusterStore&,
+Result<std::unique_ptr<Communicator>> connectNcclCommunicator(RendezvousStore&,
                                                               const CommunicatorOptions& options,
                                                               const NcclOptions&) {
   return Status(StatusCode::kFailedPrecondition,

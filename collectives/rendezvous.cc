@@ -239,7 +239,7 @@ Result<Fd> connectTo(const Entry& entry, const CommunicatorOptions& options, Con
 }
 
 // Reads every rank's entry, waiting until all are there.
-Result<std::vector<Entry>> waitForEntries(ClusterStore& store, GroupEpochWatch& watch,
+Result<std::vector<Entry>> waitForEntries(RendezvousStore& store, GroupEpochWatch& watch,
                                           const CommunicatorOptions& options,
                                           Clock::time_point deadline) {
   auto pause = std::chrono::milliseconds(1);
@@ -292,7 +292,7 @@ Status recvAllBefore(int fd, void* data, size_t size, std::chrono::steady_clock:
   return recvAll(fd, data, size, deadline);
 }
 
-Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptions& options,
+Result<RendezvousResult> rendezvous(RendezvousStore& store, const CommunicatorOptions& options,
                                     bool connectMesh, const std::string& extra,
                                     std::vector<std::string>* extras) {
   if (options.group.empty()) return Status(StatusCode::kInvalidArgument, "empty group name");

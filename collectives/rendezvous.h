@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "troupe/collectives/communicator.h"
-#include "troupe/runtime/cluster_store.h"
+#include "troupe/collectives/rendezvous_store.h"
 
 namespace troupe::collectives {
 
@@ -55,7 +55,7 @@ struct RendezvousResult {
 // (kAborted if the group is already past it), publishes this rank and connects the mesh.
 // `extra` travels in this rank's entry (the NCCL backend puts its unique id there) and comes
 // back in `extras` (by rank) when not null.
-Result<RendezvousResult> rendezvous(ClusterStore& store, const CommunicatorOptions& options,
+Result<RendezvousResult> rendezvous(RendezvousStore& store, const CommunicatorOptions& options,
                                     bool connectMesh, const std::string& extra = "",
                                     std::vector<std::string>* extras = nullptr);
 

@@ -1,12 +1,12 @@
 // The CPU backend: collectives over the TCP mesh built by rendezvous.cc, driven by one Asio
 // io_context on the communicator's own thread.
 //
-// Every operation becomes a plan: per peer, a list of sends (each possibly waiting for an
-// event) and a list of receives (each possibly reducing what arrived into the output and then
-// setting an event). The engine keeps one write and one read in flight per peer and starts
-// each send as soon as its event is set, so for the ring the sender thread writes chunk k-1
-// while the kernel moves chunk k+1 and this thread reduces chunk k: sending, receiving and
-// reducing overlap.
+// Every operation becomes a plan (plan.h, pure): per peer, a list of sends (each possibly
+// waiting for an event) and a list of receives (each possibly reducing what arrived into the
+// output and then setting an event); applyPlan() points it at the operation's buffers. The
+// engine keeps one write and one read in flight per peer and starts each send as soon as its
+// event is set, so for the ring the sender thread writes chunk k-1 while the kernel moves chunk
+// k+1 and this thread reduces chunk k: sending, receiving and reducing overlap.
 // Plans, events and scratch buffers live in the communicator and are reused, so steady-state
 // operations allocate nothing but their Work.
 //
@@ -48,6 +48,7 @@
 
 #include <fmt/format.h>
 
+#include "plan.h"
 #include "reduce.h"
 #include "rendezvous.h"
 #include "shm_transport.h"
@@ -68,31 +69,6 @@ tcp protocolOf(int fd) {
   socklen_t length = sizeof(address);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
   return address.ss_family == AF_INET6 ? tcp::v6() : tcp::v4();
-}
-
-enum class OpKind : uint8_t {
-  kAllreduce = 1,
-  kReduceScatter,
-  kAllgather,
-  kBroadcast,
-  kBarrier,
-  kSend,
-  kRecv,
-  kSendRecv,
-};
-
-const char* opKindName(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAllreduce: return "allreduce";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAllgather: return "allgather";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSend: return "send";
-    case OpKind::kRecv: return "recv";
-    case OpKind::kSendRecv: return "sendrecv";
-  }
-  return "unknown";
 }
 
 // Per operation kind: finished operations, their bytes (the buffer's size) and their time on the
@@ -559,7 +535,7 @@ class TcpCommunicator final : public Communicator {
   }
 
   void finishCurrent() {
-    if (finishReduce_) directReduce();
+    if (plan_.finalReduce) directReduce();
     active_ = false;
     timer_.cancel();
     for (auto& peer : peers_) {
@@ -577,74 +553,23 @@ class TcpCommunicator final : public Communicator {
     active_ = true;
     opStarted_ = std::chrono::steady_clock::now();
     ++opNumber_;
-    events_.clear();
-    finishReduce_ = false;
     // Ring and chain steps go to the next rank and come from the previous one: bigger chunks when
     // both are pipes (shmChunkBytes), the TCP chunk otherwise.
     opChunkBytes_ = elementsPerChunkBytes_;
     if (n_ > 1 && peers_[mod(me_ + 1)]->shm && peers_[mod(me_ - 1)]->shm) opChunkBytes_ = shmChunkBytes(elementsPerChunkBytes_);
     const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    const size_t bytes = r.count * elem;
-    switch (r.kind) {
-      case OpKind::kAllreduce:
-        if (n_ == 1) {
-          if (r.send != r.recv) std::memmove(r.recv, r.send, bytes);
-        } else if (bytes <= options_.smallMessageBytes) {
-          planDirectAllreduce();
-        } else {
-          planRingAllreduce();
-        }
-        break;
-      case OpKind::kReduceScatter:
-        if (n_ == 1) {
-          if (r.send != r.recv) std::memmove(r.recv, r.send, bytes);
-        } else if (bytes <= options_.smallMessageBytes) {
-          planDirectReduceScatter();
-        } else {
-          planRingReduceScatter();
-        }
-        break;
-      case OpKind::kAllgather: {
-        const Shard mine = shardOf(r.count, n_, me_);
-        char* own = static_cast<char*>(r.recv) + mine.begin * elem;
-        if (mine.size() > 0 && r.send != own) std::memmove(own, r.send, mine.size() * elem);
-        if (n_ == 1) break;
-        if (bytes <= options_.smallMessageBytes) {
-          planDirectAllgather();
-        } else {
-          planRingAllgather(/*prevBase=*/-1);
-        }
-        break;
-      }
-      case OpKind::kBroadcast:
-        if (n_ == 1) break;
-        if (bytes <= options_.smallMessageBytes) {
-          planDirectBroadcast();
-        } else {
-          planChainBroadcast();
-        }
-        break;
-      case OpKind::kBarrier:
-        for (int p = 0; p < n_; ++p) {
-          if (p != me_) activate(p, true, true);
-        }
-        break;
-      case OpKind::kSend:
-        activate(r.root, true, false);
-        addSend(r.root, r.send, bytes, -1);
-        break;
-      case OpKind::kRecv:
-        activate(r.root, false, true);
-        addRecv(r.root, static_cast<char*>(r.recv), bytes, -1);
-        break;
-      case OpKind::kSendRecv:
-        activate(r.root, true, false);
-        addSend(r.root, r.send, bytes, -1);
-        activate(r.from, false, true);
-        addRecv(r.from, static_cast<char*>(r.recv), bytes, -1);
-        break;
-    }
+    PlanShape shape;
+    shape.kind = r.kind;
+    shape.worldSize = n_;
+    shape.rank = me_;
+    shape.count = r.count;
+    shape.op = r.op;
+    shape.root = r.root;
+    shape.from = r.from;
+    shape.oneHop = r.count * dataTypeSize(r.type) <= options_.smallMessageBytes;
+    shape.chunkElements = chunkElements();
+    planCollective(shape, plan_);
+    applyPlan();
     for (auto& peer : peers_) {
       if (peer && (peer->sendActive || peer->recvActive) && peer->left) {
         fail(Status(StatusCode::kUnavailable,
@@ -667,12 +592,7 @@ class TcpCommunicator final : public Communicator {
     }
   }
 
-  // ---- Plans ----
-
-  int32_t newEvent() {
-    events_.push_back(0);
-    return static_cast<int32_t>(events_.size() - 1);
-  }
+  // ---- Plans (plan.h) into peer items ----
 
   // Marks `peer` as taking part in the current operation in each direction and prepares the
   // headers: the one we send and the one we expect.
@@ -700,213 +620,72 @@ class TcpCommunicator final : public Communicator {
     }
   }
 
-  void addSend(int p, const void* data, size_t bytes, int32_t waitEvent) {
-    if (bytes == 0) return;
-    peers_[p]->sends.push_back(SendItem{static_cast<const char*>(data), bytes, waitEvent});
-  }
-
-  void addRecv(int p, char* dst, size_t bytes, int32_t event, char* reduceOut = nullptr,
-               const char* local = nullptr, size_t count = 0, int divisor = 1) {
-    if (bytes == 0) return;
-    peers_[p]->recvs.push_back(RecvItem{dst, bytes, event, reduceOut, local, count, divisor});
-  }
-
   size_t chunkElements() const {
     return std::max<size_t>(1, opChunkBytes_ / dataTypeSize(current_.type));
   }
 
-  int divisorFor(ReduceOp op) const { return op == ReduceOp::kAvg ? n_ : 1; }
-
   int mod(int x) const { return ((x % n_) + n_) % n_; }
 
-  // One hop: every rank sends its whole input to every rank and reduces all of them, in rank
-  // order, so every rank computes bit-identical results.
-  void planDirectAllreduce() {
+  // The bytes a plan's region names, for peer p's scratch.
+  char* regionData(Region region, int p) {
     const Request& r = current_;
-    const size_t bytes = r.count * dataTypeSize(r.type);
-    for (int p = 0; p < n_; ++p) {
-      if (p == me_) continue;
-      activate(p, true, true);
-      addSend(p, r.send, bytes, -1);
-      addRecv(p, peers_[p]->scratch.data(), bytes, -1);
+    switch (region) {
+      case Region::kInput: return const_cast<char*>(static_cast<const char*>(r.send));
+      case Region::kOutput: return static_cast<char*>(r.recv);
+      case Region::kWorkspace: return workspace_.data();
+      case Region::kScratch: return peers_[p]->scratch.data();
     }
-    finishReduce_ = true;
-    directOut_ = static_cast<char*>(r.recv);
-    directSelf_ = static_cast<const char*>(r.send);
-    directCount_ = r.count;
+    return nullptr;
   }
 
-  void planDirectReduceScatter() {
+  // Turns plan_ into the peers' send and receive items over this operation's buffers.
+  void applyPlan() {
     const Request& r = current_;
     const size_t elem = dataTypeSize(r.type);
-    const Shard mine = shardOf(r.count, n_, me_);
-    for (int p = 0; p < n_; ++p) {
-      if (p == me_) continue;
-      const Shard theirs = shardOf(r.count, n_, p);
-      activate(p, true, true);
-      addSend(p, static_cast<const char*>(r.send) + theirs.begin * elem, theirs.size() * elem, -1);
-      addRecv(p, peers_[p]->scratch.data(), mine.size() * elem, -1);
+    if (plan_.copy && plan_.copy->count > 0) {
+      const char* from = static_cast<const char*>(r.send) + plan_.copy->fromBegin * elem;
+      char* to = static_cast<char*>(r.recv) + plan_.copy->toBegin * elem;
+      if (from != to) std::memmove(to, from, plan_.copy->count * elem);
     }
-    finishReduce_ = true;
-    directOut_ = static_cast<char*>(r.recv);
-    directSelf_ = static_cast<const char*>(r.send) + mine.begin * elem;
-    directCount_ = mine.size();
+    if (plan_.workspaceElements > 0) workspace_.reserve(plan_.workspaceElements * elem);
+    events_.assign(static_cast<size_t>(plan_.events), 0);
+    for (const PlanLink& link : plan_.links) activate(link.peer, link.send, link.recv);
+    for (const PlanSend& send : plan_.sends) {
+      peers_[send.peer]->sends.push_back(
+          SendItem{regionData(send.from, send.peer) + send.begin * elem, send.count * elem, send.waitEvent});
+    }
+    for (const PlanRecv& recv : plan_.recvs) {
+      RecvItem item{regionData(recv.into, recv.peer) + recv.begin * elem, recv.count * elem, recv.event,
+                    nullptr, nullptr, 0, 1};
+      if (recv.reduce) {
+        item.reduceOut = regionData(recv.reduceInto, recv.peer) + recv.reduceBegin * elem;
+        item.local = static_cast<const char*>(r.send) + recv.localBegin * elem;
+        item.count = recv.count;
+        item.divisor = recv.divisor;
+      }
+      peers_[recv.peer]->recvs.push_back(item);
+    }
   }
 
-  // out = x_0 op x_1 op ... op x_{n-1}, x_me being this rank's input, the others in scratch.
+  // out = x_0 op x_1 op ... op x_{n-1} (plan_.finalReduce), x_me being this rank's input, the
+  // others in scratch.
   void directReduce() {
     const Request& r = current_;
+    const PlanFinalReduce& reduce = *plan_.finalReduce;
     const size_t elem = dataTypeSize(r.type);
-    const size_t bytes = directCount_ * elem;
+    const size_t bytes = reduce.count * elem;
     if (bytes == 0) return;
-    const char* self = directSelf_;
+    char* out = static_cast<char*>(r.recv);
+    const char* self = static_cast<const char*>(r.send) + reduce.selfBegin * elem;
     // The output may be this rank's input: keep a copy, since out is written before x_me is read.
-    if (me_ >= 2 && self == directOut_) {
+    if (me_ >= 2 && self == out) {
       std::memcpy(selfSlot_.data(), self, bytes);
       self = selfSlot_.data();
     }
     auto source = [&](int p) -> const char* { return p == me_ ? self : peers_[p]->scratch.data(); };
-    const int divisor = divisorFor(r.op);
-    reduceBuffers(r.type, r.op, directOut_, source(0), source(1), directCount_,
-                  n_ == 2 ? divisor : 1);
+    reduceBuffers(r.type, r.op, out, source(0), source(1), reduce.count, n_ == 2 ? reduce.divisor : 1);
     for (int p = 2; p < n_; ++p) {
-      reduceBuffers(r.type, r.op, directOut_, directOut_, source(p), directCount_,
-                    p == n_ - 1 ? divisor : 1);
-    }
-  }
-
-  void planDirectAllgather() {
-    const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    const Shard mine = shardOf(r.count, n_, me_);
-    char* out = static_cast<char*>(r.recv);
-    for (int p = 0; p < n_; ++p) {
-      if (p == me_) continue;
-      const Shard theirs = shardOf(r.count, n_, p);
-      activate(p, true, true);
-      addSend(p, out + mine.begin * elem, mine.size() * elem, -1);
-      addRecv(p, out + theirs.begin * elem, theirs.size() * elem, -1);
-    }
-  }
-
-  void planDirectBroadcast() {
-    const Request& r = current_;
-    const size_t bytes = r.count * dataTypeSize(r.type);
-    if (me_ == r.root) {
-      for (int p = 0; p < n_; ++p) {
-        if (p == me_) continue;
-        activate(p, true, false);
-        addSend(p, r.recv, bytes, -1);
-      }
-    } else {
-      activate(r.root, false, true);
-      addRecv(r.root, static_cast<char*>(r.recv), bytes, -1);
-    }
-  }
-
-  // Ring reduce-scatter steps of an all-reduce or reduce-scatter. Step s sends segment
-  // (me - s - 1) to the right and receives segment (me - s - 2) from the left, reducing it with
-  // this rank's input; after n - 1 steps segment `me` is complete here. A chunk of step s + 1
-  // is sent as soon as the same chunk of step s has been received and reduced.
-  // `partial` holds the partial sums (sent on); `final` gets segment me. Returns the event base
-  // of the last step's receives.
-  int32_t planRingReduceScatter(const char* input, char* partial, char* final) {
-    const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    const size_t chunk = chunkElements();
-    const int right = mod(me_ + 1), left = mod(me_ - 1);
-    activate(right, true, false);
-    activate(left, false, true);
-    char* scratch = peers_[left]->scratch.data();
-    int32_t prevBase = -1;
-    for (int s = 0; s <= n_ - 2; ++s) {
-      const Shard out = shardOf(r.count, n_, mod(me_ - s - 1));
-      const char* source = s == 0 ? input : partial;
-      for (size_t k = 0, at = out.begin; at < out.end; ++k, at += chunk) {
-        const size_t len = std::min(chunk, out.end - at);
-        addSend(right, source + at * elem, len * elem,
-                s == 0 ? -1 : prevBase + static_cast<int32_t>(k));
-      }
-      const Shard in = shardOf(r.count, n_, mod(me_ - s - 2));
-      const bool last = s == n_ - 2;
-      const int32_t base = static_cast<int32_t>(events_.size());
-      for (size_t at = in.begin; at < in.end; at += chunk) {
-        const size_t len = std::min(chunk, in.end - at);
-        char* target = last ? final + (at - in.begin) * elem : partial + at * elem;
-        addRecv(left, scratch, len * elem, newEvent(), target, input + at * elem, len,
-                last ? divisorFor(r.op) : 1);
-      }
-      prevBase = base;
-    }
-    return prevBase;
-  }
-
-  void planRingAllreduce() {
-    const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    char* out = static_cast<char*>(r.recv);
-    const Shard mine = shardOf(r.count, n_, me_);
-    const int32_t base =
-        planRingReduceScatter(static_cast<const char*>(r.send), out, out + mine.begin * elem);
-    planRingAllgather(base);
-  }
-
-  void planRingReduceScatter() {
-    const Request& r = current_;
-    workspace_.reserve(r.count * dataTypeSize(r.type));
-    planRingReduceScatter(static_cast<const char*>(r.send), workspace_.data(),
-                          static_cast<char*>(r.recv));
-  }
-
-  // Ring all-gather over recv: step t sends segment (me - t) and receives (me - t - 1) straight
-  // into place; a chunk is forwarded once it arrived. `prevBase` is the event base that guards
-  // segment me's chunks (its last reduce-scatter step), or -1 when it is ready.
-  void planRingAllgather(int32_t prevBase) {
-    const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    const size_t chunk = chunkElements();
-    const int right = mod(me_ + 1), left = mod(me_ - 1);
-    activate(right, true, false);
-    activate(left, false, true);
-    char* out = static_cast<char*>(r.recv);
-    for (int t = 0; t <= n_ - 2; ++t) {
-      const Shard send = shardOf(r.count, n_, mod(me_ - t));
-      for (size_t k = 0, at = send.begin; at < send.end; ++k, at += chunk) {
-        const size_t len = std::min(chunk, send.end - at);
-        addSend(right, out + at * elem, len * elem,
-                prevBase < 0 ? -1 : prevBase + static_cast<int32_t>(k));
-      }
-      const Shard in = shardOf(r.count, n_, mod(me_ - t - 1));
-      const int32_t base = static_cast<int32_t>(events_.size());
-      for (size_t at = in.begin; at < in.end; at += chunk) {
-        const size_t len = std::min(chunk, in.end - at);
-        addRecv(left, out + at * elem, len * elem, newEvent());
-      }
-      prevBase = base;
-    }
-  }
-
-  // Pipelined chain from the root: each rank receives chunk k from its predecessor and forwards
-  // it to its successor as soon as it arrived.
-  void planChainBroadcast() {
-    const Request& r = current_;
-    const size_t elem = dataTypeSize(r.type);
-    const size_t chunk = chunkElements();
-    const int position = mod(me_ - r.root);
-    char* buffer = static_cast<char*>(r.recv);
-    const int32_t base = static_cast<int32_t>(events_.size());
-    if (position > 0) {
-      activate(mod(me_ - 1), false, true);
-      for (size_t at = 0; at < r.count; at += chunk) {
-        addRecv(mod(me_ - 1), buffer + at * elem, std::min(chunk, r.count - at) * elem, newEvent());
-      }
-    }
-    if (position < n_ - 1) {
-      activate(mod(me_ + 1), true, false);
-      for (size_t k = 0, at = 0; at < r.count; ++k, at += chunk) {
-        addSend(mod(me_ + 1), buffer + at * elem, std::min(chunk, r.count - at) * elem,
-                position == 0 ? -1 : base + static_cast<int32_t>(k));
-      }
+      reduceBuffers(r.type, r.op, out, out, source(p), reduce.count, p == n_ - 1 ? reduce.divisor : 1);
     }
   }
 
@@ -1541,11 +1320,8 @@ class TcpCommunicator final : public Communicator {
   std::chrono::steady_clock::time_point opStarted_;
   std::vector<uint8_t> events_;
   Status broken_;
-  bool finishReduce_ = false;
   size_t opChunkBytes_ = 0;  // the current operation's ring chunk
-  char* directOut_ = nullptr;
-  const char* directSelf_ = nullptr;
-  size_t directCount_ = 0;
+  CollectivePlan plan_;      // the current operation's
   AlignedBuffer selfSlot_;
   AlignedBuffer workspace_;
 
@@ -1575,7 +1351,7 @@ class TcpCommunicator final : public Communicator {
 
 }  // namespace
 
-Result<std::unique_ptr<Communicator>> connectCpuCommunicator(ClusterStore& store,
+Result<std::unique_ptr<Communicator>> connectCpuCommunicator(RendezvousStore& store,
                                                              const CommunicatorOptions& options) {
   if (options.chunkBytes < 4096 || options.smallMessageBytes > (size_t{64} << 20)) {
     return Status(StatusCode::kInvalidArgument,

@@ -330,7 +330,7 @@ class Matrix {
 
 // ---- Modes ----
 
-int runMatrix(ClusterStore& store, const Args& args) {
+int runMatrix(RendezvousStore& store, const Args& args) {
   auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank,
                                                                 args.world));
   if (!comm) {
@@ -361,7 +361,7 @@ void fillRandom(DataType type, void* buffer, size_t count, std::mt19937_64& rand
 
 // Every operation on the same random inputs through a shared-memory communicator and a TCP one
 // (the same ranks, options and algorithms): the outputs must be the same bytes.
-int runCompare(ClusterStore& store, const Args& args) {
+int runCompare(RendezvousStore& store, const Args& args) {
   CommunicatorOptions shmOptions = communicatorOptions(args, args.epoch, args.rank, args.world);
   CommunicatorOptions tcpOptions = shmOptions;
   tcpOptions.group += "-tcp";
@@ -463,7 +463,7 @@ Status checkedAllreduce(Communicator& comm, std::vector<float>& buffer) {
 
 // Loops all-reduces until one fails (a peer was killed), then re-forms epoch + 1 without the
 // victim and checks an all-reduce there.
-int runLoop(ClusterStore& store, const Args& args) {
+int runLoop(RendezvousStore& store, const Args& args) {
   std::vector<float> buffer(args.count);
   Status failure;
   {
@@ -511,7 +511,7 @@ int runLoop(ClusterStore& store, const Args& args) {
 
 // Submits an operation that cannot finish (rank `victim` receives from rank 0 instead of
 // joining the all-reduce) and reports how it ends.
-int runBlock(ClusterStore& store, const Args& args) {
+int runBlock(RendezvousStore& store, const Args& args) {
   auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank,
                                                                 args.world));
   if (!comm) {
@@ -558,8 +558,9 @@ int main(int argc, char** argv) {
     reportError(store.status());
     return 1;
   }
-  if (args.mode == "matrix") return runMatrix(**store, args);
-  if (args.mode == "loop") return runLoop(**store, args);
-  if (args.mode == "compare") return runCompare(**store, args);
-  return runBlock(**store, args);
+  ClusterRendezvousStore rendezvousStore(**store);
+  if (args.mode == "matrix") return runMatrix(rendezvousStore, args);
+  if (args.mode == "loop") return runLoop(rendezvousStore, args);
+  if (args.mode == "compare") return runCompare(rendezvousStore, args);
+  return runBlock(rendezvousStore, args);
 }

@@ -13,12 +13,13 @@ TEST_CASE("tensors: allreduce, broadcast, reduce-scatter and all-gather through 
   auto state = makeFakeClusterState();
   auto run = [state](int rank) -> std::string {
     auto store = makeFakeClusterStore(state);
+    ClusterRendezvousStore rendezvousStore(*store);
     CommunicatorOptions options;
     options.group = "torch";
     options.epoch = 1;
     options.rank = rank;
     options.worldSize = 2;
-    auto comm = connectCpuCommunicator(*store, options);
+    auto comm = connectCpuCommunicator(rendezvousStore, options);
     if (!comm) return comm.status().toString();
     at::Tensor t = at::full({3, 5}, static_cast<double>(rank + 1), at::kBFloat16);
     if (Status s = allreduce(**comm, t, ReduceOp::kSum); !s.isOk()) return s.toString();

@@ -130,7 +130,8 @@ inline std::vector<std::shared_ptr<Communicator>> connectRanks(const std::shared
       options.worldSize = world;
       options.rendezvousTimeout = 20s;
       options.operationTimeout = 60s;
-      return collectives::connectCpuCommunicator(*store, options);
+      collectives::ClusterRendezvousStore rendezvousStore(*store);
+      return collectives::connectCpuCommunicator(rendezvousStore, options);
     }));
   }
   std::vector<std::shared_ptr<Communicator>> comms;

@@ -100,7 +100,8 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
   options.worldSize = world;
   options.chunkBytes = chunkBytes;
   options.smallMessageBytes = smallBytes;
-  auto comm = connectCpuCommunicator(**store, options);
+  ClusterRendezvousStore rendezvousStore(**store);
+  auto comm = connectCpuCommunicator(rendezvousStore, options);
   if (!comm) {
     std::fprintf(stderr, "%s\n", comm.status().toString().c_str());
     return 1;

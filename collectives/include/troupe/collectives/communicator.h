@@ -26,7 +26,7 @@
 #include <string>
 #include <utility>
 
-#include "troupe/runtime/cluster_store.h"
+#include "troupe/collectives/rendezvous_store.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe::collectives {
@@ -164,13 +164,13 @@ struct CommunicatorOptions {
 };
 
 // Joins (group, epoch) with the CPU backend (TCP over Asio, shared memory between the ranks of
-// one host): advances the group's epoch to
-// `epoch` in the store (joining an epoch ends every earlier one), publishes this rank's address,
-// waits for every rank and connects to each. `store` is used only during the call; the
+// one host): advances the group's epoch to `epoch` in the store (joining an epoch ends every
+// earlier one), publishes this rank's address, waits for every rank and connects to each.
+// `store` (ClusterRendezvousStore adapts a ClusterStore) is used only during the call; the
 // communicator opens its own epoch watch through it. Errors: kInvalidArgument (bad options),
 // kAborted (the group is already past `epoch`), kDeadlineExceeded (ranks missing after
 // rendezvousTimeout, named), kUnavailable (the store or a peer cannot be reached).
-Result<std::unique_ptr<Communicator>> connectCpuCommunicator(ClusterStore& store,
+Result<std::unique_ptr<Communicator>> connectCpuCommunicator(RendezvousStore& store,
                                                              const CommunicatorOptions& options);
 
 }  // namespace troupe::collectives

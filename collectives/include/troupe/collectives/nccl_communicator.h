@@ -29,7 +29,7 @@ struct NcclOptions {
 // Joins (group, epoch) on `nccl.device`. Errors: those of connectCpuCommunicator, plus
 // kFailedPrecondition (no NCCL backend in this build, or no such CUDA device) and kInternal (an
 // NCCL or CUDA call failed, with its message).
-Result<std::unique_ptr<Communicator>> connectNcclCommunicator(ClusterStore& store,
+Result<std::unique_ptr<Communicator>> connectNcclCommunicator(RendezvousStore& store,
                                                               const CommunicatorOptions& options,
                                                               const NcclOptions& nccl);
 
