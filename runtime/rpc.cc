@@ -20,6 +20,7 @@
 
 #include "forwarding_stream.h"
 #include "handshake.h"
+#include "spinning.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
@@ -50,6 +51,7 @@ struct Spinner {
   int64_t missedAt = 0;         // when the last spin ended without a message from a peer
   int heard = 0;                // messages from peers during this spin
   const void* owner = nullptr;  // the connection whose promise runs the spin, if one does
+  uint64_t spins = 0;           // started on this thread, ever (tests read it)
 };
 thread_local Spinner tSpinner;
 // While spinning, the loop polls the OS after every this many turns: often enough that a spin
@@ -124,6 +126,7 @@ class BufferedStream final : public ForwardingStream {
     if (spinner.owner == nullptr) {
       spinner.owner = this;
       spinner.heard = 0;
+      ++spinner.spins;
       spinScope_->setBusyPollInterval(kBusyPollTurns);
       spin_ = spin().eagerlyEvaluate(nullptr);
     }
@@ -211,6 +214,8 @@ capnp::Capability::Client bootstrapOf(capnp::RpcSystem<capnp::rpc::twoparty::Vat
 }
 
 }  // namespace
+
+uint64_t spinsOnThisThread() { return tSpinner.spins; }
 
 void keepMessageBuffers() {
   static std::once_flag once;

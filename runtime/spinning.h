@@ -1,0 +1,12 @@
+// What tests may ask of the spinning of PeerWait::kSpinFirst connections (rpc.cc). Internal to
+// runtime/.
+#pragma once
+
+#include <cstdint>
+
+namespace troupe {
+
+// Spins started by this thread's loop since the thread began.
+uint64_t spinsOnThisThread();
+
+}  // namespace troupe
