@@ -11,7 +11,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <vector>
 
 #include <capnp/rpc.h>
 #include <kj/debug.h>
@@ -43,13 +42,13 @@ int64_t maxSpinNs() {
 }
 
 // The spin of one event-loop thread, shared by its kSpinFirst connections. While it runs, the
-// thread's WaitScope polls the OS (epoll, timeout 0) between turns, so every socket, timer and
+// thread's WaitScope polls the OS (epoll, timeout 0) every few turns, so every socket, timer and
 // cross-thread wake-up of the loop is seen at once; the spin only keeps the loop from sleeping.
 struct Spinner {
   int64_t window = maxSpinNs();
   int64_t deadline = 0;
   int64_t missedAt = 0;         // when the last spin ended without a message from a peer
-  int heard = 0;                // messages from peers during this spin
+  bool heard = false;           // a peer's message arrived during this spin
   const void* owner = nullptr;  // the connection whose promise runs the spin, if one does
   uint64_t spins = 0;           // started on this thread, ever (tests read it)
 };
@@ -64,7 +63,7 @@ constexpr int64_t kYieldedNs = 20'000;
 // Reads the socket in blocks of up to 64 KiB: Cap'n Proto reads each message as a header, then
 // the rest, so without it every message costs two or three read calls; with it, usually one,
 // and a Finish that arrives with the next Call shares it too. Large reads go straight through.
-// With PeerWait::kSpinFirst it also polls for the peer's next message before the loop sleeps.
+// With PeerWait::kSpinFirst the loop also spins for the peer's next message before it sleeps.
 class BufferedStream final : public ForwardingStream {
  public:
   // `spinScope`: spin first (PeerWait::kSpinFirst), on the loop this scope runs.
@@ -119,13 +118,13 @@ class BufferedStream final : public ForwardingStream {
     Spinner& spinner = tSpinner;
     int64_t now = monotonicNs();
     if (peerSpoke) {
-      ++spinner.heard;
+      spinner.heard = true;
       if (now - spinner.missedAt < maxSpinNs()) spinner.window = maxSpinNs();
     }
     spinner.deadline = std::max(spinner.deadline, now + spinner.window);
     if (spinner.owner == nullptr) {
       spinner.owner = this;
-      spinner.heard = 0;
+      spinner.heard = false;
       ++spinner.spins;
       spinScope_->setBusyPollInterval(kBusyPollTurns);
       spin_ = spin().eagerlyEvaluate(nullptr);
@@ -142,7 +141,7 @@ class BufferedStream final : public ForwardingStream {
         if (monotonicNs() - now < kYieldedNs) return spin();
         spinner.deadline = now;
       }
-      if (spinner.heard == 0) {
+      if (!spinner.heard) {
         spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
         spinner.missedAt = now;
       }
