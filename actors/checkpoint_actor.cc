@@ -35,6 +35,8 @@
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
+#include "checkpoint.capnp.h"
+#include "typed_call.h"
 
 namespace troupe::actors {
 namespace {
@@ -52,7 +54,6 @@ constexpr size_t kMaxErrors = 10;                      // recent errors kept for
 constexpr auto kInventoryTimeout = std::chrono::seconds(5);
 constexpr auto kChunkTimeout = std::chrono::seconds(60);
 constexpr auto kPinTimeout = std::chrono::milliseconds(20'000);  // a restarting peer takes seconds
-constexpr uint64_t kReplicaHeaderBytes = 24;
 
 struct Options {
   std::string group;
@@ -126,25 +127,41 @@ Result<Options> parseOptions(std::string_view initArgs) {
   return o;
 }
 
-Result<json> parsePayload(std::string_view payload, const char* method) {
-  try {
-    auto j = json::parse(payload.empty() ? std::string_view("{}") : payload);
-    if (!j.is_object()) throw std::runtime_error("not a JSON object");
-    return j;
-  } catch (const std::exception& e) {
-    return badArgs(fmt::format("{}: bad payload: {}", method, e.what()));
-  }
+// Throws `result`'s error at the RPC edge, else returns its value.
+template <typename T>
+T valueOrThrow(Result<T> result) {
+  if (!result.isOk()) throwStatus(result.status());
+  return std::move(*result);
 }
 
-template <typename T>
-Result<T> field(const json& j, const char* name, const char* method) {
-  try {
-    if (!j.contains(name)) return badArgs(fmt::format("{}: missing \"{}\"", method, name));
-    return j.at(name).get<T>();
-  } catch (const std::exception& e) {
-    return badArgs(fmt::format("{}: \"{}\": {}", method, name, e.what()));
-  }
+void throwIfError(const Status& status) {
+  if (!status.isOk()) throwStatus(status);
 }
+
+// A snapshot held in this node's segments (inventory).
+struct HeldSnapshot {
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  uint32_t worldSize = 0;
+  bool replica = false;
+  uint64_t imageBytes = 0;
+};
+
+// What pin answers (rpc::Checkpoint.pin).
+struct PinReply {
+  bool done = false;
+  std::optional<uint64_t> step;
+  std::string replicaTo;
+};
+
+// What restore answers (rpc::Checkpoint.restore).
+struct RestoreReply {
+  rpc::JobState state = rpc::JobState::RUNNING;
+  uint64_t step = 0;
+  std::string source;
+  std::string segment;
+  std::vector<std::string> skipped;
+};
 
 void remember(std::vector<std::string>& errors, std::string error) {
   TROUPE_LOG(kWarning, "{}", error);
@@ -384,10 +401,14 @@ class CheckpointActor final : public Actor {
     }
     TROUPE_LOG(kInfo, "checkpoint actor for group {} node {}: dir '{}', replicas to '{}', shm {}", options_.group,
                options_.node, options_.dir, options_.replicaTo, options_.shmDir);
+    auto server = kj::heap<Server>(*this);
+    server_ = server.get();
+    typed_ = std::make_unique<capnp::Capability::Client>(kj::mv(server));
   }
 
   ~CheckpointActor() override {
     stop_ = true;
+    server_->actorEnded();  // a caller still holding the capability gets an error, not this freed actor
     // Pending work first: its continuations use the members below (the threads are joined last).
     restoreTasks_.reset();
     tasks_.reset();
@@ -395,39 +416,127 @@ class CheckpointActor final : public Actor {
     TROUPE_LOG(kInfo, "checkpoint actor exiting: removed {} segment(s)", removed.size());
   }
 
+  // The generic path (the Python driver): a method of rpc::Checkpoint by name, its params and
+  // results as Cap'n Proto messages (typed_call.h).
   kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
-    if (method != "release") return call(method, payload);
-    // Restores in progress are cancelled, and the one the restore thread may be staging is let
-    // finish, so none re-creates a segment after they are removed.
-    restoreTasks_ = std::make_unique<kj::TaskSet>(errorHandler_);
-    restores_.clear();
-    return restoreThread_.call([]() { return 0; }).then([this](int) { return release(); });
+    return callTyped(*typed_, capnp::Schema::from<rpc::Checkpoint>(), method, payload);
+  }
+  Result<std::string> call(const std::string& method, std::string_view) override {
+    return Status(StatusCode::kInternal, fmt::format("Checkpoint.{}: called synchronously (use callAsync)", method));
   }
 
-  Result<std::string> call(const std::string& method, std::string_view payload) override {
-    if (method == "replicaWrite") return replicaWrite(payload);
-    if (method == "status") return status();
-    if (method == "inventory") return inventory().dump();
-    if (method == "release") return release();
-    using Handler = Result<std::string> (CheckpointActor::*)(const json&);
-    static const std::map<std::string, Handler> kJsonMethods = {
-        {"attach", &CheckpointActor::attach},           {"saved", &CheckpointActor::saved},
-        {"read", &CheckpointActor::read},               {"restore", &CheckpointActor::restore},
-        {"replicaBegin", &CheckpointActor::replicaBegin}, {"replicaCommit", &CheckpointActor::replicaCommit},
-        {"replicaPin", &CheckpointActor::replicaPin},   {"members", &CheckpointActor::members},
-        {"pin", &CheckpointActor::pin}};
-    auto handler = kJsonMethods.find(method);
-    if (handler == kJsonMethods.end()) {
-      return badArgs(fmt::format("no method '{}' (attach, saved, pin, status, inventory, read, restore, release, "
-                                 "replicaBegin, replicaWrite, replicaCommit, replicaPin, members)",
-                                 method));
-    }
-    auto args = parsePayload(payload, method.c_str());
-    if (!args.isOk()) return args.status();
-    return (this->*handler->second)(*args);
-  }
+  kj::Maybe<capnp::Capability::Client> typed() override { return *typed_; }
 
  private:
+  // rpc::Checkpoint: reads the params, runs the actor's method, writes the results; errors are
+  // thrown as Status exceptions (troupe/runtime/rpc.h). The actor keeps a reference, so the
+  // server outlives it; once the actor is gone, calls fail.
+  class Server final : public rpc::Checkpoint::Server {
+   public:
+    explicit Server(CheckpointActor& actor) : actor_(&actor) {}
+    void actorEnded() { actor_ = nullptr; }
+
+   protected:
+    kj::Promise<void> attach(AttachContext context) override {
+      uint32_t rank = context.getParams().getRank();
+      actor().ranks_[rank];
+      context.getResults().setSegment(actor().options_.primary(rank));
+      context.getResults().setShmDir(actor().options_.shmDir);
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> saved(SavedContext context) override {
+      actor().saved(context.getParams().getRank());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> members(MembersContext context) override {
+      std::vector<std::string> live;
+      for (auto name : context.getParams().getMembers()) live.emplace_back(name.cStr());
+      context.getResults().setReplicaTo(actor().members(std::move(live)));
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> pin(PinContext context) override {
+      auto params = context.getParams();
+      PinReply reply = valueOrThrow(actor().pin(params.getRank(), params.getStep()));
+      auto results = context.getResults();
+      results.setState(reply.done ? rpc::JobState::DONE : rpc::JobState::RUNNING);
+      results.setHasStep(reply.step.has_value());
+      results.setStep(reply.step.value_or(0));
+      results.setReplicaTo(reply.replicaTo);
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> status(StatusContext context) override {
+      actor().status(context.getResults().initStatus());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> inventory(InventoryContext context) override {
+      auto held = actor().inventory();
+      auto results = context.getResults();
+      results.setActor(actor().options_.self);
+      results.setNode(actor().options_.node);
+      auto list = results.initHoldings(held.size());
+      for (size_t i = 0; i < held.size(); ++i) {
+        list[i].setRank(held[i].rank);
+        list[i].setStep(held[i].step);
+        list[i].setWorldSize(held[i].worldSize);
+        list[i].setKind(held[i].replica ? rpc::SnapshotKind::REPLICA : rpc::SnapshotKind::MEMORY);
+        list[i].setImageBytes(held[i].imageBytes);
+      }
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> read(ReadContext context) override {
+      auto p = context.getParams();
+      std::string bytes = valueOrThrow(actor().read(p.getKind() == rpc::SnapshotKind::REPLICA, p.getRank(),
+                                                    p.getStep(), p.getOffset(), p.getLength()));
+      context.getResults().setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(bytes.data()), bytes.size()));
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> restore(RestoreContext context) override {
+      auto p = context.getParams();
+      RestoreReply reply = valueOrThrow(actor().restore(p.getRank(), p.getMaxStep()));
+      auto results = context.getResults();
+      results.setState(reply.state);
+      results.setStep(reply.step);
+      results.setSource(reply.source);
+      results.setSegment(reply.segment);
+      auto skipped = results.initSkipped(reply.skipped.size());
+      for (size_t i = 0; i < reply.skipped.size(); ++i) skipped.set(i, reply.skipped[i]);
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> release(ReleaseContext context) override {
+      return actor().releaseAfterRestores().then([context](std::vector<std::string> removed) mutable {
+        auto list = context.getResults().initRemoved(removed.size());
+        for (size_t i = 0; i < removed.size(); ++i) list.set(i, removed[i]);
+      });
+    }
+    kj::Promise<void> replicaBegin(ReplicaBeginContext context) override {
+      auto p = context.getParams();
+      context.getResults().setSlot(valueOrThrow(actor().replicaBegin(p.getRank(), p.getStep(), p.getImageBytes())));
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> replicaWrite(ReplicaWriteContext context) override {
+      auto p = context.getParams();
+      throwIfError(actor().replicaWrite(p.getRank(), p.getSlot(), p.getStep(), p.getOffset(), p.getData()));
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> replicaCommit(ReplicaCommitContext context) override {
+      auto p = context.getParams();
+      context.getResults().setStep(valueOrThrow(actor().replicaCommit(p.getRank(), p.getSlot(), p.getStep())));
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> replicaPin(ReplicaPinContext context) override {
+      auto p = context.getParams();
+      context.getResults().setStep(valueOrThrow(actor().replicaPin(p.getRank(), p.getStep())));
+      return kj::READY_NOW;
+    }
+
+   private:
+    CheckpointActor& actor() {
+      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Checkpoint actor has ended"));
+      return *actor_;
+    }
+    CheckpointActor* actor_;
+  };
+
   struct RankState {
     std::shared_ptr<std::atomic<bool>> persistQueued = std::make_shared<std::atomic<bool>>(false);
     std::optional<uint64_t> persisted;
@@ -441,7 +550,7 @@ class CheckpointActor final : public Actor {
   struct PinJob {
     uint64_t step = 0;
     bool done = false;
-    Result<std::string> result = Status(StatusCode::kInternal, "pin not finished");
+    Result<PinReply> result = Status(StatusCode::kInternal, "pin not finished");
   };
   struct IncomingReplica {
     std::optional<ck::FlashSegment> segment;
@@ -458,22 +567,9 @@ class CheckpointActor final : public Actor {
     }
   };
 
-  Result<std::string> attach(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "attach");
-    if (!rank.isOk()) return rank.status();
-    ranks_[*rank];
-    return json{{"segment", options_.primary(*rank)}, {"shm_dir", options_.shmDir}}.dump();
-  }
-
   // The group's live checkpoint actors changed (a node was lost, another joined): ask them for
   // inventories from now on, and send replicas to the next live one, never to a dead node's.
-  Result<std::string> members(const json& args) {
-    std::vector<std::string> live;
-    try {
-      live = args.at("members").get<std::vector<std::string>>();
-    } catch (const std::exception& e) {
-      return badArgs(fmt::format("members: {}", e.what()));
-    }
+  std::string members(std::vector<std::string> live) {
     if (std::find(live.begin(), live.end(), options_.self) == live.end()) live.push_back(options_.self);
     std::sort(live.begin(), live.end());
     options_.members = live;
@@ -491,15 +587,12 @@ class CheckpointActor final : public Actor {
       }
     }
     options_.replicaTo = target;
-    return json{{"replica_to", options_.replicaTo}}.dump();
+    return options_.replicaTo;
   }
 
-  Result<std::string> saved(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "saved");
-    if (!rank.isOk()) return rank.status();
-    requestPersist(*rank);
-    requestReplica(*rank);
-    return std::string(R"({"queued": true})");
+  void saved(uint32_t rank) {
+    requestPersist(rank);
+    requestReplica(rank);
   }
 
   void requestPersist(uint32_t rank) {
@@ -571,29 +664,35 @@ class CheckpointActor final : public Actor {
       if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being copied");
       copy = std::move(bytes);
     }
-    return withTimeout(peer(options_.replicaTo), kChunkTimeout, "finding the replica target")
-        .then([this, rank, info](ActorHandle handle) {
-          json begin{{"rank", rank}, {"step", info.step}, {"image_bytes", info.imageBytes}, {"from", options_.self}};
-          return withTimeout(handle.call("replicaBegin", begin.dump()), kChunkTimeout, "replicaBegin")
-              .then([handle](std::string reply) mutable {
-            return std::make_pair(handle, json::parse(reply).at("slot").get<uint32_t>());
-          });
-        })
-        .then([this, rank, seg, info, copy, generation](std::pair<ActorHandle, uint32_t> begun) {
-          return sendChunks(begun.first, seg, info, rank, begun.second, 0, copy).then([this, rank, seg, info, begun,
-                                                                                      copy, generation]() mutable {
-            if (!copy && !seg->unchanged(info)) {
-              return kj::Promise<void>(KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent; "
-                                                            "the newer one follows"));
-            }
-            json commit{{"rank", rank}, {"slot", begun.second}, {"step", info.step}};
-            return withTimeout(begun.first.call("replicaCommit", commit.dump()), kChunkTimeout, "replicaCommit")
-                .then([this, rank, info, seg, generation](std::string) {
-              RankState& s = ranks_[rank];
-              if (s.sendGeneration != generation) return;  // committed at a target no longer ours
-              s.replicatedId = SnapshotId{seg->fileId(), info.index, info.seq};
-              s.replicated = info.step;
-              s.replicaFailures = 0;
+    return withTimeout(peerCheckpoint(options_.replicaTo), kChunkTimeout, "finding the replica target")
+        .then([this, rank, seg, info, copy, generation](rpc::Checkpoint::Client target) mutable {
+          auto begin = target.replicaBeginRequest();
+          begin.setRank(rank);
+          begin.setStep(info.step);
+          begin.setImageBytes(info.imageBytes);
+          begin.setFrom(options_.self);
+          return withTimeout(begin.send(), kChunkTimeout, "replicaBegin")
+              .then([this, target, rank, seg, info, copy,
+                     generation](capnp::Response<rpc::Checkpoint::ReplicaBeginResults> reply) mutable {
+            uint32_t slot = reply.getSlot();
+            return sendChunks(target, seg, info, rank, slot, 0, copy).then([this, target, slot, rank, seg, info, copy,
+                                                                            generation]() mutable {
+              if (!copy && !seg->unchanged(info)) {
+                return kj::Promise<void>(KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent; "
+                                                              "the newer one follows"));
+              }
+              auto commit = target.replicaCommitRequest();
+              commit.setRank(rank);
+              commit.setSlot(slot);
+              commit.setStep(info.step);
+              return withTimeout(commit.send(), kChunkTimeout, "replicaCommit")
+                  .then([this, rank, info, seg, generation](capnp::Response<rpc::Checkpoint::ReplicaCommitResults>) {
+                RankState& s = ranks_[rank];
+                if (s.sendGeneration != generation) return;  // committed at a target no longer ours
+                s.replicatedId = SnapshotId{seg->fileId(), info.index, info.seq};
+                s.replicated = info.step;
+                s.replicaFailures = 0;
+              });
             });
           });
         });
@@ -601,13 +700,13 @@ class CheckpointActor final : public Actor {
 
   // Sends chunks [first, first + kWindow) of the image at once, then the next window.
   // From `copy` when there is one (then nothing can overwrite it), else from the slot itself.
-  kj::Promise<void> sendChunks(ActorHandle handle, std::shared_ptr<ck::FlashSegment> seg, ck::SlotInfo info,
+  kj::Promise<void> sendChunks(rpc::Checkpoint::Client target, std::shared_ptr<ck::FlashSegment> seg, ck::SlotInfo info,
                                uint32_t rank, uint32_t peerSlot, uint64_t offset,
                                std::shared_ptr<const std::string> copy) {
     if (offset >= info.imageBytes) return kj::READY_NOW;
     if (!copy && !seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being sent");
     const uint8_t* image = copy ? reinterpret_cast<const uint8_t*>(copy->data()) : seg->slotData(info.index);
-    kj::Vector<kj::Promise<std::string>> calls(kWindow);
+    kj::Vector<kj::Promise<void>> calls(kWindow);
     uint64_t at = offset;
     for (size_t i = 0; i < kWindow && at < info.imageBytes; ++i) {
       uint64_t n = std::min(kChunkBytes, info.imageBytes - at);
@@ -616,17 +715,17 @@ class CheckpointActor final : public Actor {
         options_.fault.pauseHere(info.step, at, &kStopped);  // returns at once: a send just stops here
         return KJ_EXCEPTION(FAILED, "replica stopped by the fault-injection seam");
       }
-      std::string payload(kReplicaHeaderBytes + n, '\0');
-      uint32_t fields32[2] = {rank, peerSlot};
-      uint64_t fields64[2] = {info.step, at};
-      std::memcpy(payload.data(), fields32, 8);
-      std::memcpy(payload.data() + 8, fields64, 16);
-      std::memcpy(payload.data() + kReplicaHeaderBytes, image + at, n);
-      calls.add(withTimeout(handle.call("replicaWrite", std::move(payload)), kChunkTimeout, "replicaWrite"));
+      auto write = target.replicaWriteRequest(capnp::MessageSize{n / sizeof(capnp::word) + 16, 0});
+      write.setRank(rank);
+      write.setSlot(peerSlot);
+      write.setStep(info.step);
+      write.setOffset(at);
+      std::memcpy(write.initData(n).begin(), image + at, n);
+      calls.add(withTimeout(write.send(), kChunkTimeout, "replicaWrite").ignoreResult());
       at += n;
     }
-    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, seg, info, rank, peerSlot, at, copy](auto) mutable {
-      return sendChunks(handle, seg, info, rank, peerSlot, at, copy);
+    return kj::joinPromises(calls.releaseAsArray()).then([this, target, seg, info, rank, peerSlot, at, copy]() mutable {
+      return sendChunks(target, seg, info, rank, peerSlot, at, copy);
     });
   }
 
@@ -634,55 +733,55 @@ class CheckpointActor final : public Actor {
   // replicated (if it is not already) and pinned in the replica, so that the step survives
   // later snapshots on both sides until the next pin. Like restore, it answers at once (calls
   // to an actor take turns, and two actors pinning to each other must not wait on each other's
-  // turn): {"state": "running"} until the job ends, then {"state": "done", "step": S,
-  // "replica_to": peer} ("replica_to" empty without a peer) or the error, once.
-  Result<std::string> pin(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "pin");
-    auto step = field<uint64_t>(args, "step", "pin");
-    if (!rank.isOk()) return rank.status();
-    if (!step.isOk()) return step.status();
-    auto it = pins_.find(*rank);
-    if (it != pins_.end() && it->second->step == *step) {
+  // turn): running until the job ends, then done with the step and the peer ("" without one),
+  // or the error, once.
+  Result<PinReply> pin(uint32_t rank, uint64_t step) {
+    auto it = pins_.find(rank);
+    if (it != pins_.end() && it->second->step == step) {
       auto job = it->second;
-      if (!job->done) return std::string(R"({"state": "running"})");
+      if (!job->done) return PinReply{};
       pins_.erase(it);
       return job->result;
     }
     auto job = std::make_shared<PinJob>();
-    job->step = *step;
-    pins_[*rank] = job;
-    tasks_->add(pinReplica(*rank, *step, std::chrono::steady_clock::now() + kPinTimeout, kj::READY_NOW)
-                    .then([job](Result<std::string> r) {
+    job->step = step;
+    pins_[rank] = job;
+    tasks_->add(pinReplica(rank, step, std::chrono::steady_clock::now() + kPinTimeout, kj::READY_NOW)
+                    .then([job](Result<PinReply> r) {
                       job->result = std::move(r);
                       job->done = true;
                     }, [job](kj::Exception&& e) {
                       job->result = Status(StatusCode::kUnavailable, fmt::format("pin: {}", statusOf(e).message()));
                       job->done = true;
                     }));
-    return std::string(R"({"state": "running"})");
+    return PinReply{};
   }
 
   // The pin job: waits for the replica (asking for it again while sends fail), then pins it.
   // Waits for a peer that is restarting, up to kPinTimeout.
-  kj::Promise<Result<std::string>> pinReplica(uint32_t rank, uint64_t step, std::chrono::steady_clock::time_point deadline,
-                                              kj::Promise<void> pause) {
-    return pause.then([this, rank, step, deadline]() -> kj::Promise<Result<std::string>> {
+  kj::Promise<Result<PinReply>> pinReplica(uint32_t rank, uint64_t step, std::chrono::steady_clock::time_point deadline,
+                                           kj::Promise<void> pause) {
+    return pause.then([this, rank, step, deadline]() -> kj::Promise<Result<PinReply>> {
       auto segment = rpcCache_.get(options_.primary(rank));
-      if (!segment.isOk()) return Result<std::string>(segment.status());
+      if (!segment.isOk()) return Result<PinReply>(segment.status());
       auto slot = (*segment)->newestComplete(step);
-      if (!slot) return Result<std::string>(json{{"state", "done"}, {"step", nullptr}, {"replica_to", ""}}.dump());
+      if (!slot) return Result<PinReply>(PinReply{true, std::nullopt, ""});
       if (options_.replicaTo.empty() || context_.cluster == nullptr) {
-        return Result<std::string>(json{{"state", "done"}, {"step", slot->step}, {"replica_to", ""}}.dump());
+        return Result<PinReply>(PinReply{true, slot->step, ""});
       }
       RankState& state = ranks_[rank];
       if (state.replicatedId == SnapshotId{(*segment)->fileId(), slot->index, slot->seq}) {
-        json request{{"rank", rank}, {"step", slot->step}};
         std::string target = options_.replicaTo;
-        return withTimeout(peer(target).then([request](ActorHandle h) { return h.call("replicaPin", request.dump()); }),
+        return withTimeout(peerCheckpoint(target).then([rank, step = slot->step](rpc::Checkpoint::Client c) {
+                             auto request = c.replicaPinRequest();
+                             request.setRank(rank);
+                             request.setStep(step);
+                             return request.send().ignoreResult();
+                           }),
                            kInventoryTimeout, "replicaPin")
-            .then([step = slot->step, target](std::string) -> kj::Promise<Result<std::string>> {
-              return Result<std::string>(json{{"state", "done"}, {"step", step}, {"replica_to", target}}.dump());
-            }, [this, rank, step, deadline](kj::Exception&& e) -> kj::Promise<Result<std::string>> {
+            .then([step = slot->step, target]() -> kj::Promise<Result<PinReply>> {
+              return Result<PinReply>(PinReply{true, step, target});
+            }, [this, rank, step, deadline](kj::Exception&& e) -> kj::Promise<Result<PinReply>> {
               // The replica is gone or lacks the step (its actor restarted, its node was lost):
               // send it again.
               remember(replicaErrors_, fmt::format("pinning the replica of rank {}: {}", rank, statusOf(e).message()));
@@ -690,15 +789,14 @@ class CheckpointActor final : public Actor {
               s.replicatedId = {};
               s.replicaFailures++;
               if (std::chrono::steady_clock::now() > deadline) {
-                return Result<std::string>(Status(StatusCode::kUnavailable,
-                                                  fmt::format("pin: {}", statusOf(e).message())));
+                return Result<PinReply>(Status(StatusCode::kUnavailable, fmt::format("pin: {}", statusOf(e).message())));
               }
               return pinReplica(rank, step, deadline, after(std::chrono::milliseconds(50)));
             });
       }
       if (std::chrono::steady_clock::now() > deadline) {
         std::string last = replicaErrors_.empty() ? "none recorded" : replicaErrors_.back();
-        return Result<std::string>(Status(
+        return Result<PinReply>(Status(
             StatusCode::kUnavailable,
             fmt::format("rank {} step {}: its replica to {} was not confirmed within {} s (last replica error: {})", rank,
                         slot->step, options_.replicaTo, kPinTimeout.count() / 1000, last)));
@@ -710,59 +808,42 @@ class CheckpointActor final : public Actor {
     });
   }
 
-  Result<std::string> replicaPin(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "replicaPin");
-    auto step = field<uint64_t>(args, "step", "replicaPin");
-    if (!rank.isOk()) return rank.status();
-    if (!step.isOk()) return step.status();
-    IncomingReplica& in = replicas_[*rank];
+  Result<uint64_t> replicaPin(uint32_t rank, uint64_t step) {
+    IncomingReplica& in = replicas_[rank];
     if (!in.segment) {
       // This actor restarted after the replica was written (a kill -9 leaves the segment).
-      auto existing = ck::FlashSegment::openExisting(options_.segment(options_.replica(*rank)), /*writable=*/true);
+      auto existing = ck::FlashSegment::openExisting(options_.segment(options_.replica(rank)), /*writable=*/true);
       if (!existing.isOk()) {
         return Status(StatusCode::kFailedPrecondition,
-                      fmt::format("replicaPin: no replica of rank {} is held: {}", *rank, existing.status().message()));
+                      fmt::format("replicaPin: no replica of rank {} is held: {}", rank, existing.status().message()));
       }
-      TROUPE_RETURN_IF_ERROR(existing->pin(*step));
+      TROUPE_RETURN_IF_ERROR(existing->pin(step));
     } else {
-      TROUPE_RETURN_IF_ERROR(in.segment->pin(*step));
+      TROUPE_RETURN_IF_ERROR(in.segment->pin(step));
     }
-    in.pinned = *step;
-    return json{{"step", *step}}.dump();
+    in.pinned = step;
+    return step;
   }
 
-  Result<std::string> replicaBegin(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "replicaBegin");
-    auto step = field<uint64_t>(args, "step", "replicaBegin");
-    auto bytes = field<uint64_t>(args, "image_bytes", "replicaBegin");
-    if (!rank.isOk()) return rank.status();
-    if (!step.isOk()) return step.status();
-    if (!bytes.isOk()) return bytes.status();
-    IncomingReplica& in = replicas_[*rank];
-    if (!in.segment || in.segment->slotCapacity() < *bytes) {
+  Result<uint32_t> replicaBegin(uint32_t rank, uint64_t step, uint64_t bytes) {
+    IncomingReplica& in = replicas_[rank];
+    if (!in.segment || in.segment->slotCapacity() < bytes) {
       in.segment.reset();
       // TODO(perf): the first replica of a rank allocates its segment on the RPC thread.
-      auto segment = ck::FlashSegment::openForWrite(options_.segment(options_.replica(*rank)), *bytes);
+      auto segment = ck::FlashSegment::openForWrite(options_.segment(options_.replica(rank)), bytes);
       if (!segment.isOk()) return segment.status();
       in.segment.emplace(std::move(*segment));
     }
-    auto slot = in.segment->beginImage(*bytes);
+    auto slot = in.segment->beginImage(bytes);
     if (!slot.isOk()) return slot.status();
     in.slot = slot->index;
-    in.step = *step;
-    in.imageBytes = *bytes;
-    return json{{"slot", slot->index}}.dump();
+    in.step = step;
+    in.imageBytes = bytes;
+    return static_cast<uint32_t>(slot->index);
   }
 
-  Result<std::string> replicaWrite(std::string_view payload) {
-    if (payload.size() < kReplicaHeaderBytes) return badArgs("replicaWrite: payload shorter than its header");
-    uint32_t fields32[2];
-    uint64_t fields64[2];
-    std::memcpy(fields32, payload.data(), 8);
-    std::memcpy(fields64, payload.data() + 8, 16);
-    auto [rank, slot] = std::pair(fields32[0], fields32[1]);
-    auto [step, offset] = std::pair(fields64[0], fields64[1]);
-    uint64_t n = payload.size() - kReplicaHeaderBytes;
+  Status replicaWrite(uint32_t rank, uint32_t slot, uint64_t step, uint64_t offset, capnp::Data::Reader data) {
+    uint64_t n = data.size();
     auto it = replicas_.find(rank);
     if (it == replicas_.end() || !it->second.segment || it->second.slot != static_cast<int>(slot) ||
         it->second.step != step) {
@@ -774,19 +855,17 @@ class CheckpointActor final : public Actor {
       return badArgs(fmt::format("replicaWrite: bytes [{}, {}) outside the {}-byte image", offset, offset + n,
                                  in.imageBytes));
     }
-    std::memcpy(in.segment->mutableSlotData(in.slot) + offset, payload.data() + kReplicaHeaderBytes, n);
-    return std::string();
+    std::memcpy(in.segment->mutableSlotData(in.slot) + offset, data.begin(), n);
+    return Status::ok();
   }
 
-  Result<std::string> replicaCommit(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "replicaCommit");
-    auto step = field<uint64_t>(args, "step", "replicaCommit");
-    if (!rank.isOk()) return rank.status();
-    if (!step.isOk()) return step.status();
-    auto it = replicas_.find(*rank);
-    if (it == replicas_.end() || it->second.slot < 0 || it->second.step != *step) {
+  Result<uint64_t> replicaCommit(uint32_t rank, uint32_t sentSlot, uint64_t step) {
+    auto it = replicas_.find(rank);
+    if (it == replicas_.end() || it->second.slot < 0 || it->second.slot != static_cast<int>(sentSlot) ||
+        it->second.step != step) {
       return Status(StatusCode::kFailedPrecondition,
-                    fmt::format("replicaCommit: no replica of rank {} step {} in progress", *rank, *step));
+                    fmt::format("replicaCommit: no replica of rank {} step {} in progress (slot {})", rank, step,
+                                sentSlot));
     }
     IncomingReplica& in = it->second;
     // The image came from a peer: before it is held, its header must describe exactly the image
@@ -795,28 +874,28 @@ class CheckpointActor final : public Actor {
     auto header = ck::parseImageHeader(in.segment->slotData(slot), in.imageBytes);
     if (!header.isOk()) {
       return Status(header.status().code(),
-                    fmt::format("replicaCommit: rank {} step {}: {}", *rank, *step, header.status().message()));
+                    fmt::format("replicaCommit: rank {} step {}: {}", rank, step, header.status().message()));
     }
-    if (header->stamp.rank != *rank || header->stamp.step != *step || header->layout.imageBytes() != in.imageBytes) {
+    if (header->stamp.rank != rank || header->stamp.step != step || header->layout.imageBytes() != in.imageBytes) {
       return badArgs(fmt::format("replicaCommit: the image sent holds rank {} step {} ({} bytes), not the rank {} "
                                  "step {} ({} bytes) announced by replicaBegin; the sender must resend it",
-                                 header->stamp.rank, header->stamp.step, header->layout.imageBytes(), *rank, *step,
+                                 header->stamp.rank, header->stamp.step, header->layout.imageBytes(), rank, step,
                                  in.imageBytes));
     }
     // TODO(perf): verifying a large replica's checksums holds the RPC thread (about 0.1 s/GiB).
     auto committed = in.segment->commitImage(slot, /*verifyData=*/true);
     if (!committed.isOk()) return committed.status();
-    if (committed->step != *step) {
+    if (committed->step != step) {
       return Status(StatusCode::kFailedPrecondition,
-                    fmt::format("replicaCommit: image holds step {}, not {}", committed->step, *step));
+                    fmt::format("replicaCommit: image holds step {}, not {}", committed->step, step));
     }
-    in.held = *step;
-    return json{{"step", *step}}.dump();
+    in.held = step;
+    return step;
   }
 
   // Complete snapshots in this node's segments of the group.
-  json inventory() {
-    json holdings = json::array();
+  std::vector<HeldSnapshot> inventory() {
+    std::vector<HeldSnapshot> holdings;
     std::string prefix = ck::segmentPrefix(options_.group, options_.node);
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(options_.shmDir, ec)) {
@@ -831,95 +910,86 @@ class CheckpointActor final : public Actor {
         const uint8_t* image = (*segment)->slotData(slot.index);
         auto header = ck::parseImageHeader(image, std::min(slot.imageBytes, (*segment)->slotCapacity()));
         if (!header.isOk() || !(*segment)->unchanged(slot)) continue;
-        holdings.push_back({{"rank", header->stamp.rank},
-                            {"step", slot.step},
-                            {"world_size", header->stamp.worldSize},
-                            {"kind", replica ? "replica" : "memory"},
-                            {"image_bytes", slot.imageBytes}});
+        holdings.push_back(HeldSnapshot{header->stamp.rank, slot.step, header->stamp.worldSize, replica,
+                                        slot.imageBytes});
       }
     }
-    return json{{"actor", options_.self}, {"node", options_.node}, {"holdings", holdings}};
+    return holdings;
   }
 
-  Result<std::string> read(const json& args) {
-    auto kind = field<std::string>(args, "kind", "read");
-    auto rank = field<uint32_t>(args, "rank", "read");
-    auto step = field<uint64_t>(args, "step", "read");
-    auto offset = field<uint64_t>(args, "offset", "read");
-    auto length = field<uint64_t>(args, "length", "read");
-    for (const Status* s : {&kind.status(), &rank.status(), &step.status(), &offset.status(), &length.status()}) {
-      if (!s->isOk()) return *s;
+  Result<std::string> read(bool replica, uint32_t rank, uint64_t step, uint64_t offset, uint64_t length) {
+    const char* kind = replica ? "replica" : "memory";
+    if (length > kMaxReadBytes) {
+      return badArgs(fmt::format("read: {} bytes asked, at most {} per call", length, kMaxReadBytes));
     }
-    if (*length > kMaxReadBytes) return badArgs(fmt::format("read: at most {} bytes per call", kMaxReadBytes));
-    auto segment = rpcCache_.get(*kind == "replica" ? options_.replica(*rank) : options_.primary(*rank));
+    auto segment = rpcCache_.get(replica ? options_.replica(rank) : options_.primary(rank));
     if (!segment.isOk()) return segment.status();
-    auto slot = (*segment)->completeAt(*step);
+    auto slot = (*segment)->completeAt(step);
     if (!slot) {
-      return Status(StatusCode::kNotFound, fmt::format("read: {} of rank {} step {} is no longer held", *kind, *rank, *step));
+      return Status(StatusCode::kNotFound, fmt::format("read: {} of rank {} step {} is no longer held", kind, rank, step));
     }
-    if (*offset > slot->imageBytes || *length > slot->imageBytes - *offset) {
-      return badArgs(fmt::format("read: bytes [{}, {}) outside the {}-byte image", *offset, *offset + *length,
+    if (offset > slot->imageBytes || length > slot->imageBytes - offset) {
+      return badArgs(fmt::format("read: bytes [{}, {}) outside the {}-byte image", offset, offset + length,
                                  slot->imageBytes));
     }
-    std::string out(reinterpret_cast<const char*>((*segment)->slotData(slot->index) + *offset), *length);
+    std::string out(reinterpret_cast<const char*>((*segment)->slotData(slot->index) + offset), length);
     if (!(*segment)->unchanged(*slot)) {
-      return Status(StatusCode::kAborted, fmt::format("read: rank {} step {} changed while being read", *rank, *step));
+      return Status(StatusCode::kAborted, fmt::format("read: rank {} step {} changed while being read", rank, step));
     }
     return out;
   }
 
-  Result<std::string> restore(const json& args) {
-    auto rank = field<uint32_t>(args, "rank", "restore");
-    if (!rank.isOk()) return rank.status();
-    auto it = restores_.find(*rank);
+  Result<RestoreReply> restore(uint32_t rank, uint64_t maxStep) {
+    auto it = restores_.find(rank);
     if (it != restores_.end()) {
       auto job = it->second;
-      if (job->state == RestoreJob::State::kRunning) return std::string(R"({"state": "running"})");
+      if (job->state == RestoreJob::State::kRunning) return RestoreReply{};
       restores_.erase(it);
       if (job->state == RestoreJob::State::kFailed) return job->error;
-      json reply{{"state", job->state == RestoreJob::State::kDone ? "done" : "none"}, {"skipped", job->skipped}};
+      RestoreReply reply;
+      reply.state = job->state == RestoreJob::State::kDone ? rpc::JobState::DONE : rpc::JobState::NONE;
+      reply.skipped = job->skipped;
       if (job->state == RestoreJob::State::kDone) {
-        reply["step"] = job->step;
-        reply["source"] = job->sourceText;
-        reply["segment"] = options_.primary(*rank);
+        reply.step = job->step;
+        reply.source = job->sourceText;
+        reply.segment = options_.primary(rank);
       }
-      return reply.dump();
+      return reply;
     }
     auto job = std::make_shared<RestoreJob>();
-    job->rank = *rank;
-    job->maxStep = args.value("max_step", UINT64_MAX);
-    restores_[*rank] = job;
+    job->rank = rank;
+    job->maxStep = maxStep;
+    restores_[rank] = job;
     restoreTasks_->add(runRestore(job).catch_([job](kj::Exception&& e) {
       job->state = RestoreJob::State::kFailed;
       job->error = Status(StatusCode::kInternal, fmt::format("restore of rank {} failed: {}", job->rank,
                                                               statusOf(e).message()));
     }));
-    return std::string(R"({"state": "running"})");
+    return RestoreReply{};
   }
 
   kj::Promise<void> runRestore(std::shared_ptr<RestoreJob> job) {
     // Holdings: this node's segments, every other member's, and the disk.
-    json local = inventory();
-    for (const auto& h : local["holdings"]) {
-      bool replica = h["kind"] == "replica";
-      job->holdings.push_back(ck::Holding{h["rank"], h["step"], h["world_size"],
-                                          replica ? ck::SourceTier::kLocalReplica : ck::SourceTier::kLocalMemory,
-                                          options_.self, h["image_bytes"]});
+    for (const auto& h : inventory()) {
+      job->holdings.push_back(ck::Holding{h.rank, h.step, h.worldSize,
+                                          h.replica ? ck::SourceTier::kLocalReplica : ck::SourceTier::kLocalMemory,
+                                          options_.self, h.imageBytes});
     }
     kj::Vector<kj::Promise<void>> asks;
     for (const auto& member : options_.members) {
       if (member == options_.self || context_.cluster == nullptr) continue;
-      asks.add(withTimeout(peer(member).then([](ActorHandle h) { return h.call("inventory"); }), kInventoryTimeout,
-                           "inventory")
+      asks.add(withTimeout(peerCheckpoint(member).then([](rpc::Checkpoint::Client c) {
+                             return c.inventoryRequest().send();
+                           }),
+                           kInventoryTimeout, "inventory")
                    .then(
-                       [job, member](std::string reply) {
-                         json inventory = json::parse(reply);
-                         for (const auto& h : inventory.at("holdings")) {
-                           bool replica = h["kind"] == "replica";
+                       [job, member](capnp::Response<rpc::Checkpoint::InventoryResults> reply) {
+                         for (auto h : reply.getHoldings()) {
+                           bool replica = h.getKind() == rpc::SnapshotKind::REPLICA;
                            job->holdings.push_back(
-                               ck::Holding{h["rank"], h["step"], h["world_size"],
+                               ck::Holding{h.getRank(), h.getStep(), h.getWorldSize(),
                                            replica ? ck::SourceTier::kPeerReplica : ck::SourceTier::kPeerMemory, member,
-                                           h["image_bytes"]});
+                                           h.getImageBytes()});
                          }
                        },
                        [job, member](kj::Exception&& e) {
@@ -1003,39 +1073,52 @@ class CheckpointActor final : public Actor {
     auto segment = std::make_shared<ck::FlashSegment>(std::move(*opened));
     auto slot = segment->beginImage(source.imageBytes);
     if (!slot.isOk()) return slot.status();
-    std::string kind = source.tier == ck::SourceTier::kPeerReplica ? "replica" : "memory";
-    return peer(source.holder)
-        .then([this, segment, slot = *slot, rank, step, kind, bytes = source.imageBytes](ActorHandle handle) {
-          return fetchChunks(handle, segment, slot.index, rank, step, kind, bytes, 0);
+    auto kind = source.tier == ck::SourceTier::kPeerReplica ? rpc::SnapshotKind::REPLICA : rpc::SnapshotKind::MEMORY;
+    return peerCheckpoint(source.holder)
+        .then([this, segment, slot = *slot, rank, step, kind, bytes = source.imageBytes](rpc::Checkpoint::Client holder) {
+          return fetchChunks(holder, segment, slot.index, rank, step, kind, bytes, 0);
         })
         .then([this, segment, index = slot->index]() {
           return restoreThread_.call([segment, index]() { return segment->commitImage(index, true).status(); });
         });
   }
 
-  kj::Promise<void> fetchChunks(ActorHandle handle, std::shared_ptr<ck::FlashSegment> segment, int slot, uint32_t rank,
-                                uint64_t step, std::string kind, uint64_t bytes, uint64_t offset) {
+  kj::Promise<void> fetchChunks(rpc::Checkpoint::Client holder, std::shared_ptr<ck::FlashSegment> segment, int slot,
+                                uint32_t rank, uint64_t step, rpc::SnapshotKind kind, uint64_t bytes, uint64_t offset) {
     if (offset >= bytes) return kj::READY_NOW;
     kj::Vector<kj::Promise<void>> calls(kWindow);
     uint64_t at = offset;
     for (size_t i = 0; i < kWindow && at < bytes; ++i) {
       uint64_t n = std::min(kChunkBytes, bytes - at);
-      json request{{"kind", kind}, {"rank", rank}, {"step", step}, {"offset", at}, {"length", n}};
-      calls.add(withTimeout(handle.call("read", request.dump()), kChunkTimeout, "read")
-                    .then([segment, slot, at, n](std::string data) {
-                      KJ_REQUIRE(data.size() == n, "short read from the peer");
-                      std::memcpy(segment->mutableSlotData(slot) + at, data.data(), n);
+      auto request = holder.readRequest();
+      request.setKind(kind);
+      request.setRank(rank);
+      request.setStep(step);
+      request.setOffset(at);
+      request.setLength(n);
+      calls.add(withTimeout(request.send(), kChunkTimeout, "read")
+                    .then([segment, slot, at, n](capnp::Response<rpc::Checkpoint::ReadResults> reply) {
+                      auto data = reply.getData();
+                      if (data.size() != n) {
+                        throwStatus(Status(StatusCode::kInternal,
+                                           fmt::format("read: the peer sent {} bytes at offset {}, not the {} asked",
+                                                       data.size(), at, n)));
+                      }
+                      std::memcpy(segment->mutableSlotData(slot) + at, data.begin(), n);
                     }));
       at += n;
     }
-    return kj::joinPromises(calls.releaseAsArray()).then([this, handle, segment, slot, rank, step, kind, bytes, at]() mutable {
-      return fetchChunks(handle, segment, slot, rank, step, kind, bytes, at);
+    return kj::joinPromises(calls.releaseAsArray()).then([this, holder, segment, slot, rank, step, kind, bytes, at]() mutable {
+      return fetchChunks(holder, segment, slot, rank, step, kind, bytes, at);
     });
   }
 
-  Result<std::string> release() {
-    auto removed = removeSegments();
-    return json{{"removed", removed}}.dump();
+  // Restores in progress are cancelled, and the one the restore thread may be staging is let
+  // finish, so none re-creates a segment after they are removed.
+  kj::Promise<std::vector<std::string>> releaseAfterRestores() {
+    restoreTasks_ = std::make_unique<kj::TaskSet>(errorHandler_);
+    restores_.clear();
+    return restoreThread_.call([]() { return 0; }).then([this](int) { return removeSegments(); });
   }
 
   // Removes this node's segments of the group and dead writers' temporary files.
@@ -1059,28 +1142,42 @@ class CheckpointActor final : public Actor {
     return names;
   }
 
-  Result<std::string> status() {
-    json persisted = json::object(), replicated = json::object(), held = json::object();
+  void status(rpc::CheckpointStatus::Builder out) {
+    std::vector<std::pair<uint32_t, uint64_t>> persisted, replicated, held, pinned;
     for (const auto& [rank, s] : ranks_) {
-      if (s.persisted) persisted[std::to_string(rank)] = *s.persisted;
-      if (s.replicated) replicated[std::to_string(rank)] = *s.replicated;
+      if (s.persisted) persisted.emplace_back(rank, *s.persisted);
+      if (s.replicated) replicated.emplace_back(rank, *s.replicated);
     }
-    json pinned = json::object();
     for (const auto& [rank, in] : replicas_) {
-      if (in.held) held[std::to_string(rank)] = *in.held;
-      if (in.pinned) pinned[std::to_string(rank)] = *in.pinned;
+      if (in.held) held.emplace_back(rank, *in.held);
+      if (in.pinned) pinned.emplace_back(rank, *in.pinned);
     }
-    return json{{"pid", getpid()},
-                {"group", options_.group},
-                {"node", options_.node},
-                {"dir", options_.dir},
-                {"persisted", persisted},
-                {"persist_errors", persistErrors_},
-                {"replicated", replicated},
-                {"replica_errors", replicaErrors_},
-                {"replicas_held", held},
-                {"replicas_pinned", pinned}}
-        .dump();
+    auto fill = [](capnp::List<rpc::RankStep>::Builder list, const std::vector<std::pair<uint32_t, uint64_t>>& from) {
+      for (size_t i = 0; i < from.size(); ++i) {
+        list[i].setRank(from[i].first);
+        list[i].setStep(from[i].second);
+      }
+    };
+    auto texts = [](capnp::List<capnp::Text>::Builder list, const std::vector<std::string>& from) {
+      for (size_t i = 0; i < from.size(); ++i) list.set(i, from[i]);
+    };
+    out.setPid(getpid());
+    out.setGroup(options_.group);
+    out.setNode(options_.node);
+    out.setDir(options_.dir);
+    fill(out.initPersisted(persisted.size()), persisted);
+    texts(out.initPersistErrors(persistErrors_.size()), persistErrors_);
+    fill(out.initReplicated(replicated.size()), replicated);
+    texts(out.initReplicaErrors(replicaErrors_.size()), replicaErrors_);
+    fill(out.initReplicasHeld(held.size()), held);
+    fill(out.initReplicasPinned(pinned.size()), pinned);
+  }
+
+  // A peer's typed interface, on its current incarnation: asked once per transfer, so a peer
+  // that restarted is reached again by the next one. The capability lives on the connection of
+  // the handle kept in peers_.
+  kj::Promise<rpc::Checkpoint::Client> peerCheckpoint(const std::string& name) {
+    return peer(name).then([](ActorHandle handle) { return handle.typed<rpc::Checkpoint>(); });
   }
 
   kj::Promise<ActorHandle> peer(const std::string& name) {
@@ -1125,6 +1222,9 @@ class CheckpointActor final : public Actor {
 
   ActorContext context_;
   Options options_;
+  // The Server below. Held by pointer: a capability's destructor may throw, an Actor's may not.
+  std::unique_ptr<capnp::Capability::Client> typed_;
+  Server* server_ = nullptr;
   std::atomic<bool> stop_{false};
   static inline const std::atomic<bool> kStopped{true};
   // Declared before the tasks so they outlive them: a task's promise may wait on their work.

@@ -32,6 +32,7 @@
 #include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
+#include "checkpoint.capnp.h"
 
 namespace troupe::actors {
 
@@ -184,6 +185,22 @@ class Trainer final : public Actor {
     }
   }
 
+  // Calls the node's checkpoint actor (rpc::Checkpoint) from the compute thread, through the RPC
+  // thread: `call` sends its request on the client and returns what it reads from the reply.
+  template <typename T, typename Call>
+  Result<T> callCheckpoint(const char* method, Call call) {
+    try {
+      return executor_->executeSync([this, &call]() {
+        // The handle owns the connection the capability lives on: kept until the reply is read.
+        ActorHandle handle = context_.cluster->actor(ActorId(checkpoint_));
+        auto typed = handle.typed<rpc::Checkpoint>();
+        return typed.then([&call](rpc::Checkpoint::Client c) { return call(c); }).attach(kj::mv(handle));
+      });
+    } catch (const kj::Exception& e) {
+      return statusFromException(e, fmt::format("Checkpoint.{} of actor {}", method, checkpoint_));
+    }
+  }
+
   Result<std::string> run(const std::string& method, const Json& j) {
     if (method == "join") return join(j);
     if (method == "snapshots") return snapshots();
@@ -283,12 +300,18 @@ class Trainer final : public Actor {
   Result<checkpoint::SegmentOptions> segmentOptions(int bundle) {
     bool own = bundle == slotRank_;
     if (!own || ownSegment_.name.empty()) {
-      auto reply = callActor(checkpoint_, "attach", Json{{"rank", bundle}}.dump());
+      auto reply = callCheckpoint<checkpoint::SegmentOptions>("attach", [bundle](rpc::Checkpoint::Client& c) {
+        auto request = c.attachRequest();
+        request.setRank(static_cast<uint32_t>(bundle));
+        return request.send().then([](capnp::Response<rpc::Checkpoint::AttachResults> r) {
+          checkpoint::SegmentOptions o;
+          o.name = r.getSegment();
+          o.dir = r.getShmDir();
+          return o;
+        });
+      });
       if (!reply.isOk()) return reply.status();
-      Json r = Json::parse(*reply, nullptr, false);
-      checkpoint::SegmentOptions o;
-      o.name = r.value("segment", "");
-      o.dir = r.value("shm_dir", "");
+      checkpoint::SegmentOptions o = *reply;
       if (!own) return o;
       ownSegment_ = o;
     }
@@ -323,14 +346,25 @@ class Trainer final : public Actor {
   Status stageFromCheckpointActor(int64_t step, int bundle) {
     auto deadline = Clock::now() + std::chrono::seconds(60);
     for (auto pause = std::chrono::milliseconds(2); Clock::now() < deadline; pause = std::min(pause * 2, std::chrono::milliseconds(50))) {
-      auto reply = callActor(checkpoint_, "restore", Json{{"rank", bundle}, {"max_step", step}}.dump());
+      struct Staged {
+        rpc::JobState state;
+        std::string skipped;
+      };
+      auto reply = callCheckpoint<Staged>("restore", [bundle, step](rpc::Checkpoint::Client& c) {
+        auto request = c.restoreRequest();
+        request.setRank(static_cast<uint32_t>(bundle));
+        request.setMaxStep(static_cast<uint64_t>(step));
+        return request.send().then([](capnp::Response<rpc::Checkpoint::RestoreResults> r) {
+          std::string skipped;
+          for (auto why : r.getSkipped()) skipped += (skipped.empty() ? "" : "; ") + std::string(why.cStr());
+          return Staged{r.getState(), skipped};
+        });
+      });
       if (!reply.isOk()) return reply.status();
-      Json r = Json::parse(*reply, nullptr, false);
-      std::string state = r.value("state", "");
-      if (state == "done") return Status::ok();
-      if (state != "running") {
-        return Status(StatusCode::kNotFound, fmt::format("the checkpoint actor has no step {} for bundle {}: {}", step,
-                                                         bundle, r.dump()));
+      if (reply->state == rpc::JobState::DONE) return Status::ok();
+      if (reply->state != rpc::JobState::RUNNING) {
+        return Status(StatusCode::kNotFound, fmt::format("the checkpoint actor has no step {} for bundle {} (skipped: {})",
+                                                         step, bundle, reply->skipped.empty() ? "none" : reply->skipped));
       }
       std::this_thread::sleep_for(pause);  // staging runs on the actor's own threads; ask again
     }
@@ -548,7 +582,12 @@ class Trainer final : public Actor {
     if (!saved.isOk()) return saved.status();
     // The checkpoint actor persists and replicates it in the background.
     if (persistEvery_ > 0 && engine_->stepCount() % persistEvery_ != 0) return Status::ok();
-    auto told = callActor(checkpoint_, "saved", Json{{"rank", slotRank_}, {"step", engine_->stepCount()}}.dump());
+    auto told = callCheckpoint<bool>("saved", [rank = slotRank_, step = engine_->stepCount()](rpc::Checkpoint::Client& c) {
+      auto request = c.savedRequest();
+      request.setRank(static_cast<uint32_t>(rank));
+      request.setStep(static_cast<uint64_t>(step));
+      return request.send().then([](auto) { return true; });
+    });
     return told.isOk() ? Status::ok() : told.status();
   }
 
@@ -696,11 +735,16 @@ class Trainer final : public Actor {
     auto newest = seg->newestComplete(static_cast<uint64_t>(engine_->stepCount()));
     if (!newest) return Json(nullptr);
     // The checkpoint actor answers at once; its job ends when the replica is pinned.
-    std::string request = Json{{"rank", slotRank_}, {"step", newest->step}}.dump();
     for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
-      auto reply = callActor(checkpoint_, "pin", request);
+      auto reply = callCheckpoint<bool>("pin", [rank = slotRank_, step = newest->step](rpc::Checkpoint::Client& c) {
+        auto request = c.pinRequest();
+        request.setRank(static_cast<uint32_t>(rank));
+        request.setStep(step);
+        return request.send().then(
+            [](capnp::Response<rpc::Checkpoint::PinResults> r) { return r.getState() == rpc::JobState::RUNNING; });
+      });
       if (!reply.isOk()) return reply.status();
-      if (Json::parse(*reply, nullptr, false).value("state", "") != "running") break;
+      if (!*reply) break;
       std::this_thread::sleep_for(pause);
     }
     TROUPE_RETURN_IF_ERROR(seg->pin(newest->step));

@@ -7,7 +7,7 @@
 
 #include <fstream>
 
-#include "test_util.h"
+#include "troupe/checkpoint/testing.h"
 
 namespace troupe::checkpoint {
 namespace {

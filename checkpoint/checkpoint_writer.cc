@@ -8,7 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "test_state.h"
+#include "troupe/checkpoint/test_state.h"
 #include "troupe/checkpoint/flash_segment.h"
 
 int main(int argc, char** argv) {

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <tuple>
 
-#include "test_util.h"
+#include "troupe/checkpoint/testing.h"
 #include "troupe/checkpoint/checksum.h"
 
 namespace troupe::checkpoint {

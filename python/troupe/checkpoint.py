@@ -23,7 +23,6 @@ belongs in `metadata` (bytes). Importing this module does not import torch.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -296,8 +295,8 @@ class FlashCheckpoint:
         self.actor = actor
         self.shm_dir = str(shm_dir or _checkpoint.default_shm_dir())
         if actor is not None:
-            reply = self._actor_call("attach", {"rank": self.rank, "world_size": self.world_size})
-            segment, self.shm_dir = reply["segment"], reply["shm_dir"]
+            reply = self._actor_call("attach", rank=self.rank)
+            segment, self.shm_dir = reply["segment"], reply["shmDir"]
         elif segment is None:
             if group is None or node is None:
                 raise ValueError("FlashCheckpoint needs an actor, a segment name, or group and node")
@@ -310,11 +309,11 @@ class FlashCheckpoint:
         self._specs = None
         self._pending = []
 
-    def _actor_call(self, method, payload):
-        from . import _api
+    def _actor_call(self, method, **params):
+        """A method of the actor's typed interface (rpc::Checkpoint, actors/schema/checkpoint.capnp)."""
+        from . import _typed
 
-        ref = getattr(self.actor, method).remote(json.dumps(payload).encode())
-        return json.loads(_api.get(ref))
+        return _typed.get(self.actor, "Checkpoint", method, **params)
 
     def save(self, step: int, state_dict: Mapping[str, Any], metadata: bytes = b"") -> int:
         """Snapshots `state_dict` as `step` into shared memory and returns once it is complete there
@@ -331,8 +330,9 @@ class FlashCheckpoint:
         slot = _call(self._writer.save, int(step), self.rank, self.world_size, buffers, metadata)
         if self.actor is not None:
             self._reap()
-            self._pending.append(self.actor.saved.remote(
-                json.dumps({"rank": self.rank, "step": int(step)}).encode()))
+            from . import _typed
+
+            self._pending.append(_typed.call(self.actor, "Checkpoint", "saved", rank=self.rank, step=int(step)))
         return slot
 
     def _reap(self):
@@ -382,15 +382,15 @@ class FlashCheckpoint:
         return Restored(header["step"], state_dict, header["metadata"])
 
     def _restore_through_actor(self, max_step, timeout):
-        request = {"rank": self.rank, "world_size": self.world_size}
+        request = {"rank": self.rank}
         if max_step is not None:
-            request["max_step"] = int(max_step)
+            request["maxStep"] = int(max_step)
         deadline = time.monotonic() + timeout
         delay = 0.002
         while True:
-            reply = self._actor_call("restore", request)
+            reply = self._actor_call("restore", **request)
             if reply["state"] == "done":
-                for reason in reply.get("skipped", []):
+                for reason in reply["skipped"]:
                     warnings.warn(f"troupe.checkpoint: restore skipped {reason}", RuntimeWarning, stacklevel=3)
                 return reply.get("step")
             if reply["state"] == "none":

@@ -69,7 +69,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _api, _tensorboard
+from . import _api, _tensorboard, _typed
 from ._api import ActorDiedError, ActorError, ActorHandle, ObjectRef, TroupeError
 from .exceptions import ResourceExhaustedError, UnavailableError
 
@@ -453,7 +453,8 @@ class ElasticTrainer:
         node's actor, never to a lost node's."""
         names = sorted(self._ckpt_name(n) for n in self._node_services)
         if names:  # a lone actor learns it has no replica target any more
-            _api.get([_json_call(ckpt, "members", {"members": names}) for _, ckpt in self._node_services.values()])
+            _api.get([_typed.call(ckpt, "Checkpoint", "members", members=names)
+                      for _, ckpt in self._node_services.values()])
 
     def _services_of(self, node):
         """The dataloader and checkpoint actor of `node` (a trainer's node now)."""
@@ -909,8 +910,8 @@ class ElasticTrainer:
         self._ensure_node_services()
         # The nodes' services restart in place too; a node with no trainer left loses them.
         self._drop_idle_services()
-        services = [probe for loader, ckpt in self._node_services.values() for probe in ((loader, "info"),
-                                                                                          (ckpt, "status"))]
+        services = [probe for loader, ckpt in self._node_services.values()
+                    for probe in ((loader, "info"), (ckpt, lambda h: _typed.call(h, "Checkpoint", "status")))]
         answering = self._answering(services, deadline + self.replace_timeout)
         if len(answering) != len(services):
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
@@ -1041,7 +1042,7 @@ class ElasticTrainer:
         while waiting and time.monotonic() < deadline:
             probes = {}
             for mid, (m, method) in waiting.items():
-                probes[mid] = _json_call(m, method)
+                probes[mid] = method(m) if callable(method) else _json_call(m, method)
             for mid, ref in probes.items():
                 try:
                     _api.get(ref, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
@@ -1108,7 +1109,7 @@ class ElasticTrainer:
         if self._tensorboard is not None:
             self._tensorboard.close()
         try:
-            _api.get([_json_call(c, "release") for _, c in self._node_services.values()], timeout=30)
+            _api.get([_typed.call(c, "Checkpoint", "release") for _, c in self._node_services.values()], timeout=30)
         except Exception:
             pass
         for t in self.trainers:

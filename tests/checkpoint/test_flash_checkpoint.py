@@ -121,8 +121,10 @@ def actor(name, node):
     return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, num_cpus=0.5,
                             resources={"ck" + node.upper(): 1})
 a, b = actor("ck-a", "a"), actor("ck-b", "b")
-def status(h):
-    return json.loads(troupe.get(h.status.remote(b"")))
+from troupe import _typed
+def status(h):  # rank -> step, per list of the typed status
+    s = _typed.get(h, "Checkpoint", "status")["status"]
+    return {k: {e["rank"]: e["step"] for e in s[k]} for k in ("persisted", "replicated", "replicasHeld")}
 def until(cond, what):
     deadline = time.monotonic() + 30
     while not cond():
@@ -131,8 +133,22 @@ def until(cond, what):
 state = {"w": torch.randn(256, 1024), "b": torch.arange(10), "h": torch.randn(7).to(torch.bfloat16)}
 flash = ckpt.FlashCheckpoint(rank=0, world_size=1, actor=a)
 flash.save(10, state, metadata=b"ten")
-until(lambda: status(a)["persisted"].get("0") == 10 and status(a)["replicated"].get("0") == 10,
-      "persisted and replicated")
+until(lambda: status(a)["persisted"].get(0) == 10 and status(a)["replicated"].get(0) == 10
+      and status(b)["replicasHeld"].get(0) == 10, "persisted and replicated")
+held = _typed.get(b, "Checkpoint", "inventory")["holdings"]
+assert {"rank": 0, "step": 10, "worldSize": 1, "kind": "replica", "imageBytes": held[0]["imageBytes"]} in held, held
+chunk = _typed.get(b, "Checkpoint", "read", kind="replica", rank=0, step=10, offset=0, length=64)["data"]
+assert len(chunk) == 64 and isinstance(chunk, bytes)
+try:                                                              # sizes are checked by the actor
+    _typed.get(b, "Checkpoint", "read", kind="replica", rank=0, step=10, offset=0, length=9 << 20)
+    raise AssertionError("a 9 MiB read was served")
+except troupe.exceptions.ActorError as e:
+    assert "at most 8388608 per call" in str(e), e
+try:                                                              # JSON is no longer a payload
+    troupe.get(b.read.remote(b'{"kind": "replica"}'))
+    raise AssertionError("a JSON payload was taken")
+except troupe.exceptions.ActorError as e:
+    assert "not whole 8-byte words" in str(e) or "not a message" in str(e), e
 from_disk, info = ckpt.load(disk, with_metadata=True)            # what the actor wrote, read by Python
 assert info["step"] == 10 and info["metadata"] == b"ten"
 assert all(torch.equal(from_disk[k], v) for k, v in state.items())
@@ -143,7 +159,7 @@ os.remove(os.path.join(shm, flash.segment_name))                  # this node's 
 model = {k: torch.zeros_like(v) for k, v in state.items()}
 r = flash.restore(model)                                          # from ck-b's replica
 assert r.step == 10 and all(torch.equal(model[k], v) for k, v in state.items())
-removed = json.loads(troupe.get(a.release.remote(b"")))["removed"] + json.loads(troupe.get(b.release.remote(b"")))["removed"]
+removed = _typed.get(a, "Checkpoint", "release")["removed"] + _typed.get(b, "Checkpoint", "release")["removed"]
 print("OK", json.dumps(sorted(removed)))
 """
 
@@ -163,3 +179,29 @@ def test_checkpoint_actors_from_python(troupe, shm_dir, tmp_path):
     assert removed == ["troupe_ckpt.job.a.r0", "troupe_ckpt.job.b.replica.r0"]
     assert sorted(p.name for p in shm_dir.iterdir()) == []  # the group ended: no segment left
     assert ckpt.steps(disk) == [10]
+
+
+def test_typed_params_are_checked_before_they_are_sent():
+    from troupe import _actors
+
+    params = _actors.encode("Checkpoint", "restore", {"rank": 3, "maxStep": 20})
+    assert len(params) % 8 == 0 and params
+    with pytest.raises(ValueError, match=r"no field 'nope' \(rank, maxStep\)"):
+        _actors.encode("Checkpoint", "restore", {"nope": 1})
+    with pytest.raises(ValueError, match="must not be negative"):
+        _actors.encode("Checkpoint", "attach", {"rank": -1})
+    with pytest.raises(ValueError, match="out-of-range"):
+        _actors.encode("Checkpoint", "attach", {"rank": 1 << 40})
+    with pytest.raises(TypeError, match="expected an int"):
+        _actors.encode("Checkpoint", "attach", {"rank": "0"})
+    with pytest.raises(ValueError, match="'disk' is not one of memory, replica"):
+        _actors.encode("Checkpoint", "read", {"kind": "disk"})
+    with pytest.raises(ValueError, match="Checkpoint has no method 'nope'"):
+        _actors.encode("Checkpoint", "nope", {})
+    assert "replicaWrite" in _actors.methods("Checkpoint")
+    # Replies from a peer: a results message is read back; anything else is refused, not guessed at.
+    from troupe._actors import decode
+    with pytest.raises(ValueError, match="not whole 8-byte words"):
+        decode("Checkpoint", "attach", b"\x00" * 12)
+    with pytest.raises(ValueError, match="not a results message"):
+        decode("Checkpoint", "attach", b"\x00\x00\x00\x00\xff\xff\x00\x00")

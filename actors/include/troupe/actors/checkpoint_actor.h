@@ -20,40 +20,31 @@
 //   "shm_dir"              shared-memory directory (default /dev/shm, or $TROUPE_SHM_DIR)
 //   "fault"                a fault-injection spec (checkpoint/fault.h), for tests
 //
-// Methods (call(method, payload)); JSON payloads and replies unless noted. Every call returns
+// Methods: the typed interface rpc::Checkpoint (actors/schema/checkpoint.capnp, included as
+// "checkpoint.capnp.h"; ActorHandle::typed<rpc::Checkpoint>()), which says what each takes and
+// returns. The generic call(method, payload) reaches the same methods by name, the params and
+// results encoded with that schema (how Python calls them: troupe._actors). Every call returns
 // promptly: persisting, replicating and restoring run in the background (a persist thread, a
 // restore thread, and the RPC thread's event loop for peer transfers).
-//   attach        {"rank": r}  ->  {"segment": name, "shm_dir": dir}: where rank r snapshots
-//   saved         {"rank": r, "step": s}  ->  {"queued": true}: a snapshot of rank r is complete
-//                 in its segment; persist and replicate the newest one (coalesced: if saves come
-//                 faster than a persist, the newest snapshot is persisted next and the ones in
-//                 between are skipped)
-//   status        ""  ->  {"pid", "group", "node", "dir", "persisted": {r: step},
-//                 "persist_errors": [..], "replicated": {r: step}, "replica_errors": [..],
-//                 "replicas_held": {r: step}}
-//   inventory     ""  ->  {"actor", "node", "holdings": [{"rank", "step", "world_size",
-//                 "kind": "memory"|"replica", "image_bytes"}]}: complete snapshots held here
-//   read          {"kind": "memory"|"replica", "rank", "step", "offset", "length"}  ->  raw bytes
-//                 of that snapshot's image (at most 8 MiB); an error if the snapshot is no longer
-//                 held or changed while being read
-//   replicaBegin  {"rank", "step", "image_bytes", "from"}  ->  {"slot": k}: a peer starts sending
-//                 a replica of its rank r
-//   replicaWrite  binary: u32 rank, u32 slot, u64 step, u64 offset (little-endian), then bytes
-//                 ->  ""
-//   replicaCommit {"rank", "slot", "step"}  ->  {"step": s}: every byte sent; the replica's
-//                 checksums are verified before it counts
-//   restore       {"rank": r, "max_step"?: s}  ->  {"state": "running"} while in progress, then
-//                 once {"state": "done", "step", "source", "segment", "skipped": [..]} or
-//                 {"state": "none", "skipped": [..]}: stages the newest step complete on every
-//                 rank (at most max_step) into rank r's segment on this node; the trainer then
-//                 reads it from there. Call again until the state is not "running". Trainers whose
-//                 restored steps differ restore again with max_step = the smallest.
-//   release       ""  ->  {"removed": [names]}: the group ended: cancels restores in progress,
-//                 removes this node's segments of the group and temporary files of dead writers
-//                 in the directory. Call it once the group's trainers have stopped (a replica
-//                 arriving afterwards would create a segment again). Also done when the actor
-//                 exits cleanly (SIGTERM); a kill -9 leaves the segments (by design: a new
-//                 incarnation finds them) until release or `troupe stop`.
+//   attach, saved   a trainer's rank snapshots into the segment attach names, then says so;
+//                   the newest snapshot is persisted and replicated (coalesced: if saves come
+//                   faster than a persist, the ones in between are skipped)
+//   pin             the newest snapshot at or before a step is pinned here and in its replica
+//   restore         stages the newest step complete on every rank (at most maxStep) into the
+//                   rank's segment here; answers `running` until it is done, then once `done`
+//                   (step, source) or `none`. Trainers whose restored steps differ restore again
+//                   with maxStep = the smallest.
+//   status, inventory, read   what is persisted, replicated and held; a held image's bytes
+//                   (at most 8 MiB a call)
+//   members         the group's live checkpoint actors: picks the replica target
+//   replicaBegin, replicaWrite, replicaCommit, replicaPin   from the peer that sends replicas;
+//                   a replica counts once its header and checksums are verified at commit
+//   release         the group ended: cancels restores in progress, removes this node's segments
+//                   of the group and temporary files of dead writers in the directory. Call it
+//                   once the group's trainers have stopped (a replica arriving afterwards would
+//                   create a segment again). Also done when the actor exits cleanly (SIGTERM); a
+//                   kill -9 leaves the segments (by design: a new incarnation finds them) until
+//                   release or `troupe stop`.
 // Errors are returned as the call's error with a message naming what failed.
 // Thread-safety: see troupe/runtime/actor.h; internal threads only touch what they own.
 #pragma once

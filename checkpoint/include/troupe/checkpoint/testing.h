@@ -22,7 +22,7 @@
 #include "troupe/checkpoint/checksum.h"
 #include "troupe/checkpoint/image.h"
 #include "troupe/checkpoint/tensor_state.h"
-#include "test_state.h"
+#include "troupe/checkpoint/test_state.h"
 #include "troupe/runtime/ids.h"
 
 namespace troupe::checkpoint::testing {

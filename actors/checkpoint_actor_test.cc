@@ -1,15 +1,19 @@
 // Checkpoint actors as real processes: a real redis-server, controller, two node agents (two
 // "nodes" on this machine), Checkpoint actors on each, and checkpoint_writer processes standing in
 // for trainers. Faults are injected through the library's seam and processes killed with -9.
+// The actors are called through their typed interface (rpc::Checkpoint), as trainers and peers
+// call them; the generic path (the Python driver's) is checked at the end.
 #include <doctest/doctest.h>
 #include <sys/mount.h>
 
 #include <cstring>
 #include <fstream>
 
+#include <capnp/serialize.h>
 #include <nlohmann/json.hpp>
 
-#include "test_util.h"
+#include "checkpoint.capnp.h"
+#include "troupe/checkpoint/testing.h"
 #include "troupe/testing/cluster_fixture.h"
 #include "troupe/checkpoint/checkpoint_dir.h"
 #include "troupe/checkpoint/flash_segment.h"
@@ -77,12 +81,121 @@ struct CheckpointCluster {
     o.initArgs = args.dump();
     return wait(client->createActor(o));
   }
-  json call(ActorHandle& actor, const std::string& method, const json& payload = json::object()) {
-    return json::parse(wait(actor.call(method, payload.dump())));
+  // Calls `method` through rpc::Checkpoint with the arguments in `args` and shows the results as
+  // JSON (the tests' view: ranks as keys of "persisted" and the like).
+  json call(ActorHandle& actor, const std::string& method, const json& args = json::object()) {
+    auto c = wait(actor.typed<actors::rpc::Checkpoint>());
+    auto rankSteps = [](capnp::List<actors::rpc::RankStep>::Reader list) {
+      json out = json::object();
+      for (auto e : list) out[std::to_string(e.getRank())] = e.getStep();
+      return out;
+    };
+    auto texts = [](capnp::List<capnp::Text>::Reader list) {
+      json out = json::array();
+      for (auto t : list) out.push_back(t.cStr());
+      return out;
+    };
+    auto state = [](actors::rpc::JobState s) {
+      return s == actors::rpc::JobState::RUNNING ? "running" : s == actors::rpc::JobState::DONE ? "done" : "none";
+    };
+    if (method == "attach") {
+      auto r = c.attachRequest();
+      r.setRank(args.at("rank"));
+      auto reply = wait(r.send());
+      return json{{"segment", reply.getSegment().cStr()}, {"shm_dir", reply.getShmDir().cStr()}};
+    }
+    if (method == "saved") {
+      auto r = c.savedRequest();
+      r.setRank(args.at("rank"));
+      r.setStep(args.at("step"));
+      wait(r.send());
+      return json::object();
+    }
+    if (method == "status") {
+      auto reply = wait(c.statusRequest().send());
+      auto s = reply.getStatus();
+      return json{{"pid", s.getPid()},
+                  {"group", s.getGroup().cStr()},
+                  {"node", s.getNode().cStr()},
+                  {"persisted", rankSteps(s.getPersisted())},
+                  {"persist_errors", texts(s.getPersistErrors())},
+                  {"replicated", rankSteps(s.getReplicated())},
+                  {"replica_errors", texts(s.getReplicaErrors())},
+                  {"replicas_held", rankSteps(s.getReplicasHeld())},
+                  {"replicas_pinned", rankSteps(s.getReplicasPinned())}};
+    }
+    if (method == "inventory") {
+      auto reply = wait(c.inventoryRequest().send());
+      json holdings = json::array();
+      for (auto h : reply.getHoldings()) {
+        holdings.push_back({{"rank", h.getRank()},
+                            {"step", h.getStep()},
+                            {"world_size", h.getWorldSize()},
+                            {"kind", h.getKind() == actors::rpc::SnapshotKind::REPLICA ? "replica" : "memory"},
+                            {"image_bytes", h.getImageBytes()}});
+      }
+      return json{{"actor", reply.getActor().cStr()}, {"node", reply.getNode().cStr()}, {"holdings", holdings}};
+    }
+    if (method == "restore") {
+      auto r = c.restoreRequest();
+      r.setRank(args.at("rank"));
+      if (args.contains("max_step")) r.setMaxStep(args.at("max_step"));
+      auto reply = wait(r.send());
+      json out{{"state", state(reply.getState())}, {"skipped", texts(reply.getSkipped())}};
+      if (reply.getState() == actors::rpc::JobState::DONE) {
+        out["step"] = reply.getStep();
+        out["source"] = reply.getSource().cStr();
+        out["segment"] = reply.getSegment().cStr();
+      }
+      return out;
+    }
+    if (method == "release") return json{{"removed", texts(wait(c.releaseRequest().send()).getRemoved())}};
+    if (method == "read") {
+      auto r = c.readRequest();
+      r.setKind(args.at("kind") == "replica" ? actors::rpc::SnapshotKind::REPLICA : actors::rpc::SnapshotKind::MEMORY);
+      r.setRank(args.at("rank"));
+      r.setStep(args.at("step"));
+      r.setOffset(args.at("offset"));
+      r.setLength(args.at("length"));
+      return json{{"bytes", wait(r.send()).getData().size()}};
+    }
+    if (method == "replicaBegin") {
+      auto r = c.replicaBeginRequest();
+      r.setRank(args.at("rank"));
+      r.setStep(args.at("step"));
+      r.setImageBytes(args.at("image_bytes"));
+      return json{{"slot", wait(r.send()).getSlot()}};
+    }
+    if (method == "replicaCommit") {
+      auto r = c.replicaCommitRequest();
+      r.setRank(args.at("rank"));
+      r.setSlot(args.value("slot", 0u));
+      r.setStep(args.at("step"));
+      return json{{"step", wait(r.send()).getStep()}};
+    }
+    FAIL("the test calls no method '" << method << "'");
+    return json();
   }
-  std::string error(ActorHandle& actor, const std::string& method, const json& payload) {
+  std::string error(ActorHandle& actor, const std::string& method, const json& args) {
     std::string out = "(no error)";
-    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { wait(actor.call(method, payload.dump())); })) {
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { call(actor, method, args); })) {
+      out = e->getDescription().cStr();
+    }
+    return out;
+  }
+  // A replica chunk, as a peer sends it.
+  std::string write(ActorHandle& actor, uint32_t rank, uint32_t slot, uint64_t step, uint64_t offset,
+                    std::string_view bytes) {
+    std::string out = "(no error)";
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+      auto r = wait(actor.typed<actors::rpc::Checkpoint>()).replicaWriteRequest();
+      r.setRank(rank);
+      r.setSlot(slot);
+      r.setStep(step);
+      r.setOffset(offset);
+      r.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(bytes.data()), bytes.size()));
+      wait(r.send());
+    })) {
       out = e->getDescription().cStr();
     }
     return out;
@@ -170,8 +283,8 @@ TEST_CASE("checkpoint actors: persist in the background, replicate to the peer, 
   CHECK(segA == "troupe_ckpt." + c.group + ".a.r0");
   c.runWriter(segA, 0, 2, "10");
   c.runWriter(segB, 1, 2, "10");
-  CHECK(c.call(a, "saved", {{"rank", 0}, {"step", 10}})["queued"] == true);
-  CHECK(c.call(b, "saved", {{"rank", 1}, {"step", 10}})["queued"] == true);
+  c.call(a, "saved", {{"rank", 0}, {"step", 10}});
+  c.call(b, "saved", {{"rank", 1}, {"step", 10}});
   // Each actor persists its rank; the second to finish writes the manifest. Each sends its rank
   // to the other as a replica.
   REQUIRE(eventually(std::chrono::seconds(30), [&]() {
@@ -427,20 +540,8 @@ TEST_CASE("checkpoint actors: a peer's replica is refused unless it is the image
   CheckpointCluster c;
   auto b = c.actor("ck-b", "b");
   int pid = c.call(b, "status")["pid"];
-  auto raw = [&](const std::string& method, const std::string& payload) {
-    std::string out = "(no error)";
-    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { c.wait(b.call(method, payload)); })) {
-      out = e->getDescription().cStr();
-    }
-    return out;
-  };
   auto write = [&](uint32_t rank, uint32_t slot, uint64_t step, uint64_t offset, std::string_view bytes) {
-    std::string payload(24, '\0');
-    std::memcpy(payload.data(), &rank, 4);
-    std::memcpy(payload.data() + 4, &slot, 4);
-    std::memcpy(payload.data() + 8, &step, 8);
-    std::memcpy(payload.data() + 16, &offset, 8);
-    return raw("replicaWrite", payload.append(bytes));
+    return c.write(b, rank, slot, step, offset, bytes);
   };
   // Two slots of 2^63 bytes wrap to a few pages: the segment was mapped that small, and a write
   // far into the announced image killed the actor (SIGSEGV).
@@ -456,19 +557,24 @@ TEST_CASE("checkpoint actors: a peer's replica is refused unless it is the image
   std::string_view bytes(reinterpret_cast<const char*>(image.data()), image.size());
   int slot = c.call(b, "replicaBegin", {{"rank", 0}, {"step", 10}, {"image_bytes", image.size()}})["slot"];
   CHECK(write(0, slot, 10, 0, bytes) == "(no error)");
-  std::string refused = c.error(b, "replicaCommit", {{"rank", 0}, {"step", 10}});
+  // Committed under another slot than the one begun: refused before anything is read.
+  CHECK(c.error(b, "replicaCommit", {{"rank", 0}, {"slot", slot + 1}, {"step", 10}}).find("no replica of rank 0 step 10")
+        != std::string::npos);
+  std::string refused = c.error(b, "replicaCommit", {{"rank", 0}, {"slot", slot}, {"step", 10}});
   CHECK(refused.find("holds rank 1 step 10") != std::string::npos);
   CHECK(refused.find("not the rank 0 step 10") != std::string::npos);
   CHECK(c.call(b, "inventory")["holdings"].empty());
   // Announced as a smaller image than its header claims: only the announced bytes are read.
   slot = c.call(b, "replicaBegin", {{"rank", 1}, {"step", 10}, {"image_bytes", ck::kPageBytes}})["slot"];
   CHECK(write(1, slot, 10, 0, bytes.substr(0, ck::kPageBytes)) == "(no error)");
-  CHECK(c.error(b, "replicaCommit", {{"rank", 1}, {"step", 10}}).find("corrupt checkpoint image") != std::string::npos);
+  // A chunk that runs past the announced image is refused, naming the bytes and the image.
+  CHECK(write(1, slot, 10, ck::kPageBytes - 2, "four").find("outside the") != std::string::npos);
+  CHECK(c.error(b, "replicaCommit", {{"rank", 1}, {"slot", slot}, {"step", 10}}).find("corrupt checkpoint image") != std::string::npos);
   CHECK(c.call(b, "inventory")["holdings"].empty());
   // The same image announced truthfully is held.
   slot = c.call(b, "replicaBegin", {{"rank", 1}, {"step", 10}, {"image_bytes", image.size()}})["slot"];
   CHECK(write(1, slot, 10, 0, bytes) == "(no error)");
-  CHECK(c.call(b, "replicaCommit", {{"rank", 1}, {"step", 10}})["step"] == 10);
+  CHECK(c.call(b, "replicaCommit", {{"rank", 1}, {"slot", slot}, {"step", 10}})["step"] == 10);
   json holdings = c.call(b, "inventory")["holdings"];
   REQUIRE(holdings.size() == 1);
   CHECK(holdings[0]["rank"] == 1);
@@ -482,10 +588,31 @@ TEST_CASE("checkpoint actors: a clean exit removes the node's segments; calls ar
   std::string seg = c.call(a, "attach", {{"rank", 0}})["segment"];
   c.runWriter(seg, 0, 1, "10");
   CHECK(c.groupSegments().size() == 1);
-  CHECK(c.error(a, "attach", {{"rank", "x"}}).find("\"rank\"") != std::string::npos);
-  CHECK(c.error(a, "nope", {}).find("no method 'nope'") != std::string::npos);
   CHECK(c.error(a, "read", {{"kind", "memory"}, {"rank", 0}, {"step", 99}, {"offset", 0}, {"length", 1}})
             .find("no longer held") != std::string::npos);
+  CHECK(c.error(a, "read", {{"kind", "memory"}, {"rank", 0}, {"step", 10}, {"offset", 0}, {"length", 9 << 20}})
+            .find("at most 8388608 per call") != std::string::npos);
+  // The generic path (the Python driver's): a method by name, its params as a message.
+  auto generic = [&](const std::string& method, std::string payload) {
+    std::string out;
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { out = c.wait(a.call(method, kj::mv(payload))); })) {
+      out = std::string("error: ") + e->getDescription().cStr();
+    }
+    return out;
+  };
+  capnp::MallocMessageBuilder params;
+  params.initRoot<actors::rpc::Checkpoint::AttachParams>().setRank(0);
+  auto flat = capnp::messageToFlatArray(params);
+  std::string encoded(reinterpret_cast<const char*>(flat.asBytes().begin()), flat.asBytes().size());
+  std::string reply = generic("attach", encoded);
+  REQUIRE(reply.size() % sizeof(capnp::word) == 0);
+  auto words = kj::heapArray<capnp::word>(reply.size() / sizeof(capnp::word));
+  std::memcpy(words.begin(), reply.data(), reply.size());
+  capnp::FlatArrayMessageReader results(words);
+  CHECK(std::string(results.getRoot<actors::rpc::Checkpoint::AttachResults>().getSegment().cStr()) == seg);
+  CHECK(generic("nope", encoded).find("Checkpoint has no method 'nope' (attach, saved,") != std::string::npos);
+  CHECK(generic("attach", "{\"rank\": 0}").find("not whole 8-byte words") != std::string::npos);
+  CHECK(generic("attach", encoded.substr(0, 8)).find("Checkpoint.attach: the params are not a message") != std::string::npos);
   int pid = c.call(a, "status")["pid"];
   REQUIRE(::kill(pid, SIGTERM) == 0);
   CHECK(eventually(std::chrono::seconds(10), [&]() { return c.groupSegments().empty(); }));
