@@ -5,12 +5,14 @@
 
 #include <malloc.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include <capnp/rpc.h>
 #include <kj/debug.h>
@@ -48,17 +50,32 @@ struct Spinner {
   int64_t window = maxSpinNs();
   int64_t deadline = 0;
   int64_t missedAt = 0;         // when the last spin ended without a message from a peer
+  long preemptions = 0;         // this thread's, when last read
+  int64_t busyUntil = 0;        // no spin starts before this: a yield found the CPUs busy
   bool heard = false;           // a peer's message arrived during this spin
   const void* owner = nullptr;  // the connection whose promise runs the spin, if one does
   uint64_t spins = 0;           // started on this thread, ever (tests read it)
+  uint64_t yields = 0;          // by those spins
 };
 thread_local Spinner tSpinner;
 // While spinning, the loop polls the OS after every this many turns: often enough that a spin
 // notices an answer within a few microseconds, rarely enough that a busy loop (pipelined calls,
 // where the spin keeps being extended) is not slowed by a syscall per turn.
 constexpr uint kBusyPollTurns = 3;
-// A sched_yield that took longer than this ran another thread.
-constexpr int64_t kYieldedNs = 20'000;
+// A sched_yield that took longer than this may have run another thread (or the host ran another
+// VM: the thread's involuntary context switches tell the two apart).
+constexpr int64_t kSlowYieldNs = 20'000;
+// After a yield found the CPUs busy, no spin starts for this long: the yield gave this thread's
+// CPU to another one until its slice ended (milliseconds), so trying again on every call would
+// cost each call that much.
+constexpr int64_t kBusyBackoffNs = 50'000'000;
+
+// This thread's involuntary context switches (a sched_yield that ran another thread is one).
+long preemptions() {
+  rusage usage;
+  getrusage(RUSAGE_THREAD, &usage);
+  return usage.ru_nivcsw;
+}
 
 // Reads the socket in blocks of up to 64 KiB: Cap'n Proto reads each message as a header, then
 // the rest, so without it every message costs two or three read calls; with it, usually one,
@@ -122,9 +139,10 @@ class BufferedStream final : public ForwardingStream {
       if (now - spinner.missedAt < maxSpinNs()) spinner.window = maxSpinNs();
     }
     spinner.deadline = std::max(spinner.deadline, now + spinner.window);
-    if (spinner.owner == nullptr) {
+    if (spinner.owner == nullptr && now >= spinner.busyUntil) {
       spinner.owner = this;
       spinner.heard = false;
+      spinner.preemptions = preemptions();
       ++spinner.spins;
       spinScope_->setBusyPollInterval(kBusyPollTurns);
       spin_ = spin().eagerlyEvaluate(nullptr);
@@ -134,14 +152,21 @@ class BufferedStream final : public ForwardingStream {
     return kj::evalLast([this]() -> kj::Promise<void> {
       Spinner& spinner = tSpinner;
       int64_t now = monotonicNs();
+      bool busy = false;
       if (now <= spinner.deadline) {
         sched_yield();  // a runnable thread on this CPU goes first
+        ++spinner.yields;
         // If one did, the CPUs are busy: a sleeping thread is then woken without a halted CPU
-        // to wake up, and spinning only takes their time. Stop now.
-        if (monotonicNs() - now < kYieldedNs) return spin();
+        // to wake up, and spinning only takes their time. Stop now. A slow yield that switched
+        // to no thread was the host's doing (steal): keep spinning, wake-ups still cost a halt.
+        if (monotonicNs() - now < kSlowYieldNs) return spin();
+        long before = std::exchange(spinner.preemptions, preemptions());
+        if (spinner.preemptions == before) return spin();
         spinner.deadline = now;
+        spinner.busyUntil = now + kBusyBackoffNs;
+        busy = true;
       }
-      if (!spinner.heard) {
+      if (!spinner.heard && !busy) {  // a miss, not a busy machine
         spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
         spinner.missedAt = now;
       }
@@ -215,6 +240,7 @@ capnp::Capability::Client bootstrapOf(capnp::RpcSystem<capnp::rpc::twoparty::Vat
 }  // namespace
 
 uint64_t spinsOnThisThread() { return tSpinner.spins; }
+uint64_t spinYieldsOnThisThread() { return tSpinner.yields; }
 
 void keepMessageBuffers() {
   static std::once_flag once;

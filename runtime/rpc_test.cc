@@ -5,9 +5,12 @@
 
 #include <unistd.h>
 
+#include <pthread.h>
+#include <sched.h>
 #include <time.h>
 
 #include <atomic>
+#include <chrono>
 #include <future>
 #include <thread>
 
@@ -335,6 +338,60 @@ TEST_CASE("rpc: a spinning connection spins at most one window after its last me
   CHECK(spinning.cpuMs < 300);  // a 100 ms window, then it stopped
   CHECK(sleeping.spins == 0);
   CHECK(sleeping.cpuMs < 2);
+}
+
+TEST_CASE("rpc: a spin ends when a yield gives its CPU to another thread, and none starts for a while") {
+  setenv("TROUPE_RPC_SPIN_US", "100000", 1);  // as above: read once per process
+  std::promise<int> port;
+  std::atomic<bool> stop{false};
+  std::thread server([&]() {
+    kj::AsyncIoContext io = kj::setupAsyncIo();
+    auto s = RpcServer::listen(io, HostPort{"127.0.0.1", 0}, "secret-token",
+                               rpc::NodeAgent::Client(kj::heap<PingService>()), PeerWait::kSleep);
+    port.set_value(s.isOk() ? (*s)->port() : -1);
+    while (!stop) io.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(io.waitScope);
+  });
+  int p = port.get_future().get();
+  REQUIRE(p > 0);
+  // This thread and a busy one share one CPU: each yield of a spin runs the busy thread.
+  cpu_set_t all, one;
+  REQUIRE(pthread_getaffinity_np(pthread_self(), sizeof all, &all) == 0);
+  CPU_ZERO(&one);
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &all)) {
+      CPU_SET(c, &one);
+      break;
+    }
+  }
+  REQUIRE(pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0);
+  std::thread busy([&]() {
+    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    while (!stop) {
+    }
+  });
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  auto client = RpcClient::connect(io, HostPort{"127.0.0.1", p}, "secret-token", 5 * kj::SECONDS,
+                                   PeerWait::kSpinFirst)
+                    .wait(io.waitScope);
+  auto agent = client->bootstrap<rpc::NodeAgent>();
+  uint64_t spins = spinsOnThisThread();
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100; ++i) CHECK(agent.pingRequest().send().wait(io.waitScope).getPid() == getpid());
+  double callsMs = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  spins = spinsOnThisThread() - spins;
+  uint64_t yields = spinYieldsOnThisThread();
+  io.provider->getTimer().afterDelay(300 * kj::MILLISECONDS).wait(io.waitScope);
+  yields = spinYieldsOnThisThread() - yields;
+  stop = true;
+  busy.join();
+  server.join();
+  pthread_setaffinity_np(pthread_self(), sizeof all, &all);
+  INFO("100 calls in ", callsMs, " ms started ", spins, " spins; then ", yields, " yields idle");
+  CHECK(spins >= 1);
+  CHECK(spins <= 2 + callsMs / 50);  // one spin per 50 ms at most: a busy CPU holds them back
+  // Each yield ran the busy thread for its slice (milliseconds): a spin that went on yielding
+  // through its 100 ms window would make dozens, and hear every answer that late.
+  CHECK(yields <= 3);
 }
 
 }  // namespace

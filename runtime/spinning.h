@@ -8,5 +8,7 @@ namespace troupe {
 
 // Spins started by this thread's loop since the thread began.
 uint64_t spinsOnThisThread();
+// The sched_yield calls of those spins.
+uint64_t spinYieldsOnThisThread();
 
 }  // namespace troupe
