@@ -5,123 +5,20 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <chrono>
 #include <fstream>
 #include <iterator>
 
 #include "daemon.h"
-#include "troupe.capnp.h"
 #include "troupe/actors/checkpoint_actor.h"
 #include "troupe/actors/test_actors.h"
 #ifdef TROUPE_WITH_TRAIN
 #include "troupe/actors/train_actors.h"
 #endif
 #include "troupe/runtime/actor.h"
+#include "troupe/runtime/actor_server.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
-#include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
-
-namespace troupe {
-namespace {
-
-// Serves the hosted actor. Calls run on the RPC thread one at a time, so a caller's calls run
-// in the order it sent them (Cap'n Proto delivers calls on one capability in order).
-class ActorService final : public rpc::Actor::Server {
- public:
-  ActorService(std::unique_ptr<Actor> actor, std::string type) : actor_(std::move(actor)), type_(std::move(type)) {}
-
- protected:
-  kj::Promise<void> call(CallContext context) override {
-    // The arguments are read in place: the context (held below) keeps the message alive.
-    auto params = context.getParams();
-    auto payload = params.getPayload();
-    std::string method = params.getMethod().cStr();
-    return schedule(kj::mv(method), std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()))
-        .then([context, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
-          counted(arrived, result.isOk());
-          // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
-          // death to callers. The status code travels in the description.
-          if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
-          context.getResults().setResult(
-              capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
-        });
-  }
-
-  kj::Promise<void> callBatch(CallBatchContext context) override {
-    context.getResults().initReplies(context.getParams().getCalls().size());
-    return runBatch(context, 0);
-  }
-
-  // Runs call i of the batch, then the rest, each after the previous one resolved.
-  kj::Promise<void> runBatch(CallBatchContext context, unsigned i) {
-    auto calls = context.getParams().getCalls();
-    if (i == calls.size()) return kj::READY_NOW;
-    std::string method = calls[i].getMethod().cStr();
-    auto payload = calls[i].getPayload();
-    return schedule(kj::mv(method), std::string_view(reinterpret_cast<const char*>(payload.begin()), payload.size()))
-        .then([this, context, i, arrived = std::chrono::steady_clock::now()](Result<std::string> result) mutable {
-          counted(arrived, result.isOk());
-          auto reply = context.getResults().getReplies()[i];
-          if (result.isOk()) {
-            reply.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(result->data()), result->size()));
-          } else {
-            reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
-          }
-          return runBatch(context, i + 1);
-        });
-  }
-
-  // An answered call in this worker's counters (the node agent reads them for /metrics).
-  static void counted(std::chrono::steady_clock::time_point arrived, bool ok) {
-    auto& c = metrics::actorCalls();
-    c.calls.add();
-    if (!ok) c.errors.add();
-    c.seconds.addTime(std::chrono::steady_clock::now() - arrived);
-  }
-
-  // A query the actor answers at once runs now; every other call in turn.
-  // `payload` stays valid until the promise resolves (the call's context holds its message).
-  kj::Promise<Result<std::string>> schedule(std::string method, std::string_view payload) {
-    if (actor_->answersAtOnce(method)) return actor_->callAsync(method, payload);
-    return inTurn([this, method = kj::mv(method), payload]() { return actor_->callAsync(method, payload); });
-  }
-
-  // Runs `start` once every earlier call has finished: one call at a time, in arrival order,
-  // even when an actor's calls wait on something.
-  template <typename Start>
-  kj::Promise<Result<std::string>> inTurn(Start start) {
-    auto paf = kj::newPromiseAndFulfiller<void>();
-    auto previous = kj::mv(last_);
-    last_ = kj::mv(paf.promise);
-    auto done = std::make_shared<kj::Own<kj::PromiseFulfiller<void>>>(kj::mv(paf.fulfiller));
-    return previous.then(kj::mv(start)).then(
-        [done](Result<std::string> r) {
-          (*done)->fulfill();
-          return r;
-        },
-        [done](kj::Exception&& e) -> Result<std::string> {
-          (*done)->fulfill();  // a failed call must not block the ones after it
-          return statusFromException(e, "");
-        });
-  }
-
-  kj::Promise<void> typed(TypedContext context) override {
-    KJ_IF_MAYBE(cap, actor_->typed()) {
-      context.getResults().setCap(*cap);
-      return kj::READY_NOW;
-    }
-    throwStatus(Status(StatusCode::kFailedPrecondition, fmt::format("actor type {} has no typed interface", type_)));
-  }
-
- private:
-  std::unique_ptr<Actor> actor_;
-  std::string type_;
-  kj::Promise<void> last_ = kj::READY_NOW;  // the previous call's end
-};
-
-}  // namespace
-}  // namespace troupe
 
 namespace troupe {
 namespace {
@@ -199,9 +96,8 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
-                                  rpc::Actor::Client(kj::heap<ActorService>(std::move(*actor), type)),
-                                  PeerWait::kSpinFirst);
+  // Calls run one at a time in arrival order (actor_server.h).
+  auto server = listenActor(io, HostPort{ip, 0}, token, std::move(*actor), type);
   if (!server.isOk()) {
     fprintf(stderr, "troupe-worker: %s\n", server.status().message().c_str());
     return 1;

@@ -27,6 +27,7 @@
 #include <kj/vector.h>
 
 #include "troupe.capnp.h"
+#include "troupe/runtime/actor_server.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/metrics.h"
@@ -827,107 +828,92 @@ class Runtime {
   bool closing_ = false;                                    // guarded by mutex_
 };
 
-// Serves one Python actor. Inline (the default): `dispatch(method, payload) -> bytes` runs on
-// the loop thread with the GIL held, one call at a time in arrival order. Concurrent (threaded
-// and async actors, task workers): `dispatch(method, payload, reply)` only hands the call to
-// Python's own executor and returns; `reply(bytes)`, called once from any thread, answers it.
-class PythonActor final : public rpc::Actor::Server {
+// One Python actor as the shared actor server (actor_server.h) sees it. Inline (the default):
+// `dispatch(method, payload) -> bytes` runs on the loop thread with the GIL held, in turn: one call
+// at a time, in arrival order. Concurrent (threaded and async actors, task workers): every call
+// answers at once, so calls start in arrival order and overlap; `dispatch(method, payload, reply)`
+// only hands the call to Python's own executor and returns, and `reply(bytes)`, called once from
+// any thread, answers it. Exceptions are part of the reply (the Python layer encodes them and
+// counts them), so a call fails here only if the dispatcher itself raised.
+class PythonActor final : public Actor {
  public:
   PythonActor(py::object dispatch, bool concurrent) : dispatch_(std::move(dispatch)), concurrent_(concurrent) {}
-  ~PythonActor() {
+  ~PythonActor() noexcept override {
     py::gil_scoped_acquire acquire;
     dispatch_ = py::object();
   }
 
- protected:
-  kj::Promise<void> call(CallContext context) override {
-    auto p = context.getParams();
-    if (concurrent_) {
-      return start(p.getMethod().cStr(), p.getPayload()).then([context](std::string reply) mutable {
-        setResult(context.getResults(), reply);
-      });
+  Result<std::string> call(const std::string& method, std::string_view payload) override {
+    py::gil_scoped_acquire acquire;
+    try {
+      py::bytes reply = dispatch_(method, py::bytes(payload.data(), payload.size()));
+      return std::string(reply);
+    } catch (py::error_already_set& e) {
+      return Status(StatusCode::kInternal, fmt::format("the Python worker's dispatcher raised: {}", e.what()));
     }
-    setResult(context.getResults(), run(p.getMethod().cStr(), p.getPayload()));
-    return kj::READY_NOW;
   }
 
-  kj::Promise<void> callBatch(CallBatchContext context) override {
-    auto calls = context.getParams().getCalls();
-    if (concurrent_) {
-      auto started = kj::heapArrayBuilder<kj::Promise<std::string>>(calls.size());
-      {
-        // One GIL acquisition for the whole batch: taking it per call makes this thread and
-        // the one running the calls trade the GIL back and forth.
-        py::gil_scoped_acquire acquire;
-        for (unsigned i = 0; i < calls.size(); ++i) started.add(start(calls[i].getMethod().cStr(), calls[i].getPayload()));
-      }
-      return kj::joinPromises(started.finish()).then([context](kj::Array<std::string> replies) mutable {
-        auto out = context.getResults().initReplies(replies.size());
-        for (unsigned i = 0; i < replies.size(); ++i) setResult(out[i], replies[i]);
-      });
+  // Concurrent calls are handed to Python together at the end of this turn of the loop, under
+  // one GIL acquisition: taking it per call makes the loop thread and the threads running calls
+  // trade it back and forth (a callBatch of task calls arrives in one turn).
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
+    if (!concurrent_) return call(method, payload);
+    auto paf = kj::newPromiseAndCrossThreadFulfiller<Result<std::string>>();
+    starting_.push_back(Starting{method, payload, kj::mv(paf.fulfiller)});
+    if (starting_.size() == 1) {
+      startAll_ = kj::evalLater([this]() { startAll(); }).eagerlyEvaluate(nullptr);
     }
-    auto replies = context.getResults().initReplies(calls.size());
-    for (unsigned i = 0; i < calls.size(); ++i) setResult(replies[i], run(calls[i].getMethod().cStr(), calls[i].getPayload()));
-    return kj::READY_NOW;
+    return kj::mv(paf.promise);
   }
+
+  bool answersAtOnce(const std::string& /*method*/) const override { return concurrent_; }
 
  private:
-  template <typename Builder>
-  static void setResult(Builder builder, const std::string& reply) {
-    builder.setResult(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(reply.data()), reply.size()));
-  }
+  struct Starting {
+    std::string method;
+    std::string_view payload;  // valid while the call's promise is (actor.h)
+    kj::Own<kj::CrossThreadPromiseFulfiller<Result<std::string>>> fulfiller;
+  };
 
-  // Exceptions are part of the reply (the Python layer encodes them), so this only fails if
-  // the dispatcher itself is broken.
-  std::string run(const char* method, capnp::Data::Reader payload) {
-    auto arrived = std::chrono::steady_clock::now();
-    std::string reply;
-    {
-      py::gil_scoped_acquire acquire;
-      py::bytes result = dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()));
-      reply = result;
+  void startAll() {
+    std::vector<Starting> batch;
+    batch.swap(starting_);
+    py::gil_scoped_acquire acquire;
+    for (auto& s : batch) {
+      if (!s.fulfiller->isWaiting()) continue;  // its call was cancelled: the payload is gone
+      auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Result<std::string>>>>(kj::mv(s.fulfiller));
+      py::cpp_function reply([fulfiller](py::bytes data) {
+        std::string bytes = data;
+        py::gil_scoped_release release;
+        if ((*fulfiller)->isWaiting()) (*fulfiller)->fulfill(Result<std::string>(kj::mv(bytes)));
+      });
+      try {
+        dispatch_(s.method, py::bytes(s.payload.data(), s.payload.size()), reply);
+      } catch (py::error_already_set& e) {
+        (*fulfiller)->fulfill(Status(StatusCode::kInternal, fmt::format("the Python worker's dispatcher raised: {}", e.what())));
+      }
     }
-    counted(arrived);
-    return reply;
-  }
-
-  // An answered call in this worker's counters (its errors are counted in Python: the reply
-  // encodes them).
-  static void counted(std::chrono::steady_clock::time_point arrived) {
-    auto& c = metrics::actorCalls();
-    c.calls.add();
-    c.seconds.addTime(std::chrono::steady_clock::now() - arrived);
-  }
-
-  kj::Promise<std::string> start(const char* method, capnp::Data::Reader payload) {
-    auto paf = kj::newPromiseAndCrossThreadFulfiller<std::string>();
-    auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<std::string>>>(kj::mv(paf.fulfiller));
-    py::gil_scoped_acquire acquire;  // re-entrant: callBatch may hold it already
-    py::cpp_function reply([fulfiller, arrived = std::chrono::steady_clock::now()](py::bytes data) {
-      std::string bytes = data;
-      counted(arrived);
-      py::gil_scoped_release release;
-      if ((*fulfiller)->isWaiting()) (*fulfiller)->fulfill(kj::mv(bytes));
-    });
-    dispatch_(method, py::bytes(reinterpret_cast<const char*>(payload.begin()), payload.size()), reply);
-    return kj::mv(paf.promise);
   }
 
   py::object dispatch_;
   bool concurrent_;
+  std::vector<Starting> starting_;          // loop thread: concurrent calls not yet handed to Python
+  kj::Promise<void> startAll_ = kj::READY_NOW;  // loop thread: hands them over at the end of the turn
 };
 
 // The Python worker's main loop: serve the actor, report ready, run until SIGTERM.
 void serveActor(const std::string& actorId, uint32_t incarnation, const std::string& controller,
-                const std::string& ip, const std::string& token, py::object dispatch, bool concurrent) {
+                const std::string& ip, const std::string& token, py::object dispatch, bool concurrent,
+                const std::string& type) {
   auto controllerAddr = parseHostPort(controller);
   if (!controllerAddr.isOk()) throw py::value_error(controllerAddr.status().message());
+  auto actor = std::make_unique<PythonActor>(std::move(dispatch), concurrent);
   py::gil_scoped_release release;
   tHasServerLoop = true;
   kj::UnixEventPort::captureSignal(SIGTERM);
   auto io = kj::setupAsyncIo();
-  auto server = RpcServer::listen(io, HostPort{ip, 0}, token,
-                                  rpc::Actor::Client(kj::heap<PythonActor>(dispatch, concurrent)), PeerWait::kSpinFirst);
+  // The same server as C++ workers' (actor_server.h): inline calls run in turn, in arrival order.
+  auto server = listenActor(io, HostPort{ip, 0}, token, std::move(actor), type);
   if (!server.isOk()) throw std::runtime_error(server.status().message());
   std::string address = HostPort{ip, (*server)->port()}.toString();
   auto cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);
@@ -992,7 +978,8 @@ PYBIND11_MODULE(_core, m) {
       .def("group", &Runtime::group)
       .def("groups", &Runtime::groups);
   m.def("serve_actor", &troupe::serveActor, py::arg("actor_id"), py::arg("incarnation"), py::arg("controller"),
-        py::arg("ip"), py::arg("token"), py::arg("dispatch"), py::arg("concurrent") = false);
+        py::arg("ip"), py::arg("token"), py::arg("dispatch"), py::arg("concurrent") = false,
+        py::arg("type") = "python");
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
   // A call that raised, in this worker's counters (the node agent reads them for /metrics).
   m.def("count_call_error", []() { troupe::metrics::actorCalls().errors.add(); });

@@ -124,7 +124,7 @@ def main(argv=None):
     else:
         dispatch = execute
     _core.serve_actor(args.actor_id, args.incarnation, args.controller, args.node_ip_address,
-                      os.environ["TROUPE_TOKEN"], dispatch, concurrent=dispatch is not execute)
+                      os.environ["TROUPE_TOKEN"], dispatch, concurrent=dispatch is not execute, type=args.type)
     return 0
 
 
