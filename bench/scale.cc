@@ -43,7 +43,7 @@
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/schema_convert.h"
-#include "troupe/testing/redis_server.h"
+#include "troupe/testing/head.h"
 
 namespace troupe::bench {
 namespace {
@@ -84,10 +84,8 @@ void phaseDone(const char* phase) {
   if (gFailures > 0) die(fmt::format("stopping after {}: a check failed", phase));
 }
 
-std::string binDir() {
-  const char* dir = std::getenv("TROUPE_BIN_DIR");
-  return dir && *dir ? dir : executableDir() + "/..";
-}
+using testing::binDir;
+using testing::TestHead;
 
 // CPU seconds (user + system) a process has used, from /proc/PID/stat.
 double cpuSeconds(pid_t pid) {
@@ -158,71 +156,6 @@ class RedisInfo {
  private:
   using Reply = std::unique_ptr<redisReply, void (*)(void*)>;
   std::unique_ptr<redisContext, void (*)(redisContext*)> context_;
-};
-
-// The head: a redis-server and a troupe-controller in a private run directory, as the test
-// fixture (troupe/testing/cluster_fixture.h) starts them.
-class Head {
- public:
-  Head() {
-    runDir_ = fs::temp_directory_path() / ("troupe_scale_" + randomHex(6));
-    fs::create_directories(runDir_ / "logs");
-    fs::create_directories(runDir_ / "pids");
-    ClusterFile file;
-    file.redisAddress = HostPort{redis_.host(), redis_.port()}.toString();
-    file.redisPassword = redis_.password();
-    file.cluster = "scale";
-    file.token = token_ = randomHex(16);
-    port_ = *pickFreePort("127.0.0.1");
-    file.controllerAddress = address().toString();
-    if (!writeClusterFile(runDir_.string(), file).isOk()) die("cannot write cluster.json");
-    SpawnOptions o;
-    o.argv = {binDir() + "/troupe-controller", "--run-dir", runDir_.string(), "--port", std::to_string(port_),
-              "--heartbeat-ttl-ms", std::to_string(kTtlMs)};
-    o.outputPath = (runDir_ / "logs/controller.out").string();
-    auto pid = spawnProcess(o);
-    if (!pid.isOk()) die("cannot start troupe-controller: " + pid.status().toString());
-    controller_ = ChildProcess(*pid);
-  }
-  ~Head() {
-    controller_ = ChildProcess();
-    gateway_ = ChildProcess();
-    std::error_code ec;
-    fs::remove_all(runDir_, ec);
-  }
-  void stopController() { controller_ = ChildProcess(); }
-
-  // The store gateway, as `troupe start --head` runs it: every node but the head's reaches
-  // Redis through it, and so do the simulated ones.
-  void startGateway() {
-    SpawnOptions o;
-    o.argv = {binDir() + "/troupe-gateway", "--run-dir", runDir_.string(), "--port", "0"};
-    o.outputPath = (runDir_ / "logs/gateway.out").string();
-    auto pid = spawnProcess(o);
-    if (!pid.isOk()) die("cannot start troupe-gateway: " + pid.status().toString());
-    gateway_ = ChildProcess(*pid);
-    auto deadline = Clock::now() + std::chrono::seconds(10);
-    while (!fs::exists(runDir_ / "pids/gateway.ready")) {
-      if (Clock::now() > deadline || gateway_.wait(std::chrono::milliseconds(0))) die("troupe-gateway did not start");
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // a child process's file: nothing to wait on
-    }
-  }
-  pid_t gatewayPid() const { return gateway_.pid(); }
-
-  HostPort address() const { return HostPort{"127.0.0.1", port_}; }
-  const std::string& token() const { return token_; }
-  pid_t controllerPid() const { return controller_.pid(); }
-  const testing::RedisServerProcess& redis() const { return redis_; }
-  RedisOptions storeOptions() const { return redis_.options("scale"); }
-  std::string logPath() const { return (runDir_ / "logs/controller.out").string(); }
-
- private:
-  testing::RedisServerProcess redis_;
-  fs::path runDir_;
-  std::string token_;
-  int port_ = 0;
-  ChildProcess controller_;
-  ChildProcess gateway_;
 };
 
 struct Sim;
@@ -511,20 +444,20 @@ struct CpuShare {
   double controller, redis, gateway;  // the gateway relays the nodes' beats; reported apart
   double total() const { return controller + redis; }
 };
-CpuShare cpuOver(kj::AsyncIoContext& io, const Head& head, double windowS) {
-  double c0 = cpuSeconds(head.controllerPid()), r0 = cpuSeconds(head.redis().pid()), g0 = cpuSeconds(head.gatewayPid());
+CpuShare cpuOver(kj::AsyncIoContext& io, TestHead& head, double windowS) {
+  double c0 = cpuSeconds(head.controller().pid()), r0 = cpuSeconds(head.redis().pid()), g0 = cpuSeconds(head.gateway().pid());
   auto t0 = Clock::now();
   // The loop keeps serving the controller's calls meanwhile.
   io.provider->getTimer().afterDelay(static_cast<int64_t>(windowS * 1000) * kj::MILLISECONDS).wait(io.waitScope);
   double elapsed = seconds(Clock::now() - t0);
-  return {(cpuSeconds(head.controllerPid()) - c0) / elapsed, (cpuSeconds(head.redis().pid()) - r0) / elapsed,
-          (cpuSeconds(head.gatewayPid()) - g0) / elapsed};
+  return {(cpuSeconds(head.controller().pid()) - c0) / elapsed, (cpuSeconds(head.redis().pid()) - r0) / elapsed,
+          (cpuSeconds(head.gateway().pid()) - g0) / elapsed};
 }
 
 // `troupe status --json --limit 100`, the real CLI, timed from start to exit.
-double cliStatusMs(const Head& head, const std::string& outPath) {
+double cliStatusMs(TestHead& head, const std::string& outPath) {
   SpawnOptions o;
-  o.argv = {binDir() + "/troupe", "status", "--address", head.address().toString(), "--token", head.token(), "--json",
+  o.argv = {binDir() + "/troupe", "status", "--address", head.controllerAddress().toString(), "--token", head.token(), "--json",
             "--limit", "100"};
   o.outputPath = outPath;
   auto t0 = Clock::now();
@@ -548,7 +481,9 @@ int run(const Flags& flags) {
   }
   if (files.rlim_cur < want) die(fmt::format("{} nodes need {} open files; the hard limit is {}", flags.nodes, want, files.rlim_max));
 
-  Head head;  // inherits the raised limit
+  // The head, as the test fixture starts it (troupe/testing/head.h); inherits the raised limit.
+  TestHead head(testing::HeadOptions{kTtlMs, "scale", "troupe_scale_"});
+  if (Status s = head.startController(); !s.isOk()) die(s.toString());
   auto io = kj::setupAsyncIo();
   LogErrors errors;
   Sim sim(io, errors);
@@ -560,14 +495,14 @@ int run(const Flags& flags) {
   kj::Own<RpcClient> probe;
   if (!runUntil(io, std::chrono::seconds(10), [&]() {
         auto client = kj::runCatchingExceptions([&]() {
-          probe = RpcClient::connect(io, head.address(), head.token(), 2 * kj::SECONDS).wait(io.waitScope);
+          probe = RpcClient::connect(io, head.controllerAddress(), head.token(), 2 * kj::SECONDS).wait(io.waitScope);
           status(io, *probe, 1);
         });
         return client == nullptr;
       })) {
-    die("the controller did not answer within 10 s (see " + head.logPath() + ")");
+    die("the controller did not answer within 10 s (see " + head.controllerLog() + ")");
   }
-  head.startGateway();
+  if (Status s = head.startGateway(); !s.isOk()) die(s.toString());
 
   // ---- Nodes: register, then beat ----
   int64_t memEmpty = redisInfo.dataMemory("scale"), clientsEmpty = redisInfo.clientMemory();
@@ -588,7 +523,7 @@ int run(const Flags& flags) {
   inFlight(io, flags.nodes, 8, [&](int i) {
     SimNode& node = *sim.nodes[i];
     // As troupe-node: where the store is, a connection there, registration, a first beat.
-    return RpcClient::connect(io, head.address(), head.token(), 10 * kj::SECONDS)
+    return RpcClient::connect(io, head.controllerAddress(), head.token(), 10 * kj::SECONDS)
         .then([&node](kj::Own<RpcClient> c) {
           node.controller = kj::mv(c);
           return node.controller->bootstrap<rpc::Controller>().storeEndpointRequest().send();
@@ -638,7 +573,7 @@ int run(const Flags& flags) {
   fflush(stdout);
 
   // ---- Actors ----
-  auto driver = ClusterClient::connect(io, head.address(), head.token()).wait(io.waitScope);
+  auto driver = ClusterClient::connect(io, head.controllerAddress(), head.token()).wait(io.waitScope);
   ActorOptions options;
   options.type = "Counter";
   options.resources = {{"CPU", 1}};
@@ -863,6 +798,8 @@ int main(int argc, char** argv) {
     fprintf(stderr, "scale: %s\n", e.what());
   } catch (const kj::Exception& e) {
     fprintf(stderr, "scale: %s\n", e.getDescription().cStr());
+  } catch (const std::exception& e) {  // the head could not start (troupe/testing/head.h)
+    fprintf(stderr, "scale: %s\n", e.what());
   }
   return 1;
 }

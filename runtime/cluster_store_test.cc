@@ -799,6 +799,72 @@ TEST_CASE_TEMPLATE("actors: put, get and list keep every field", Backend,
   CHECK(store->getActor(ActorId()).status().code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE_TEMPLATE("actors in batches: putActors writes each record, getActors reads them in order", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  std::vector<ActorRecord> batch;
+  for (int i = 0; i < 3; ++i) {
+    ActorRecord a = sampleActor();
+    a.id = ActorId::generate();
+    a.createdMs += i;
+    batch.push_back(a);
+  }
+  batch[1].state = ActorState::kDead;  // each record goes through the put script: indexes follow
+  REQUIRE(store->putActors(batch).isOk());
+  REQUIRE(store->putActors({}).isOk());
+  std::vector<ActorId> ids = {batch[2].id, ActorId::generate(), batch[0].id, batch[1].id};
+  auto got = store->getActors(ids);
+  REQUIRE_MESSAGE(got.isOk(), got.status().toString());
+  REQUIRE(got->size() == 4);
+  REQUIRE((*got)[0].has_value());
+  checkSameActor(*(*got)[0], batch[2]);
+  CHECK_FALSE((*got)[1].has_value());
+  REQUIRE((*got)[2].has_value());
+  checkSameActor(*(*got)[2], batch[0]);
+  REQUIRE((*got)[3].has_value());
+  CHECK((*got)[3]->state == ActorState::kDead);
+  auto live = store->listLiveActors();
+  REQUIRE(live.isOk());
+  CHECK(live->size() == 2);
+  CHECK(store->putActors({batch[0], ActorRecord{}}).code() == StatusCode::kInvalidArgument);
+  CHECK(store->getActors({ActorId()}).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE_TEMPLATE("reserveEach: each claim is made or refused on its own, and used adds up", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  NodeRecord a = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
+  NodeRecord b = registerResourceNode(*store, {{"CPU", 1}});
+  NodeRecord dead = registerResourceNode(*store, {{"CPU", 8}});
+  REQUIRE(store->markNodeDead(dead.id, "test").isOk());
+  REQUIRE(mustReserve(*store, {{a.id, "actor:old", {{"CPU", 1}}}}));
+  auto made = store->reserveEach({
+      {a.id, "actor:x", {{"CPU", 2}}},              // fits: 3 of 4
+      {a.id, "actor:y", {{"CPU", 2}}},              // refused: 5 > 4, nothing written for it
+      {b.id, "actor:z", {{"CPU", 1}}},              // another node
+      {a.id, "actor:old", {{"CPU", 1}, {"GPU", 1}}},  // replaces its own claim: 3 of 4, and the GPU
+      {dead.id, "actor:w", {{"CPU", 1}}},           // a DEAD node refuses
+      {NodeId::generate(), "actor:v", {{"CPU", 1}}},  // so does an unknown one
+  });
+  REQUIRE_MESSAGE(made.isOk(), made.status().toString());
+  CHECK(*made == std::vector<bool>{true, false, true, true, false, false});
+  CHECK(listedUsed(*store, a.id) == Resources{{"CPU", 3}, {"GPU", 1}});
+  CHECK(listedUsed(*store, b.id) == Resources{{"CPU", 1}});
+  auto claims = mustReservations(*store, a.id);
+  CHECK(claims.size() == 2);
+  CHECK(claims.count("actor:y") == 0);
+  CHECK(claims["actor:old"] == Resources{{"CPU", 1}, {"GPU", 1}});
+  CHECK(mustReservations(*store, dead.id).empty());
+  // Repeated, the batch changes nothing (y still does not fit).
+  auto again = store->reserveEach({{a.id, "actor:x", {{"CPU", 2}}}, {a.id, "actor:y", {{"CPU", 2}}}});
+  REQUIRE(again.isOk());
+  CHECK(*again == std::vector<bool>{true, false});
+  CHECK(listedUsed(*store, a.id) == Resources{{"CPU", 3}, {"GPU", 1}});
+  CHECK(store->reserveEach({{a.id, "actor:u", {{"CPU", -1}}}}).status().code() == StatusCode::kInvalidArgument);
+}
+
 TEST_CASE_TEMPLATE("listActors sorts by creation time, then id", Backend,
                    TROUPE_STORE_BACKENDS) {
   Backend backend;
@@ -1344,6 +1410,23 @@ TEST_CASE("redis store: scripts run by SHA1 survive a flushed script cache") {
   CHECK(list->size() == 1);
 }
 
+TEST_CASE("redis store: a pipelined batch survives a flushed script cache") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  ActorRecord one = sampleActor(), two = sampleActor();
+  two.id = ActorId::generate();
+  REQUIRE((*store)->putActors({one}).isOk());  // loads the put script
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  REQUIRE(rawCommand(admin.get(), {"SCRIPT", "FLUSH"})->type != REDIS_REPLY_ERROR);
+  REQUIRE((*store)->putActors({one, two}).isOk());
+  auto got = (*store)->getActors({one.id, two.id});
+  REQUIRE(got.isOk());
+  REQUIRE((*got)[1].has_value());
+  checkSameActor(*(*got)[1], two);
+}
+
 TEST_CASE("redis store: clusters under different names do not see each other") {
   testing::RedisServerProcess server;
   auto first = connectRedisStore(server.options("first"));
@@ -1635,6 +1718,96 @@ TEST_CASE("Redis forgets a DEAD node's actor index with its record") {
   REQUIRE((*store)->markNodeDead(second.id, "test").isOk());
   CHECK((*store)->listNodeActors(first.id)->size() + (*store)->listNodeActors(second.id)->size() == 1);
   CHECK((*store)->listDeadNodesWithWork()->size() == 1);
+}
+
+// Calls Redis made (scripts' own included) of the named commands since the last CONFIG RESETSTAT.
+long commandCalls(redisContext* admin, std::initializer_list<const char*> commands) {
+  ReplyPtr stats = rawCommand(admin, {"INFO", "commandstats"});
+  REQUIRE(stats->type == REDIS_REPLY_STRING);
+  std::string text(stats->str, stats->len);
+  long total = 0;
+  for (const char* command : commands) {
+    auto at = text.find(command);
+    if (at != std::string::npos) total += std::stol(text.substr(text.find("calls=", at) + 6));
+  }
+  return total;
+}
+
+TEST_CASE("redis store: a heartbeat asks no INFO, and a reap reads only the nodes whose deadline passed") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  std::vector<NodeRecord> nodes;
+  for (int i = 0; i < 200; ++i) {
+    nodes.push_back(sampleNode(fmt::format("n{}", i)));
+    nodes.back().isHead = true;  // judged by the reaps alone (no store gateway here)
+    REQUIRE((*store)->registerNode(nodes.back(), i == 0 ? kShortTtl : kLongTtl).isOk());
+  }
+  REQUIRE((*store)->reapExpiredNodes().isOk());  // the first reap indexes the deadlines of stores written before
+  REQUIRE(rawCommand(admin.get(), {"CONFIG", "RESETSTAT"})->type != REDIS_REPLY_ERROR);
+  for (int i = 1; i < 200; ++i) REQUIRE(*(*store)->heartbeat(nodes[i].id, kLongTtl));
+  CHECK(commandCalls(admin.get(), {"cmdstat_info:"}) == 0);
+  // Node 0 stops beating: it is reaped within TTL + 1 s, and no reap reads the other 199.
+  REQUIRE(rawCommand(admin.get(), {"CONFIG", "RESETSTAT"})->type != REDIS_REPLY_ERROR);
+  const auto start = Clock::now();
+  bool reaped = false;
+  int reaps = 0;
+  while (!reaped && Clock::now() < start + kShortTtl + 1s) {
+    auto dead = (*store)->reapExpiredNodes();
+    REQUIRE(dead.isOk());
+    ++reaps;
+    reaped = dead->size() == 1 && (*dead)[0] == nodes[0].id;
+    std::this_thread::sleep_for(20ms);  // the reap period, not a wait for the condition
+  }
+  REQUIRE(reaped);
+  // A whole walk would be 200 node reads per reap; the index leaves the one due node, a few times.
+  CHECK(commandCalls(admin.get(), {"cmdstat_hget:", "cmdstat_hmget:", "cmdstat_exists:"}) <= 4 * reaps + 20);
+  CHECK(mustGet(**store, nodes[1].id).state == NodeState::kAlive);
+}
+
+TEST_CASE("redis store: the nodes behind a store gateway that went quiet are not reaped, and get a TTL after it beats") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  REQUIRE((*store)->putStoreGateway("127.0.0.1:1").isOk());
+  NodeRecord head = sampleNode("head"), remote = sampleNode("remote");
+  head.isHead = true;
+  REQUIRE((*store)->registerNode(head, kShortTtl).isOk());
+  REQUIRE((*store)->registerNode(remote, kShortTtl).isOk());
+  // The gateway's last beat was 2 s ago (the seam: its beat is a field of the meta hash).
+  REQUIRE(rawCommand(admin.get(), {"HSET", "troupe:test:meta", "store_gateway_beat_ms",
+                                   std::to_string(wallClockMs() - 2000)})->type != REDIS_REPLY_ERROR);
+  // Neither beats: the head's node dies; the remote one, whose beats the gateway would carry, not.
+  const auto start = Clock::now();
+  bool headDead = false;
+  while (!headDead && Clock::now() < start + kShortTtl + 1s) {
+    auto dead = (*store)->reapExpiredNodes();
+    REQUIRE(dead.isOk());
+    for (const NodeId& id : *dead) {
+      REQUIRE(id == head.id);
+      headDead = true;
+    }
+    std::this_thread::sleep_for(20ms);  // the reap period, not a wait for the condition
+  }
+  REQUIRE(headDead);
+  for (int i = 0; i < 5; ++i) REQUIRE((*store)->reapExpiredNodes()->empty());
+  CHECK(mustGet(**store, remote.id).state == NodeState::kAlive);
+  // The gateway beats again (as a restarted one does): the remote node is judged a TTL later.
+  const auto back = Clock::now();
+  REQUIRE((*store)->putStoreGateway("127.0.0.1:1").isOk());
+  bool remoteDead = false;
+  while (!remoteDead && Clock::now() < back + kShortTtl + 1s) {
+    auto dead = (*store)->reapExpiredNodes();
+    REQUIRE(dead.isOk());
+    remoteDead = dead->size() == 1;
+    if (!remoteDead) std::this_thread::sleep_for(20ms);  // the reap period
+  }
+  REQUIRE(remoteDead);
+  CHECK(Clock::now() - back >= kShortTtl - 10ms);  // Redis's clock and ours may differ by a tick
 }
 
 TEST_CASE("redis store: a status page reads the page's records, not every actor's, and its counts stay exact") {

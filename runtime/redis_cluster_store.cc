@@ -3,7 +3,8 @@
 // redis_watchers.h.
 //
 // Key layout, prefix P = "troupe:<cluster>:":
-//   P meta             hash  {token, controller_address, controller_pid, created_ms}
+//   P meta             hash  {token, controller_address, controller_pid, created_ms}, and the
+//                             store gateway's {store_gateway, store_gateway_since_ms, store_gateway_beat_ms}
 //   P nodes            zset  node ids scored by registered_ms
 //   P node:<id>        hash  {id, address, hostname, pid, is_head, state, total, used, labels,
 //                             registered_ms, last_heartbeat_ms, heartbeat_ttl_ms, death_reason}; total, used and
@@ -11,6 +12,7 @@
 //                             sum (every name in total, 0 if unclaimed), rewritten by each script
 //                             that changes the claims or re-registers the node.
 //   P node_hb:<id>     string with a PX ttl: the heartbeat; its absence means the node missed it
+//   P node_deadlines   zset  ALIVE node ids by heartbeat deadline (server ms): what a reap reads
 //   P sessions         hash  session id -> "host pid": drivers' open sessions (owners of actors)
 //   P store_run        hash  {run_id, since_ms}: the Redis process that serves, and since when (its
 //                             clock): nodes are not judged until it has served one heartbeat TTL
@@ -116,8 +118,8 @@ class RedisClusterStore final : public ClusterStore {
     // their heartbeats until it has served one TTL (see the reap script).
     auto reply = connection_.run({"EVAL", R"lua(
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'store_gateway', ARGV[1],
-           'store_gateway_since_ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'store_gateway', ARGV[1], 'store_gateway_since_ms', now, 'store_gateway_beat_ms', now)
 return 1
 )lua", "1", metaKey(), address}, "putStoreGateway");
     return reply ? Status::ok() : reply.status();
@@ -147,13 +149,14 @@ return 1
     std::vector<std::string> args = {
         "EVAL",
         registerScript(),
-        "6",
+        "7",
         nodeKey(node.id),
         nodesKey(),
         heartbeatKey(node.id),
         claimsKey(node.id),
         storeRunKey(),
         deadNodesKey(),
+        deadlinesKey(),
         std::to_string(ttl.count()),
         std::to_string(registeredMs),
         node.id.hex(),
@@ -180,8 +183,8 @@ return 1
 
   Result<bool> heartbeat(const NodeId& id, std::chrono::milliseconds ttl) override {
     TROUPE_RETURN_IF_ERROR(checkNodeArgs(id, ttl));
-    auto reply = connection_.run({"EVAL", heartbeatScript(), "3", nodeKey(id), heartbeatKey(id), storeRunKey(),
-                                  std::to_string(ttl.count()), std::to_string(wallClockMs())},
+    auto reply = connection_.run({"EVAL", heartbeatScript(), "3", nodeKey(id), heartbeatKey(id), deadlinesKey(),
+                                  std::to_string(ttl.count()), std::to_string(wallClockMs()), id.hex()},
                                  "heartbeat");
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("heartbeat", **reply);
@@ -221,7 +224,8 @@ return 1
   }
 
   Result<std::vector<NodeId>> reapExpiredNodes() override {
-    auto reply = connection_.run({"EVAL", reapScript(), "4", nodesKey(), storeRunKey(), deadNodesKey(), metaKey(), nodeKeyPrefix(),
+    auto reply = connection_.run({"EVAL", reapScript(), "5", nodesKey(), storeRunKey(), deadNodesKey(), metaKey(),
+                                  deadlinesKey(), nodeKeyPrefix(),
                                   heartbeatKeyPrefix(), eventsChannel(), std::to_string(wallClockMs()),
                                   claimsKeyPrefix(), std::to_string(options_.keepDeadNodes)},
                                  "reapExpiredNodes");
@@ -236,8 +240,8 @@ return 1
 
   Status markNodeDead(const NodeId& id, const std::string& reason) override {
     if (id.empty()) return emptyId();
-    auto reply = connection_.run({"EVAL", markDeadScript(), "4", nodeKey(id), heartbeatKey(id), nodesKey(),
-                                  deadNodesKey(), eventsChannel(), id.hex(), reason, std::to_string(wallClockMs()),
+    auto reply = connection_.run({"EVAL", markDeadScript(), "5", nodeKey(id), heartbeatKey(id), nodesKey(),
+                                  deadNodesKey(), deadlinesKey(), eventsChannel(), id.hex(), reason, std::to_string(wallClockMs()),
                                   nodeKeyPrefix(), claimsKeyPrefix(), std::to_string(options_.keepDeadNodes)},
                                  "markNodeDead");
     if (!reply) return reply.status();
@@ -267,6 +271,30 @@ return 1
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("reserve", **reply);
     return (*reply)->integer == 1;
+  }
+
+  // One script for the lot: each claim is checked and made on its own, and a node's `used` is
+  // written once for all the claims made on it.
+  Result<std::vector<bool>> reserveEach(const std::vector<Reservation>& reservations) override {
+    TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
+    if (reservations.empty()) return std::vector<bool>{};
+    std::vector<std::string> args = {"EVAL", reserveEachScript(), std::to_string(2 * reservations.size())};
+    for (const Reservation& r : reservations) {
+      args.push_back(nodeKey(r.nodeId));
+      args.push_back(claimsKey(r.nodeId));
+    }
+    for (const Reservation& r : reservations) {
+      args.push_back(r.holder);
+      args.push_back(json(r.resources).dump());
+    }
+    auto reply = connection_.run(args, "reserveEach");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type != REDIS_REPLY_ARRAY || r.elements != reservations.size()) return unexpected("reserveEach", r);
+    std::vector<bool> made;
+    made.reserve(r.elements);
+    for (size_t i = 0; i < r.elements; ++i) made.push_back(r.element[i]->type == REDIS_REPLY_INTEGER && r.element[i]->integer == 1);
+    return made;
   }
 
   Status release(const std::vector<Reservation>& reservations) override {
@@ -304,7 +332,49 @@ return 1
 
   Status putActor(const ActorRecord& actor) override {
     if (actor.id.empty()) return emptyArgument("actor id");
-    std::vector<std::string> args = {
+    auto reply = connection_.run(putActorArgs(actor), "putActor");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  // One pipeline of put-actor scripts: the records are written in order, in one round trip.
+  Status putActors(const std::vector<ActorRecord>& actors) override {
+    std::vector<std::vector<std::string>> commands;
+    commands.reserve(actors.size());
+    for (const ActorRecord& actor : actors) {
+      if (actor.id.empty()) return emptyArgument("actor id");
+      commands.push_back(putActorArgs(actor));
+    }
+    auto replies = connection_.runAll(commands, "putActors");
+    return replies ? Status::ok() : replies.status();
+  }
+
+  Result<std::vector<std::optional<ActorRecord>>> getActors(const std::vector<ActorId>& ids) override {
+    std::vector<std::vector<std::string>> commands;
+    commands.reserve(ids.size());
+    for (const ActorId& id : ids) {
+      if (id.empty()) return emptyArgument("actor id");
+      commands.push_back({"HGETALL", actorKey(id)});
+    }
+    auto replies = connection_.runAll(commands, "getActors");
+    if (!replies) return replies.status();
+    std::vector<std::optional<ActorRecord>> out;
+    out.reserve(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto fields = fieldMap(*(*replies)[i], actorKey(ids[i]));
+      if (!fields) return fields.status();
+      if (fields->empty()) {
+        out.emplace_back();
+        continue;
+      }
+      auto actor = store_records::decodeActor(*fields, actorKey(ids[i]));
+      if (!actor) return actor.status();
+      out.emplace_back(std::move(actor).value());
+    }
+    return out;
+  }
+
+  std::vector<std::string> putActorArgs(const ActorRecord& actor) const {
+    return {
         "EVAL",
         kPutActorScript,
         "7",
@@ -346,8 +416,6 @@ return 1
         "created_ms", std::to_string(actor.createdMs),
         "updated_ms", std::to_string(actor.updatedMs),
     };
-    auto reply = connection_.run(args, "putActor");
-    return reply ? Status::ok() : reply.status();
   }
 
   Result<std::optional<ActorRecord>> getActor(const ActorId& id) override {
@@ -797,6 +865,7 @@ return 1
   std::string sessionsKey() const { return prefix_ + "sessions"; }
   std::string liveActorsKey() const { return prefix_ + "live_actors"; }
   std::string deadNodesKey() const { return prefix_ + "dead_nodes"; }
+  std::string deadlinesKey() const { return prefix_ + "node_deadlines"; }
   std::string claimsKeyPrefix() const { return prefix_ + "node_res:"; }
   // kBuryNodeLua derives this from claimsKeyPrefix(): keep the two names in step.
   std::string nodeActorsKeyPrefix() const { return prefix_ + "node_actors:"; }
@@ -835,6 +904,19 @@ return 1
 };
 
 }  // namespace
+
+namespace redis {
+
+std::string gatewayBeatCommand(const RedisOptions& options, bool first) {
+  const std::string script = redis_scripts::kGatewayBeatScript;
+  const std::vector<std::string> args = {"EVAL", script, "1", fmt::format("troupe:{}:meta", options.cluster),
+                                         first ? "1" : "0"};
+  std::string out = fmt::format("*{}\r\n", args.size());
+  for (const auto& arg : args) out += fmt::format("${}\r\n{}\r\n", arg.size(), arg);
+  return out;
+}
+
+}  // namespace redis
 
 Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& options) {
   if (options.cluster.empty()) {

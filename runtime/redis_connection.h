@@ -6,6 +6,7 @@
 #include <hiredis/hiredis.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -86,6 +87,11 @@ Result<store_records::FieldMap> fieldMap(const redisReply& reply, const std::str
 Result<std::optional<std::string>> nextPubSubMessage(redisContext* context, const RedisOptions& options,
                                                      std::chrono::steady_clock::time_point deadline, int wakeFd);
 
+// The RESP bytes of the store gateway's own beat (kGatewayBeatScript) for `options.cluster`;
+// `first` for the first beat of a gateway process. Spelled in redis_cluster_store.cc, with the
+// keys: the gateway writes it on its own connection from its event loop (store_gateway.cc).
+std::string gatewayBeatCommand(const RedisOptions& options, bool first);
+
 // One authenticated connection. Owned by one thread.
 class RedisConnection {
  public:
@@ -123,7 +129,98 @@ class RedisConnection {
                                              what, firstError, secondError));
   }
 
+  // Runs several commands in one round trip (a pipeline): all are sent, then every reply read,
+  // in order. Retried as run() is, the whole batch once (each command is safe to run twice).
+  // A reply that is an error fails the batch with it (the others have run).
+  Result<std::vector<ReplyPtr>> runAll(const std::vector<std::vector<std::string>>& commands, std::string_view what) {
+    if (commands.empty()) return std::vector<ReplyPtr>{};
+    SigpipeBlock sigpipe;
+    std::string firstError = "not connected (an earlier reconnect failed)";
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      if (!context_) {
+        auto fresh = connectAndAuthenticate(options_);
+        if (!fresh) {
+          return Status(fresh.status().code(),
+                        fmt::format("lost the connection to Redis during {} ({}); reconnecting failed: {}", what,
+                                    firstError, fresh.status().message()));
+        }
+        context_ = std::move(fresh).value();
+      }
+      auto replies = sendAll(commands);
+      if (replies) {
+        for (auto& reply : *replies) {
+          if (reply->type == REDIS_REPLY_ERROR) return replyError(options_, *reply, what);
+        }
+        return std::move(*replies);
+      }
+      firstError = contextError(context_.get(), options_);
+      context_.reset();
+    }
+    return unreachable(options_, fmt::format("{} failed twice (last: {})", what, firstError));
+  }
+
  private:
+  // Sends every command, then reads every reply; nullopt on a broken connection. Scripts are
+  // loaded first (SCRIPT LOAD, in the same pipeline), and a NOSCRIPT reply (a Redis restarted
+  // meanwhile) reloads them and sends the batch again.
+  std::optional<std::vector<ReplyPtr>> sendAll(const std::vector<std::vector<std::string>>& commands) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      std::vector<std::string> loading;
+      for (const auto& args : commands) {
+        if (args.size() >= 2 && args[0] == "EVAL" && !shas_.count(args[1]) &&
+            std::find(loading.begin(), loading.end(), args[1]) == loading.end()) {
+          loading.push_back(args[1]);
+        }
+      }
+      for (const auto& script : loading) {
+        ReplyPtr loaded = sendRaw({"SCRIPT", "LOAD", script});
+        if (!loaded) return std::nullopt;
+        if (loaded->type == REDIS_REPLY_ERROR) {  // the batch fails with it
+          std::vector<ReplyPtr> error;
+          error.push_back(std::move(loaded));
+          return error;
+        }
+        if (loaded->type != REDIS_REPLY_STRING) return std::nullopt;
+        shas_.emplace(script, std::string(loaded->str, loaded->len));
+      }
+      for (const auto& args : commands) {
+        if (args.size() >= 2 && args[0] == "EVAL") {
+          std::vector<std::string> bySha = args;
+          bySha[0] = "EVALSHA";
+          bySha[1] = shas_[args[1]];
+          appendRaw(bySha);
+        } else {
+          appendRaw(args);
+        }
+      }
+      std::vector<ReplyPtr> replies;
+      bool noScript = false;
+      for (size_t i = 0; i < commands.size(); ++i) {
+        void* raw = nullptr;
+        if (redisGetReply(context_.get(), &raw) != REDIS_OK || raw == nullptr) return std::nullopt;
+        ReplyPtr reply(static_cast<redisReply*>(raw));
+        noScript = noScript || (reply->type == REDIS_REPLY_ERROR &&
+                                std::string_view(reply->str, reply->len).rfind("NOSCRIPT", 0) == 0);
+        replies.push_back(std::move(reply));
+      }
+      if (!noScript) return replies;
+      shas_.clear();
+    }
+    return std::nullopt;
+  }
+
+  void appendRaw(const std::vector<std::string>& args) {
+    std::vector<const char*> argv;
+    std::vector<size_t> lengths;
+    argv.reserve(args.size());
+    lengths.reserve(args.size());
+    for (const auto& arg : args) {
+      argv.push_back(arg.data());
+      lengths.push_back(arg.size());
+    }
+    redisAppendCommandArgv(context_.get(), static_cast<int>(argv.size()), argv.data(), lengths.data());
+  }
+
   RedisConnection(const RedisOptions& options, ContextPtr context)
       : options_(options), context_(std::move(context)) {}
 

@@ -49,7 +49,8 @@ local function addUsed(nodeKey, delta, sign)
 end
 )lua";
 
-// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash, dead-nodes zset.
+// KEYS: node hash, nodes zset, heartbeat key, claims hash, store-run hash, dead-nodes zset,
+// heartbeat-deadlines zset.
 // ARGV: ttl ms, registered ms, node id, events channel, NODE_ADDED message, then the hash's
 // field/value pairs. Re-registering overwrites every field, so it is idempotent. A node that
 // still holds claims (re-registered without restarting) keeps `used` equal to their sum.
@@ -60,6 +61,7 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 if redis.call('EXISTS', KEYS[4]) == 1 then recomputeUsed(KEYS[1], KEYS[4]) end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[1])
+redis.call('ZADD', KEYS[7], serverMs() + tonumber(ARGV[1]), ARGV[3])
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 )lua";
@@ -68,9 +70,12 @@ return 1
 // its own run_id, and the first script to see a new one records when. (uptime_in_seconds is
 // too coarse, and a restart from the AOF brings back the keys, so they cannot tell.)
 inline constexpr const char* kStoreUpLua = R"lua(
-local function storeUpMs(runKey)
+local function serverMs()
   local clock = redis.call('TIME')
-  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+local function storeUpMs(runKey)
+  local now = serverMs()
   local run = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
   local seen = redis.call('HMGET', runKey, 'run_id', 'since_ms')
   if seen[1] ~= run then
@@ -99,50 +104,73 @@ local function buryNode(deadKey, nodesKey, nodePrefix, claimsPrefix, id, now, ke
 end
 )lua";
 
-// KEYS: node hash, heartbeat key, store-run hash. ARGV: ttl ms, now ms.
+// KEYS: node hash, heartbeat key, heartbeat-deadlines zset. ARGV: ttl ms, now ms, node id.
 // A node that is unknown or DEAD must not be revived by a late heartbeat: return 0, write nothing.
+// Five calls and no INFO: the Redis run is checked by the reap (4 a second), not by every beat
+// (333 a second at 1,000 nodes). The deadline (by the server's clock, as the key's expiry) is
+// what the reap reads to find the nodes it must look at.
 inline constexpr const char* kHeartbeatBody = R"lua(
-storeUpMs(KEYS[3])
 if redis.call('HGET', KEYS[1], 'state') ~= 'ALIVE' then return 0 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[2], 'heartbeat_ttl_ms', ARGV[1])
+local clock = redis.call('TIME')
+redis.call('ZADD', KEYS[3], tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1]), ARGV[3])
 return 1
 )lua";
 
-// KEYS: nodes zset, store-run hash, dead-nodes zset, meta hash. ARGV: node hash prefix,
-// heartbeat key prefix, events channel, now ms, claims prefix, DEAD nodes to keep.
-// The keys it touches depend on the zset's contents, so they cannot all be declared in KEYS;
-// fine for a single Redis (not Redis Cluster).
+// KEYS: nodes zset, store-run hash, dead-nodes zset, meta hash, heartbeat-deadlines zset.
+// ARGV: node hash prefix, heartbeat key prefix, events channel, now ms, claims prefix, DEAD nodes
+// to keep. The keys it touches depend on the zsets' contents, so they cannot all be declared in
+// KEYS; fine for a single Redis (not Redis Cluster).
 // Missed heartbeats are deaths only while the store could take them: a node is judged only
 // once this Redis process has served, and reaps have run without a gap of more than 1.5 s,
 // for a whole heartbeat TTL. So a Redis restarted from its AOF (expired heartbeat keys come
 // back), a stalled Redis (a reap that waited in its queue) and a controller that was away
-// leave every node a TTL to beat again.
+// leave every node a TTL to beat again. Nodes other than the head's beat through the store
+// gateway, which beats too (store_gateway_beat_ms, every 250 ms): while its beat is over 1.5 s
+// old (a stalled or starved gateway holds every relayed beat), and for a TTL after it comes
+// back, those nodes are not judged.
+// Only the nodes whose heartbeat deadline has passed are read (a zset by deadline, kept by the
+// heartbeat and register scripts), not every node: a reap costs what expired. The first reap
+// on a store without the zset builds it from every ALIVE node.
 inline constexpr const char* kReapBody = R"lua(
 local now = tonumber(ARGV[4])
 local up = storeUpMs(KEYS[2])
-local clock = redis.call('TIME')
-local serverNow = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local serverNow = serverMs()
 local last = tonumber(redis.call('HGET', KEYS[2], 'last_reap_ms'))
 local since = tonumber(redis.call('HGET', KEYS[2], 'reaping_since_ms'))
 if last == nil or since == nil then since = serverNow - up
 elseif serverNow - last > 1500 then since = serverNow end
 redis.call('HSET', KEYS[2], 'last_reap_ms', serverNow, 'reaping_since_ms', since)
 local judged = math.min(up, serverNow - since)
--- Every node but the head's beats through the store gateway: a restarted gateway gives them a TTL too.
-local gatewaySince = tonumber(redis.call('HGET', KEYS[4], 'store_gateway_since_ms'))
+-- Every node but the head's beats through the store gateway: a restarted gateway gives them a
+-- TTL too, and so does one that went quiet.
+local gateway = redis.call('HMGET', KEYS[4], 'store_gateway_since_ms', 'store_gateway_beat_ms')
+local gatewaySince, gatewayBeat = tonumber(gateway[1]), tonumber(gateway[2])
 local judgedRemote = gatewaySince and math.min(judged, serverNow - gatewaySince) or judged
+if gatewayBeat and serverNow - gatewayBeat > 1500 then judgedRemote = 0 end
+if redis.call('HGET', KEYS[2], 'deadlines') ~= '1' then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    if redis.call('HGET', ARGV[1] .. id, 'state') == 'ALIVE' then
+      local left = redis.call('PTTL', ARGV[2] .. id)
+      redis.call('ZADD', KEYS[5], serverNow + math.max(left, 0), id)
+    end
+  end
+  redis.call('HSET', KEYS[2], 'deadlines', '1')
+end
 local dead = {}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', serverNow)) do
   local nodeKey = ARGV[1] .. id
-  if redis.call('HGET', nodeKey, 'state') == 'ALIVE' and
-     redis.call('EXISTS', ARGV[2] .. id) == 0 and
-     (redis.call('HGET', nodeKey, 'is_head') == '1' and judged or judgedRemote) >=
-       (tonumber(redis.call('HGET', nodeKey, 'heartbeat_ttl_ms')) or 0) then
-    local last = tonumber(redis.call('HGET', nodeKey, 'last_heartbeat_ms')) or now
+  local node = redis.call('HMGET', nodeKey, 'state', 'is_head', 'heartbeat_ttl_ms', 'last_heartbeat_ms')
+  if node[1] ~= 'ALIVE' then
+    redis.call('ZREM', KEYS[5], id)
+  elseif redis.call('EXISTS', ARGV[2] .. id) == 0 and
+         (node[2] == '1' and judged or judgedRemote) >= (tonumber(node[3]) or 0) then
+    local last = tonumber(node[4]) or now
     local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
                    ' ms (heartbeat TTL expired)'
     redis.call('HSET', nodeKey, 'state', 'DEAD', 'death_reason', reason)
+    redis.call('ZREM', KEYS[5], id)
     redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'NODE_DEAD', node_id = id,
                                                  reason = reason, time_ms = now}))
     table.insert(dead, id)
@@ -154,7 +182,22 @@ end
 return dead
 )lua";
 
-// KEYS: node hash, heartbeat key, nodes zset, dead-nodes zset. ARGV: events channel, node id,
+// KEYS: meta hash. ARGV: '1' for the first beat of a gateway process (it has just started).
+// The store gateway's own beat: when it was last heard from (store_gateway_beat_ms), and since
+// when it has beaten without a gap over 1.5 s (store_gateway_since_ms), by the server's clock.
+inline constexpr const char* kGatewayBeatScript = R"lua(
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local last = tonumber(redis.call('HGET', KEYS[1], 'store_gateway_beat_ms'))
+if ARGV[1] == '1' or last == nil or now - last > 1500 then
+  redis.call('HSET', KEYS[1], 'store_gateway_since_ms', now)
+end
+redis.call('HSET', KEYS[1], 'store_gateway_beat_ms', now)
+return 1
+)lua";
+
+// KEYS: node hash, heartbeat key, nodes zset, dead-nodes zset, heartbeat-deadlines zset.
+// ARGV: events channel, node id,
 // reason, now ms, node hash prefix, claims prefix, DEAD nodes to keep.
 // Returns -1 for an unknown node, 0 when it was already DEAD (nothing written or published).
 inline constexpr const char* kMarkDeadBody = R"lua(
@@ -163,6 +206,7 @@ if not state then return -1 end
 if state ~= 'ALIVE' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'DEAD', 'death_reason', ARGV[3])
 redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
 buryNode(KEYS[4], KEYS[3], ARGV[5], ARGV[6], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[7]))
 redis.call('PUBLISH', ARGV[1], cjson.encode({type = 'NODE_DEAD', node_id = ARGV[2],
                                              reason = ARGV[3], time_ms = tonumber(ARGV[4])}))
@@ -312,6 +356,65 @@ end
 inline constexpr const char* kReserveBody = R"lua(
 if reserveClaims(KEYS, ARGV, 0, 0, #KEYS / 2) then return 1 end
 return 0
+)lua";
+
+// KEYS: per claim, its node hash and claims hash. ARGV: per claim, holder, resources (JSON).
+// Each claim on its own, in order (not all or nothing): returns per claim 1 (made) or 0 (its
+// node is not ALIVE or lacks the room), as the reserve script of that claim alone would. A
+// node's total and used are decoded once and `used` written once, however many of the batch's
+// claims land on it (a controller places hundreds of actors per batch on a few nodes each).
+inline constexpr const char* kReserveEachBody = R"lua(
+local eps = 1e-9
+local nodes, order, out = {}, {}, {}
+for i = 1, #KEYS / 2 do
+  local nodeKey, claimsKey = KEYS[2 * i - 1], KEYS[2 * i]
+  local node = nodes[nodeKey]
+  if not node then
+    node = {alive = redis.call('HGET', nodeKey, 'state') == 'ALIVE', changed = {}}
+    if node.alive then
+      node.total = cjson.decode(redis.call('HGET', nodeKey, 'total') or '{}')
+      node.used = cjson.decode(redis.call('HGET', nodeKey, 'used') or '{}')
+    end
+    nodes[nodeKey] = node
+    table.insert(order, nodeKey)
+  end
+  out[i] = 0
+  if node.alive then
+    local holder, resources = ARGV[2 * i - 1], ARGV[2 * i]
+    local demand = cjson.decode(resources)
+    local old = redis.call('HGET', claimsKey, holder)
+    local held = old and cjson.decode(old) or {}
+    local room = true
+    for name, amount in pairs(demand) do
+      if amount > 0 and (node.used[name] or 0) - (held[name] or 0) + amount > (node.total[name] or 0) + eps then
+        room = false
+      end
+    end
+    if room then
+      for name, amount in pairs(held) do
+        node.used[name] = (node.used[name] or 0) - amount
+        node.changed[name] = true
+      end
+      for name, amount in pairs(demand) do
+        node.used[name] = (node.used[name] or 0) + amount
+        node.changed[name] = true
+      end
+      redis.call('HSET', claimsKey, holder, resources)
+      out[i] = 1
+    end
+  end
+end
+for _, nodeKey in ipairs(order) do
+  local node = nodes[nodeKey]
+  if next(node.changed) ~= nil then
+    for name, _ in pairs(node.total) do node.used[name] = node.used[name] or 0 end
+    for name, _ in pairs(node.changed) do
+      if math.abs(node.used[name]) <= 1e-9 * math.max(1, node.total[name] or 0) then node.used[name] = 0 end
+    end
+    writeUsed(nodeKey, node.used)
+  end
+end
+return out
 )lua";
 
 // KEYS: group hash, groups zset, pending-groups set, then per claim its node hash and claims
@@ -531,7 +634,7 @@ inline const std::string& registerScript() {
   return script;
 }
 inline const std::string& heartbeatScript() {
-  static const std::string script = std::string(kStoreUpLua) + kHeartbeatBody;
+  static const std::string script = kHeartbeatBody;
   return script;
 }
 inline const std::string& reapScript() {
@@ -544,6 +647,10 @@ inline const std::string& markDeadScript() {
 }
 inline const std::string& reserveScript() {
   static const std::string script = std::string(kRecomputeUsedLua) + kReserveClaimsLua + kReserveBody;
+  return script;
+}
+inline const std::string& reserveEachScript() {
+  static const std::string script = std::string(kRecomputeUsedLua) + kReserveEachBody;
   return script;
 }
 inline const std::string& createGroupScript() {

@@ -4,12 +4,16 @@
 #include <kj/debug.h>
 
 #include "handshake.h"
+#include "redis_connection.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe {
 namespace {
 
 constexpr auto kRedisTimeout = 5 * kj::SECONDS;
+// The gateway's own beat: the controller's reap does not judge the nodes behind a gateway whose
+// beat is over 1.5 s old (a stalled or starved gateway holds their beats), nor for a TTL after.
+constexpr auto kBeatInterval = 250 * kj::MILLISECONDS;
 
 // RESP for AUTH <password>, sent on the client's behalf.
 std::string authCommand(const std::string& password) {
@@ -52,7 +56,39 @@ class StoreGatewayImpl final : public StoreGateway {
   int port() const override { return acceptor_.port(); }
   uint64_t refusedConnections() const override { return acceptor_.refused(); }
 
+  void startBeating() { beats_ = beatLoop(true).eagerlyEvaluate(nullptr); }
+
  private:
+  // Beats on a connection of its own, from this event loop: the beat stops when relaying stops.
+  kj::Promise<void> beatLoop(bool first) {
+    return openRedis()
+        .then([this, first](kj::Own<kj::AsyncIoStream> redis) { return beatOn(kj::mv(redis), first); })
+        .catch_([this](kj::Exception&& e) {
+          if (!beatFailing_) TROUPE_LOG(kWarning, "store gateway: its beat to Redis failed: {}", e.getDescription().cStr());
+          beatFailing_ = true;
+          return io_.provider->getTimer().afterDelay(kBeatInterval).then([this]() { return beatLoop(false); });
+        });
+  }
+
+  kj::Promise<void> beatOn(kj::Own<kj::AsyncIoStream> redis, bool first) {
+    auto command = kj::heap<std::string>(redis::gatewayBeatCommand(redis_, first));
+    auto& r = *redis;
+    auto& cmd = *command;
+    auto beat = r.write(cmd.data(), cmd.size()).attach(kj::mv(command)).then([&r]() { return readLine(r); });
+    return io_.provider->getTimer()
+        .timeoutAfter(kRedisTimeout, kj::mv(beat))
+        .then([this, redis = kj::mv(redis)](std::string line) mutable {
+          if (line != ":1\r\n") {
+            return kj::Promise<void>(KJ_EXCEPTION(FAILED, "Redis refused the gateway's beat", line.substr(0, line.size() - 2)));
+          }
+          if (beatFailing_) TROUPE_LOG(kInfo, "store gateway: its beat reaches Redis again");
+          beatFailing_ = false;
+          return io_.provider->getTimer().afterDelay(kBeatInterval).then([this, redis = kj::mv(redis)]() mutable {
+            return beatOn(kj::mv(redis), false);
+          });
+        });
+  }
+
   // A connection to Redis, authenticated with the password on the client's behalf.
   kj::Promise<kj::Own<kj::AsyncIoStream>> openRedis() {
     auto opened = io_.provider->getNetwork()
@@ -80,6 +116,8 @@ class StoreGatewayImpl final : public StoreGateway {
   kj::AsyncIoContext& io_;
   RedisOptions redis_;
   handshake::Acceptor acceptor_;
+  bool beatFailing_ = false;
+  kj::Promise<void> beats_ = nullptr;
 };
 
 }  // namespace
@@ -88,8 +126,9 @@ Result<kj::Own<StoreGateway>> StoreGateway::listen(kj::AsyncIoContext& io, const
                                                    RedisOptions redis) {
   auto listener = handshake::listen(io, bind);
   if (!listener.isOk()) return listener.status();
-  kj::Own<StoreGateway> gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(redis));
-  return gateway;
+  auto gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(redis));
+  gateway->startBeating();
+  return kj::Own<StoreGateway>(kj::mv(gateway));
 }
 
 }  // namespace troupe

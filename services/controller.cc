@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <map>
 #include <optional>
 
@@ -44,6 +46,69 @@ struct ResultValue<Result<T>> {
   using type = T;
 };
 
+// Requests of one kind gathered while the I/O thread is busy and decided together: the first
+// request goes at once; those that arrive while its batch runs wait and go as the next batch, in
+// one call (a few store round trips for the lot instead of a few per request). Owned by the KJ
+// thread; `run` is called on it with at most kMaxBatch requests and resolves with one result each.
+template <typename In, typename Out>
+class BatchQueue {
+ public:
+  static constexpr size_t kMaxBatch = 512;
+  using Run = std::function<kj::Promise<std::vector<Result<Out>>>(std::vector<In>)>;
+  BatchQueue(kj::TaskSet& tasks, Run run) : tasks_(tasks), run_(kj::mv(run)) {}
+
+  kj::Promise<Out> add(In item) {
+    auto paf = kj::newPromiseAndFulfiller<Out>();
+    queue_.push_back(Waiting{kj::mv(item), kj::mv(paf.fulfiller)});
+    if (!running_) next();
+    return kj::mv(paf.promise);
+  }
+
+ private:
+  struct Waiting {
+    In item;
+    kj::Own<kj::PromiseFulfiller<Out>> fulfiller;
+  };
+
+  void next() {
+    if (queue_.empty()) {
+      running_ = false;
+      return;
+    }
+    running_ = true;
+    size_t take = std::min(queue_.size(), kMaxBatch);
+    auto batch = std::make_shared<std::vector<Waiting>>();
+    std::vector<In> items;
+    for (size_t i = 0; i < take; ++i) {
+      items.push_back(kj::mv(queue_[i].item));
+      batch->push_back(kj::mv(queue_[i]));
+    }
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<long>(take));
+    tasks_.add(run_(kj::mv(items))
+                   .then(
+                       [batch](std::vector<Result<Out>> results) {
+                         for (size_t i = 0; i < batch->size(); ++i) {
+                           if (i >= results.size()) {
+                             (*batch)[i].fulfiller->reject(KJ_EXCEPTION(FAILED, "a batch returned too few results"));
+                           } else if (results[i].isOk()) {
+                             (*batch)[i].fulfiller->fulfill(kj::mv(*results[i]));
+                           } else {
+                             (*batch)[i].fulfiller->reject(exceptionFromStatus(results[i].status()));
+                           }
+                         }
+                       },
+                       [batch](kj::Exception&& e) {
+                         for (auto& w : *batch) w.fulfiller->reject(kj::cp(e));
+                       })
+                   .then([this]() { next(); }));
+  }
+
+  kj::TaskSet& tasks_;
+  Run run_;
+  std::vector<Waiting> queue_;
+  bool running_ = false;
+};
+
 // The RPC face of the controller. Decisions run on the I/O thread (ControllerCore, one call
 // at a time); this class carries out their side effects on node agents and answers waiters.
 // Owned by the KJ thread.
@@ -53,7 +118,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                     RedisOptions redis, std::chrono::milliseconds ttl, std::chrono::milliseconds reapInterval,
                     std::string token)
       : asyncIo_(asyncIo), io_(io), state_(std::move(state)), redis_(std::move(redis)), ttl_(ttl),
-        reapInterval_(reapInterval), token_(std::move(token)), tasks_(*this) {
+        reapInterval_(reapInterval), token_(std::move(token)), tasks_(*this),
+        creates_(tasks_, [this](std::vector<ActorRecord> actors) { return createBatch(kj::mv(actors)); }),
+        readies_(tasks_, [this](std::vector<ControllerCore::ReadyReport> reports) { return readyBatch(kj::mv(reports)); }) {
     tasks_.add(reapLoop());
     tasks_.add(endUnresumedSessions());
   }
@@ -241,16 +308,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     actor.initArgs.assign(reinterpret_cast<const char*>(args.begin()), args.size());
     actor.placementGroup = PlacementGroupId(spec.getPlacementGroup().cStr());
     actor.bundleIndex = spec.getBundleIndex();
-    return onIo([actor](Controller::IoState& s) -> Result<std::pair<ActorRecord, Actions>> {
-             Actions actions;
-             auto created = s.core.createActor(actor, actions);
-             if (!created.isOk()) return created.status();
-             return std::make_pair(std::move(*created), std::move(actions));
-           })
-        .then([this, context](std::pair<ActorRecord, Actions> done) mutable {
-          execute(kj::mv(done.second));
-          toActorInfo(done.first, context.getResults().initActor());
-        });
+    return creates_.add(kj::mv(actor)).then([context](ActorRecord created) mutable {
+      toActorInfo(created, context.getResults().initActor());
+    });
   }
 
   kj::Promise<void> waitActor(WaitActorContext context) override {
@@ -288,14 +348,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     uint32_t incarnation = p.getIncarnation();
     std::string address = p.getAddress().cStr();
     int64_t pid = p.getPid();
-    return onIo([id, incarnation, address, pid](Controller::IoState& s) {
-             return s.core.actorReady(id, incarnation, address, pid);
-           })
-        .then([this](ActorRecord actor) {
-          TROUPE_LOG(kInfo, "actor {} ({}) incarnation {} is ALIVE at {}", actor.id.hex(), actor.type, actor.incarnation,
-                     actor.address);
-          notifyWaiters();
-        });
+    return readies_.add(ControllerCore::ReadyReport{id, incarnation, address, pid}).ignoreResult();
   }
 
   kj::Promise<void> workerExited(WorkerExitedContext context) override {
@@ -455,6 +508,37 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   }
 
  private:
+  // A batch of creations decided in one I/O-thread call (ControllerCore::createActors).
+  kj::Promise<std::vector<Result<ActorRecord>>> createBatch(std::vector<ActorRecord> actors) {
+    using Done = std::pair<std::vector<Result<ActorRecord>>, Actions>;
+    auto state = state_;
+    return io_.call([state, actors = kj::mv(actors)]() mutable -> Done {
+             Actions actions;
+             auto results = state->core.createActors(std::move(actors), actions);
+             return Done(std::move(results), std::move(actions));
+           })
+        .then([this](Done done) {
+          execute(kj::mv(done.second));
+          return kj::mv(done.first);
+        });
+  }
+
+  // A batch of workers' ready reports (ControllerCore::actorsReady).
+  kj::Promise<std::vector<Result<ActorRecord>>> readyBatch(std::vector<ControllerCore::ReadyReport> reports) {
+    auto state = state_;
+    return io_.call([state, reports = kj::mv(reports)]() { return state->core.actorsReady(reports); })
+        .then([this](std::vector<Result<ActorRecord>> results) {
+          for (const auto& actor : results) {
+            if (actor.isOk()) {
+              TROUPE_LOG(kInfo, "actor {} ({}) incarnation {} is ALIVE at {}", actor->id.hex(), actor->type,
+                         actor->incarnation, actor->address);
+            }
+          }
+          notifyWaiters();
+          return results;
+        });
+  }
+
   // Runs `fn` against the store on the I/O thread; an error Status becomes an RPC error.
   template <typename Fn, typename R = std::invoke_result_t<Fn, Controller::IoState&>>
   kj::Promise<typename ResultValue<R>::type> onIo(Fn fn) {
@@ -489,26 +573,52 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
 
   kj::Promise<void> reapLoop(int tick = 0) {
     return asyncIo_.provider->getTimer().afterDelay(reapInterval_.count() * kj::MILLISECONDS)
-        .then([this, tick]() {
+        .then([this]() {
           auto state = state_;
-          bool periodic = tick % kReconcileEvery == 0;
-          return io_.call([state, periodic]() -> Result<Actions> {
-            auto dead = state->store->reapExpiredNodes();
-            if (!dead.isOk()) return dead.status();
-            for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
-            Actions actions;
-            if (periodic || !dead->empty()) TROUPE_RETURN_IF_ERROR(state->core.reconcileDeadNodes(actions));
-            return actions;
-          });
+          return io_.call([state]() { return state->store->reapExpiredNodes(); });
         })
-        .then([this, tick](Result<Actions> actions) {
-          noteStoreRead(actions.status());
-          if (actions.isOk() && !actions->empty()) {
-            execute(std::move(*actions));
-            notifyWaiters();
+        .then([this, tick](Result<std::vector<NodeId>> dead) {
+          noteStoreRead(dead.status());
+          if (dead.isOk()) {
+            for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
+            if (!dead->empty() || tick % kReconcileEvery == 0) reconcileSoon();
           }
           return reapLoop(tick + 1);
         });
+  }
+
+  // Moves the work off DEAD nodes one node per I/O-thread call, so the reaps queued meanwhile
+  // run between them: moving a hundred actors off one node must not delay noticing the next
+  // node's death (20 nodes dying within a second were detected up to a second late when one call
+  // reconciled them all). One reconciliation at a time; a request meanwhile runs once after it.
+  void reconcileSoon() {
+    if (reconciling_) {
+      reconcileAgain_ = true;
+      return;
+    }
+    reconciling_ = true;
+    using Done = std::pair<Actions, bool>;
+    auto state = state_;
+    tasks_.add(io_.call([state]() -> Result<Done> {
+                    Actions actions;
+                    auto more = state->core.reconcileDeadNodes(actions, 1);
+                    if (!more.isOk()) return more.status();
+                    return Done(std::move(actions), *more);
+                  })
+                   .then([this](Result<Done> done) {
+                     reconciling_ = false;
+                     bool again = reconcileAgain_;
+                     reconcileAgain_ = false;
+                     if (!done.isOk()) {
+                       TROUPE_LOG(kWarning, "reconciling DEAD nodes: {}", done.status().toString());
+                       return;
+                     }
+                     if (!done->first.empty()) {
+                       execute(std::move(done->first));
+                       notifyWaiters();
+                     }
+                     if (done->second || again) reconcileSoon();
+                   }));
   }
 
   // One warning when the failure detector loses Redis, one every 10 s while it stays lost (it
@@ -696,7 +806,11 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::map<std::string, uint64_t> attached_;  // sessions open on this controller -> generation
   uint64_t sessionGeneration_ = 0;
+  bool reconciling_ = false;
+  bool reconcileAgain_ = false;
   kj::TaskSet tasks_;
+  BatchQueue<ActorRecord, ActorRecord> creates_;
+  BatchQueue<ControllerCore::ReadyReport, ActorRecord> readies_;
 
  public:
   ~ControllerService() noexcept(false) { *alive_ = false; }

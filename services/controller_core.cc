@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 #include <set>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -91,7 +92,9 @@ Status ControllerCore::place(ActorRecord& actor) {
     bool fresh = attempt > 0;
     auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
-    auto node = scheduler::pickNode(**nodes, actor.resources);
+    std::optional<NodeId> picked = pickIndexed(actor.resources);
+    // None fits: pickNode over every node says why (pending or infeasible).
+    auto node = picked ? Result<NodeId>(*picked) : scheduler::pickNode(**nodes, actor.resources);
     if (!node.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!node.isOk()) return node.status();
     std::vector<Reservation> claims = {Reservation{*node, actorHolder(actor.id), actor.resources}};
@@ -114,58 +117,204 @@ void ControllerCore::releaseActorResources(const ActorRecord& actor) {
 }
 
 Result<ActorRecord> ControllerCore::createActor(ActorRecord actor, std::vector<WorkerAction>& actions) {
-  if (actor.id.empty() || actor.type.empty()) {
-    return Status(StatusCode::kInvalidArgument, "an actor needs an id and a type");
-  }
-  if (actor.maxRestarts < -1 || actor.maxTaskRetries < -1) {
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("max_restarts ({}) and max_task_retries ({}) must be >= -1 (-1: unlimited)", actor.maxRestarts,
-                              actor.maxTaskRetries));
-  }
-  TROUPE_RETURN_IF_ERROR(validResources(actor.resources, "actor " + actor.type));
-  auto existing = store_.getActor(actor.id);
-  if (!existing.isOk()) return existing.status();
-  if (existing->has_value()) return **existing;  // a retried request
+  std::vector<ActorRecord> one;
+  one.push_back(std::move(actor));
+  return std::move(createActors(std::move(one), actions)[0]);
+}
 
-  if (!actor.name.empty()) {
-    auto claimed = store_.claimActorName(actor.name, actor.id);
-    if (!claimed.isOk()) return claimed.status();
-    if (!*claimed) {
-      return Status(StatusCode::kAlreadyExists,
-                    fmt::format("an actor named '{}' already exists; use get_actor('{}') or another name", actor.name, actor.name));
+std::vector<Result<ActorRecord>> ControllerCore::createActors(std::vector<ActorRecord> actors,
+                                                              std::vector<WorkerAction>& actions) {
+  const size_t n = actors.size();
+  std::vector<std::optional<Result<ActorRecord>>> results(n);
+  auto fail = [&](size_t i, Status status) { results[i] = Result<ActorRecord>(std::move(status)); };
+  // The first request for each id decides; a repeat gets its result.
+  std::unordered_map<ActorId, size_t> first;
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < n; ++i) {
+    ActorRecord& actor = actors[i];
+    if (actor.id.empty() || actor.type.empty()) {
+      fail(i, Status(StatusCode::kInvalidArgument, "an actor needs an id and a type"));
+      continue;
+    }
+    if (actor.maxRestarts < -1 || actor.maxTaskRetries < -1) {
+      fail(i, Status(StatusCode::kInvalidArgument,
+                     fmt::format("max_restarts ({}) and max_task_retries ({}) must be >= -1 (-1: unlimited)",
+                                 actor.maxRestarts, actor.maxTaskRetries)));
+      continue;
+    }
+    if (Status valid = validResources(actor.resources, "actor " + actor.type); !valid.isOk()) {
+      fail(i, valid);
+      continue;
+    }
+    if (first.emplace(actor.id, i).second) todo.push_back(i);
+  }
+  auto finish = [&]() {
+    std::vector<Result<ActorRecord>> out;
+    out.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (!results[i]) results[i] = *results[first.at(actors[i].id)];
+      out.push_back(std::move(*results[i]));
+    }
+    return out;
+  };
+  auto failAll = [&](const std::vector<size_t>& which, const Status& status) {
+    for (size_t i : which) fail(i, status);
+    return finish();
+  };
+
+  // One read for the lot: a retried request finds the actor it made.
+  std::vector<ActorId> ids;
+  for (size_t i : todo) ids.push_back(actors[i].id);
+  auto existing = ids.empty() ? Result<std::vector<std::optional<ActorRecord>>>(std::vector<std::optional<ActorRecord>>{})
+                              : store_.getActors(ids);
+  if (!existing.isOk()) return failAll(todo, existing.status());
+  std::vector<size_t> fresh;
+  for (size_t k = 0; k < todo.size(); ++k) {
+    size_t i = todo[k];
+    if ((*existing)[k]) {
+      results[i] = std::move(*(*existing)[k]);
+      continue;
+    }
+    ActorRecord& actor = actors[i];
+    if (!actor.name.empty()) {
+      auto claimed = store_.claimActorName(actor.name, actor.id);
+      if (!claimed.isOk()) {
+        fail(i, claimed.status());
+        continue;
+      }
+      if (!*claimed) {
+        fail(i, Status(StatusCode::kAlreadyExists,
+                       fmt::format("an actor named '{}' already exists; use get_actor('{}') or another name", actor.name,
+                                   actor.name)));
+        continue;
+      }
+    }
+    actor.state = ActorState::kPending;
+    actor.incarnation = 1;
+    actor.restarts = 0;
+    actor.nodeId = NodeId();
+    actor.address.clear();
+    actor.pid = 0;
+    actor.deathReason.clear();
+    actor.createdMs = actor.updatedMs = wallClockMs();
+    fresh.push_back(i);
+  }
+
+  // Placement: each actor on the view in turn (its claim counted before the next is placed),
+  // then one script makes every claim; an actor whose claim was refused (the view was stale), or
+  // that needs its bundle or a fresh view, is placed on its own.
+  std::vector<Status> placed(n, Status::ok());
+  std::vector<size_t> alone, claimed;
+  std::vector<Reservation> claims;
+  auto view = fresh.empty() ? Result<const std::vector<scheduler::NodeView>*>(&views_) : nodeView(false);
+  for (size_t i : fresh) {
+    ActorRecord& actor = actors[i];
+    std::optional<NodeId> node;
+    if (view.isOk() && actor.placementGroup.empty()) node = pickIndexed(actor.resources);
+    if (!node) {
+      alone.push_back(i);
+      continue;
+    }
+    claims.push_back(Reservation{*node, actorHolder(actor.id), actor.resources});
+    counted({claims.back()});
+    claimed.push_back(i);
+  }
+  if (!claims.empty()) {
+    auto made = store_.reserveEach(claims);
+    if (!made.isOk()) {
+      counted(claims, -1);
+      for (size_t i : fresh) {
+        if (!actors[i].name.empty()) (void)store_.releaseActorName(actors[i].name, actors[i].id);
+      }
+      return failAll(fresh, made.status());
+    }
+    for (size_t k = 0; k < claimed.size(); ++k) {
+      if ((*made)[k]) {
+        actors[claimed[k]].nodeId = claims[k].nodeId;
+      } else {
+        counted({claims[k]}, -1);
+        alone.push_back(claimed[k]);
+      }
     }
   }
-  actor.state = ActorState::kPending;
-  actor.incarnation = 1;
-  actor.restarts = 0;
-  actor.nodeId = NodeId();
-  actor.address.clear();
-  actor.pid = 0;
-  actor.deathReason.clear();
-  actor.createdMs = actor.updatedMs = wallClockMs();
-  Status placed = place(actor);
-  if (!placed.isOk() && placed.code() != StatusCode::kUnavailable) {
-    if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
-    return placed;
+  for (size_t i : alone) placed[i] = place(actors[i]);
+
+  std::vector<ActorRecord> writes;
+  std::vector<size_t> written;
+  for (size_t i : fresh) {
+    ActorRecord& actor = actors[i];
+    if (!placed[i].isOk() && placed[i].code() != StatusCode::kUnavailable) {
+      if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
+      fail(i, placed[i]);
+      continue;
+    }
+    if (!placed[i].isOk()) actor.deathReason = placed[i].message();  // the pending reason, shown in status
+    writes.push_back(actor);
+    written.push_back(i);
   }
-  if (!placed.isOk()) actor.deathReason = placed.message();  // the pending reason, shown in status
-  TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
-  if (placed.isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actor});
-  return actor;
+  if (Status put = store_.putActors(writes); !put.isOk()) return failAll(written, put);
+  for (size_t i : written) {
+    if (placed[i].isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actors[i]});
+    results[i] = std::move(actors[i]);
+  }
+  return finish();
 }
 
 Result<ActorRecord> ControllerCore::actorReady(const ActorId& id, uint32_t incarnation, const std::string& address,
                                                int64_t pid) {
-  auto actor = getActor(id);
-  if (!actor.isOk()) return actor.status();
-  if (actor->incarnation != incarnation || actor->state == ActorState::kDead) return actor;  // stale
-  if (actor->state == ActorState::kAlive && actor->address == address) return actor;        // a retry
-  actor->state = ActorState::kAlive;
-  actor->address = address;
-  actor->pid = pid;
-  actor->updatedMs = wallClockMs();
-  TROUPE_RETURN_IF_ERROR(store_.putActor(*actor));
-  return actor;
+  return std::move(actorsReady({ReadyReport{id, incarnation, address, pid}})[0]);
+}
+
+std::vector<Result<ActorRecord>> ControllerCore::actorsReady(const std::vector<ReadyReport>& reports) {
+  std::vector<Result<ActorRecord>> out;
+  out.reserve(reports.size());
+  std::vector<ActorId> ids;
+  std::unordered_map<ActorId, size_t> slot;  // id -> its record in `records`
+  for (const auto& r : reports) {
+    if (slot.emplace(r.id, ids.size()).second) ids.push_back(r.id);
+  }
+  auto read = ids.empty() ? Result<std::vector<std::optional<ActorRecord>>>(std::vector<std::optional<ActorRecord>>{})
+                          : store_.getActors(ids);
+  if (!read.isOk()) {
+    for (size_t i = 0; i < reports.size(); ++i) out.push_back(read.status());
+    return out;
+  }
+  auto& records = *read;
+  std::vector<bool> changed(records.size(), false);
+  // Applied in order on the records read, as one report after another would be.
+  std::vector<std::optional<ActorRecord>> seen;
+  for (const auto& r : reports) {
+    auto& actor = records[slot.at(r.id)];
+    if (!actor) {
+      seen.emplace_back();
+      continue;
+    }
+    bool stale = actor->incarnation != r.incarnation || actor->state == ActorState::kDead;
+    bool repeated = actor->state == ActorState::kAlive && actor->address == r.address;
+    if (!stale && !repeated) {
+      actor->state = ActorState::kAlive;
+      actor->address = r.address;
+      actor->pid = r.pid;
+      actor->updatedMs = wallClockMs();
+      changed[slot.at(r.id)] = true;
+    }
+    seen.push_back(*actor);
+  }
+  std::vector<ActorRecord> writes;
+  for (size_t k = 0; k < records.size(); ++k) {
+    if (changed[k]) writes.push_back(*records[k]);
+  }
+  Status put = store_.putActors(writes);
+  for (size_t i = 0; i < reports.size(); ++i) {
+    if (!seen[i]) {
+      out.push_back(Status(StatusCode::kNotFound, fmt::format("no actor with id {}", reports[i].id.hex())));
+    } else if (!put.isOk() && changed[slot.at(reports[i].id)]) {
+      out.push_back(put);
+    } else {
+      out.push_back(std::move(*seen[i]));
+    }
+  }
+  return out;
 }
 
 // A member of an elastic group ended: the group's epoch advances (its survivors' collectives
@@ -305,6 +454,16 @@ Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
   return nodesDied(*dead, actions);
 }
 
+Result<bool> ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions, size_t maxNodes) {
+  auto dead = store_.listDeadNodesWithWork();
+  if (!dead.isOk()) return dead.status();
+  if (dead->empty()) return false;
+  bool more = dead->size() > maxNodes;
+  if (more) dead->resize(maxNodes);
+  TROUPE_RETURN_IF_ERROR(nodesDied(*dead, actions));
+  return more;
+}
+
 Result<const std::vector<scheduler::NodeView>*> ControllerCore::nodeView(bool fresh) {
   auto now = std::chrono::steady_clock::now();
   if (fresh || views_.empty() || now - nodesRead_ > kNodeViewMaxAge) {
@@ -312,20 +471,82 @@ Result<const std::vector<scheduler::NodeView>*> ControllerCore::nodeView(bool fr
     if (!nodes.isOk()) return nodes.status();
     views_ = scheduler::viewsOf(*nodes);
     viewIndex_.clear();
-    for (size_t i = 0; i < views_.size(); ++i) viewIndex_[views_[i].id] = i;
+    byFree_.clear();
+    keyOf_.assign(views_.size(), RankKey{});
+    for (size_t i = 0; i < views_.size(); ++i) {
+      viewIndex_[views_[i].id] = i;
+      rank(i);
+    }
     nodesRead_ = now;
   }
-  // Kept between calls, not copied: a placement costs a pass over the nodes, no more.
+  // Kept between calls, not copied: a placement reads the index, not every node.
   return &views_;
 }
 
-void ControllerCore::counted(const std::vector<Reservation>& claims) {
+namespace {
+double quantity(const Resources& r, const std::string& name) {
+  auto it = r.find(name);
+  return it == r.end() ? 0.0 : it->second;
+}
+}  // namespace
+
+// The key is computed as pickNode computes its order (free CPU, then the sum of per-resource
+// utilisation over `total`, then id), so the first node in the index that fits is its choice.
+void ControllerCore::rank(size_t i) {
+  const scheduler::NodeView& node = views_[i];
+  if (i < keyOf_.size() && !std::get<2>(keyOf_[i]).empty()) byFree_.erase(keyOf_[i]);
+  if (!node.alive) {
+    keyOf_[i] = RankKey{};
+    return;
+  }
+  static const std::string kCpu = "CPU";
+  double utilisation = 0;
+  for (const auto& [name, total] : node.total) {
+    if (total > 0) utilisation += quantity(node.used, name) / total;
+  }
+  keyOf_[i] = RankKey{-(quantity(node.total, kCpu) - quantity(node.used, kCpu)), utilisation, node.id};
+  byFree_.insert(keyOf_[i]);
+}
+
+void ControllerCore::counted(const std::vector<Reservation>& claims, double sign) {
   for (const Reservation& claim : claims) {
     auto it = viewIndex_.find(claim.nodeId);
     if (it == viewIndex_.end()) continue;
     Resources& used = views_[it->second].used;
-    for (const auto& [name, qty] : claim.resources) used[name] += qty;
+    for (const auto& [name, qty] : claim.resources) used[name] += sign * qty;
+    rank(it->second);
   }
+}
+
+std::optional<NodeId> ControllerCore::pickIndexed(const Resources& demand) const {
+  for (const auto& key : byFree_) {
+    const scheduler::NodeView& node = views_[viewIndex_.at(std::get<2>(key))];
+    if (scheduler::fits(scheduler::available(node), demand)) return node.id;
+  }
+  return std::nullopt;
+}
+
+std::vector<scheduler::NodeView> ControllerCore::shortlist(const std::vector<Resources>& demands,
+                                                           const std::vector<NodeId>& existing, size_t limit) const {
+  std::set<size_t> chosen;
+  for (const NodeId& id : existing) {
+    auto it = viewIndex_.find(id);
+    if (it != viewIndex_.end()) chosen.insert(it->second);
+  }
+  for (const Resources& demand : demands) {
+    size_t found = 0;
+    for (const auto& key : byFree_) {
+      if (found >= limit) break;
+      size_t i = viewIndex_.at(std::get<2>(key));
+      if (!scheduler::fits(scheduler::available(views_[i]), demand)) continue;
+      chosen.insert(i);
+      ++found;
+    }
+  }
+  std::vector<scheduler::NodeView> out;
+  out.reserve(chosen.size());
+  for (size_t i : chosen) out.push_back(views_[i]);
+  return out;
 }
 
 Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from) {
@@ -351,14 +572,24 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, co
     bool fresh = attempt > 0;
     auto nodes = nodeView(fresh);
     if (!nodes.isOk()) return nodes.status();
-    auto placement = scheduler::placeBundles(**nodes, demands, group.strategy, existing);
-    if (!placement.isOk() && !fresh) continue;  // decided on a recent view: ask the store
-    if (!placement.isOk()) return placement.status();
+    // First on a few nodes (the freest that fit, and the group's own), copying those alone; the
+    // whole cluster only when they cannot hold it (which also tells pending from infeasible).
+    std::optional<Result<std::vector<NodeId>>> placement;
+    const size_t limit = std::max<size_t>(8, 2 * demands.size());
+    if ((*nodes)->size() > limit + existing.size()) {
+      auto few = shortlist(demands, existing, limit);
+      auto tried = scheduler::placeBundles(few, demands, group.strategy, existing);
+      if (tried.isOk()) placement = std::move(tried);
+    }
+    if (!placement) placement = scheduler::placeBundles(**nodes, demands, group.strategy, existing);
+    if (!placement->isOk() && !fresh) continue;  // decided on a recent view: ask the store
+    if (!placement->isOk()) return placement->status();
+    const std::vector<NodeId>& chosen = **placement;
     std::vector<Reservation> claims;
     for (size_t k = 0; k < todo.size(); ++k) {
-      claims.push_back({(*placement)[k], bundleHolder(group.id, todo[k]), demands[k]});
+      claims.push_back({chosen[k], bundleHolder(group.id, todo[k]), demands[k]});
     }
-    for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = (*placement)[k];
+    for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = chosen[k];
     auto reserved = claim(claims);
     if (!reserved.isOk()) return reserved.status();
     if (*reserved) {

@@ -11,6 +11,9 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
+#include <set>
+#include <tuple>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -42,8 +45,20 @@ class ControllerCore {
   // caller); idempotent by id. Errors: kInvalidArgument (bad spec), kAlreadyExists (name taken),
   // kResourceExhausted (infeasible anywhere). A busy cluster leaves it PENDING with a reason.
   Result<ActorRecord> createActor(ActorRecord actor, std::vector<WorkerAction>& actions);
+  // createActor of each, in order, with one result each; the store round trips are made once for
+  // the lot (a read, the claims, the writes), so a controller creating many actors at once pays
+  // a few round trips per batch, not per actor. A repeated id gets its first request's result.
+  std::vector<Result<ActorRecord>> createActors(std::vector<ActorRecord> actors, std::vector<WorkerAction>& actions);
   // A worker reports it serves `address`. Stale incarnations are ignored (returns the record).
   Result<ActorRecord> actorReady(const ActorId& id, uint32_t incarnation, const std::string& address, int64_t pid);
+  struct ReadyReport {
+    ActorId id;
+    uint32_t incarnation = 0;
+    std::string address;
+    int64_t pid = 0;
+  };
+  // actorReady of each, in order, in two store round trips for the lot.
+  std::vector<Result<ActorRecord>> actorsReady(const std::vector<ReadyReport>& reports);
   // A worker ended (`reason` says how). Restarts it within max_restarts, else marks it DEAD;
   // a final exit (the actor ended itself, or its constructor failed) is never restarted.
   Status workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
@@ -57,6 +72,8 @@ class ControllerCore {
   // Applies nodesDied to every DEAD node still holding live actors or bundles: nodes that died
   // while no controller ran, or that stopped cleanly. Cheap when there is nothing to do.
   Status reconcileDeadNodes(std::vector<WorkerAction>& actions);
+  // The same for at most `maxNodes` of them (the oldest deaths first); true when more are left.
+  Result<bool> reconcileDeadNodes(std::vector<WorkerAction>& actions, size_t maxNodes);
 
   // Idempotent by id. Infeasible: kResourceExhausted. Not now: CREATED later, PENDING meanwhile.
   Result<PlacementGroupRecord> createPlacementGroup(PlacementGroupRecord group);
@@ -83,7 +100,16 @@ class ControllerCore {
   // The scheduler's view of the nodes as read at most kNodeViewMaxAge ago (or now, when
   // `fresh`), with the claims this core made since counted in. Valid until the next call.
   Result<const std::vector<scheduler::NodeView>*> nodeView(bool fresh);
-  void counted(const std::vector<Reservation>& claims);
+  // Adds (sign 1) or takes back (-1) claims in the view, keeping the index by free CPU.
+  void counted(const std::vector<Reservation>& claims, double sign = 1);
+  // The node pickNode would choose on the view, found from the index by free CPU (the first
+  // that fits, in pickNode's order) instead of a pass over every node; nullopt when none fits.
+  std::optional<NodeId> pickIndexed(const Resources& demand) const;
+  // The nodes worth offering a group's bundles first: the `limit` freest (by CPU) that fit each
+  // bundle, and the nodes holding its other bundles; the rest of the cluster only if these fail.
+  std::vector<scheduler::NodeView> shortlist(const std::vector<Resources>& demands, const std::vector<NodeId>& existing,
+                                             size_t limit) const;
+  void rank(size_t view);
   // The same, making the claims through `claim` (true: made; false: refused, try afresh).
   using ClaimFn = std::function<Result<bool>(const std::vector<Reservation>&)>;
   Status placeBundles(PlacementGroupRecord& group, size_t from, const ClaimFn& claim);
@@ -99,6 +125,10 @@ class ControllerCore {
   static constexpr std::chrono::milliseconds kNodeViewMaxAge{500};
   std::vector<scheduler::NodeView> views_;
   std::unordered_map<NodeId, size_t> viewIndex_;  // node -> its place in views_
+  // The alive nodes in pickNode's order: most free CPU, then least used overall, then id.
+  using RankKey = std::tuple<double, double, NodeId>;  // (-free CPU, utilisation, id)
+  std::set<RankKey> byFree_;
+  std::vector<RankKey> keyOf_;  // views_ index -> its key in byFree_
   std::chrono::steady_clock::time_point nodesRead_{};
 
   // Per actor, how many incarnations in a row ended within kStableRunMs of starting (or before

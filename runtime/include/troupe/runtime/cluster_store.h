@@ -228,6 +228,17 @@ class ClusterStore {
   // is checked against capacity; kInvalidArgument for empty ids or holders and bad amounts. The node's
   // `used` is the sum of its claims.
   virtual Result<bool> reserve(const std::vector<Reservation>& reservations) = 0;
+  // Makes each reservation on its own, in order (not all or nothing): per reservation, whether
+  // it was made, as reserve() of it alone. One round trip for the lot in Redis.
+  virtual Result<std::vector<bool>> reserveEach(const std::vector<Reservation>& reservations) {
+    std::vector<bool> made;
+    for (const Reservation& r : reservations) {
+      auto one = reserve({r});
+      if (!one.isOk()) return one.status();
+      made.push_back(*one);
+    }
+    return made;
+  }
   // Drops the claims of these holders on these nodes (resources in the argument are ignored).
   // Unknown claims are ignored.
   virtual Status release(const std::vector<Reservation>& reservations) = 0;
@@ -238,6 +249,21 @@ class ClusterStore {
   // Writes the whole record (the controller is the single writer).
   virtual Status putActor(const ActorRecord& actor) = 0;
   virtual Result<std::optional<ActorRecord>> getActor(const ActorId& id) = 0;
+  // Batches (one round trip for the lot in Redis): putActor of each record in order, and the
+  // records of `ids` in order (nullopt for an unknown id).
+  virtual Status putActors(const std::vector<ActorRecord>& actors) {
+    for (const ActorRecord& a : actors) TROUPE_RETURN_IF_ERROR(putActor(a));
+    return Status::ok();
+  }
+  virtual Result<std::vector<std::optional<ActorRecord>>> getActors(const std::vector<ActorId>& ids) {
+    std::vector<std::optional<ActorRecord>> out;
+    for (const ActorId& id : ids) {
+      auto one = getActor(id);
+      if (!one.isOk()) return one.status();
+      out.push_back(std::move(*one));
+    }
+    return out;
+  }
   // The actors not DEAD and the newest DEAD ones (older DEAD records are deleted; Redis keeps
   // RedisOptions::keepDeadActors), sorted by creation time: what status shows. Without their
   // initArgs (the bulk of a record, which status never shows).
