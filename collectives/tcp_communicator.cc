@@ -48,6 +48,10 @@
 
 #include <fmt/format.h>
 
+#include "control_channel.h"
+#include "epoch_watcher.h"
+#include "operation.h"
+#include "peer.h"
 #include "plan.h"
 #include "reduce.h"
 #include "rendezvous.h"
@@ -71,28 +75,6 @@ tcp protocolOf(int fd) {
   return address.ss_family == AF_INET6 ? tcp::v6() : tcp::v4();
 }
 
-// Per operation kind: finished operations, their bytes (the buffer's size) and their time on the
-// I/O thread, in the process's counters (troupe/runtime/metrics.h) for the head's /metrics.
-struct OpCounters {
-  metrics::Counter& ops;
-  metrics::Counter& bytes;
-  metrics::Counter& seconds;
-};
-OpCounters& opCounters(OpKind kind) {
-  static std::vector<OpCounters> table = [] {
-    std::vector<OpCounters> t;
-    for (int k = static_cast<int>(OpKind::kAllreduce); k <= static_cast<int>(OpKind::kSendRecv); ++k) {
-      std::string op = fmt::format("op=\"{}\"", opKindName(static_cast<OpKind>(k)));
-      t.push_back(OpCounters{metrics::counter("troupe_collective_ops_total", op),
-                             metrics::counter("troupe_collective_bytes_total", op),
-                             metrics::counter("troupe_collective_seconds_total", op, metrics::Unit::kSeconds)});
-    }
-    return t;
-  }();
-  return table[static_cast<size_t>(kind) - static_cast<size_t>(OpKind::kAllreduce)];
-}
-
-constexpr uint32_t kWireMagic = 0x31435254;  // "TRC1"
 constexpr size_t kMaxGatherItems = 16;      // buffers per writev
 constexpr size_t kMaxWriteBytes = 4 << 20;  // bytes per write, so events are checked often
 constexpr size_t kLowWatermarkCap = 256 << 10;  // wake a reader for at most this much data
@@ -118,179 +100,12 @@ int cpusAvailable() {
   return std::max(1, CPU_COUNT(&set));
 }
 
-// Host byte order: Troupe runs on little-endian hosts (x86-64, arm64) only.
-struct WireHeader {
-  uint32_t magic = kWireMagic;
-  uint8_t kind = 0;  // a p2p pair is sent as kSend and expected as kSend
-  uint8_t type = 0;
-  uint8_t op = 0;
-  uint8_t unused = 0;
-  int32_t root = -1;
-  uint32_t unused2 = 0;
-  uint64_t seq = 0;
-  uint64_t count = 0;
-  bool operator==(const WireHeader&) const = default;
-};
-static_assert(sizeof(WireHeader) == 32);
-
 // What a failure means for fail(), which weighs causes by this and never by message text: a
 // peer's death outranks what it caused; a peer's ABORT explains a data connection that ended.
 enum class FailureCause { kOther, kPeerDied, kPeerAborted, kConnectionLost };
 struct Failure {
   Status status;
   FailureCause cause = FailureCause::kOther;
-};
-
-std::string describeHeader(const WireHeader& header) {
-  const auto kind = static_cast<OpKind>(header.kind);
-  const auto type = static_cast<DataType>(header.type);
-  std::string what = fmt::format("{} #{} ({} elements of {}", opKindName(kind), header.seq,
-                                 header.count, dataTypeName(type));
-  if (kind == OpKind::kAllreduce || kind == OpKind::kReduceScatter) {
-    what += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(header.op)));
-  }
-  if (kind == OpKind::kBroadcast) what += fmt::format(", root {}", header.root);
-  return what + ")";
-}
-
-// A Work completed by the I/O thread and waited on by callers.
-class WorkState final : public Work {
- public:
-  Status wait() override {
-    std::unique_lock lock(mutex_);
-    ready_.wait(lock, [this] { return done_; });
-    return status_;
-  }
-  bool done() const override {
-    std::lock_guard lock(mutex_);
-    return done_;
-  }
-  int64_t finishedAtUs() const override {
-    std::lock_guard lock(mutex_);
-    return finishedAtUs_;
-  }
-  void complete(Status status) {
-    auto now = std::chrono::duration_cast<std::chrono::microseconds>(
-                   std::chrono::system_clock::now().time_since_epoch()).count();
-    {
-      std::lock_guard lock(mutex_);
-      if (done_) return;
-      status_ = std::move(status);
-      done_ = true;
-      finishedAtUs_ = now;
-    }
-    ready_.notify_all();
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::condition_variable ready_;
-  bool done_ = false;
-  int64_t finishedAtUs_ = 0;
-  Status status_;
-};
-
-struct Request {
-  OpKind kind = OpKind::kBarrier;
-  const void* send = nullptr;
-  void* recv = nullptr;
-  size_t count = 0;
-  DataType type = DataType::kFloat32;
-  ReduceOp op = ReduceOp::kSum;
-  int root = -1;  // broadcast root, or the p2p peer (sendrecv: the rank sent to)
-  std::shared_ptr<WorkState> work;
-  int from = -1;  // sendrecv: the rank received from
-};
-
-// 64-byte aligned, pre-faulted memory allocated once (no first-touch faults on the hot path).
-class AlignedBuffer {
- public:
-  void reserve(size_t bytes) {
-    if (bytes <= size_) return;
-    data_.reset(static_cast<char*>(::operator new[](bytes, std::align_val_t(64))));
-    std::memset(data_.get(), 0, bytes);
-    size_ = bytes;
-  }
-  char* data() { return data_.get(); }
-
- private:
-  struct Deleter {
-    void operator()(char* p) const { ::operator delete[](p, std::align_val_t(64)); }
-  };
-  std::unique_ptr<char[], Deleter> data_;
-  size_t size_ = 0;
-};
-
-struct SendItem {
-  const char* data;
-  size_t bytes;
-  int32_t waitEvent;  // -1: ready at once
-};
-
-struct RecvItem {
-  char* dst;
-  size_t bytes;
-  int32_t event;  // -1: none
-  // When reduceOut is set: reduceOut[i] = local[i] op dst[i] for `count` elements.
-  char* reduceOut;
-  const char* local;
-  size_t count;
-  int divisor;
-};
-
-// One peer: its two connections and its part of the current plan. Owned by the I/O thread.
-struct Peer {
-  Peer(asio::io_context& io, int rank, std::string name)
-      : rank(rank), name(std::move(name)), data(io), control(io) {}
-
-  int rank;
-  std::string name;
-  tcp::socket data;
-  tcp::socket control;
-  uint64_t sendSeq = 0;
-  uint64_t recvSeq = 0;
-  bool saidGoodbye = false;
-  bool left = false;  // said goodbye and closed: later operations with it fail
-  AlignedBuffer scratch;
-
-  // The current plan.
-  bool sendActive = false, recvActive = false;
-  bool headerSent = false, headerReceived = false;
-  WireHeader outHeader, inHeader, expectedHeader;
-  std::vector<SendItem> sends;
-  std::vector<RecvItem> recvs;
-  size_t nextSend = 0, nextRecv = 0;
-  bool writing = false, reading = false;
-  bool writeHasHeader = false, readIsHeader = false;
-  char* readPtr = nullptr;
-  size_t readLeft = 0;
-  int lowWatermark = 1;  // the data socket's SO_RCVLOWAT
-  size_t writeItems = 0;
-  std::vector<asio::const_buffer> writeBuffers;
-  std::vector<iovec> writeIov;  // the sender thread's copy of writeBuffers while `writing`
-  int dataFd = -1;              // data.native_handle(), for the sender thread
-
-  // Same host: the data goes through these pipes instead of `data` (which stays open, unused).
-  bool shm = false;
-  ShmPipe out, in;
-  bool shmWaiting = false;  // a read armed the doorbell and waits for the waiter's post
-
-  // Control channel: bytes read but not yet parsed, and whether it ended.
-  std::string controlBytes;
-  bool controlEnded = false;
-
-  void resetPlan() {
-    sendActive = recvActive = headerSent = headerReceived = false;
-    sends.clear();
-    recvs.clear();
-    nextSend = nextRecv = 0;
-  }
-  bool sendsDone() const {
-    return !sendActive || (headerSent && nextSend == sends.size() && !writing);
-  }
-  bool recvsDone() const {
-    return !recvActive || (headerReceived && nextRecv == recvs.size() && !reading);
-  }
 };
 
 class TcpCommunicator final : public Communicator {
@@ -300,8 +115,7 @@ class TcpCommunicator final : public Communicator {
         n_(options.worldSize),
         me_(options.rank),
         elementsPerChunkBytes_(std::max<size_t>(options.chunkBytes & ~size_t{63}, 4096)),
-        timer_(io_),
-        watch_(std::move(met.watch)) {
+        timer_(io_) {
     const size_t scratchBytes = std::max(elementsPerChunkBytes_, options_.smallMessageBytes) + 64;
     peers_.resize(n_);
     for (int r = 0; r < n_; ++r) {
@@ -312,7 +126,7 @@ class TcpCommunicator final : public Communicator {
       const tcp protocol = protocolOf(raw.data.get());
       peer->data.assign(protocol, raw.data.release(), ec);
       TROUPE_CHECK(!ec, "assigning a data socket: {}", ec.message());
-      peer->control.assign(protocol, raw.control.release(), ec);
+      peer->control.socket().assign(protocol, raw.control.release(), ec);
       TROUPE_CHECK(!ec, "assigning a control socket: {}", ec.message());
       peer->dataFd = peer->data.native_handle();
       peer->scratch.reserve(scratchBytes);
@@ -336,14 +150,19 @@ class TcpCommunicator final : public Communicator {
     }
     ioThread_ = std::thread([this] { io_.run(); });  // runs until the guard goes (destructor)
     sender_ = std::thread([this] { senderLoop(); });
-    watcher_ = std::thread([this] { watchEpoch(); });
+    epochWatcher_ = std::make_unique<EpochWatcher>(
+        std::move(met.watch), options_.epoch,
+        fmt::format("group '{}' epoch {} rank {}", options_.group, options_.epoch, me_), [this](int64_t advanced) {
+          asio::post(io_, [this, advanced] {
+            fail(Status(StatusCode::kAborted, fmt::format("group '{}' advanced to epoch {}; {}", options_.group,
+                                                          advanced, recreateAdvice(options_))));
+          });
+        });
     if (shm_) shmWaiter_ = std::thread([this, bellBefore] { shmWaitLoop(bellBefore); });
   }
 
   ~TcpCommunicator() override {
-    stopping_.store(true);
-    watch_->interrupt();
-    watcher_.join();
+    epochWatcher_.reset();  // joins its thread, which may post to io_
     if (shmWaiter_.joinable()) {
       shmWaiterStop_.store(true);
       std::atomic<uint32_t>& bell = shm_->segment->doorbell(shm_->myLocal);
@@ -423,7 +242,7 @@ class TcpCommunicator final : public Communicator {
   std::shared_ptr<Work> submit(Request request) {
     auto work = std::make_shared<WorkState>();
     request.work = work;
-    if (Status invalid = validate(request); !invalid.isOk()) {
+    if (Status invalid = validateRequest(request, n_, me_); !invalid.isOk()) {
       work->complete(std::move(invalid));  // a local mistake: nothing was sent, still usable
       return work;
     }
@@ -437,69 +256,6 @@ class TcpCommunicator final : public Communicator {
     asio::post(io_,
                [this, request = std::move(request)]() mutable { enqueue(std::move(request)); });
     return work;
-  }
-
-  Status validate(const Request& request) const {
-    if (dataTypeSize(request.type) == 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("unknown data type {}", static_cast<int>(request.type)));
-    }
-    if (request.count > (size_t{1} << 48)) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("{} of {} elements is too large", opKindName(request.kind),
-                                request.count));
-    }
-    const bool p2p = request.kind == OpKind::kSend || request.kind == OpKind::kRecv;
-    if (request.kind == OpKind::kSendRecv &&
-        (request.root < 0 || request.root >= n_ || request.root == me_ || request.from < 0 ||
-         request.from >= n_ || request.from == me_)) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("sendrecv: to {} and from {} must be other ranks of this communicator (rank "
-                                "{} of {})",
-                                request.root, request.from, me_, n_));
-    }
-    if (p2p && (request.root < 0 || request.root >= n_ || request.root == me_)) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("{}: peer {} is not another rank of this communicator (rank {} "
-                                "of {})",
-                                opKindName(request.kind), request.root, me_, n_));
-    }
-    if (request.kind == OpKind::kBroadcast && (request.root < 0 || request.root >= n_)) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("broadcast: root {} is not a rank of this communicator (world "
-                                "size {})",
-                                request.root, n_));
-    }
-    if (request.count > 0 && request.kind != OpKind::kBarrier &&
-        ((request.kind != OpKind::kRecv && request.send == nullptr) ||
-         (request.kind != OpKind::kSend && request.recv == nullptr))) {
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("{}: null buffer for {} elements", opKindName(request.kind),
-                                request.count));
-    }
-    return Status::ok();
-  }
-
-  // ---- Epoch watcher thread ----
-
-  void watchEpoch() {
-    while (!stopping_.load()) {
-      auto next = watch_->next(std::chrono::seconds(3600));
-      if (!next.isOk()) {
-        TROUPE_LOG(kWarning, "group '{}' epoch {} rank {}: {}; epoch advances are no longer "
-                   "seen by this communicator (peer failures and timeouts still are)",
-                   options_.group, options_.epoch, me_, next.status().message());
-        return;
-      }
-      if (!next->has_value() || **next <= options_.epoch) continue;
-      const int64_t advanced = **next;
-      asio::post(io_, [this, advanced] {
-        fail(Status(StatusCode::kAborted,
-                    fmt::format("group '{}' advanced to epoch {}; {}", options_.group, advanced,
-                                recreateAdvice(options_))));
-      });
-      return;
-    }
   }
 
   // ---- I/O thread ----
@@ -541,10 +297,7 @@ class TcpCommunicator final : public Communicator {
     for (auto& peer : peers_) {
       if (peer) peer->resetPlan();
     }
-    OpCounters& counters = opCounters(current_.kind);
-    counters.ops.add();
-    counters.bytes.add(current_.count * dataTypeSize(current_.type));
-    counters.seconds.addTime(std::chrono::steady_clock::now() - opStarted_);
+    countFinished(current_, std::chrono::steady_clock::now() - opStarted_);
     auto work = std::move(current_.work);
     work->complete(Status::ok());
   }
@@ -571,11 +324,11 @@ class TcpCommunicator final : public Communicator {
     planCollective(shape, plan_);
     applyPlan();
     for (auto& peer : peers_) {
-      if (peer && (peer->sendActive || peer->recvActive) && peer->left) {
+      if (peer && (peer->sendActive || peer->recvActive) && peer->control.left()) {
         fail(Status(StatusCode::kUnavailable,
                     fmt::format("{} needs {}, which closed its communicator (it left the "
                                 "group); {}",
-                                describeCurrent(), peer->name, recreateAdvice(options_))));
+                                describeRequest(current_, opNumber_), peer->name, recreateAdvice(options_))));
         return;
       }
     }
@@ -1027,7 +780,7 @@ class TcpCommunicator final : public Communicator {
   Status shmCorruption(const Peer& peer, std::string_view what) {
     return Status(StatusCode::kInternal,
                   fmt::format("the shared-memory pipe with {} holds an impossible value for {} during {}; {}",
-                              peer.name, what, describeCurrent(), recreateAdvice(options_)));
+                              peer.name, what, describeRequest(current_, opNumber_), recreateAdvice(options_)));
   }
 
   // Whether this operation still needs bytes from a pipe peer that left which are not in the pipe.
@@ -1057,14 +810,10 @@ class TcpCommunicator final : public Communicator {
     return peer.out.unread() > 0 || headerPending || peer.nextSend + inFlight < peer.sends.size();
   }
 
-  // ---- Control channel ----
-  //
-  // Read with readiness waits and non-blocking reads of our own (not async_read), so a failure
-  // noticed elsewhere can first pick up what already arrived there: a peer's ABORT (the root
-  // cause) or the end of a peer that died.
+  // ---- Control channel (control_channel.h) ----
 
   void watchControl(Peer& peer) {
-    peer.control.async_wait(tcp::socket::wait_read, [this, &peer](const asio::error_code& ec) {
+    peer.control.socket().async_wait(tcp::socket::wait_read, [this, &peer](const asio::error_code& ec) {
       if (!broken_.isOk() || shuttingDown_ || ec == asio::error::operation_aborted) return;
       if (auto failure = drainControl(peer)) {
         fail(std::move(failure->status), failure->cause);
@@ -1072,92 +821,42 @@ class TcpCommunicator final : public Communicator {
       }
       // A peer that left cleanly in the middle of an operation that needs it: over TCP its data
       // connection's end fails the operation; a pipe never ends, so fail it here.
-      if (peer.left && peer.shm && active_ && (recvsStranded(peer) || sendsStranded(peer))) {
+      if (peer.control.left() && peer.shm && active_ && (recvsStranded(peer) || sendsStranded(peer))) {
         fail(Status(StatusCode::kUnavailable,
                     fmt::format("{} closed its communicator (it left the group) during {}; {}", peer.name,
-                                describeCurrent(), recreateAdvice(options_))));
+                                describeRequest(current_, opNumber_), recreateAdvice(options_))));
         return;
       }
-      if (peer.control.is_open()) watchControl(peer);
+      if (peer.control.isOpen()) watchControl(peer);
     });
   }
 
-  // Reads what the peer's control connection holds and handles it: a goodbye is noted; an ABORT,
-  // a malformed message, or the end of the connection without a goodbye is returned as the
-  // failure it means.
+  // What the peer's control connection holds, as the failure it means: an ABORT, a malformed
+  // message, or the end of the connection without a goodbye (a goodbye is only noted).
   std::optional<Failure> drainControl(Peer& peer) {
-    if (!peer.control.is_open()) return std::nullopt;
-    char buffer[4096];
-    while (!peer.controlEnded) {
-      const ssize_t n = ::recv(peer.control.native_handle(), buffer, sizeof(buffer), MSG_DONTWAIT);
-      if (n > 0) {
-        peer.controlBytes.append(buffer, static_cast<size_t>(n));
-      } else if (n == 0) {
-        peer.controlEnded = true;
-      } else if (errno == EINTR) {
-        continue;
-      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    ControlChannel::Event event = peer.control.drain();
+    switch (event.kind) {
+      case ControlChannel::Event::Kind::kNothing:
+        return std::nullopt;
+      case ControlChannel::Event::Kind::kMalformed:
+        return Failure{Status(StatusCode::kInternal, fmt::format("{} sent a malformed control message ({}); {}",
+                                                                 peer.name, event.text, recreateAdvice(options_)))};
+      case ControlChannel::Event::Kind::kAborted:
+        return Failure{Status(event.code, fmt::format("{} stopped: {}", peer.name, event.text)),
+                       FailureCause::kPeerAborted};
+      case ControlChannel::Event::Kind::kDied:
         break;
-      } else {
-        peer.controlEnded = true;  // reset: the peer's kernel closed it (the process died)
-      }
-    }
-    for (;;) {
-      ControlMessage message = parseControlMessage(peer.controlBytes);
-      if (message.kind == ControlMessage::Kind::kIncomplete) break;
-      if (message.kind == ControlMessage::Kind::kGoodbye) {
-        peer.saidGoodbye = true;
-        peer.controlBytes.erase(0, message.bytes);
-        continue;
-      }
-      if (message.kind == ControlMessage::Kind::kMalformed) {
-        return Failure{Status(StatusCode::kInternal,
-                              fmt::format("{} sent a malformed control message ({}); {}", peer.name,
-                                          message.text, recreateAdvice(options_)))};
-      }
-      return Failure{Status(message.code, fmt::format("{} stopped: {}", peer.name, message.text)),
-                     FailureCause::kPeerAborted};
-    }
-    if (!peer.controlEnded) return std::nullopt;
-    if (peer.saidGoodbye) {
-      // A clean leave: operations that still need the peer fail when they reach it.
-      peer.left = true;
-      asio::error_code ignored;
-      peer.control.close(ignored);
-      return std::nullopt;
     }
     return Failure{Status(StatusCode::kUnavailable,
                           fmt::format("{} closed its connection without a goodbye: the process "
                                       "died or was killed{}; {}",
                                       peer.name,
-                                      active_ ? fmt::format(" (during {})", describeCurrent()) : "",
+                                      active_ ? fmt::format(" (during {})", describeRequest(current_, opNumber_)) : "",
                                       recreateAdvice(options_))),
                    FailureCause::kPeerDied};
   }
 
-  // Best effort: a few bytes on a socket nobody else writes to; a dead peer just fails it.
-  void sendControl(Peer& peer, const std::string& message) {
-    asio::error_code ignored;
-    peer.control.non_blocking(true, ignored);
-    peer.control.send(asio::buffer(message), 0, ignored);
-  }
-
   // ---- Failure ----
-
-  std::string describeCurrent() const {
-    const Request& r = current_;
-    std::string what = fmt::format("{} #{} ({} elements of {}", opKindName(r.kind), opNumber_,
-                                   r.count, dataTypeName(r.type));
-    if (r.kind == OpKind::kAllreduce || r.kind == OpKind::kReduceScatter) {
-      what += fmt::format(", {}", reduceOpName(r.op));
-    }
-    if (r.kind == OpKind::kSend || r.kind == OpKind::kRecv) {
-      what += fmt::format(", peer {}", r.root);
-    }
-    if (r.kind == OpKind::kSendRecv) what += fmt::format(", to {}, from {}", r.root, r.from);
-    if (r.kind == OpKind::kBroadcast) what += fmt::format(", root {}", r.root);
-    return what + ")";
-  }
 
   // Which peers the current operation still waits for, and how far each direction got: a peer
   // that has not even started this operation is the one to look at.
@@ -1170,7 +869,7 @@ class TcpCommunicator final : public Communicator {
       if (!peer->recvsDone()) {
         add(peer->headerReceived
                 ? fmt::format("{}: {} of {} parts received", peer->name, peer->nextRecv, peer->recvs.size())
-                : fmt::format("{}: has not started {}", peer->name, describeCurrent()));
+                : fmt::format("{}: has not started {}", peer->name, describeRequest(current_, opNumber_)));
       } else if (!peer->sendsDone()) {
         add(fmt::format("{}: {} of {} parts sent", peer->name, peer->nextSend, peer->sends.size()));
       }
@@ -1179,17 +878,17 @@ class TcpCommunicator final : public Communicator {
   }
 
   Failure connectionError(const Peer& peer, std::string_view doing, const asio::error_code& ec) {
-    if (peer.saidGoodbye) {
+    if (peer.control.saidGoodbye()) {
       return Failure{Status(StatusCode::kUnavailable,
                             fmt::format("{} closed its communicator (it left the group) while this "
                                         "rank was {} it during {}; {}",
-                                        peer.name, doing, describeCurrent(),
+                                        peer.name, doing, describeRequest(current_, opNumber_),
                                         recreateAdvice(options_)))};
     }
     return Failure{Status(StatusCode::kUnavailable,
                           fmt::format("lost the connection to {} while {} it during {} ({}): the "
                                       "peer died, was killed or aborted; {}",
-                                      peer.name, doing, describeCurrent(), ec.message(),
+                                      peer.name, doing, describeRequest(current_, opNumber_), ec.message(),
                                       recreateAdvice(options_))),
                    FailureCause::kConnectionLost};
   }
@@ -1206,7 +905,7 @@ class TcpCommunicator final : public Communicator {
       if (!waiting && peer && !peer->sendsDone()) waiting = peer.get();
     }
     fail(Status(StatusCode::kDeadlineExceeded,
-                fmt::format("{} did not finish within {} ms{}; {}", describeCurrent(),
+                fmt::format("{} did not finish within {} ms{}; {}", describeRequest(current_, opNumber_),
                             options_.operationTimeout.count(),
                             waiting ? fmt::format("; still waiting for {}", waiting->name) : "",
                             recreateAdvice(options_))));
@@ -1249,7 +948,7 @@ class TcpCommunicator final : public Communicator {
                                                                          status.message()));
     for (auto& peer : peers_) {
       if (!peer) continue;
-      if (peer->control.is_open()) sendControl(*peer, ourAbort);
+      if (peer->control.isOpen()) peer->control.send(ourAbort);
       closeSockets(*peer);
     }
     timer_.cancel();
@@ -1276,8 +975,7 @@ class TcpCommunicator final : public Communicator {
   static void closeSockets(Peer& peer) {
     asio::error_code ignored;
     peer.data.shutdown(tcp::socket::shutdown_both, ignored);
-    peer.control.shutdown(tcp::socket::shutdown_both, ignored);
-    peer.control.close(ignored);
+    peer.control.close();
   }
 
   // Destruction: operations still pending fail, peers get a goodbye, then every socket closes,
@@ -1295,7 +993,7 @@ class TcpCommunicator final : public Communicator {
     stopShmWriters();
     for (auto& peer : peers_) {
       if (!peer) continue;
-      if (broken_.isOk() && peer->control.is_open()) sendControl(*peer, encodeGoodbye());
+      if (broken_.isOk() && peer->control.isOpen()) peer->control.send(encodeGoodbye());
       closeSockets(*peer);
     }
   }
@@ -1328,10 +1026,8 @@ class TcpCommunicator final : public Communicator {
   mutable std::mutex healthMutex_;
   Status health_;  // a copy of broken_ for other threads
 
-  std::unique_ptr<GroupEpochWatch> watch_;
-  std::atomic<bool> stopping_{false};
   std::thread ioThread_;
-  std::thread watcher_;
+  std::unique_ptr<EpochWatcher> epochWatcher_;
 
   // The sender thread's queue: peers whose writeIov is ready to go.
   std::mutex sendMutex_;

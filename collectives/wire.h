@@ -1,5 +1,5 @@
-// The bytes a rank reads from outside, as pure functions: rendezvous entries (read from the store)
-// and control messages (read from a peer's control connection). Kept apart from the sockets so
+// The bytes a rank reads from outside, as pure functions: rendezvous entries (read from the store),
+// control messages (read from a peer's control connection) and operation headers. Kept apart from the sockets so
 // they can be fuzzed (fuzz/collective_wire_fuzz.cc). Every function is thread-safe (no state).
 // Byte order is the host's: Troupe runs on little-endian hosts only.
 #pragma once
@@ -55,5 +55,23 @@ struct ControlMessage {
   std::string text;       // kAbort: the peer's message; kMalformed: what is wrong with the bytes
 };
 ControlMessage parseControlMessage(std::string_view bytes);
+
+// The 32-byte header that starts each operation's traffic on a data connection; the receiver
+// checks it against its own call, so a rank that issued another operation is reported instead of
+// corrupting data.
+inline constexpr uint32_t kWireMagic = 0x31435254;  // "TRC1"
+struct WireHeader {
+  uint32_t magic = kWireMagic;
+  uint8_t kind = 0;  // an OpKind; a p2p pair is sent as kSend and expected as kSend
+  uint8_t type = 0;  // a DataType
+  uint8_t op = 0;    // a ReduceOp
+  uint8_t unused = 0;
+  int32_t root = -1;
+  uint32_t unused2 = 0;
+  uint64_t seq = 0;  // per connection and direction
+  uint64_t count = 0;
+  bool operator==(const WireHeader&) const = default;
+};
+static_assert(sizeof(WireHeader) == 32);
 
 }  // namespace troupe::collectives
