@@ -8,7 +8,8 @@
 // whoever runs it. Actor calls return integer refs at once; calls made together are batched.
 //
 // Worker side (`serve_actor`): a Python worker process runs the KJ loop on its main thread and
-// serves one Python actor, taking the GIL only to run the actor's method.
+// serves one Python actor with the C++ workers' actor server (troupe/runtime/actor_server.h),
+// taking the GIL only to run the actor's method or hand calls to Python.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <fmt/format.h>
