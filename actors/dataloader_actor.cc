@@ -1,5 +1,5 @@
-// The "Dataloader" actor and the batch wire format (see train_actors.h). Every call is quick
-// (a batch is assembled from a memory-mapped file), so it runs on the RPC thread.
+// The "Dataloader" actor (rpc::Dataloader, see train_actors.h) and the batch on the wire. Every
+// call is quick (a batch is assembled from a memory-mapped file), so it runs on the RPC thread.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -9,6 +9,8 @@
 #include "troupe/actors/dataset.h"
 #include "troupe/actors/shard_queue.h"
 #include "troupe/actors/train_actors.h"
+#include "troupe/runtime/rpc.h"
+#include "typed_call.h"
 
 namespace troupe::actors {
 namespace {
@@ -55,96 +57,143 @@ class Dataloader final : public Actor {
   }
 
   ~Dataloader() override {
+    server_->actorEnded();
     if (!tokenFile_.empty()) ::unlink(tokenFile_.c_str());
   }
 
-  Result<std::string> call(const std::string& method, std::string_view payload) override {
-    auto j = parseJson(payload);
-    if (!j.isOk()) return j.status();
-    ShardQueue& q = *queue_;
-    if (method == "take") {
-      auto lease = q.take(j->value("step", int64_t{0}), j->value("rank", 0), j->value("world", 1));
-      if (!lease.isOk()) return lease.status();
-      auto batch = dataset_->batch(lease->sample_ids);
-      if (!batch.isOk()) return batch.status();
-      return encodeBatch(*batch);
-    }
-    if (method == "complete") {
-      auto committed = q.complete(j->value("step", int64_t{0}), j->value("rank", 0));
-      if (!committed.isOk()) return committed.status();
-      return Json{{"committed", *committed}}.dump();
-    }
-    if (method == "commit") {
-      // Every rank finished steps before `step` (the driver gathered their replies): a node's
-      // queue hears completions from its own ranks only, so the driver commits for the group.
-      int64_t step = j->value("step", int64_t{0});
-      if (step > 0) TROUPE_RETURN_IF_ERROR(q.commit(step - 1));
-      return Json{{"committed", q.committedSteps()}}.dump();
-    }
-    if (method == "rewind") {
-      int64_t step = j->value("step", int64_t{0});
-      // Every rank holds a snapshot of `step`, so steps before it finished everywhere even if
-      // some completions were lost with a dead rank.
-      if (step > q.committedSteps()) TROUPE_RETURN_IF_ERROR(q.commit(step - 1));
-      TROUPE_RETURN_IF_ERROR(q.rewind(step));
-      return Json{{"committed", q.committedSteps()}}.dump();
-    }
-    if (method == "info") {
-      return Json{{"samples", dataset_->size()},
-                  {"committed", q.committedSteps()},
-                  {"data_epoch", q.dataEpoch()},
-                  {"in_flight", q.inFlight().size()},
-                  {"dataset", dataset_->describe()}}
-          .dump();
-    }
-    if (method == "step_samples") return Json{{"ids", q.stepSamples(j->value("step", int64_t{0}))}}.dump();
-    return Status(StatusCode::kNotFound, fmt::format("Dataloader has no method '{}'", method));
+  // The generic path (the Python driver): a method of rpc::Dataloader by name, its params and
+  // results as Cap'n Proto messages (typed_call.h).
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
+    return callTyped(*typed_, capnp::Schema::from<rpc::Dataloader>(), method, payload);
   }
+  Result<std::string> call(const std::string& method, std::string_view) override {
+    return Status(StatusCode::kInternal, fmt::format("Dataloader.{}: called synchronously (use callAsync)", method));
+  }
+  kj::Maybe<capnp::Capability::Client> typed() override { return *typed_; }
 
  private:
-  Dataloader() = default;
+  // rpc::Dataloader over this actor's queue and dataset; errors are thrown as Status exceptions.
+  // The actor keeps a reference, so the server outlives it; once the actor is gone, calls fail.
+  class Server final : public rpc::Dataloader::Server {
+   public:
+    explicit Server(Dataloader& actor) : actor_(&actor) {}
+    void actorEnded() { actor_ = nullptr; }
+
+   protected:
+    kj::Promise<void> take(TakeContext context) override {
+      auto p = context.getParams();
+      auto lease = queue().take(p.getStep(), static_cast<int>(p.getRank()), static_cast<int>(p.getWorld()));
+      if (!lease.isOk()) throwStatus(lease.status());
+      auto batch = actor().dataset_->batch(lease->sample_ids);
+      if (!batch.isOk()) throwStatus(batch.status());
+      batchToWire(*batch, context.getResults().initBatch());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> complete(CompleteContext context) override {
+      auto p = context.getParams();
+      auto committed = queue().complete(p.getStep(), static_cast<int>(p.getRank()));
+      if (!committed.isOk()) throwStatus(committed.status());
+      context.getResults().setCommitted(*committed);
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> commit(CommitContext context) override {
+      // A node's queue hears completions from its own ranks only, so the driver commits for the group.
+      int64_t step = context.getParams().getStep();
+      if (step > 0) throwIfError(queue().commit(step - 1));
+      context.getResults().setCommitted(queue().committedSteps());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> rewind(RewindContext context) override {
+      int64_t step = context.getParams().getStep();
+      // Every rank holds a snapshot of `step`, so steps before it finished everywhere even if
+      // some completions were lost with a dead rank.
+      if (step > queue().committedSteps()) throwIfError(queue().commit(step - 1));
+      throwIfError(queue().rewind(step));
+      context.getResults().setCommitted(queue().committedSteps());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> info(InfoContext context) override {
+      auto r = context.getResults();
+      r.setSamples(actor().dataset_->size());
+      r.setCommitted(queue().committedSteps());
+      r.setDataEpoch(queue().dataEpoch());
+      r.setInFlight(queue().inFlight().size());
+      r.setDataset(actor().dataset_->describe());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> stepSamples(StepSamplesContext context) override {
+      auto ids = queue().stepSamples(context.getParams().getStep());
+      auto out = context.getResults().initIds(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i) out.set(i, ids[i]);
+      return kj::READY_NOW;
+    }
+
+   private:
+    static void throwIfError(const Status& s) {
+      if (!s.isOk()) throwStatus(s);
+    }
+    Dataloader& actor() {
+      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Dataloader actor has ended"));
+      return *actor_;
+    }
+    ShardQueue& queue() { return *actor().queue_; }
+    Dataloader* actor_;
+  };
+
+  Dataloader() {
+    auto server = kj::heap<Server>(*this);
+    server_ = server.get();
+    typed_ = std::make_unique<capnp::Capability::Client>(kj::mv(server));
+  }
   std::unique_ptr<Dataset> dataset_;
   std::optional<ShardQueue> queue_;
   std::string tokenFile_;
+  Server* server_ = nullptr;
+  // The Server above. Held by pointer: a capability's destructor may throw, an Actor's may not.
+  std::unique_ptr<capnp::Capability::Client> typed_;
 };
-
-Json tensorHeader(const HostTensor& t) { return Json{{"dtype", t.dtype}, {"shape", t.shape}}; }
 
 }  // namespace
 
-std::string encodeBatch(const Batch& batch) {
-  std::string header =
-      Json{{"inputs", tensorHeader(batch.inputs)}, {"targets", tensorHeader(batch.targets)}, {"ids", batch.sample_ids}}
-          .dump();
-  std::string out(4, '\0');
-  uint32_t n = static_cast<uint32_t>(header.size());
-  std::memcpy(out.data(), &n, 4);
-  out += header;
-  out.append(reinterpret_cast<const char*>(batch.inputs.bytes.data()), batch.inputs.bytes.size());
-  out.append(reinterpret_cast<const char*>(batch.targets.bytes.data()), batch.targets.bytes.size());
-  return out;
+void batchToWire(const Batch& batch, rpc::Batch::Builder out) {
+  for (auto [tensor, wire] : {std::pair{&batch.inputs, out.initInputs()}, std::pair{&batch.targets, out.initTargets()}}) {
+    wire.setDtype(tensor->dtype);
+    auto shape = wire.initShape(tensor->shape.size());
+    for (size_t i = 0; i < tensor->shape.size(); ++i) shape.set(i, tensor->shape[i]);
+    wire.setData(kj::arrayPtr(tensor->bytes.data(), tensor->bytes.size()));
+  }
+  auto ids = out.initSampleIds(batch.sample_ids.size());
+  for (size_t i = 0; i < batch.sample_ids.size(); ++i) ids.set(i, batch.sample_ids[i]);
 }
 
-Result<Batch> decodeBatch(std::string_view bytes) {
+Result<Batch> batchFromWire(rpc::Batch::Reader wire) {
   auto bad = [](const std::string& why) { return Status(StatusCode::kInvalidArgument, "malformed batch: " + why); };
-  if (bytes.size() < 4) return bad("shorter than its header length");
-  uint32_t n = 0;
-  std::memcpy(&n, bytes.data(), 4);
-  if (bytes.size() < 4 + n) return bad("truncated header");
-  Json h = Json::parse(bytes.substr(4, n), nullptr, false);
-  if (!h.is_object()) return bad("header is not JSON");
   Batch batch;
-  size_t offset = 4 + n;
-  for (auto [key, tensor] : {std::pair{"inputs", &batch.inputs}, std::pair{"targets", &batch.targets}}) {
-    tensor->dtype = h[key].value("dtype", "");
-    tensor->shape = h[key].value("shape", std::vector<int64_t>{});
-    size_t size = static_cast<size_t>(tensor->numel()) * dtypeSize(tensor->dtype);
-    if (offset + size > bytes.size()) return bad(fmt::format("{} needs {} bytes", key, size));
-    tensor->bytes.assign(reinterpret_cast<const uint8_t*>(bytes.data()) + offset,
-                         reinterpret_cast<const uint8_t*>(bytes.data()) + offset + size);
-    offset += size;
+  for (auto [name, tensor, in] : {std::tuple{"inputs", &batch.inputs, wire.getInputs()},
+                                  std::tuple{"targets", &batch.targets, wire.getTargets()}}) {
+    tensor->dtype = in.getDtype();
+    size_t element = dtypeSize(tensor->dtype);
+    if (element == 0) return bad(fmt::format("{} has an unknown dtype '{}'", name, tensor->dtype));
+    // The product of the dims, refused before it could wrap: no batch holds 2^48 bytes.
+    uint64_t numel = 1;
+    for (int64_t d : in.getShape()) {
+      if (d < 0 || (d > 0 && numel > (uint64_t(1) << 48) / static_cast<uint64_t>(d))) {
+        return bad(fmt::format("{} has a dimension {} out of range", name, d));
+      }
+      numel *= static_cast<uint64_t>(d);
+      tensor->shape.push_back(d);
+    }
+    auto data = in.getData();
+    if (data.size() != numel * element) {
+      return bad(fmt::format("{}: {} elements of {} are {} bytes, the batch carries {}", name, numel, tensor->dtype,
+                             numel * element, data.size()));
+    }
+    tensor->bytes.assign(data.begin(), data.end());
   }
-  batch.sample_ids = h.value("ids", std::vector<uint64_t>{});
+  for (uint64_t id : wire.getSampleIds()) batch.sample_ids.push_back(id);
+  if (batch.inputs.shape.empty() || batch.inputs.shape[0] != static_cast<int64_t>(batch.sample_ids.size())) {
+    return bad(fmt::format("{} sample ids for inputs of {} rows", batch.sample_ids.size(), batch.rows()));
+  }
   return batch;
 }
 

@@ -174,31 +174,25 @@ class Trainer final : public Actor {
     }
   }
 
-  // Calls another actor from the compute thread (through the RPC thread).
-  Result<std::string> callActor(const std::string& id, const std::string& method, std::string payload) {
+  // Calls actor `id`'s typed interface `Interface` from the compute thread, through the RPC
+  // thread: `call` sends its request on the client and returns what it reads from the reply.
+  template <typename Interface, typename T, typename Call>
+  Result<T> callTyped(const std::string& id, const char* method, Call call) {
     try {
-      return executor_->executeSync([this, &id, &method, &payload]() {
-        return context_.cluster->actor(ActorId(id)).call(method, kj::mv(payload));
+      return executor_->executeSync([this, &id, &call]() {
+        // The handle owns the connection the capability lives on: kept until the reply is read.
+        ActorHandle handle = context_.cluster->actor(ActorId(id));
+        auto typed = handle.typed<Interface>();
+        return typed.then([&call](typename Interface::Client c) { return call(c); }).attach(kj::mv(handle));
       });
     } catch (const kj::Exception& e) {
       return statusFromException(e, fmt::format("{} of actor {}", method, id));  // its code: ACTOR_DIED, ...
     }
   }
-
-  // Calls the node's checkpoint actor (rpc::Checkpoint) from the compute thread, through the RPC
-  // thread: `call` sends its request on the client and returns what it reads from the reply.
+  // The node's checkpoint actor (rpc::Checkpoint).
   template <typename T, typename Call>
   Result<T> callCheckpoint(const char* method, Call call) {
-    try {
-      return executor_->executeSync([this, &call]() {
-        // The handle owns the connection the capability lives on: kept until the reply is read.
-        ActorHandle handle = context_.cluster->actor(ActorId(checkpoint_));
-        auto typed = handle.typed<rpc::Checkpoint>();
-        return typed.then([&call](rpc::Checkpoint::Client c) { return call(c); }).attach(kj::mv(handle));
-      });
-    } catch (const kj::Exception& e) {
-      return statusFromException(e, fmt::format("Checkpoint.{} of actor {}", method, checkpoint_));
-    }
+    return callTyped<rpc::Checkpoint, T>(checkpoint_, method, std::move(call));
   }
 
   Result<std::string> run(const std::string& method, const Json& j) {
@@ -603,13 +597,26 @@ class Trainer final : public Actor {
       for (int64_t k = from; k < until; ++k) {
         if (takes_.count(k)) continue;
         // A ring of sequence parallelism shares its data-parallel group's rows.
-        std::string payload = Json{{"step", k}, {"rank", dataRank()}, {"world", dataWorld()}}.dump();
-        takes_.emplace(k, context_.cluster->actor(ActorId(dataloader_)).call("take", kj::mv(payload)).fork());
+        ActorHandle handle = context_.cluster->actor(ActorId(dataloader_));
+        auto typed = handle.typed<rpc::Dataloader>();
+        auto batch = typed.then([k, rank = dataRank(), world = dataWorld()](rpc::Dataloader::Client loader) {
+          auto request = loader.takeRequest();
+          request.setStep(k);
+          request.setRank(static_cast<uint32_t>(rank));
+          request.setWorld(static_cast<uint32_t>(world));
+          return request.send().then([](capnp::Response<rpc::Dataloader::TakeResults> reply) {
+            auto batch = batchFromWire(reply.getBatch());
+            if (!batch.isOk()) throwStatus(batch.status());
+            return kj::mv(*batch);
+          });
+        });
+        // The handle owns the connection the capability lives on: kept until the batch is read.
+        takes_.emplace(k, batch.attach(kj::mv(handle)).fork());
       }
     });
   }
 
-  Result<std::string> finishTake(int64_t step) {
+  Result<Batch> finishTake(int64_t step) {
     try {
       return executor_->executeSync([this, step]() {
         auto it = takes_.find(step);
@@ -642,9 +649,7 @@ class Trainer final : public Actor {
       auto t0 = Clock::now();
       engine_->setActivity("data wait");
       startTakes(s, std::min(from + steps, s + 1 + prefetch_));
-      auto bytes = finishTake(s);
-      if (!bytes.isOk()) return bytes.status();
-      auto batch = decodeBatch(*bytes);
+      auto batch = finishTake(s);
       if (!batch.isOk()) return batch.status();
       double wait = since(t0);
       if (s == hangAtStep_) {  // tests: this rank stops making progress (until killed)
@@ -662,7 +667,15 @@ class Trainer final : public Actor {
       // One member of each ring completes the rows (every member took them before the step's
       // ring could run).
       if (rank_ % ringSize() == 0) {
-        auto done = callActor(dataloader_, "complete", Json{{"step", s}, {"rank", dataRank()}}.dump());
+        auto done = callTyped<rpc::Dataloader, int64_t>(
+            dataloader_, "complete", [s, rank = dataRank()](rpc::Dataloader::Client& c) {
+              auto request = c.completeRequest();
+              request.setStep(s);
+              request.setRank(static_cast<uint32_t>(rank));
+              return request.send().then([](capnp::Response<rpc::Dataloader::CompleteResults> r) {
+                return r.getCommitted();
+              });
+            });
         if (!done.isOk()) return done.status();
       }
       auto t1 = Clock::now();
@@ -765,7 +778,7 @@ class Trainer final : public Actor {
   int64_t hangAtStep_;  // tests: the step at which this rank hangs
   bool killInJoin_;     // tests: SIGKILL itself on its first join (first incarnation only)
   int prefetch_ = 2;                                             // batches asked for ahead
-  std::map<int64_t, kj::ForkedPromise<std::string>> takes_;      // RPC thread only
+  std::map<int64_t, kj::ForkedPromise<Batch>> takes_;            // RPC thread only
   TrainerEngineOptions options_;
   // Compute thread only:
   std::unique_ptr<TrainerEngine> engine_;

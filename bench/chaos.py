@@ -26,6 +26,7 @@ BUILD = os.environ.get("TROUPE_BIN_DIR", os.path.join(os.path.dirname(os.path.ab
 sys.path.insert(0, os.path.join(BUILD, "python"))
 import troupe  # noqa: E402
 from troupe.cluster_utils import Cluster  # noqa: E402
+from troupe import _typed  # noqa: E402
 from troupe.train import ElasticTrainer  # noqa: E402
 
 KINDS = ["trainer", "dataloader", "checkpoint", "node_agent", "controller", "redis"]
@@ -156,7 +157,7 @@ def main():
         faults = chaos.recovery_times()
         def plan(step):  # the samples of the step that ends at `step` (the dataloader's step - 1)
             loader = next(iter(t._node_services.values()))[0]
-            return json.loads(troupe.get(loader.step_samples.remote(json.dumps({"step": step - 1}).encode())))["ids"]
+            return _typed.get(loader, "Dataloader", "stepSamples", step=step - 1)["ids"]
 
         try:
             once, from_plan = exactly_once(t.history, steps, plan)

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "checkpoint.capnp.h"
+#include "dataloader.capnp.h"
 
 namespace py = pybind11;
 
@@ -30,6 +31,7 @@ namespace {
 const std::map<std::string, capnp::InterfaceSchema>& interfaces() {
   static const std::map<std::string, capnp::InterfaceSchema> kInterfaces = {
       {"Checkpoint", capnp::Schema::from<rpc::Checkpoint>()},
+      {"Dataloader", capnp::Schema::from<rpc::Dataloader>()},
   };
   return kInterfaces;
 }

@@ -531,7 +531,7 @@ class ElasticTrainer:
         """After a restore: the restored step is pinned on every rank and replica, and the data
         rewinds to it, before training goes on."""
         _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
-        _api.get([_json_call(loader, "rewind", {"step": self.step}) for loader, _ in self._node_services.values()])
+        _api.get([_typed.call(loader, "Dataloader", "rewind", step=self.step) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
 
     def _resume_from_disk(self):
@@ -846,7 +846,8 @@ class ElasticTrainer:
         # own ranks' completions), or its window of uncommitted steps would fill.
         if len(self._node_services) > 1:
             try:
-                _api.get([_json_call(loader, "commit", {"step": self.step}) for loader, _ in self._node_services.values()])
+                _api.get([_typed.call(loader, "Dataloader", "commit", step=self.step)
+                          for loader, _ in self._node_services.values()])
             except (ActorDiedError, ActorError):
                 pass  # a dataloader is restarting: the next chunk fails, and its recovery rewinds every queue
         self._tune_snapshots()
@@ -911,7 +912,8 @@ class ElasticTrainer:
         # The nodes' services restart in place too; a node with no trainer left loses them.
         self._drop_idle_services()
         services = [probe for loader, ckpt in self._node_services.values()
-                    for probe in ((loader, "info"), (ckpt, lambda h: _typed.call(h, "Checkpoint", "status")))]
+                    for probe in ((loader, lambda h: _typed.call(h, "Dataloader", "info")),
+                                  (ckpt, lambda h: _typed.call(h, "Checkpoint", "status")))]
         answering = self._answering(services, deadline + self.replace_timeout)
         if len(answering) != len(services):
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure

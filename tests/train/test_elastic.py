@@ -61,24 +61,31 @@ def test_trainer_killed_mid_step_recovers_bitwise_equal_to_an_uninterrupted_run(
 
 
 def test_every_sample_of_an_epoch_is_trained_on_exactly_once_across_a_failure(cluster):
-    import json
+    from troupe import _typed
 
     with make(steps_per_call=1, _fault={"rank": 0, "kill_at_step": 5}) as t:
         loader = next(iter(t._node_services.values()))[0]
-        samples = json.loads(troupe.get(loader.info.remote(b"{}")))["samples"]
+        samples = _typed.get(loader, "Dataloader", "info")["samples"]
         steps_per_epoch = samples // 8
         t.fit(steps_per_epoch + 2)
         assert len(t.recoveries) == 1
         rows = {row["step"]: row["sample_ids"] for row in t.history}
         assert sorted(rows) == list(range(1, steps_per_epoch + 3)), "a step is missing from the history"
         for step, ids in rows.items():
-            planned = json.loads(troupe.get(loader.step_samples.remote(json.dumps({"step": step - 1}).encode())))["ids"]
+            planned = _typed.get(loader, "Dataloader", "stepSamples", step=step - 1)["ids"]
             assert ids == sorted(planned), f"step {step} trained on other samples than planned"
         first_epoch = [i for step in range(1, steps_per_epoch + 1) for i in rows[step]]
         assert len(first_epoch) == len(set(first_epoch)), "a sample was trained on twice in one epoch"
         assert len(first_epoch) == steps_per_epoch * 8
-        committed = json.loads(troupe.get(loader.info.remote(b"{}")))["committed"]
+        committed = _typed.get(loader, "Dataloader", "info")["committed"]
         assert committed == steps_per_epoch + 2
+        # A typed take of a later step: the batch arrives as tensors whose sizes match their shapes.
+        batch = _typed.get(loader, "Dataloader", "take", step=committed, rank=0, world=1)["batch"]
+        rows = batch["inputs"]["shape"][0]
+        assert rows == 8 and len(batch["sampleIds"]) == rows
+        assert len(batch["inputs"]["data"]) == rows * batch["inputs"]["shape"][1] * 8  # int64 tokens
+        with pytest.raises(troupe.exceptions.ActorError, match="rank 3"):  # a rank outside its world
+            _typed.get(loader, "Dataloader", "take", step=committed, rank=3, world=2)
 
 
 @pytest.mark.parametrize("member", ["Dataloader", "Checkpoint"])

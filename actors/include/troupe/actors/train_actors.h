@@ -2,13 +2,12 @@
 // troupe.train.ElasticTrainer. Payloads and replies are JSON unless noted.
 //
 // Dataloader (one per node): holds the dataset and the group's ShardQueue.
-//   init    {"group", "node", "data": {"kind": "text"|"tokens"|"npy", "path"|"features","labels",
-//            "dtype"}, "seed", "global_batch", "context"}
-//   take    {"step", "rank", "world"} -> a batch (binary, see encodeBatch) of that rank's rows
-//   complete {"step", "rank"} -> {"committed": n}
-//   rewind  {"step"} -> {"committed": n}: back to a restored step (steps [0, step) applied)
-//   info    {} -> {"samples", "committed", "data_epoch", "in_flight"}
-//   step_samples {"step"} -> {"ids": [...]}: the samples a step consumes (for accounting tests)
+//   init args (JSON) {"group", "node", "data": {"kind": "text"|"tokens"|"npy", "path"|"features",
+//            "labels", "dtype"}, "seed", "global_batch", "context"}
+//   methods: the typed interface rpc::Dataloader (actors/schema/dataloader.capnp, included as
+//   "dataloader.capnp.h"): take (a rank's rows of a step, as an rpc::Batch), complete, commit,
+//   rewind, info, stepSamples. The generic call reaches the same methods by name with the params
+//   and results encoded with that schema (troupe._actors, for Python).
 //
 // Trainer (one per rank): a TrainerEngine on a compute thread of its own; calls that compute or
 // wait (join, restore, run) run there, in order, and never block the RPC thread.
@@ -30,6 +29,7 @@
 #include <string>
 #include <string_view>
 
+#include "dataloader.capnp.h"
 #include "troupe/actors/batch.h"
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/status.h"
@@ -39,9 +39,10 @@ namespace troupe::actors {
 // Registers "Trainer" and "Dataloader".
 void registerTrainActors(ActorRegistry& registry);
 
-// A batch on the wire: u32 header length, a JSON header ({"inputs": {dtype, shape}, "targets":
-// {...}, "ids": [...]}), then the inputs' and the targets' bytes.
-std::string encodeBatch(const Batch& batch);
-Result<Batch> decodeBatch(std::string_view bytes);
+// A batch on the wire (rpc::Batch). batchFromWire checks what a peer sent: a known dtype, dims
+// that are not negative and whose product cannot wrap, data of exactly product(shape) elements,
+// and one sample id per row of the inputs; kInvalidArgument naming the numbers otherwise.
+void batchToWire(const Batch& batch, rpc::Batch::Builder out);
+Result<Batch> batchFromWire(rpc::Batch::Reader wire);
 
 }  // namespace troupe::actors
