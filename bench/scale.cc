@@ -686,8 +686,14 @@ int run(const Flags& flags) {
   check(afterKills.actorCounts["DEAD"] == static_cast<uint64_t>(kills),
         fmt::format("status counts {} DEAD actors after {} kills", afterKills.actorCounts["DEAD"], kills));
   check(afterKills.actorCounts["ALIVE"] == static_cast<uint64_t>(flags.actors - kills),
-        fmt::format("status counts {} ALIVE actors after {} kills, not {}", afterKills.actorCounts["ALIVE"], kills,
-                    flags.actors - kills));
+        fmt::format("status counts {} ALIVE actors after {} kills, not {} ({}; {} DEAD nodes; the simulator's beats "
+                    "were up to {} ms late)",
+                    afterKills.actorCounts["ALIVE"], kills, flags.actors - kills, describe(afterKills.actorCounts),
+                    afterKills.nodesDead, beats.lateMs()));
+  check(afterKills.nodesDead == victims.size() && sim.unexpectedDeaths == 0,
+        fmt::format("{} DEAD nodes after the kills, not {} ({} heartbeats of live nodes refused; the simulator's beats "
+                    "were up to {} ms late)",
+                    afterKills.nodesDead, victims.size(), sim.unexpectedDeaths.load(), beats.lateMs()));
   phaseDone("kills");
   printf("killed %d actors: %.0f/s\n", kills, kills / killS);
   fflush(stdout);

@@ -152,9 +152,9 @@ std::vector<Result<ActorRecord>> ControllerCore::createActors(std::vector<ActorR
     std::vector<Result<ActorRecord>> out;
     out.reserve(n);
     for (size_t i = 0; i < n; ++i) {
-      if (!results[i]) results[i] = *results[first.at(actors[i].id)];
-      out.push_back(std::move(*results[i]));
+      if (!results[i]) results[i] = *results[first.at(actors[i].id)];  // before any is moved out
     }
+    for (size_t i = 0; i < n; ++i) out.push_back(std::move(*results[i]));
     return out;
   };
   auto failAll = [&](const std::vector<size_t>& which, const Status& status) {
@@ -200,44 +200,17 @@ std::vector<Result<ActorRecord>> ControllerCore::createActors(std::vector<ActorR
     fresh.push_back(i);
   }
 
-  // Placement: each actor on the view in turn (its claim counted before the next is placed),
-  // then one script makes every claim; an actor whose claim was refused (the view was stale), or
-  // that needs its bundle or a fresh view, is placed on its own.
+  std::vector<ActorRecord*> placing;
+  for (size_t i : fresh) placing.push_back(&actors[i]);
+  auto placedAll = placeAll(placing);
+  if (!placedAll.isOk()) {
+    for (size_t i : fresh) {
+      if (!actors[i].name.empty()) (void)store_.releaseActorName(actors[i].name, actors[i].id);
+    }
+    return failAll(fresh, placedAll.status());
+  }
   std::vector<Status> placed(n, Status::ok());
-  std::vector<size_t> alone, claimed;
-  std::vector<Reservation> claims;
-  auto view = fresh.empty() ? Result<const std::vector<scheduler::NodeView>*>(&views_) : nodeView(false);
-  for (size_t i : fresh) {
-    ActorRecord& actor = actors[i];
-    std::optional<NodeId> node;
-    if (view.isOk() && actor.placementGroup.empty()) node = pickIndexed(actor.resources);
-    if (!node) {
-      alone.push_back(i);
-      continue;
-    }
-    claims.push_back(Reservation{*node, actorHolder(actor.id), actor.resources});
-    counted({claims.back()});
-    claimed.push_back(i);
-  }
-  if (!claims.empty()) {
-    auto made = store_.reserveEach(claims);
-    if (!made.isOk()) {
-      counted(claims, -1);
-      for (size_t i : fresh) {
-        if (!actors[i].name.empty()) (void)store_.releaseActorName(actors[i].name, actors[i].id);
-      }
-      return failAll(fresh, made.status());
-    }
-    for (size_t k = 0; k < claimed.size(); ++k) {
-      if ((*made)[k]) {
-        actors[claimed[k]].nodeId = claims[k].nodeId;
-      } else {
-        counted({claims[k]}, -1);
-        alone.push_back(claimed[k]);
-      }
-    }
-  }
-  for (size_t i : alone) placed[i] = place(actors[i]);
+  for (size_t k = 0; k < fresh.size(); ++k) placed[fresh[k]] = (*placedAll)[k];
 
   std::vector<ActorRecord> writes;
   std::vector<size_t> written;
@@ -258,6 +231,59 @@ std::vector<Result<ActorRecord>> ControllerCore::createActors(std::vector<ActorR
     results[i] = std::move(actors[i]);
   }
   return finish();
+}
+
+// Placement of many: each actor on the view in turn (its claim counted before the next is
+// placed), then one script makes every claim; an actor whose claim was refused (the view was
+// stale), or that needs its bundle or a fresh view, is placed on its own (place()).
+Result<std::vector<Status>> ControllerCore::placeAll(const std::vector<ActorRecord*>& actors) {
+  std::vector<Status> placed(actors.size(), Status::ok());
+  std::vector<size_t> alone, claimed;
+  std::vector<Reservation> claims;
+  auto view = actors.empty() ? Result<const std::vector<scheduler::NodeView>*>(&views_) : nodeView(false);
+  bool fresh = false;
+  for (size_t k = 0; k < actors.size(); ++k) {
+    ActorRecord& actor = *actors[k];
+    if (!view.isOk() || !actor.placementGroup.empty()) {
+      alone.push_back(k);
+      continue;
+    }
+    std::optional<NodeId> node = pickIndexed(actor.resources);
+    if (!node && !fresh) {
+      // Nothing fits on the recent view: read the nodes once for the whole batch (not once per
+      // actor: a full cluster with hundreds waiting read every node hundreds of times a pass).
+      view = nodeView(true);
+      fresh = true;
+      if (!view.isOk()) return view.status();
+      for (size_t c = 0; c < claims.size(); ++c) counted({claims[c]});  // this batch's claims, again
+      node = pickIndexed(actor.resources);
+    }
+    if (!node) {
+      auto why = scheduler::pickNode(**view, actor.resources);  // pending or infeasible, and why
+      placed[k] = why.isOk() ? Status(StatusCode::kUnavailable, "pending: no node fits now") : why.status();
+      continue;
+    }
+    claims.push_back(Reservation{*node, actorHolder(actor.id), actor.resources});
+    counted({claims.back()});
+    claimed.push_back(k);
+  }
+  if (!claims.empty()) {
+    auto made = store_.reserveEach(claims);
+    if (!made.isOk()) {
+      counted(claims, -1);
+      return made.status();
+    }
+    for (size_t c = 0; c < claimed.size(); ++c) {
+      if ((*made)[c]) {
+        actors[claimed[c]]->nodeId = claims[c].nodeId;
+      } else {
+        counted({claims[c]}, -1);
+        alone.push_back(claimed[c]);
+      }
+    }
+  }
+  for (size_t k : alone) placed[k] = place(*actors[k]);
+  return placed;
 }
 
 Result<ActorRecord> ControllerCore::actorReady(const ActorId& id, uint32_t incarnation, const std::string& address,
@@ -371,6 +397,52 @@ Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reas
   return Status::ok();
 }
 
+// endIncarnation(actor, reason, true) for actors outside groups that restart, in a few round
+// trips for the lot (placeAll, one pipelined write). Their old claims are the caller's to release.
+Status ControllerCore::restartAll(std::vector<ActorRecord> actors, const std::string& reason,
+                                  std::vector<WorkerAction>& actions) {
+  if (actors.empty()) return Status::ok();
+  std::vector<int> quick(actors.size(), 0);
+  std::vector<ActorRecord*> placing;
+  for (size_t k = 0; k < actors.size(); ++k) {
+    ActorRecord& actor = actors[k];
+    const bool ranLong = actor.state == ActorState::kAlive && wallClockMs() - actor.updatedMs >= kStableRunMs;
+    if (ranLong) {
+      quickEnds_.erase(actor.id);
+    } else {
+      quick[k] = ++quickEnds_[actor.id];
+    }
+    actor.address.clear();
+    actor.pid = 0;
+    actor.deathReason = reason;
+    actor.updatedMs = wallClockMs();
+    actor.state = ActorState::kRestarting;
+    actor.restarts += 1;
+    actor.incarnation += 1;
+    actor.nodeId = NodeId();
+    placing.push_back(&actor);
+  }
+  auto placed = placeAll(placing);
+  if (!placed.isOk()) return placed.status();
+  for (size_t k = 0; k < actors.size(); ++k) {
+    ActorRecord& actor = actors[k];
+    const Status& status = (*placed)[k];
+    if (!status.isOk()) {
+      actor.nodeId = NodeId();
+      if (status.code() != StatusCode::kUnavailable) {
+        actor.state = ActorState::kDead;
+        actor.deathReason = fmt::format("{}; cannot restart: {}", reason, status.message());
+        if (!actor.name.empty()) (void)store_.releaseActorName(actor.name, actor.id);
+      }
+    }
+  }
+  TROUPE_RETURN_IF_ERROR(store_.putActors(actors));
+  for (size_t k = 0; k < actors.size(); ++k) {
+    if ((*placed)[k].isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actors[k], restartBackoff(quick[k])});
+  }
+  return Status::ok();
+}
+
 Status ControllerCore::workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
                                     std::vector<WorkerAction>& actions, bool final) {
   auto actor = getActor(id);
@@ -421,10 +493,18 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
     }
     auto actors = store_.listNodeActors(node);
     if (!actors.isOk()) return actors.status();
+    const std::string reason = fmt::format("its node {} died", node.hex());
+    std::vector<ActorRecord> restarting;  // moved together (their claims go with the node's, below)
     for (const auto& actor : *actors) {
       if (actor.state == ActorState::kDead || actor.nodeId != node) continue;
-      TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its node {} died", node.hex()), true, actions));
+      bool restarts = actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts;
+      if (restarts && actor.placementGroup.empty()) {
+        restarting.push_back(actor);
+        continue;
+      }
+      TROUPE_RETURN_IF_ERROR(endIncarnation(actor, reason, true, actions));
     }
+    TROUPE_RETURN_IF_ERROR(restartAll(std::move(restarting), reason, actions));
     // Whatever is claimed on a dead node now is held by nothing that runs there.
     std::vector<Reservation> release;
     for (const auto& [holder, resources] : *claims) release.push_back(Reservation{node, holder, {}});
@@ -737,15 +817,23 @@ Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
     }
     TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(group));
   }
+  // The waiting actors together: one claims script, one read of the nodes at most, one write.
+  std::vector<ActorRecord*> waiting;
   for (auto& actor : pending->actors) {
-    if (!waitsForNode(actor)) continue;
-    Status placed = place(actor);
-    if (!placed.isOk()) continue;  // still waiting; its reason stays
+    if (waitsForNode(actor)) waiting.push_back(&actor);
+  }
+  auto placed = placeAll(waiting);
+  if (!placed.isOk()) return placed.status();
+  std::vector<ActorRecord> writes;
+  for (size_t k = 0; k < waiting.size(); ++k) {
+    if (!(*placed)[k].isOk()) continue;  // still waiting; its reason stays
+    ActorRecord& actor = *waiting[k];
     if (actor.state == ActorState::kPending) actor.deathReason.clear();
     actor.updatedMs = wallClockMs();
-    TROUPE_RETURN_IF_ERROR(store_.putActor(actor));
-    actions.push_back({WorkerAction::Kind::kSpawn, actor});
+    writes.push_back(actor);
   }
+  TROUPE_RETURN_IF_ERROR(store_.putActors(writes));
+  for (auto& actor : writes) actions.push_back({WorkerAction::Kind::kSpawn, std::move(actor)});
   return Status::ok();
 }
 

@@ -97,6 +97,9 @@ class ControllerCore {
   // its bundle has room). Sets actor.nodeId; errors as pickNode's.
   Status place(ActorRecord& actor);
   Status placeBundles(PlacementGroupRecord& group, size_t from);
+  // place() of many, in one claims script for those the view places (see the .cc); a status each.
+  Result<std::vector<Status>> placeAll(const std::vector<ActorRecord*>& actors);
+  Status restartAll(std::vector<ActorRecord> actors, const std::string& reason, std::vector<WorkerAction>& actions);
   // The scheduler's view of the nodes as read at most kNodeViewMaxAge ago (or now, when
   // `fresh`), with the claims this core made since counted in. Valid until the next call.
   Result<const std::vector<scheduler::NodeView>*> nodeView(bool fresh);

@@ -3,6 +3,8 @@
 // nothing the second time (the RPC handlers are idempotent because these are).
 #include <doctest/doctest.h>
 
+#include <map>
+
 #include <fmt/format.h>
 
 #include "controller_core.h"
@@ -119,6 +121,93 @@ TEST_CASE("core: an actor is placed, reserved, spawned once, and creation is ide
   REQUIRE(ready.isOk());
   CHECK(ready->state == ActorState::kAlive);
   CHECK(c.core.actorReady(a->id, 1, "127.0.0.1:9", 42)->state == ActorState::kAlive);
+}
+
+TEST_CASE("core: a batch of creations places each actor once, in order, as one creation each would") {
+  Core c;
+  NodeId big = c.addNode(3);
+  NodeId small = c.addNode(2);
+  std::vector<ActorRecord> batch;
+  for (int i = 0; i < 4; ++i) batch.push_back(c.spec(1));
+  ActorRecord repeat = batch[1];  // a retried request inside the batch
+  ActorRecord tooBig = c.spec(8);
+  ActorRecord waits = c.spec(1);
+  ActorRecord named = c.spec(0.5);
+  named.name = "solo";
+  batch.push_back(repeat);
+  batch.push_back(tooBig);
+  batch.push_back(named);
+  batch.push_back(waits);  // needs 1 CPU where 0.5 is left: PENDING
+  auto results = c.core.createActors(batch, c.actions);
+  REQUIRE(results.size() == batch.size());
+  for (size_t i : {0, 1, 2, 3, 4, 6, 7}) REQUIRE_MESSAGE(results[i].isOk(), results[i].status().toString());
+  CHECK(results[5].status().code() == StatusCode::kResourceExhausted);
+  CHECK(results[4]->id == results[1]->id);
+  CHECK(results[4]->nodeId == results[1]->nodeId);
+  // pickNode's order, actor after actor: most free CPU first (ties to the smaller id).
+  std::map<NodeId, int> placed;
+  for (size_t i : {0, 1, 2, 3, 6}) placed[results[i]->nodeId] += 1;
+  CHECK(placed[big] == 3);
+  CHECK(placed[small] == 2);
+  CHECK(results[7]->state == ActorState::kPending);
+  CHECK(results[7]->nodeId.empty());
+  CHECK(c.used(big) + c.used(small) == doctest::Approx(4.5));
+  CHECK(c.spawns() == 5);  // not twice for the repeat, none for the waiting one
+  // The whole batch again changes nothing: every record exists.
+  auto again = c.core.createActors(batch, c.actions);
+  CHECK(again[7]->state == ActorState::kPending);
+  CHECK(c.used(big) + c.used(small) == doctest::Approx(4.5));
+  CHECK(c.spawns() == 5);
+  CHECK(c.core.createActors({named}, c.actions)[0]->id == named.id);  // its own name: the same actor
+  ActorRecord taken = c.spec(0);
+  taken.name = "solo";
+  CHECK(c.core.createActors({taken}, c.actions)[0].status().code() == StatusCode::kAlreadyExists);
+
+  // Ready reports in a batch: a stale one is ignored, a repeat changes nothing, an unknown id fails.
+  std::vector<ControllerCore::ReadyReport> reports = {
+      {results[0]->id, 1, "127.0.0.1:1", 11},
+      {results[1]->id, 2, "127.0.0.1:2", 12},  // a later incarnation than the record's: stale
+      {results[0]->id, 1, "127.0.0.1:1", 11},
+      {ActorId::generate(), 1, "127.0.0.1:3", 13},
+  };
+  auto ready = c.core.actorsReady(reports);
+  REQUIRE(ready.size() == 4);
+  CHECK(ready[0]->state == ActorState::kAlive);
+  CHECK(ready[1]->state == ActorState::kPending);
+  CHECK(ready[2]->state == ActorState::kAlive);
+  CHECK(ready[3].status().code() == StatusCode::kNotFound);
+  CHECK(c.core.getActor(results[0]->id)->pid == 11);
+  CHECK(c.core.getActor(results[1]->id)->state == ActorState::kPending);
+}
+
+TEST_CASE("core: a dead node's actors restart together, and reconciling one node at a time leaves the rest for the next call") {
+  Core c;
+  NodeId first = c.addNode(4), second = c.addNode(4);
+  std::vector<ActorRecord> batch;
+  for (int i = 0; i < 8; ++i) batch.push_back(c.spec(1, -1));
+  for (auto& r : c.core.createActors(batch, c.actions)) REQUIRE(r.isOk());
+  NodeId spare = c.addNode(8);
+  REQUIRE(c.store->markNodeDead(first, "test").isOk());
+  REQUIRE(c.store->markNodeDead(second, "test").isOk());
+  c.actions.clear();
+  auto more = c.core.reconcileDeadNodes(c.actions, 1);
+  REQUIRE(more.isOk());
+  CHECK(*more);
+  CHECK(c.spawns() == 4);
+  CHECK(c.store->listDeadNodesWithWork()->size() == 1);
+  more = c.core.reconcileDeadNodes(c.actions, 1);
+  REQUIRE(more.isOk());
+  CHECK_FALSE(*more);
+  CHECK(c.spawns() == 8);
+  CHECK(c.used(spare) == 8);
+  for (const auto& a : batch) {
+    auto now = *c.core.getActor(a.id);
+    CHECK(now.nodeId == spare);
+    CHECK(now.incarnation == 2);
+    CHECK(now.state == ActorState::kRestarting);
+  }
+  CHECK(c.store->listDeadNodesWithWork()->empty());
+  CHECK_FALSE(*c.core.reconcileDeadNodes(c.actions, 1));
 }
 
 TEST_CASE("core: infeasible is an error, busy is PENDING until resources are freed") {
