@@ -22,6 +22,7 @@
 
 #include "troupe/testing/redis_server.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
 

@@ -13,6 +13,7 @@
 #endif
 
 #include "troupe/collectives/nccl_communicator.h"
+#include "troupe/runtime/cluster_store.h"
 
 namespace troupe::collectives {
 namespace {

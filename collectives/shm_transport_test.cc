@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <future>

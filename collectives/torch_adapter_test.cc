@@ -5,6 +5,7 @@
 #include <future>
 
 #include "troupe/collectives/torch_adapter.h"
+#include "troupe/runtime/cluster_store.h"
 
 namespace troupe::collectives {
 namespace {

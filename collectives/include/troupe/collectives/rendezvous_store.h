@@ -11,8 +11,12 @@
 #include <memory>
 #include <string>
 
-#include "troupe/runtime/cluster_store.h"
+#include "troupe/runtime/group_epoch_watch.h"
 #include "troupe/runtime/status.h"
+
+namespace troupe {
+class ClusterStore;  // troupe/runtime/cluster_store.h
+}  // namespace troupe
 
 namespace troupe::collectives {
 
@@ -39,20 +43,11 @@ class ClusterRendezvousStore final : public RendezvousStore {
  public:
   explicit ClusterRendezvousStore(ClusterStore& store) : store_(store) {}
 
-  Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override {
-    return store_.advanceGroupEpoch(group, epoch);
-  }
-  Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override {
-    return store_.watchGroupEpoch(group);
-  }
-  Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
-                            const std::string& value, std::chrono::milliseconds ttl) override {
-    return store_.putRendezvousEntry(group, epoch, rank, value, ttl);
-  }
-  Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
-                                                       int64_t epoch) override {
-    return store_.getRendezvous(group, epoch);
-  }
+  Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override;
+  Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override;
+  Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank, const std::string& value,
+                            std::chrono::milliseconds ttl) override;
+  Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group, int64_t epoch) override;
 
  private:
   ClusterStore& store_;
