@@ -5,6 +5,8 @@
 #include <chrono>
 #include <string_view>
 
+#include <kj/vector.h>
+
 #include "troupe/runtime/metrics.h"
 
 namespace troupe {
@@ -61,22 +63,21 @@ class TurnEnd {
 
 class ActorServer final : public rpc::Actor::Server {
  public:
-  ActorServer(std::unique_ptr<Actor> actor, std::string type)
-      : actor_(std::move(actor)), type_(std::move(type)), turns_(kj::refcounted<Turns>()) {}
+  ActorServer(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options)
+      : actor_(std::move(actor)), type_(std::move(type)), options_(options), turns_(kj::refcounted<Turns>()) {}
 
  protected:
   kj::Promise<void> call(CallContext context) override {
     // The arguments are read in place: the context (held below) keeps the message alive.
     auto params = context.getParams();
     auto arrived = Clock::now();
-    return schedule(params.getMethod().cStr(), view(params.getPayload()))
-        .then([context, arrived](Result<std::string> result) mutable {
-          counted(arrived, result.isOk());
-          // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
-          // death to callers. The status code travels in the description.
-          if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
-          context.getResults().setResult(dataOf(*result));
-        });
+    std::string method = params.getMethod().cStr();
+    if (runsNow(method)) {
+      answer(context, runNow(method, view(params.getPayload())), arrived);
+      return kj::READY_NOW;
+    }
+    return schedule(kj::mv(method), view(params.getPayload()))
+        .then([context, arrived](Result<std::string> result) mutable { answer(context, kj::mv(result), arrived); });
   }
 
   // Every call of the batch is queued now, in list order, so that a call arriving later (from
@@ -84,21 +85,21 @@ class ActorServer final : public rpc::Actor::Server {
   kj::Promise<void> callBatch(CallBatchContext context) override {
     auto calls = context.getParams().getCalls();
     context.getResults().initReplies(calls.size());
-    auto replies = kj::heapArrayBuilder<kj::Promise<void>>(calls.size());
+    kj::Vector<kj::Promise<void>> replies;
     for (unsigned i = 0; i < calls.size(); ++i) {
       auto arrived = Clock::now();
-      replies.add(schedule(calls[i].getMethod().cStr(), view(calls[i].getPayload()))
+      std::string method = calls[i].getMethod().cStr();
+      if (runsNow(method)) {
+        answer(context, i, runNow(method, view(calls[i].getPayload())), arrived);
+        continue;
+      }
+      replies.add(schedule(kj::mv(method), view(calls[i].getPayload()))
                       .then([context, i, arrived](Result<std::string> result) mutable {
-                        counted(arrived, result.isOk());
-                        auto reply = context.getResults().getReplies()[i];
-                        if (result.isOk()) {
-                          reply.setResult(dataOf(*result));
-                        } else {
-                          reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
-                        }
+                        answer(context, i, kj::mv(result), arrived);
                       }));
     }
-    return kj::joinPromises(replies.finish());
+    if (replies.empty()) return kj::READY_NOW;
+    return kj::joinPromises(replies.releaseAsArray());
   }
 
   kj::Promise<void> typed(TypedContext context) override {
@@ -110,6 +111,35 @@ class ActorServer final : public rpc::Actor::Server {
   }
 
  private:
+  static void answer(CallContext& context, Result<std::string> result, Clock::time_point arrived) {
+    counted(arrived, result.isOk());
+    // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
+    // death to callers. The status code travels in the description.
+    if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
+    context.getResults().setResult(dataOf(*result));
+  }
+
+  static void answer(CallBatchContext& context, unsigned i, Result<std::string> result, Clock::time_point arrived) {
+    counted(arrived, result.isOk());
+    auto reply = context.getResults().getReplies()[i];
+    if (result.isOk()) {
+      reply.setResult(dataOf(*result));
+    } else {
+      reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
+    }
+  }
+
+  // A synchronous actor's in-turn call: it can run now, as no call is ever left unfinished.
+  bool runsNow(const std::string& method) const { return options_.synchronous && !actor_->answersAtOnce(method); }
+
+  Result<std::string> runNow(const std::string& method, std::string_view payload) {
+    Result<std::string> result = Status(StatusCode::kInternal, "unset");
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { result = actor_->call(method, payload); })) {
+      result = statusFromException(*e, "");
+    }
+    return result;
+  }
+
   // A query the actor answers at once starts now; every other call in turn.
   // `payload` stays valid until the promise resolves (the call's context holds its message).
   kj::Promise<Result<std::string>> schedule(std::string method, std::string_view payload) {
@@ -137,18 +167,19 @@ class ActorServer final : public rpc::Actor::Server {
 
   std::unique_ptr<Actor> actor_;
   std::string type_;
+  ActorServerOptions options_;
   kj::Own<Turns> turns_;
 };
 
 }  // namespace
 
-rpc::Actor::Client actorServer(std::unique_ptr<Actor> actor, std::string type) {
-  return kj::heap<ActorServer>(std::move(actor), std::move(type));
+rpc::Actor::Client actorServer(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options) {
+  return kj::heap<ActorServer>(std::move(actor), std::move(type), options);
 }
 
 Result<kj::Own<RpcServer>> listenActor(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
-                                       std::unique_ptr<Actor> actor, std::string type) {
-  return RpcServer::listen(io, bind, std::move(token), actorServer(std::move(actor), std::move(type)),
+                                       std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options) {
+  return RpcServer::listen(io, bind, std::move(token), actorServer(std::move(actor), std::move(type), options),
                            PeerWait::kSpinFirst);
 }
 

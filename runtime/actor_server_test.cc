@@ -73,8 +73,8 @@ struct Fixture {
   kj::Own<RpcClient> client;
   rpc::Actor::Client actor = nullptr;
 
-  Fixture() {
-    auto s = listenActor(io, HostPort{"127.0.0.1", 0}, "token", std::make_unique<Journal>(state), "Journal");
+  explicit Fixture(ActorServerOptions options = {}) {
+    auto s = listenActor(io, HostPort{"127.0.0.1", 0}, "token", std::make_unique<Journal>(state), "Journal", options);
     REQUIRE(s.isOk());
     server = kj::mv(*s);
     client = RpcClient::connect(io, HostPort{"127.0.0.1", server->port()}, "token", 5 * kj::SECONDS).wait(io.waitScope);
@@ -175,6 +175,26 @@ TEST_CASE("actor server: an error reaches the caller with its code and the calls
   CHECK(replies[0].find("error: [INVALID_ARGUMENT]") == 0);
   CHECK(replies[1] == "2");
   CHECK(f.state.ran == Ran{"fail:", "throw:", "x:1", "fail:", "y:2"});
+}
+
+TEST_CASE("actor server: a synchronous actor's calls run as they arrive, in the order sent, errors as for any") {
+  Fixture f(ActorServerOptions{.synchronous = true});
+  auto a = f.call("a", "1");
+  auto batch = f.batch({{"b", "2"}, {"fail", ""}, {"c", "3"}});
+  auto threw = f.call("throw");
+  auto d = f.call("d", "4");
+  auto peek = f.call("peek");  // answers at once: the calls before it have run
+  CHECK(f.value(kj::mv(peek)) == "a:1 b:2 fail: c:3 throw: d:4");
+  CHECK(f.value(kj::mv(a)) == "1");
+  auto replies = batch.wait(f.io.waitScope);
+  REQUIRE(replies.size() == 3);
+  CHECK(replies[0] == "2");
+  CHECK(replies[1].find("error: [INVALID_ARGUMENT]") == 0);
+  CHECK(replies[2] == "3");
+  auto t = threw.wait(f.io.waitScope);
+  REQUIRE_FALSE(t.isOk());
+  CHECK(t.status().message().find("asked to throw") != std::string::npos);
+  CHECK(f.value(kj::mv(d)) == "4");
 }
 
 TEST_CASE("actor server: an actor without a typed interface says so") {

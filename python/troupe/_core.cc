@@ -913,8 +913,10 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
   tHasServerLoop = true;
   kj::UnixEventPort::captureSignal(SIGTERM);
   auto io = kj::setupAsyncIo();
-  // The same server as C++ workers' (actor_server.h): inline calls run in turn, in arrival order.
-  auto server = listenActor(io, HostPort{ip, 0}, token, std::move(actor), type);
+  // The same server as C++ workers' (actor_server.h): inline calls run in turn, in arrival order
+  // (synchronous: the server runs them as they arrive, as nothing of an inline actor waits).
+  auto server = listenActor(io, HostPort{ip, 0}, token, std::move(actor), type,
+                            ActorServerOptions{.synchronous = !concurrent});
   if (!server.isOk()) throw std::runtime_error(server.status().message());
   std::string address = HostPort{ip, (*server)->port()}.toString();
   auto cluster = ClusterClient::connect(io, *controllerAddr, token).wait(io.waitScope);

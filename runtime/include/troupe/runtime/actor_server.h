@@ -27,11 +27,18 @@ namespace troupe {
 //   callBatch, as that call's error, the other calls unaffected.
 // - typed() returns actor.typed(), or kFailedPrecondition for an actor without one.
 // Every answered call is counted in metrics::actorCalls() (an error Result as an error).
-rpc::Actor::Client actorServer(std::unique_ptr<Actor> actor, std::string type);
+struct ActorServerOptions {
+  // The actor's calls never wait (its callAsync is call(): Python's inline actors). The server
+  // then runs each call that does not answer at once through call(), inside the event that
+  // brought it, with no promise per call; the order is the same (no call is ever unfinished).
+  bool synchronous = false;
+};
+rpc::Actor::Client actorServer(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options = {});
 
-// Serves actorServer(actor, type) on `bind` (port 0: any free port) for callers presenting
-// `token`, with actor connections' PeerWait::kSpinFirst. Errors as RpcServer::listen.
+// Serves actorServer(actor, type, options) on `bind` (port 0: any free port) for callers
+// presenting `token`, with actor connections' PeerWait::kSpinFirst. Errors as RpcServer::listen.
 Result<kj::Own<RpcServer>> listenActor(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
-                                       std::unique_ptr<Actor> actor, std::string type);
+                                       std::unique_ptr<Actor> actor, std::string type,
+                                       ActorServerOptions options = {});
 
 }  // namespace troupe
