@@ -1857,6 +1857,24 @@ TEST_CASE("redis store: a status page reads the page's records, not every actor'
   CHECK(page->actors.size() == 10);
   CHECK(page->matching == 300);
   CHECK(recordReads() <= 25);
+
+  // A state and one whole node id: that node's live-actor set, not every record.
+  NodeRecord host = sampleNode("host"), other = sampleNode("other");
+  REQUIRE((*store)->registerNode(host, kLongTtl).isOk());
+  REQUIRE((*store)->registerNode(other, kLongTtl).isOk());
+  for (int i = 0; i < 4; ++i) {
+    actors[100 + i].nodeId = i < 3 ? host.id : other.id;
+    REQUIRE((*store)->putActor(actors[100 + i]).isOk());
+  }
+  query.nodePrefix = host.id.hex();
+  REQUIRE(rawCommand(admin.get(), {"CONFIG", "RESETSTAT"})->type != REDIS_REPLY_ERROR);
+  page = (*store)->listActorsPage(query);
+  REQUIRE(page.isOk());
+  CHECK(page->matching == 3);
+  REQUIRE(page->actors.size() == 3);
+  for (int i = 0; i < 3; ++i) CHECK(page->actors[i].id == actors[100 + i].id);  // in list order
+  CHECK(recordReads() <= 12);
+  query.nodePrefix.clear();
   query.state.reset();
 
   // The counts follow every change: deaths, restarts, and DEAD records trimmed past keepDeadActors.

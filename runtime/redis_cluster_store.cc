@@ -445,9 +445,9 @@ return 1
   }
 
   Result<ActorPage> listActorsPage(const ActorQuery& query) override {
-    auto reply = connection_.run({"EVAL", kListActorsPageScript, "2", actorsKey(), actorCountsKey(), actorKeyPrefix(),
-                                  query.state ? actorStateName(*query.state) : "", query.nodePrefix,
-                                  std::to_string(query.offset), std::to_string(query.limit)},
+    auto reply = connection_.run({"EVAL", kListActorsPageScript, "3", actorsKey(), actorCountsKey(), nodesKey(),
+                                  actorKeyPrefix(), query.state ? actorStateName(*query.state) : "", query.nodePrefix,
+                                  std::to_string(query.offset), std::to_string(query.limit), nodeActorsKeyPrefix()},
                                  "listActorsPage");
     if (!reply) return reply.status();
     const redisReply& r = **reply;
