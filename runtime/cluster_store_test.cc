@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "redis_scripts.h"
 #include "troupe/testing/redis_server.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
@@ -1801,6 +1802,9 @@ TEST_CASE("redis store: the nodes behind a store gateway that went quiet are not
   REQUIRE((*store)->putStoreGateway("127.0.0.1:1").isOk());
   bool remoteDead = false;
   while (!remoteDead && Clock::now() < back + kShortTtl + 1s) {
+    // The gateway beats on (every 20 ms here), as its event loop does every 250 ms.
+    REQUIRE(rawCommand(admin.get(), {"EVAL", redis_scripts::kGatewayBeatScript, "1", "troupe:test:meta", "0"})->type ==
+            REDIS_REPLY_INTEGER);
     auto dead = (*store)->reapExpiredNodes();
     REQUIRE(dead.isOk());
     remoteDead = dead->size() == 1;

@@ -128,8 +128,8 @@ return 1
 // back), a stalled Redis (a reap that waited in its queue) and a controller that was away
 // leave every node a TTL to beat again. Nodes other than the head's beat through the store
 // gateway, which beats too (store_gateway_beat_ms, every 250 ms): while its beat is over 1.5 s
-// old (a stalled or starved gateway holds every relayed beat), and for a TTL after it comes
-// back, those nodes are not judged.
+// old (or half a node's TTL, when shorter: a stalled or starved gateway holds every relayed
+// beat), and for a TTL after a gap of over 1.5 s, those nodes are not judged.
 // Only the nodes whose heartbeat deadline has passed are read (a zset by deadline, kept by the
 // heartbeat and register scripts), not every node: a reap costs what expired. The first reap
 // on a store without the zset builds it from every ALIVE node.
@@ -148,7 +148,6 @@ local judged = math.min(up, serverNow - since)
 local gateway = redis.call('HMGET', KEYS[4], 'store_gateway_since_ms', 'store_gateway_beat_ms')
 local gatewaySince, gatewayBeat = tonumber(gateway[1]), tonumber(gateway[2])
 local judgedRemote = gatewaySince and math.min(judged, serverNow - gatewaySince) or judged
-if gatewayBeat and serverNow - gatewayBeat > 1500 then judgedRemote = 0 end
 if redis.call('HGET', KEYS[2], 'deadlines') ~= '1' then
   for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     if redis.call('HGET', ARGV[1] .. id, 'state') == 'ALIVE' then
@@ -164,16 +163,22 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', serverNow)) do
   local node = redis.call('HMGET', nodeKey, 'state', 'is_head', 'heartbeat_ttl_ms', 'last_heartbeat_ms')
   if node[1] ~= 'ALIVE' then
     redis.call('ZREM', KEYS[5], id)
-  elseif redis.call('EXISTS', ARGV[2] .. id) == 0 and
-         (node[2] == '1' and judged or judgedRemote) >= (tonumber(node[3]) or 0) then
-    local last = tonumber(node[4]) or now
-    local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
-                   ' ms (heartbeat TTL expired)'
-    redis.call('HSET', nodeKey, 'state', 'DEAD', 'death_reason', reason)
-    redis.call('ZREM', KEYS[5], id)
-    redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'NODE_DEAD', node_id = id,
-                                                 reason = reason, time_ms = now}))
-    table.insert(dead, id)
+  else
+    -- The gateway is quiet for this node once its beat is older than 1.5 s, or half the node's
+    -- TTL when that is shorter: before the node's own beats (every TTL/3) could have expired.
+    local ttl = tonumber(node[3]) or 0
+    local quiet = gatewayBeat and serverNow - gatewayBeat > math.min(1500, ttl / 2)
+    local judgedHere = node[2] == '1' and judged or (quiet and 0 or judgedRemote)
+    if redis.call('EXISTS', ARGV[2] .. id) == 0 and judgedHere >= ttl then
+      local last = tonumber(node[4]) or now
+      local reason = 'missed heartbeats: no heartbeat for ' .. string.format('%d', now - last) ..
+                     ' ms (heartbeat TTL expired)'
+      redis.call('HSET', nodeKey, 'state', 'DEAD', 'death_reason', reason)
+      redis.call('ZREM', KEYS[5], id)
+      redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'NODE_DEAD', node_id = id,
+                                                   reason = reason, time_ms = now}))
+      table.insert(dead, id)
+    end
   end
 end
 for _, id in ipairs(dead) do
