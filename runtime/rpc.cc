@@ -51,7 +51,8 @@ struct Spinner {
   int64_t deadline = 0;
   int64_t missedAt = 0;         // when the last spin ended without a message from a peer
   long preemptions = 0;         // this thread's, when last read
-  int64_t busyUntil = 0;        // no spin starts before this: a yield found the CPUs busy
+  int64_t busyUntil = 0;        // no spin starts before this: spins found the CPUs busy
+  int busyStreak = 0;           // spins in a row that a busy CPU ended before a peer spoke
   bool heard = false;           // a peer's message arrived during this spin
   const void* owner = nullptr;  // the connection whose promise runs the spin, if one does
   uint64_t spins = 0;           // started on this thread, ever (tests read it)
@@ -65,10 +66,12 @@ constexpr uint kBusyPollTurns = 3;
 // A sched_yield that took longer than this may have run another thread (or the host ran another
 // VM: the thread's involuntary context switches tell the two apart).
 constexpr int64_t kSlowYieldNs = 20'000;
-// After a yield found the CPUs busy, no spin starts for this long: the yield gave this thread's
-// CPU to another one until its slice ended (milliseconds), so trying again on every call would
-// cost each call that much.
-constexpr int64_t kBusyBackoffNs = 50'000'000;
+// A yield that found the CPUs busy gave this thread's CPU to another one until its slice ended
+// (milliseconds). Once is a daemon waking up; spins that keep ending so before they hear a peer
+// mean the CPUs stay busy, and trying again on every call would cost each call that much: then
+// no spin starts for a while, 1 ms after the second such spin, doubling up to 50 ms.
+constexpr int64_t kFirstBackoffNs = 1'000'000;
+constexpr int64_t kMaxBackoffNs = 50'000'000;
 
 // This thread's involuntary context switches (a sched_yield that ran another thread is one).
 long preemptions() {
@@ -163,9 +166,13 @@ class BufferedStream final : public ForwardingStream {
         long before = std::exchange(spinner.preemptions, preemptions());
         if (spinner.preemptions == before) return spin();
         spinner.deadline = now;
-        spinner.busyUntil = now + kBusyBackoffNs;
+        spinner.busyStreak = spinner.heard ? 1 : spinner.busyStreak + 1;
+        if (spinner.busyStreak >= 2) {
+          spinner.busyUntil = now + std::min(kMaxBackoffNs, kFirstBackoffNs << std::min(spinner.busyStreak - 2, 6));
+        }
         busy = true;
       }
+      if (!busy) spinner.busyStreak = 0;
       if (!spinner.heard && !busy) {  // a miss, not a busy machine
         spinner.window = std::max(spinner.window / 2, maxSpinNs() / 8);
         spinner.missedAt = now;
