@@ -257,17 +257,7 @@ return 1
   Result<bool> reserve(const std::vector<Reservation>& reservations) override {
     TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
     if (reservations.empty()) return true;
-    std::vector<std::string> args = {"EVAL", reserveScript(),
-                                     std::to_string(2 * reservations.size())};
-    for (const Reservation& r : reservations) {
-      args.push_back(nodeKey(r.nodeId));
-      args.push_back(claimsKey(r.nodeId));
-    }
-    for (const Reservation& r : reservations) {
-      args.push_back(r.holder);
-      args.push_back(json(r.resources).dump());
-    }
-    auto reply = connection_.run(args, "reserve");
+    auto reply = connection_.run(reservationArgs(reserveScript(), reservations), "reserve");
     if (!reply) return reply.status();
     if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("reserve", **reply);
     return (*reply)->integer == 1;
@@ -278,16 +268,7 @@ return 1
   Result<std::vector<bool>> reserveEach(const std::vector<Reservation>& reservations) override {
     TROUPE_RETURN_IF_ERROR(checkReservations(reservations, /*forReserve=*/true));
     if (reservations.empty()) return std::vector<bool>{};
-    std::vector<std::string> args = {"EVAL", reserveEachScript(), std::to_string(2 * reservations.size())};
-    for (const Reservation& r : reservations) {
-      args.push_back(nodeKey(r.nodeId));
-      args.push_back(claimsKey(r.nodeId));
-    }
-    for (const Reservation& r : reservations) {
-      args.push_back(r.holder);
-      args.push_back(json(r.resources).dump());
-    }
-    auto reply = connection_.run(args, "reserveEach");
+    auto reply = connection_.run(reservationArgs(reserveEachScript(), reservations), "reserveEach");
     if (!reply) return reply.status();
     const redisReply& r = **reply;
     if (r.type != REDIS_REPLY_ARRAY || r.elements != reservations.size()) return unexpected("reserveEach", r);
@@ -866,6 +847,20 @@ return 1
   std::string liveActorsKey() const { return prefix_ + "live_actors"; }
   std::string deadNodesKey() const { return prefix_ + "dead_nodes"; }
   std::string deadlinesKey() const { return prefix_ + "node_deadlines"; }
+  // EVAL `script` over each reservation's node and claims keys, then its holder and resources
+  // (the reserve scripts' calling convention).
+  std::vector<std::string> reservationArgs(const std::string& script, const std::vector<Reservation>& reservations) const {
+    std::vector<std::string> args = {"EVAL", script, std::to_string(2 * reservations.size())};
+    for (const Reservation& r : reservations) {
+      args.push_back(nodeKey(r.nodeId));
+      args.push_back(claimsKey(r.nodeId));
+    }
+    for (const Reservation& r : reservations) {
+      args.push_back(r.holder);
+      args.push_back(json(r.resources).dump());
+    }
+    return args;
+  }
   std::string claimsKeyPrefix() const { return prefix_ + "node_res:"; }
   // kBuryNodeLua derives this from claimsKeyPrefix(): keep the two names in step.
   std::string nodeActorsKeyPrefix() const { return prefix_ + "node_actors:"; }

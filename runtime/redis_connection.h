@@ -209,16 +209,24 @@ class RedisConnection {
     return std::nullopt;
   }
 
-  void appendRaw(const std::vector<std::string>& args) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lengths;
-    argv.reserve(args.size());
-    lengths.reserve(args.size());
-    for (const auto& arg : args) {
-      argv.push_back(arg.data());
-      lengths.push_back(arg.size());
+  // hiredis's view of a command's arguments (pointers into `args`, which must outlive it).
+  struct Argv {
+    explicit Argv(const std::vector<std::string>& args) {
+      pointers.reserve(args.size());
+      lengths.reserve(args.size());
+      for (const auto& arg : args) {
+        pointers.push_back(arg.data());
+        lengths.push_back(arg.size());
+      }
     }
-    redisAppendCommandArgv(context_.get(), static_cast<int>(argv.size()), argv.data(), lengths.data());
+    int count() const { return static_cast<int>(pointers.size()); }
+    std::vector<const char*> pointers;
+    std::vector<size_t> lengths;
+  };
+
+  void appendRaw(const std::vector<std::string>& args) {
+    Argv argv(args);
+    redisAppendCommandArgv(context_.get(), argv.count(), argv.pointers.data(), argv.lengths.data());
   }
 
   RedisConnection(const RedisOptions& options, ContextPtr context)
@@ -252,16 +260,9 @@ class RedisConnection {
   }
 
   ReplyPtr sendRaw(const std::vector<std::string>& args) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lengths;
-    argv.reserve(args.size());
-    lengths.reserve(args.size());
-    for (const auto& arg : args) {
-      argv.push_back(arg.data());
-      lengths.push_back(arg.size());
-    }
-    return ReplyPtr(static_cast<redisReply*>(redisCommandArgv(
-        context_.get(), static_cast<int>(argv.size()), argv.data(), lengths.data())));
+    Argv argv(args);
+    return ReplyPtr(static_cast<redisReply*>(
+        redisCommandArgv(context_.get(), argv.count(), argv.pointers.data(), argv.lengths.data())));
   }
 
   Result<ReplyPtr> checked(ReplyPtr reply, std::string_view what) {
