@@ -178,7 +178,8 @@ class Cluster:
             raise ValueError(f"{node} is not a node of this cluster")
         if self._owns(node.pid):
             os.kill(node.pid, signal.SIGTERM if allow_graceful else signal.SIGKILL)
-            self._wait_until(lambda: not self._owns(node.pid), timeout, f"{node} to exit")
+            # Not _owns: an exiting process loses its command line and directory before it ends.
+            self._wait_until(lambda: _exited(node.pid), timeout, f"{node} to exit")
         if wait:
             self._wait_until(lambda: self._node_states().get(node.node_id, ("DEAD", ""))[0] == "DEAD", timeout,
                              f"the controller to show {node} DEAD")
@@ -277,6 +278,16 @@ def _ancestors():
         except (OSError, ValueError, IndexError):
             break
     return pids
+
+
+def _exited(pid):
+    """True once pid has ended (a zombie has ended; only its exit status waits to be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2] in "ZX"
 
 
 def _processes_under(root):
