@@ -382,7 +382,7 @@ struct RestoreJob {
   Status error;
 };
 
-class CheckpointActor final : public Actor {
+class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
  public:
   CheckpointActor(ActorContext context, Options options)
       : context_(std::move(context)),
@@ -403,7 +403,7 @@ class CheckpointActor final : public Actor {
                options_.node, options_.dir, options_.replicaTo, options_.shmDir);
     auto server = kj::heap<Server>(*this);
     server_ = server.get();
-    typed_ = std::make_unique<capnp::Capability::Client>(kj::mv(server));
+    serve(kj::mv(server));
   }
 
   ~CheckpointActor() override {
@@ -416,16 +416,6 @@ class CheckpointActor final : public Actor {
     TROUPE_LOG(kInfo, "checkpoint actor exiting: removed {} segment(s)", removed.size());
   }
 
-  // The generic path (the Python driver): a method of rpc::Checkpoint by name, its params and
-  // results as Cap'n Proto messages (typed_call.h).
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
-    return callTyped(*typed_, capnp::Schema::from<rpc::Checkpoint>(), method, payload);
-  }
-  Result<std::string> call(const std::string& method, std::string_view) override {
-    return Status(StatusCode::kInternal, fmt::format("Checkpoint.{}: called synchronously (use callAsync)", method));
-  }
-
-  kj::Maybe<capnp::Capability::Client> typed() override { return *typed_; }
 
  private:
   // rpc::Checkpoint: reads the params, runs the actor's method, writes the results; errors are
@@ -1223,7 +1213,6 @@ class CheckpointActor final : public Actor {
   ActorContext context_;
   Options options_;
   // The Server below. Held by pointer: a capability's destructor may throw, an Actor's may not.
-  std::unique_ptr<capnp::Capability::Client> typed_;
   Server* server_ = nullptr;
   std::atomic<bool> stop_{false};
   static inline const std::atomic<bool> kStopped{true};

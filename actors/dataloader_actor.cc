@@ -23,7 +23,7 @@ Result<Json> parseJson(std::string_view payload) {
   return j;
 }
 
-class Dataloader final : public Actor {
+class Dataloader final : public TypedActor<rpc::Dataloader> {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext&, std::string_view args) {
     auto j = parseJson(args);
@@ -60,16 +60,6 @@ class Dataloader final : public Actor {
     server_->actorEnded();
     if (!tokenFile_.empty()) ::unlink(tokenFile_.c_str());
   }
-
-  // The generic path (the Python driver): a method of rpc::Dataloader by name, its params and
-  // results as Cap'n Proto messages (typed_call.h).
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
-    return callTyped(*typed_, capnp::Schema::from<rpc::Dataloader>(), method, payload);
-  }
-  Result<std::string> call(const std::string& method, std::string_view) override {
-    return Status(StatusCode::kInternal, fmt::format("Dataloader.{}: called synchronously (use callAsync)", method));
-  }
-  kj::Maybe<capnp::Capability::Client> typed() override { return *typed_; }
 
  private:
   // rpc::Dataloader over this actor's queue and dataset; errors are thrown as Status exceptions.
@@ -143,14 +133,13 @@ class Dataloader final : public Actor {
   Dataloader() {
     auto server = kj::heap<Server>(*this);
     server_ = server.get();
-    typed_ = std::make_unique<capnp::Capability::Client>(kj::mv(server));
+    serve(kj::mv(server));
   }
   std::unique_ptr<Dataset> dataset_;
   std::optional<ShardQueue> queue_;
   std::string tokenFile_;
   Server* server_ = nullptr;
   // The Server above. Held by pointer: a capability's destructor may throw, an Actor's may not.
-  std::unique_ptr<capnp::Capability::Client> typed_;
 };
 
 }  // namespace

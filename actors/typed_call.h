@@ -11,9 +11,13 @@
 #include <capnp/schema.h>
 #include <kj/async.h>
 
+#include <memory>
 #include <string>
 #include <string_view>
 
+#include <fmt/format.h>
+
+#include "troupe/runtime/actor.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe::actors {
@@ -23,5 +27,30 @@ namespace troupe::actors {
 // own error as its Status otherwise.
 kj::Promise<Result<std::string>> callTyped(capnp::Capability::Client server, capnp::InterfaceSchema interface,
                                            const std::string& method, std::string_view payload);
+
+// An actor whose every method is on its typed interface: typed() serves it, the generic path
+// (callAsync, the Python driver) reaches it through callTyped, and a synchronous call is refused.
+// The actor calls serve() once, in its constructor.
+template <typename Interface>
+class TypedActor : public Actor {
+ public:
+  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
+    return callTyped(*server_, capnp::Schema::from<Interface>(), method, payload);
+  }
+  Result<std::string> call(const std::string& method, std::string_view) override {
+    return Status(StatusCode::kInternal,
+                  fmt::format("{}.{}: called synchronously (use callAsync)",
+                              capnp::Schema::from<Interface>().getShortDisplayName().cStr(), method));
+  }
+  kj::Maybe<capnp::Capability::Client> typed() override { return *server_; }
+
+ protected:
+  void serve(capnp::Capability::Client server) {
+    server_ = std::make_unique<capnp::Capability::Client>(kj::mv(server));
+  }
+
+ private:
+  std::unique_ptr<capnp::Capability::Client> server_;
+};
 
 }  // namespace troupe::actors
