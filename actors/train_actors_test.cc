@@ -1,19 +1,27 @@
-// The Dataloader actor's typed interface, in process: a token file on disk, the actor made by the
-// registry as a worker makes it, and its capability called on a local event loop (typed, and by
-// name through the generic call, as Python calls it). The batch's wire checks on bad sizes.
+// The Dataloader's and the Trainer's typed interfaces, in process: each actor made by the registry
+// as a worker makes it (the trainers with a real Redis for their rendezvous), its capability
+// called on a local event loop (typed, and by name through the generic call, as Python calls
+// it). The batch's wire checks on bad sizes; the trainer's refusals of bad arguments, and its
+// activity answered while a join waits on the compute thread.
 #include <doctest/doctest.h>
 #include <unistd.h>
 
 #include <capnp/serialize.h>
+#include <fmt/format.h>
+#include <kj/async-io.h>
 #include <kj/async.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "dataloader.capnp.h"
+#include "trainer.capnp.h"
 #include "troupe/actors/train_actors.h"
+#include "troupe/runtime/actor_server.h"
+#include "troupe/testing/redis_server.h"
 
 namespace troupe::actors {
 namespace {
@@ -147,6 +155,178 @@ TEST_CASE("dataloader: a batch from a peer is refused unless its sizes match its
   CHECK(dtype.status().message().find("unknown dtype 'complex1024'") != std::string::npos);
   auto ids = check([](rpc::Batch::Builder w) { w.initSampleIds(3); });
   CHECK(ids.status().message().find("3 sample ids for inputs of 2 rows") != std::string::npos);
+}
+
+// Trainers of the tiny built-in MLP, made by the registry, with a real Redis for their
+// rendezvous (a worker's environment). The event loop can take the compute threads' replies.
+struct Trainers {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  testing::RedisServerProcess redis;
+  ActorRegistry registry;
+
+  Trainers() {
+    ::setenv("TROUPE_REDIS_ADDRESS", fmt::format("{}:{}", redis.host(), redis.port()).c_str(), 1);
+    ::setenv("TROUPE_REDIS_PASSWORD", redis.password().c_str(), 1);
+    ::setenv("TROUPE_CLUSTER", "train-actors-test", 1);
+    registerTrainActors(registry);
+  }
+  std::unique_ptr<Actor> make() {
+    ActorContext context;
+    context.type = "Trainer";
+    auto made = registry.create(context, R"({"group": "g", "engine": {"model": "mlp", "seed": 7}})");
+    REQUIRE(made.isOk());
+    return std::move(*made);
+  }
+  static rpc::Trainer::Client typed(Actor& actor) {
+    KJ_IF_MAYBE(cap, actor.typed()) { return cap->castAs<rpc::Trainer>(); }
+    FAIL("the Trainer has no typed interface");
+    return nullptr;
+  }
+  // What a typed call threw (its description), or "" when it succeeded.
+  template <typename Request>
+  std::string error(Request&& request) {
+    KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { request.send().wait(io.waitScope); })) {
+      return e->getDescription().cStr();
+    }
+    return "";
+  }
+};
+
+// The results of a generic call, read as `Results`.
+template <typename Results>
+struct Decoded {
+  kj::Array<capnp::word> words;
+  std::unique_ptr<capnp::FlatArrayMessageReader> reader;
+  explicit Decoded(const std::string& bytes) : words(kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word))) {
+    std::memcpy(words.begin(), bytes.data(), bytes.size());
+    reader = std::make_unique<capnp::FlatArrayMessageReader>(words);
+  }
+  typename Results::Reader get() { return reader->getRoot<Results>(); }
+};
+
+TEST_CASE("trainer: typed join, restore, configure and hash run on the compute thread; by name too") {
+  Trainers t;
+  auto actor = t.make();
+  auto client = Trainers::typed(*actor);
+
+  auto join = client.joinRequest();
+  join.setRank(0);
+  join.setWorld(1);
+  auto joined = join.send().wait(t.io.waitScope);
+  CHECK(joined.getRank() == 0);
+  CHECK(joined.getWorld() == 1);
+
+  auto hash = client.hashRequest().send().wait(t.io.waitScope);
+  CHECK(hash.getStep() == 0);
+  CHECK(hash.getHash() != 0);
+  auto restore = client.restoreRequest();
+  restore.setStep(0);
+  auto restored = restore.send().wait(t.io.waitScope);
+  CHECK(restored.getStep() == 0);
+  CHECK(std::string(restored.getSource().cStr()) == "seed");
+  CHECK(restored.getHash() == hash.getHash());  // re-made from the same seed
+
+  auto configure = client.configureRequest();
+  configure.setThreads(2);
+  auto settings = configure.send().wait(t.io.waitScope);
+  CHECK(settings.getThreads() == 2);
+  CHECK(settings.getPrefetch() == 2);       // -1: kept
+  CHECK(settings.getSnapshotEvery() == 1);  // the init args' default
+
+  auto activity = client.activityRequest().send().wait(t.io.waitScope);
+  CHECK(activity.getPid() == ::getpid());
+  CHECK(activity.getWorld() == 1);
+  CHECK(client.timelineRequest().send().wait(t.io.waitScope).getPid() == ::getpid());
+
+  // By name, as Python calls it: no params bytes leave every param at its default.
+  auto generic = actor->callAsync("hash", "").wait(t.io.waitScope);
+  REQUIRE(generic.isOk());
+  CHECK(Decoded<rpc::Trainer::HashResults>(*generic).get().getHash() == hash.getHash());
+  auto unknown = actor->callAsync("load_dir", "{}").wait(t.io.waitScope);
+  CHECK(unknown.status().message().find("Trainer has no method 'load_dir' (join, snapshots, restore, run, loadDir") !=
+        std::string::npos);
+  CHECK(actor->call("hash", "").status().code() == StatusCode::kInternal);  // typed actors are never synchronous
+  client = nullptr;
+}
+
+TEST_CASE("trainer: a bad argument is refused with an error naming it, and changes nothing") {
+  Trainers t;
+  auto actor = t.make();
+  auto client = Trainers::typed(*actor);
+
+  auto threads = client.configureRequest();
+  threads.setThreads(0);
+  threads.setPrefetch(5);
+  CHECK(t.error(threads).find("threads must be >= 1, got 0") != std::string::npos);
+  auto kept = client.configureRequest().send().wait(t.io.waitScope);
+  CHECK(kept.getThreads() == 1);
+  CHECK(kept.getPrefetch() == 2);  // refused as a whole: the prefetch given with it was not applied
+
+  auto prefetch = client.configureRequest();
+  prefetch.setPrefetch(-3);
+  CHECK(t.error(prefetch).find("configure: prefetch is -3 (-1 keeps the current value)") != std::string::npos);
+
+  auto join = client.joinRequest();
+  join.setRank(3);
+  join.setWorld(2);
+  CHECK(t.error(join).find("join: rank 3 is outside a world of 2") != std::string::npos);
+
+  auto run = client.runRequest();
+  run.setFromStep(5);
+  run.setSteps(1);
+  CHECK(t.error(run).find("trainer is at step 0, asked to run from step 5") != std::string::npos);
+
+  auto load = client.loadDirRequest();
+  CHECK(t.error(load).find("loadDir: no checkpoint directory given") != std::string::npos);
+
+  // By name, params that are not a message of the method's params struct (the old JSON).
+  auto json = actor->callAsync("configure", "{\"threads\": 2}").wait(t.io.waitScope);
+  CHECK(json.status().code() == StatusCode::kInvalidArgument);
+  CHECK(json.status().message().find("Trainer.configure: the params are") != std::string::npos);
+  client = nullptr;
+}
+
+TEST_CASE("trainer: activity answers at once while a join waits for its peer on the compute thread") {
+  Trainers t;
+  // Rank 0 behind the actor server, as a worker serves it; rank 1 called directly.
+  troupe::rpc::Actor::Client rank0 = actorServer(t.make(), "Trainer");
+  auto rank1 = t.make();
+  auto byName = [&](const std::string& method, capnp::MessageBuilder* params) {
+    auto request = rank0.callRequest();
+    request.setMethod(method);
+    if (params != nullptr) {
+      auto flat = capnp::messageToFlatArray(*params);
+      request.setPayload(flat.asBytes());
+    }
+    return request.send();
+  };
+  capnp::MallocMessageBuilder joinParams;
+  auto p = joinParams.initRoot<rpc::Trainer::JoinParams>();
+  p.setEpoch(1);
+  p.setRank(0);
+  p.setWorld(2);
+  auto joining = byName("join", &joinParams);
+  // Rank 1 has not joined: rank 0's join waits in the rendezvous, yet its activity answers.
+  auto activity = byName("activity", nullptr).wait(t.io.waitScope);
+  Decoded<rpc::Trainer::ActivityResults> now(std::string(reinterpret_cast<const char*>(activity.getResult().begin()),
+                                                         activity.getResult().size()));
+  CHECK(now.get().getPid() == ::getpid());
+  CHECK(!joining.poll(t.io.waitScope));
+
+  auto client1 = Trainers::typed(*rank1);
+  auto join1 = client1.joinRequest();
+  join1.setEpoch(1);
+  join1.setRank(1);
+  join1.setWorld(2);
+  auto joined1 = join1.send();
+  joining.wait(t.io.waitScope);
+  CHECK(joined1.wait(t.io.waitScope).getWorld() == 2);
+  // In one world: a hash by name on rank 0 (in turn, after its join) equals rank 1's.
+  auto hash0 = byName("hash", nullptr).wait(t.io.waitScope);
+  Decoded<rpc::Trainer::HashResults> h0(
+      std::string(reinterpret_cast<const char*>(hash0.getResult().begin()), hash0.getResult().size()));
+  CHECK(h0.get().getHash() == client1.hashRequest().send().wait(t.io.waitScope).getHash());
+  client1 = nullptr;
 }
 
 }  // namespace

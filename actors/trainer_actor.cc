@@ -1,8 +1,9 @@
-// The "Trainer" actor (see train_actors.h): a TrainerEngine driven from a compute thread.
-// Threads: the worker's RPC thread receives calls and hands each to the compute thread, which
-// runs them one at a time in arrival order; the compute thread reaches other actors (the node's
-// dataloader and checkpoint actor) through the RPC thread's executor, and Redis (the
-// communicator's rendezvous) through a store it owns.
+// The "Trainer" actor (rpc::Trainer, see train_actors.h): a TrainerEngine driven from a compute
+// thread. Threads: the worker's RPC thread receives calls and hands each to the compute thread,
+// which runs them one at a time in arrival order (activity and timeline answer on the RPC
+// thread at once); the compute thread reaches other actors (the node's dataloader and
+// checkpoint actor) through the RPC thread's executor, and Redis (the communicator's
+// rendezvous) through a store it owns.
 #include <fmt/format.h>
 #include <kj/async.h>
 #include <kj/function.h>
@@ -20,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <unistd.h>
 
 #include "troupe/actors/train_actors.h"
 #include "troupe/actors/trainer_engine.h"
@@ -33,6 +35,8 @@
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
 #include "checkpoint.capnp.h"
+#include "trainer.capnp.h"
+#include "typed_call.h"
 
 namespace troupe::actors {
 
@@ -80,7 +84,46 @@ HostTensor hostFor(const checkpoint::TensorSpec& spec) {
   return t;
 }
 
-class Trainer final : public Actor {
+// What the compute thread hands back to the RPC thread, which writes it into the results.
+struct Joined {
+  int rank = 0;
+  int world = 1;
+};
+struct Restored {
+  int64_t step = 0;
+  std::string source;
+  uint64_t hash = 0;
+};
+struct StepReport {
+  StepMetrics metrics;  // wait_s filled in by the trainer
+  double snapshot_s = 0;
+  std::vector<uint64_t> sample_ids;
+};
+struct Trained {
+  std::vector<StepReport> steps;
+  uint64_t hash = 0;
+  std::optional<int64_t> pinned;
+};
+struct Settings {
+  int64_t snapshotEvery = 0;
+  int threads = 1;
+  int prefetch = 0;
+};
+struct Hashed {
+  uint64_t hash = 0;
+  int64_t step = 0;
+};
+
+void spanToWire(const TimelineSpan& span, rpc::TimelineSpan::Builder out) {
+  out.setName(span.name);
+  out.setStartUs(span.start_us);
+  out.setDurUs(span.dur_us);
+  out.setStep(span.step);
+  out.setBucket(span.bucket);
+  out.setBytes(span.bytes);
+}
+
+class Trainer final : public TypedActor<rpc::Trainer> {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view args) {
     Json j = Json::parse(args, nullptr, false);
@@ -102,6 +145,7 @@ class Trainer final : public Actor {
   }
 
   ~Trainer() noexcept override {
+    server_->actorEnded();
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
@@ -110,38 +154,190 @@ class Trainer final : public Actor {
     if (compute_.joinable()) compute_.join();
   }
 
-  Result<std::string> call(const std::string& method, std::string_view) override {
-    return Status(StatusCode::kInternal, "Trainer::" + method + " runs through callAsync");
-  }
-
   // What it is doing (and its recent spans) is answered on the RPC thread, out of turn: a
   // coordinator asks while a `run` hangs.
   bool answersAtOnce(const std::string& method) const override { return method == "activity" || method == "timeline"; }
 
-  kj::Promise<Result<std::string>> callAsync(const std::string& method, std::string_view payload) override {
-    if (method == "activity" || method == "timeline") return Result<std::string>(query(method));
-    Json j = Json::parse(payload.empty() ? std::string_view("{}") : payload, nullptr, false);
-    if (!j.is_object()) return Result<std::string>(Status(StatusCode::kInvalidArgument, "payload is not a JSON object"));
-    auto done = kj::newPromiseAndCrossThreadFulfiller<Result<std::string>>();
-    {
-      std::lock_guard lock(mutex_);
-      jobs_.push_back([this, method, j, fulfiller = kj::mv(done.fulfiller)]() mutable {
-        Result<std::string> r = Status(StatusCode::kInternal, "unreached");
-        try {
-          r = run(method, j);
-        } catch (const kj::Exception& e) {
-          r = statusFromException(e, "");  // the code that crossed the RPC edge, or UNAVAILABLE/INTERNAL
-        } catch (const std::exception& e) {
-          r = Status(StatusCode::kInternal, e.what());
-        }
-        fulfiller->fulfill(kj::mv(r));
-      });
-    }
-    wake_.notify_all();
-    return kj::mv(done.promise);
-  }
-
  private:
+  struct JoinArgs {
+    int64_t epoch;
+    int rank;
+    int world;
+    std::string dataloader;  // "" keeps the current one
+    std::string checkpoint;
+  };
+
+  // rpc::Trainer: reads the params on the RPC thread, hands the work to the compute thread
+  // (onCompute) and writes what comes back into the results; errors are thrown as Status
+  // exceptions. activity and timeline answer on the RPC thread at once. The actor keeps a
+  // reference, so the server outlives it; once the actor is gone, calls fail.
+  class Server final : public rpc::Trainer::Server {
+   public:
+    explicit Server(Trainer& actor) : actor_(&actor) {}
+    void actorEnded() { actor_ = nullptr; }
+
+   protected:
+    kj::Promise<void> join(JoinContext context) override {
+      auto p = context.getParams();
+      JoinArgs args{p.getEpoch(), static_cast<int>(p.getRank()), static_cast<int>(p.getWorld()),
+                    p.getDataloader().cStr(), p.getCheckpoint().cStr()};
+      if (args.rank >= args.world) {
+        throwStatus(Status(StatusCode::kInvalidArgument,
+                           fmt::format("join: rank {} is outside a world of {}", args.rank, args.world)));
+      }
+      auto& a = actor();
+      return a.onCompute<Joined>([&a, args = std::move(args)]() { return a.join(args); })
+          .then([context](Joined joined) mutable {
+            context.getResults().setRank(static_cast<uint32_t>(joined.rank));
+            context.getResults().setWorld(static_cast<uint32_t>(joined.world));
+          });
+    }
+    kj::Promise<void> snapshots(SnapshotsContext context) override {
+      auto& a = actor();
+      return a.onCompute<std::vector<int64_t>>([&a]() { return a.snapshots(); })
+          .then([context](std::vector<int64_t> steps) mutable {
+            auto out = context.getResults().initSteps(steps.size());
+            for (size_t i = 0; i < steps.size(); ++i) out.set(i, steps[i]);
+          });
+    }
+    kj::Promise<void> restore(RestoreContext context) override {
+      auto p = context.getParams();
+      int64_t step = p.getStep();
+      int fromBundle = p.getFromBundle();
+      std::vector<int> fromBundles;
+      for (uint32_t b : p.getFromBundles()) fromBundles.push_back(static_cast<int>(b));
+      int root = p.getBroadcastFrom();
+      bool fromBroadcast = p.getFromBroadcast();
+      auto& a = actor();
+      return a
+          .onCompute<Restored>([&a, step, fromBundle, fromBundles = std::move(fromBundles), root, fromBroadcast]() {
+            return a.restoreOrBroadcast(step, fromBundle, fromBundles, root, fromBroadcast);
+          })
+          .then([context](Restored r) mutable { restoredToWire(r, context.getResults()); });
+    }
+    kj::Promise<void> run(RunContext context) override {
+      auto p = context.getParams();
+      int64_t from = p.getFromStep();
+      int64_t steps = p.getSteps();
+      if (steps < 0) throwStatus(Status(StatusCode::kInvalidArgument, fmt::format("run: {} steps", steps)));
+      auto& a = actor();
+      return a.onCompute<Trained>([&a, from, steps]() { return a.train(from, steps); })
+          .then([context](Trained t) mutable {
+            auto r = context.getResults();
+            auto rows = r.initMetrics(t.steps.size());
+            for (size_t i = 0; i < t.steps.size(); ++i) {
+              const StepReport& s = t.steps[i];
+              auto row = rows[i];
+              row.setStep(s.metrics.step);
+              row.setLoss(s.metrics.loss);
+              row.setComputeS(s.metrics.compute_s);
+              row.setCommS(s.metrics.comm_s);
+              row.setWaitS(s.metrics.wait_s);
+              row.setSnapshotS(s.snapshot_s);
+              row.setSamples(s.metrics.samples);
+              row.setBytesAllreduced(s.metrics.bytes_allreduced);
+              auto ids = row.initSampleIds(s.sample_ids.size());
+              for (size_t k = 0; k < s.sample_ids.size(); ++k) ids.set(k, s.sample_ids[k]);
+            }
+            r.setHash(t.hash);
+            r.setHasPinned(t.pinned.has_value());
+            r.setPinned(t.pinned.value_or(0));
+          });
+    }
+    kj::Promise<void> loadDir(LoadDirContext context) override {
+      auto p = context.getParams();
+      std::string dir = p.getDir().cStr();
+      int64_t step = p.getStep();
+      if (dir.empty()) throwStatus(Status(StatusCode::kInvalidArgument, "loadDir: no checkpoint directory given"));
+      auto& a = actor();
+      return a.onCompute<Restored>([&a, dir = std::move(dir), step]() { return a.loadDirectory(dir, step); })
+          .then([context](Restored r) mutable { restoredToWire(r, context.getResults()); });
+    }
+    kj::Promise<void> configure(ConfigureContext context) override {
+      auto p = context.getParams();
+      int64_t snapshotEvery = p.getSnapshotEvery();
+      int threads = p.getThreads();
+      int prefetch = p.getPrefetch();
+      for (auto [name, value] : {std::pair{"snapshotEvery", snapshotEvery}, std::pair{"threads", int64_t{threads}},
+                                 std::pair{"prefetch", int64_t{prefetch}}}) {
+        if (value < -1) {
+          throwStatus(Status(StatusCode::kInvalidArgument,
+                             fmt::format("configure: {} is {} (-1 keeps the current value)", name, value)));
+        }
+      }
+      auto& a = actor();
+      return a.onCompute<Settings>([&a, snapshotEvery, threads, prefetch]() {
+                return a.configure(snapshotEvery, threads, prefetch);
+              })
+          .then([context](Settings s) mutable {
+            auto r = context.getResults();
+            r.setSnapshotEvery(s.snapshotEvery);
+            r.setThreads(s.threads);
+            r.setPrefetch(s.prefetch);
+          });
+    }
+    kj::Promise<void> pin(PinContext context) override {
+      bool snapshotFirst = context.getParams().getSnapshot();
+      auto& a = actor();
+      return a
+          .onCompute<std::optional<int64_t>>([&a, snapshotFirst]() -> Result<std::optional<int64_t>> {
+            if (snapshotFirst) TROUPE_RETURN_IF_ERROR(a.snapshotCurrentStep());
+            return a.pin();
+          })
+          .then([context](std::optional<int64_t> pinned) mutable {
+            context.getResults().setHasPinned(pinned.has_value());
+            context.getResults().setPinned(pinned.value_or(0));
+          });
+    }
+    kj::Promise<void> hash(HashContext context) override {
+      auto& a = actor();
+      return a.onCompute<Hashed>([&a]() {
+                return Result<Hashed>(Hashed{a.engine_->parameterHash(), a.engine_->stepCount()});
+              })
+          .then([context](Hashed h) mutable {
+            context.getResults().setHash(h.hash);
+            context.getResults().setStep(h.step);
+          });
+    }
+    // The engine is thread-safe for these two (its timeline mutex).
+    kj::Promise<void> activity(ActivityContext context) override {
+      TrainerEngine& engine = *actor().engine_;
+      auto r = context.getResults();
+      r.setRank(engine.rank());
+      r.setWorld(engine.worldSize());
+      r.setPid(::getpid());
+      auto now = engine.activity();
+      spanToWire(now, r.initActivity());
+      r.setForS(now.start_us ? static_cast<double>(wallUs() - now.start_us) / 1e6 : 0.0);
+      r.setWaitingOn(engine.waitingOn());
+      return kj::READY_NOW;
+    }
+    kj::Promise<void> timeline(TimelineContext context) override {
+      TrainerEngine& engine = *actor().engine_;
+      auto r = context.getResults();
+      r.setRank(engine.rank());
+      r.setWorld(engine.worldSize());
+      r.setPid(::getpid());
+      auto spans = engine.timeline();
+      auto out = r.initSpans(spans.size());
+      for (size_t i = 0; i < spans.size(); ++i) spanToWire(spans[i], out[i]);
+      return kj::READY_NOW;
+    }
+
+   private:
+    template <typename Results>
+    static void restoredToWire(const Restored& r, Results out) {
+      out.setStep(r.step);
+      out.setSource(r.source);
+      out.setHash(r.hash);
+    }
+    Trainer& actor() {
+      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Trainer actor has ended"));
+      return *actor_;
+    }
+    Trainer* actor_;
+  };
+
   Trainer(const ActorContext& context, const Json& spec, TrainerEngineOptions options)
       : context_(context),
         executor_(kj::getCurrentThreadExecutor().addRef()),
@@ -157,7 +353,36 @@ class Trainer final : public Actor {
         hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
         killInJoin_(context.incarnation == 1 && spec.value("fault_kill_in_join", false)),
         options_(std::move(options)) {
+    auto server = kj::heap<Server>(*this);
+    server_ = server.get();
+    serve(kj::mv(server));
     compute_ = std::thread([this]() { computeLoop(); });
+  }
+
+  // Runs `work` (returning Result<T>) on the compute thread after every job queued before it;
+  // the value comes back to the RPC thread, an error as a Status exception.
+  template <typename T, typename Work>
+  kj::Promise<T> onCompute(Work work) {
+    auto done = kj::newPromiseAndCrossThreadFulfiller<Result<T>>();
+    {
+      std::lock_guard lock(mutex_);
+      jobs_.push_back([work = std::move(work), fulfiller = kj::mv(done.fulfiller)]() mutable {
+        Result<T> r = Status(StatusCode::kInternal, "unreached");
+        try {
+          r = work();
+        } catch (const kj::Exception& e) {
+          r = statusFromException(e, "");  // the code that crossed the RPC edge, or UNAVAILABLE/INTERNAL
+        } catch (const std::exception& e) {
+          r = Status(StatusCode::kInternal, e.what());
+        }
+        fulfiller->fulfill(kj::mv(r));
+      });
+    }
+    wake_.notify_all();
+    return done.promise.then([](Result<T> r) -> T {
+      if (!r.isOk()) throwStatus(r.status());
+      return std::move(r).value();
+    });
   }
 
   void computeLoop() {
@@ -195,64 +420,27 @@ class Trainer final : public Actor {
     return callTyped<rpc::Checkpoint, T>(checkpoint_, method, std::move(call));
   }
 
-  Result<std::string> run(const std::string& method, const Json& j) {
-    if (method == "join") return join(j);
-    if (method == "snapshots") return snapshots();
-    if (method == "restore") {
-      // A member that joined a grow on a host with no other member gets its state by a broadcast
-      // from a live rank over the new communicator; every rank takes part.
-      int root = j.value("broadcast_from", -1);
-      if (!j.value("from_broadcast", false)) {
-        auto restored = restore(j.value("step", int64_t{0}), j.value("from_bundle", -1),
-                                j.value("from_bundles", std::vector<int>{}));
-        if (root < 0 || !restored.isOk()) return restored;
-      }
-      TROUPE_RETURN_IF_ERROR(broadcastState(root));
-      return Json{{"step", engine_->stepCount()}, {"source", fmt::format("broadcast from rank {}", root)},
-                  {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
-          .dump();
+  Result<Restored> restoreOrBroadcast(int64_t step, int fromBundle, const std::vector<int>& fromBundles, int root,
+                                      bool fromBroadcast) {
+    // A member that joined a grow on a host with no other member gets its state by a broadcast
+    // from a live rank over the new communicator; every rank takes part.
+    if (!fromBroadcast) {
+      auto restored = restore(step, fromBundle, fromBundles);
+      if (root < 0 || !restored.isOk()) return restored;
     }
-    if (method == "run") return train(j.value("from", int64_t{0}), j.value("steps", int64_t{1}));
-    if (method == "load_dir") return loadDirectory(j.value("dir", std::string()), j.value("step", int64_t{0}));
-    if (method == "configure") {
-      snapshotEvery_ = j.value("snapshot_every", snapshotEvery_);
-      if (j.contains("threads")) TROUPE_RETURN_IF_ERROR(engine_->setThreads(j["threads"].get<int>()));
-      if (j.contains("prefetch")) prefetch_ = std::max(0, j["prefetch"].get<int>());
-      return Json{{"snapshot_every", snapshotEvery_}, {"threads", engine_->options().threads}, {"prefetch", prefetch_}}
-          .dump();
-    }
-    if (method == "pin") {
-      if (j.value("snapshot", false)) TROUPE_RETURN_IF_ERROR(snapshotCurrentStep());
-      auto pinned = pin();
-      if (!pinned.isOk()) return pinned.status();
-      return Json{{"pinned", *pinned}}.dump();
-    }
-    if (method == "hash") return Json{{"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"step", engine_->stepCount()}}.dump();
-
-    return Status(StatusCode::kNotFound, fmt::format("Trainer has no method '{}'", method));
+    TROUPE_RETURN_IF_ERROR(broadcastState(root));
+    return Restored{engine_->stepCount(), fmt::format("broadcast from rank {}", root), engine_->parameterHash()};
   }
 
-  // The engine is thread-safe for these two (its timeline mutex).
-  std::string query(const std::string& method) const {
-    auto spanJson = [](const TimelineSpan& sp) {
-      return Json{{"name", sp.name}, {"ts", sp.start_us}, {"dur", sp.dur_us}, {"step", sp.step},
-                  {"bucket", sp.bucket}, {"bytes", sp.bytes}};
-    };
-    Json out = {{"rank", engine_->rank()}, {"world", engine_->worldSize()}, {"pid", ::getpid()}};
-    if (method == "activity") {
-      auto now = engine_->activity();
-      out["activity"] = spanJson(now);
-      out["for_s"] = now.start_us ? static_cast<double>(wallUs() - now.start_us) / 1e6 : 0.0;
-      out["waiting_on"] = engine_->waitingOn();
-      return out.dump();
-    }
-    Json spans = Json::array();
-    for (const auto& sp : engine_->timeline()) spans.push_back(spanJson(sp));
-    out["spans"] = spans;
-    return out.dump();
+  // -1 keeps a setting (the server refused values below it).
+  Result<Settings> configure(int64_t snapshotEvery, int threads, int prefetch) {
+    if (threads != -1) TROUPE_RETURN_IF_ERROR(engine_->setThreads(threads));
+    if (snapshotEvery != -1) snapshotEvery_ = snapshotEvery;
+    if (prefetch != -1) prefetch_ = prefetch;
+    return Settings{snapshotEvery_, engine_->options().threads, prefetch_};
   }
 
-  Result<std::string> join(const Json& j) {
+  Result<Joined> join(const JoinArgs& j) {
     if (killInJoin_) ::raise(SIGKILL);  // a member lost while the group joins a new epoch
     collectives::CommunicatorOptions o;
     o.group = group_;
@@ -261,16 +449,16 @@ class Trainer final : public Actor {
       const char* token = std::getenv("TROUPE_TOKEN");
       o.tlsToken = token ? token : "";
     }
-    o.epoch = j.value("epoch", int64_t{1});
-    o.rank = j.value("rank", 0);
-    o.worldSize = j.value("world", 1);
+    o.epoch = j.epoch;
+    o.rank = j.rank;
+    o.worldSize = j.world;
     o.rendezvousTimeout = std::chrono::milliseconds(30'000);
     comm_.reset();
     dropTakes();  // batches asked for as another rank or world are not ours any more
     // A restarted trainer may be on another node now: the driver names that node's services.
-    if (j.contains("dataloader")) dataloader_ = j["dataloader"].get<std::string>();
-    if (j.contains("checkpoint") && j["checkpoint"].get<std::string>() != checkpoint_) {
-      checkpoint_ = j["checkpoint"].get<std::string>();
+    if (!j.dataloader.empty()) dataloader_ = j.dataloader;
+    if (!j.checkpoint.empty() && j.checkpoint != checkpoint_) {
+      checkpoint_ = j.checkpoint;
       ownSegment_ = {};
       segment_.reset();
       layout_.reset();
@@ -286,7 +474,7 @@ class Trainer final : public Actor {
     comm_ = comm;
     rank_ = o.rank;
     world_ = o.worldSize;
-    return Json{{"rank", rank_}, {"world", world_}}.dump();
+    return Joined{rank_, world_};
   }
 
   // The segment a bundle's trainer on this node snapshots to (owned by the node's checkpoint
@@ -324,17 +512,17 @@ class Trainer final : public Actor {
     return &*holder;
   }
 
-  Result<std::string> snapshots() {
-    Json steps = Json::array({0});  // the initial state is re-made from the seed
+  Result<std::vector<int64_t>> snapshots() {
+    std::vector<int64_t> steps = {0};  // the initial state is re-made from the seed
     auto o = segmentOptions();
     if (!o.isOk()) return o.status();
     std::optional<checkpoint::FlashSegment> existing;
     if (const auto* s = readableSegment(*o, slotRank_, existing)) {
       for (const auto& slot : s->slots()) {
-        if (slot.complete()) steps.push_back(slot.step);
+        if (slot.complete()) steps.push_back(static_cast<int64_t>(slot.step));
       }
     }
-    return Json{{"steps", steps}}.dump();
+    return steps;
   }
 
   Status stageFromCheckpointActor(int64_t step, int bundle) {
@@ -405,7 +593,7 @@ class Trainer final : public Actor {
   // A re-sharded state is snapshotted in the new layout at the next pin (called once every rank
   // has restored: before, a peer may still be reading this bundle's old snapshot of `step`), so
   // that this bundle's snapshot of `step` holds the pieces its rank now owns.
-  Result<std::string> restore(int64_t step, int fromBundle, const std::vector<int>& fromBundles) {
+  Result<Restored> restore(int64_t step, int fromBundle, const std::vector<int>& fromBundles) {
     std::string source;
     if (step == 0) {
       auto fresh = TrainerEngine::create(options_);
@@ -435,16 +623,14 @@ class Trainer final : public Actor {
       TROUPE_RETURN_IF_ERROR(engine_->loadState(*state));
       if (fromBundle >= 0) source = fmt::format("snapshot of bundle {} ({})", fromBundle, source);
     }
-    return Json{{"step", engine_->stepCount()}, {"source", source},
-                {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
-        .dump();
+    return Restored{engine_->stepCount(), source, engine_->parameterHash()};
   }
 
   // Loads step `step` (at most; the newest complete one at or below it) of the persisted
   // checkpoint in `dir`, written by a group of any world size: rank 0's file, and under ZeRO
   // (ranged optimizer entries) every rank's, of which the engine takes what its pieces need.
   // The state is snapshotted in this group's layout at the next pin.
-  Result<std::string> loadDirectory(const std::string& dir, int64_t step) {
+  Result<Restored> loadDirectory(const std::string& dir, int64_t step) {
     checkpoint::DirectoryOptions o;
     o.path = dir;
     checkpoint::CheckpointDirectory directory(o);
@@ -478,9 +664,7 @@ class Trainer final : public Actor {
     TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
     layout_.reset();
     resnapshot_ = true;
-    return Json{{"step", engine_->stepCount()}, {"source", fmt::format("{} step {}", dir, first->step)},
-                {"hash", fmt::format("{:016x}", engine_->parameterHash())}}
-        .dump();
+    return Restored{engine_->stepCount(), fmt::format("{} step {}", dir, first->step), engine_->parameterHash()};
   }
 
   // The engine's whole state as one blob: a JSON table (name, dtype, shape, bytes per tensor),
@@ -633,18 +817,18 @@ class Trainer final : public Actor {
     executor_->executeSync([this]() { takes_.clear(); });
   }
 
-  Result<std::string> train(int64_t from, int64_t steps) {
+  Result<Trained> train(int64_t from, int64_t steps) {
     auto result = trainSteps(from, steps);
     if (!result.isOk()) dropTakes();  // the group rewinds; the leases are released there
     return result;
   }
 
-  Result<std::string> trainSteps(int64_t from, int64_t steps) {
+  Result<Trained> trainSteps(int64_t from, int64_t steps) {
     if (engine_->stepCount() != from) {
       return Status(StatusCode::kFailedPrecondition,
                     fmt::format("trainer is at step {}, asked to run from step {}", engine_->stepCount(), from));
     }
-    Json metrics = Json::array();
+    Trained trained;
     for (int64_t s = from; s < from + steps; ++s) {
       auto t0 = Clock::now();
       engine_->setActivity("data wait");
@@ -692,20 +876,14 @@ class Trainer final : public Actor {
         snapshotBytes.add(layout_->imageBytes());
         snapshotTime.addTime(std::chrono::microseconds(wallUs() - snapshot_us));
       }
-      metrics.push_back({{"step", m->step},
-                         {"loss", m->loss},
-                         {"compute_s", m->compute_s},
-                         {"comm_s", m->comm_s},
-                         {"wait_s", wait},
-                         {"snapshot_s", since(t1)},
-                         {"samples", m->samples},
-                         {"bytes_allreduced", m->bytes_allreduced},
-                         {"sample_ids", batch->sample_ids}});
+      m->wait_s = wait;
+      trained.steps.push_back(StepReport{*m, since(t1), std::move(batch->sample_ids)});
     }
     auto pinned = pin();
     if (!pinned.isOk()) return pinned.status();
-    return Json{{"metrics", metrics}, {"hash", fmt::format("{:016x}", engine_->parameterHash())}, {"pinned", *pinned}}
-        .dump();
+    trained.hash = engine_->parameterHash();
+    trained.pinned = *pinned;
+    return trained;
   }
 
   // Makes sure this bundle's segment holds a complete snapshot of the current step, taking one
@@ -725,9 +903,9 @@ class Trainer final : public Actor {
   // its replica on the next node), at the end of a chunk and after a restore. Every rank does
   // this before the driver starts the next chunk, so whatever fails later, every rank (or its
   // replica, if its node is lost) still holds that step: restores always find a common step.
-  // Returns the step pinned, or null when there is no snapshot.
-  Result<Json> pin() {
-    if (snapshotEvery_ <= 0) return Json(nullptr);
+  // Returns the step pinned, or none when there is no snapshot.
+  Result<std::optional<int64_t>> pin() {
+    if (snapshotEvery_ <= 0) return std::optional<int64_t>();
     if (resnapshot_) {
       TROUPE_RETURN_IF_ERROR(snapshot());
       resnapshot_ = false;
@@ -738,15 +916,17 @@ class Trainer final : public Actor {
     checkpoint::FlashSegment* seg = segment_ ? &*segment_ : nullptr;
     if (seg == nullptr) {  // not written since this process started: pin what is there
       auto existing = checkpoint::FlashSegment::openExisting(*o, /*writable=*/true);
-      if (!existing.isOk()) return existing.status().code() == StatusCode::kNotFound ? Result<Json>(Json(nullptr))
-                                                                                 : Result<Json>(existing.status());
+      if (!existing.isOk()) {
+        if (existing.status().code() == StatusCode::kNotFound) return std::optional<int64_t>();
+        return existing.status();
+      }
       seg = &opened.emplace(std::move(*existing));
     }
     // Snapshots after this rank's step are of a timeline the group left (a failure undid them):
     // were they kept, the checkpoint actor would replicate them instead of this one.
     seg->discardAfter(static_cast<uint64_t>(engine_->stepCount()));
     auto newest = seg->newestComplete(static_cast<uint64_t>(engine_->stepCount()));
-    if (!newest) return Json(nullptr);
+    if (!newest) return std::optional<int64_t>();
     // The checkpoint actor answers at once; its job ends when the replica is pinned.
     for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
       auto reply = callCheckpoint<bool>("pin", [rank = slotRank_, step = newest->step](rpc::Checkpoint::Client& c) {
@@ -761,10 +941,11 @@ class Trainer final : public Actor {
       std::this_thread::sleep_for(pause);
     }
     TROUPE_RETURN_IF_ERROR(seg->pin(newest->step));
-    return Json(newest->step);
+    return std::optional<int64_t>(static_cast<int64_t>(newest->step));
   }
 
   ActorContext context_;
+  Server* server_ = nullptr;  // served by TypedActor; told when this actor ends
   kj::Own<const kj::Executor> executor_;  // the RPC thread's
   std::string group_;
   std::string dataloader_;

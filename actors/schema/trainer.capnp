@@ -47,9 +47,9 @@ interface Trainer {
   # the state of that rank by a broadcast; `fromBroadcast` ranks skip their own restore.
   restore @2 (step :Int64, fromBundle :Int32 = -1, fromBundles :List(UInt32), broadcastFrom :Int32 = -1,
               fromBroadcast :Bool) -> (step :Int64, source :Text, hash :UInt64);
-  # Trains steps [from, from + steps) (a collective failure ends it with an error), then pins
-  # the newest snapshot (hasPinned false when there is none). `hash` is parameterHash().
-  run @3 (from :Int64, steps :Int64 = 1)
+  # Trains steps [fromStep, fromStep + steps) (a collective failure ends it with an error), then
+  # pins the newest snapshot (hasPinned false when there is none). `hash` is parameterHash().
+  run @3 (fromStep :Int64, steps :Int64 = 1)
       -> (metrics :List(StepMetrics), hash :UInt64, hasPinned :Bool, pinned :Int64);
   # Loads the newest complete step at or below `step` (0: the newest) of the persisted
   # checkpoint in `dir`, written by a group of any world size.

@@ -22,6 +22,7 @@
 
 #include "checkpoint.capnp.h"
 #include "dataloader.capnp.h"
+#include "trainer.capnp.h"
 
 namespace py = pybind11;
 
@@ -32,6 +33,7 @@ const std::map<std::string, capnp::InterfaceSchema>& interfaces() {
   static const std::map<std::string, capnp::InterfaceSchema> kInterfaces = {
       {"Checkpoint", capnp::Schema::from<rpc::Checkpoint>()},
       {"Dataloader", capnp::Schema::from<rpc::Dataloader>()},
+      {"Trainer", capnp::Schema::from<rpc::Trainer>()},
   };
   return kInterfaces;
 }

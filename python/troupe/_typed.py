@@ -1,4 +1,4 @@
-"""Typed calls to the built-in C++ actors (Checkpoint, Dataloader; see actors/schema/*.capnp).
+"""Typed calls to the built-in C++ actors (Checkpoint, Dataloader, Trainer; see actors/schema/*.capnp).
 
 The params of a method are given as keywords named as in the schema (camelCase), encoded by
 troupe._actors into the method's params message and carried by the actor's ordinary call (so

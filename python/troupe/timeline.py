@@ -3,16 +3,17 @@
 Every trainer keeps its newest spans in a ring (TrainerEngine::timeline, 4096 spans, always on):
 forward and backward per micro-batch, each gradient bucket's all-reduce from its launch to its
 finish, the loss all-reduce, the optimizer, the data wait and the snapshot. This collects the
-rings of the group's ranks (a call to each trainer, answered between chunks) and writes the
-Trace Event Format JSON that https://ui.perfetto.dev and chrome://tracing open: a process per
-rank, a thread for compute, one for communication and one for data and snapshots.
+rings of the group's ranks (the Trainer's typed `timeline` call, answered at once, also during a
+chunk) and writes the Trace Event Format JSON that https://ui.perfetto.dev and chrome://tracing
+open: a process per rank, a thread for compute, one for communication and one for data and
+snapshots.
 """
 import argparse
 import json
 import os
 import sys
 
-from . import _api
+from . import _api, _typed
 
 # Which track a span goes on.
 _TRACKS = {"forward": (0, "compute"), "backward": (0, "compute"), "optimizer": (0, "compute"),
@@ -45,11 +46,11 @@ def collect(group=None, timeout=60):
     rt = _api.runtime()
     name, record, doc = _find(rt, group)
     members = doc.get("members", [])
-    refs = [_api.ActorHandle(m, "Trainer").timeline.remote(b"{}") for m in members]
+    refs = [_typed.call(_api.ActorHandle(m, "Trainer"), "Trainer", "timeline") for m in members]
     events = []
     for member, ref in zip(members, refs):
         try:
-            ring = json.loads(_api.get(ref, timeout=timeout))
+            ring = _typed.reply("Trainer", "timeline", _api.get(ref, timeout=timeout))
         except _api.TroupeError as e:  # a rank that died meanwhile: the trace says so
             events.append({"name": f"trainer {member} did not answer: {e}", "ph": "i", "s": "g", "ts": 0,
                            "pid": 0, "tid": 0})
@@ -62,7 +63,7 @@ def collect(group=None, timeout=60):
         for span in ring["spans"]:
             tid = _TRACKS.get(span["name"], (0, ""))[0]
             label = span["name"] + (f" bucket {span['bucket']}" if span["bucket"] >= 0 else "")
-            events.append({"name": label, "ph": "X", "ts": span["ts"], "dur": max(span["dur"], 0), "pid": rank,
+            events.append({"name": label, "ph": "X", "ts": span["startUs"], "dur": max(span["durUs"], 0), "pid": rank,
                            "tid": tid, "args": {"step": span["step"], "bytes": span["bytes"]}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"group": name, "epoch": record["epoch"], "world_size": len(members)}}

@@ -61,6 +61,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -242,12 +243,18 @@ def _configs(scaling: ScalingConfig | None, failure: FailureConfig | None,
     return resolved[0], resolved[1], CheckpointConfig.of(checkpoint)
 
 
-def _json_call(handle: ActorHandle, method: str, payload: Mapping[str, Any] | None = None) -> ObjectRef:
-    return handle.__getattr__(method).remote(json.dumps(payload or {}).encode())
+def _trainer(handle: ActorHandle, method: str, **params: Any) -> ObjectRef:
+    """A call of the Trainer's typed interface (actors/schema/trainer.capnp)."""
+    return _typed.call(handle, "Trainer", method, **params)
 
 
-def _load(reply):
-    return json.loads(reply.decode() if isinstance(reply, (bytes, bytearray)) else reply)
+def _trainer_reply(method: str, reply: bytes) -> dict[str, Any]:
+    return _typed.reply("Trainer", method, reply)
+
+
+def _step_row(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank's StepMetrics with the history's names (computeS -> compute_s)."""
+    return {re.sub(r"[A-Z]", lambda c: "_" + c.group(0).lower(), k): v for k, v in metrics.items()}
 
 
 def _model_path(model: str | os.PathLike[str] | torch.nn.Module, workdir: str) -> str:
@@ -496,8 +503,7 @@ class ElasticTrainer:
         # it does not vote on the step, and its node's checkpoint actor stages the step for it.
         moved = {tid for tid, node in nodes.items() if self._trainer_nodes.get(tid, node) != node}
         self._trainer_nodes.update(nodes)
-        joins = [_json_call(t, "join", {"epoch": epoch, "rank": r, "world": world,
-                                        **self._services_of(nodes[t.actor_id])})
+        joins = [_trainer(t, "join", epoch=epoch, rank=r, world=world, **self._services_of(nodes[t.actor_id]))
                  for r, t in enumerate(self.trainers)]
         _api.get(joins, timeout=self.recovery_timeout)
         old = [t for t in self.trainers if t.actor_id not in fresh and t.actor_id not in moved]
@@ -506,7 +512,8 @@ class ElasticTrainer:
                         f"replica or memory, or from disk")
         candidates = [restore_step]
         if restore_step is None:
-            held = [set(_load(x)["steps"]) for x in _api.get([_json_call(t, "snapshots") for t in old])]
+            held = [set(_trainer_reply("snapshots", x)["steps"])
+                    for x in _api.get([_trainer(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
             # Newest first. A moved member's state comes from a peer's replica, which may lag the
             # newest snapshots: then an older step every member holds is used, down to the step
@@ -530,7 +537,7 @@ class ElasticTrainer:
     def _settle(self):
         """After a restore: the restored step is pinned on every rank and replica, and the data
         rewinds to it, before training goes on."""
-        _api.get([_json_call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
+        _api.get([_trainer(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
         _api.get([_typed.call(loader, "Dataloader", "rewind", step=self.step) for loader, _ in self._node_services.values()])
         self._record({"state": "RUNNING"})
 
@@ -547,9 +554,9 @@ class ElasticTrainer:
         if not complete:
             self._event(f"resume: no complete step in {directory}; training starts from the seed")
             return
-        replies = _api.get([_json_call(t, "load_dir", {"dir": directory, "step": complete[0]}) for t in self.trainers],
+        replies = _api.get([_trainer(t, "loadDir", dir=directory, step=complete[0]) for t in self.trainers],
                            timeout=self.recovery_timeout)
-        self._restored(replies)
+        self._restored([_trainer_reply("loadDir", x) for x in replies])
         self._settle()
         self._event(f"resumed at step {self.step} from {directory}")
 
@@ -561,11 +568,11 @@ class ElasticTrainer:
     def _restore_all(self, restore_step, fresh):
         if self._resharding() and restore_step > 0:
             # Every rank puts its new shard together from the old ranks' snapshots.
-            payload = {"step": restore_step, "from_bundles": self._sharded_as}
-            replies = _api.get([_json_call(t, "restore", payload) for t in self.trainers], timeout=self.recovery_timeout)
-            self._restored(replies)
+            replies = _api.get([_trainer(t, "restore", step=restore_step, fromBundles=self._sharded_as)
+                                for t in self.trainers], timeout=self.recovery_timeout)
+            self._restored([_trainer_reply("restore", x) for x in replies])
             self._event(f"re-sharded the optimizer state of step {restore_step} from the snapshots of bundle(s) "
-                        f"{payload['from_bundles']} onto {len(self.trainers)} rank(s)")
+                        f"{self._sharded_as} onto {len(self.trainers)} rank(s)")
             return
         # A new member copies the memory snapshot of a member on its node; on a host where no
         # member runs, it gets the state by a broadcast from a live rank (every rank takes part).
@@ -576,17 +583,18 @@ class ElasticTrainer:
         root = next((r for r, t in enumerate(self.trainers) if t.actor_id not in fresh), 0)
         requests = []
         for t, bundle in zip(self.trainers, self._bundles):
-            payload = {"step": restore_step}
+            params = {"step": restore_step}
             if t.actor_id in fresh and t.actor_id not in remote and restore_step > 0:
-                payload["from_bundle"] = held_on[self._pg["bundle_nodes"][bundle]]
+                params["fromBundle"] = held_on[self._pg["bundle_nodes"][bundle]]
             if remote:
-                payload["broadcast_from"] = root
-                payload["from_broadcast"] = t.actor_id in remote
-            requests.append(_json_call(t, "restore", payload))
-        self._restored(_api.get(requests, timeout=self.recovery_timeout))
+                params["broadcastFrom"] = root
+                params["fromBroadcast"] = t.actor_id in remote
+            requests.append(_trainer(t, "restore", **params))
+        self._restored([_trainer_reply("restore", x) for x in _api.get(requests, timeout=self.recovery_timeout)])
 
     def _restored(self, replies):
-        restored = {_load(x)["step"] for x in replies}
+        """`replies`: every rank's results of restore or loadDir."""
+        restored = {x["step"] for x in replies}
         if len(restored) != 1:
             raise TroupeError(f"ranks restored different steps {sorted(restored)}")
         self.step = restored.pop()
@@ -783,8 +791,8 @@ class ElasticTrainer:
                             raise
                     chunk = min(self.steps_per_call, target - self.step)
                     t0 = time.monotonic()
-                    refs = [_json_call(t, "run", {"from": self.step, "steps": chunk}) for t in self.trainers]
-                    replies = [_load(x) for x in self._gather(refs, watch=True)]
+                    refs = [_trainer(t, "run", fromStep=self.step, steps=chunk) for t in self.trainers]
+                    replies = [_trainer_reply("run", x) for x in self._gather(refs, watch=True)]
                 except (ActorDiedError, ActorError) as failure:
                     self._failures += 1
                     if 0 <= self.max_failures < self._failures:
@@ -814,7 +822,7 @@ class ElasticTrainer:
         return self.history
 
     def _absorb(self, replies, wall):
-        per_rank = [r["metrics"] for r in replies]
+        per_rank = [[_step_row(m) for m in r["metrics"]] for r in replies]
         for i, m in enumerate(per_rank[0]):
             # The step's split is the straggler's (the rank that computed longest): its comm_s is
             # what communicating costs. The others' comm_s also holds their wait for it, which
@@ -864,7 +872,7 @@ class ElasticTrainer:
         every = max(1, int(-(-cost // (0.05 * step_s)))) if step_s > 0 else 1
         every = min(every, 100)
         if every != self._checkpoint["snapshot_every"]:
-            _api.get([_json_call(t, "configure", {"snapshot_every": every}) for t in self.trainers])
+            _api.get([_trainer(t, "configure", snapshotEvery=every) for t in self.trainers])
             self._event(f"memory snapshots every {every} step(s): a snapshot takes {cost * 1e3:.1f} ms, "
                         f"a step {step_s * 1e3:.1f} ms")
             self._checkpoint["snapshot_every"] = every
@@ -884,7 +892,7 @@ class ElasticTrainer:
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
         deadline = time.monotonic() + self.replace_timeout
-        answering = self._answering([(t, "hash") for t in self.trainers], deadline)
+        answering = self._answering([(t, lambda h: _trainer(h, "hash")) for t in self.trainers], deadline)
         survivors = [t for t in self.trainers if t.actor_id in answering]
         for t, bundle in zip(self.trainers, self._bundles):
             if t.actor_id not in answering:
@@ -921,7 +929,7 @@ class ElasticTrainer:
         self._join_all()
         # A restarted member starts with its spawn's settings, and one a failed grow added missed
         # the resize's configure: every member gets the group's current ones.
-        _api.get([_json_call(t, "configure", {**self._settings, "snapshot_every": self._checkpoint["snapshot_every"]})
+        _api.get([_trainer(t, "configure", **self._settings, snapshotEvery=self._checkpoint["snapshot_every"])
                   for t in self.trainers], timeout=self.recovery_timeout)
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
@@ -981,19 +989,19 @@ class ElasticTrainer:
         """An event naming what each rank is doing and since when (asked out of turn, so a rank
         stuck in its step still answers), e.g. that one waits in bucket 3's all-reduce while the
         rank it needs is stuck in its data wait."""
-        refs = [t.activity.remote(b"{}") for t in self.trainers]
+        refs = [_trainer(t, "activity") for t in self.trainers]
         parts = []
         for t, ref in zip(self.trainers, refs):
             try:
-                a = _load(_api.get(ref, timeout=10))
+                a = _trainer_reply("activity", _api.get(ref, timeout=10))
             except TroupeError as e:
                 parts.append(f"Trainer {t.actor_id}: no answer ({e})")
                 continue
             act = a["activity"]
             where = act["name"] + (f" of bucket {act['bucket']} ({act['bytes']} bytes)" if act["bucket"] >= 0 else "")
-            waiting = f", waiting on {a['waiting_on']}" if a.get("waiting_on") else ""
+            waiting = f", waiting on {a['waitingOn']}" if a["waitingOn"] else ""
             parts.append(f"rank {a['rank']} (Trainer {t.actor_id}, pid {a['pid']}): {where} at step {act['step']} "
-                         f"for {a['for_s']:.1f} s{waiting}")
+                         f"for {a['forS']:.1f} s{waiting}")
         self._event(f"no progress for {waited:.0f} s (hang_timeout {self.hang_timeout:g} s): " + "; ".join(parts))
         self._record({"state": "HUNG"})
 
@@ -1025,7 +1033,7 @@ class ElasticTrainer:
             self._settings = settings
             self._engine["threads"] = settings["threads"]
             if decision["action"] == "keep":
-                _api.get([_json_call(t, "configure", settings) for t in self.trainers])
+                _api.get([_trainer(t, "configure", **settings) for t in self.trainers])
             self._event(f"tuner: {settings['threads']} intra-op thread(s) per trainer, prefetch depth "
                         f"{settings['prefetch']}")
         # The outcome of the previous change is measured now: its decision record is on the tuner.
@@ -1037,14 +1045,14 @@ class ElasticTrainer:
                                                                           for d in errors]}})
 
     def _answering(self, members, deadline):
-        """Ids of the members that answer a cheap call (each (handle, method) of `members`)
-        before the deadline."""
-        waiting = {m.actor_id: (m, method) for m, method in members}
+        """Ids of the members that answer a cheap call (each (handle, probe) of `members`, where
+        probe(handle) makes the call) before the deadline."""
+        waiting = {m.actor_id: (m, probe) for m, probe in members}
         answered = set()
         while waiting and time.monotonic() < deadline:
             probes = {}
-            for mid, (m, method) in waiting.items():
-                probes[mid] = method(m) if callable(method) else _json_call(m, method)
+            for mid, (m, probe) in waiting.items():
+                probes[mid] = probe(m)
             for mid, ref in probes.items():
                 try:
                     _api.get(ref, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
@@ -1069,7 +1077,7 @@ class ElasticTrainer:
         # Every rank restores the current step after the move, a new member copies a node mate's
         # snapshot of it, and under ZeRO the ranks re-shard from every old rank's (the leaving
         # ones' included): each rank snapshots it now, as snapshot_every > 1 skips most steps.
-        _api.get([_json_call(t, "pin", {"snapshot": True}) for t in self.trainers], timeout=self.recovery_timeout)
+        _api.get([_trainer(t, "pin", snapshot=True) for t in self.trainers], timeout=self.recovery_timeout)
         if workers < current:
             leaving = self._bundles[workers:]
             for t in self.trainers[workers:]:
@@ -1094,13 +1102,14 @@ class ElasticTrainer:
             self.trainers += fresh
             self._bundles += added
             self._join_all(restore_step=self.step, fresh={t.actor_id for t in fresh})
-        _api.get([_json_call(t, "configure", self._settings) for t in self.trainers])
+        _api.get([_trainer(t, "configure", **self._settings) for t in self.trainers])
         self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
         return True
 
     def parameter_hash(self) -> list[str]:
         """Every rank's hash of its parameters (equal on every rank of a healthy group)."""
-        return [_load(x)["hash"] for x in _api.get([_json_call(t, "hash") for t in self.trainers])]
+        replies = _api.get([_trainer(t, "hash") for t in self.trainers])
+        return [f"{_trainer_reply('hash', x)['hash']:016x}" for x in replies]
 
     def close(self) -> None:
         """Ends the group: its actors, shared-memory segments and records."""

@@ -88,6 +88,36 @@ def test_every_sample_of_an_epoch_is_trained_on_exactly_once_across_a_failure(cl
             _typed.get(loader, "Dataloader", "take", step=committed, rank=3, world=2)
 
 
+def test_the_trainers_typed_methods_answer_from_python_and_refuse_bad_arguments(cluster):
+    from troupe import _typed
+
+    with make(max_workers=1) as t:
+        t.fit(3)
+        trainer = t.trainers[0]
+        hashed = _typed.get(trainer, "Trainer", "hash")
+        assert hashed["step"] == 3 and f"{hashed['hash']:016x}" == t.parameter_hash()[0]
+        assert _typed.get(trainer, "Trainer", "snapshots")["steps"][0] == 0  # the seed's state, always
+        now = _typed.get(trainer, "Trainer", "activity")
+        assert now["rank"] == 0 and now["world"] == 1 and now["pid"] > 0 and "name" in now["activity"]
+        spans = _typed.get(trainer, "Trainer", "timeline")["spans"]
+        assert {"forward", "backward", "optimizer"} <= {s["name"] for s in spans}
+        assert all(s["step"] <= 3 and s["durUs"] >= 0 for s in spans)
+        # Refused by the trainer, naming the argument; nothing changed, training goes on.
+        with pytest.raises(troupe.exceptions.ActorError, match="threads must be >= 1, got 0"):
+            _typed.get(trainer, "Trainer", "configure", threads=0)
+        with pytest.raises(troupe.exceptions.ActorError, match="rank 3 is outside a world of 2"):
+            _typed.get(trainer, "Trainer", "join", rank=3, world=2)
+        with pytest.raises(troupe.exceptions.ActorError, match="trainer is at step 3, asked to run from step 9"):
+            _typed.get(trainer, "Trainer", "run", fromStep=9, steps=1)
+        # Refused before it is sent: a field the schema does not have, a value out of its range.
+        with pytest.raises(ValueError, match="no field 'from'"):
+            _typed.call(trainer, "Trainer", "run", **{"from": 3})
+        with pytest.raises(ValueError, match="must not be negative"):
+            _typed.call(trainer, "Trainer", "join", rank=-1)
+        t.fit(3)
+        assert t.step == 6 and len(set(t.parameter_hash())) == 1
+
+
 @pytest.mark.parametrize("member", ["Dataloader", "Checkpoint"])
 def test_killing_a_dataloader_or_checkpoint_actor_is_recovered(cluster, member):
     with make() as t:

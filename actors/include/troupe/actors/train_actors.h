@@ -1,29 +1,24 @@
 // The elastic group's "Trainer" and "Dataloader" actors (LibTorch builds only), driven by
-// troupe.train.ElasticTrainer. Payloads and replies are JSON unless noted.
+// troupe.train.ElasticTrainer. Their methods are typed interfaces (actors/schema/*.capnp,
+// included as "<name>.capnp.h"); the generic call reaches the same methods by name with the
+// params and results encoded with that schema (troupe._actors, for Python). Init args are JSON.
 //
 // Dataloader (one per node): holds the dataset and the group's ShardQueue.
-//   init args (JSON) {"group", "node", "data": {"kind": "text"|"tokens"|"npy", "path"|"features",
+//   init args {"group", "node", "data": {"kind": "text"|"tokens"|"npy", "path"|"features",
 //            "labels", "dtype"}, "seed", "global_batch", "context"}
-//   methods: the typed interface rpc::Dataloader (actors/schema/dataloader.capnp, included as
-//   "dataloader.capnp.h"): take (a rank's rows of a step, as an rpc::Batch), complete, commit,
-//   rewind, info, stepSamples. The generic call reaches the same methods by name with the params
-//   and results encoded with that schema (troupe._actors, for Python).
+//   methods: rpc::Dataloader (dataloader.capnp): take (a rank's rows of a step, as an
+//   rpc::Batch), complete, commit, rewind, info, stepSamples.
 //
-// Trainer (one per rank): a TrainerEngine on a compute thread of its own; calls that compute or
-// wait (join, restore, run) run there, in order, and never block the RPC thread.
-//   init    {"group", "node", "engine": {TrainerEngineOptions by name}, "dataloader": actor id,
-//            "checkpoint": actor id, "snapshot_every": n (0: never)}
-//   join    {"epoch", "rank", "world"} -> {"rank", "world"}: a new communicator at that epoch
-//   snapshots {} -> {"steps": [...]}: complete memory snapshots this rank can restore
-//   restore {"step"} -> {"step", "source", "hash"}: loads the snapshot of that step (0: the
-//            initial parameters, re-created from the seed)
-//   run     {"from", "steps"} -> {"metrics": [StepMetrics as JSON per step], "hash"}: trains
-//            steps [from, from + steps); a collective failure ends it with an error
-//   configure {"snapshot_every": n} -> {"snapshot_every": n}
-//   pin     {"snapshot": bool} -> {"pinned": step or null}: pins the newest memory snapshot here
-//            and in its replica; with "snapshot", the current step is snapshotted first unless
-//            it already is (a resize restores the current step whatever snapshot_every is)
-//   hash    {} -> {"hash", "step"}
+// Trainer (one per rank): a TrainerEngine on a compute thread of its own.
+//   init args {"group", "node", "engine": {TrainerEngineOptions by name}, "dataloader": actor id,
+//            "checkpoint": actor id, "snapshot_every": n (0: never), "persist_every", "bundle",
+//            "min_workers", and the tests' "fault_*" settings}
+//   methods: rpc::Trainer (trainer.capnp): join (a new communicator at an epoch), snapshots,
+//   restore, run (steps, with their StepMetrics), loadDir, configure, pin, hash run on the
+//   compute thread, one at a time in arrival order, and never block the RPC thread; activity
+//   and timeline answer on the RPC thread at once (answersAtOnce), also while a run is in
+//   progress. A bad argument (a rank outside its world, threads below 1, a setting below -1)
+//   fails with kInvalidArgument naming it and changes nothing.
 #pragma once
 
 #include <string>
