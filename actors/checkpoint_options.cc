@@ -1,0 +1,117 @@
+#include "checkpoint_options.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "troupe/runtime/logging.h"
+#include "troupe/runtime/rpc.h"
+
+namespace troupe::actors::checkpoint_actor {
+namespace {
+
+using nlohmann::json;
+
+constexpr size_t kMaxErrors = 10;  // recent errors kept for status
+
+}  // namespace
+
+std::string Options::primary(uint32_t rank) const {
+  return *ck::segmentName(group, node, ck::SegmentKind::kPrimary, rank);
+}
+
+std::string Options::replica(uint32_t rank) const {
+  return *ck::segmentName(group, node, ck::SegmentKind::kReplica, rank);
+}
+
+ck::SegmentOptions Options::segment(const std::string& name) const {
+  ck::SegmentOptions o;
+  o.dir = shmDir;
+  o.name = name;
+  o.fault = fault;
+  return o;
+}
+
+ck::DirectoryOptions Options::directory(const std::atomic<bool>* stop) const {
+  ck::DirectoryOptions o;
+  o.path = dir;
+  o.keep = keep;
+  o.fault = fault;
+  o.stop = stop;
+  o.fileMode = fileMode;
+  return o;
+}
+
+Status badArgs(const std::string& what) {
+  return Status(StatusCode::kInvalidArgument, "Checkpoint actor: " + what);
+}
+
+Result<Options> parseOptions(std::string_view initArgs) {
+  Options o;
+  try {
+    auto j = json::parse(initArgs.empty() ? std::string_view("{}") : initArgs);
+    if (!j.is_object()) return badArgs("init args must be a JSON object");
+    o.group = j.value("group", "");
+    o.node = j.value("node", "");
+    o.self = j.value("self", "");
+    o.members = j.value("members", std::vector<std::string>{});
+    o.dir = j.value("dir", "");
+    o.fileMode = j.value("file_mode", 0600u);
+    if ((o.fileMode & ~0777u) != 0 || (o.fileMode & 0600u) != 0600u) {
+      return badArgs(fmt::format("\"file_mode\" {:o} must be a permission mode that lets its owner read and write",
+                                 o.fileMode));
+    }
+    o.keep = j.value("keep", 3u);
+    o.shmDir = j.value("shm_dir", ck::defaultShmDir());
+    if (j.contains("replica_to")) {
+      o.replicaTo = j.at("replica_to").get<std::string>();
+    } else if (o.members.size() > 1) {
+      auto it = std::find(o.members.begin(), o.members.end(), o.self);
+      if (it == o.members.end()) return badArgs("\"self\" must be one of \"members\" to pick a replica target");
+      o.replicaTo = *(++it == o.members.end() ? o.members.begin() : it);
+    }
+    auto fault = ck::FaultInjection::parse(j.value("fault", ""));
+    if (!fault.isOk()) return fault.status();
+    o.fault = *fault;
+  } catch (const std::exception& e) {
+    return badArgs(fmt::format("bad init args: {}", e.what()));
+  }
+  auto name = ck::segmentName(o.group, o.node, ck::SegmentKind::kPrimary, 0);
+  if (!name.isOk()) return name.status();
+  if (o.replicaTo == o.self && !o.replicaTo.empty()) return badArgs("an actor cannot keep its own replicas");
+  return o;
+}
+
+Status statusOf(const kj::Exception& e) { return statusFromException(e, ""); }
+
+void RecentErrors::add(std::string error) {
+  TROUPE_LOG(kWarning, "{}", error);
+  errors_.push_back(std::move(error));
+  if (errors_.size() > kMaxErrors) errors_.erase(errors_.begin());
+}
+
+void TaskErrorLog::taskFailed(kj::Exception&& e) {
+  TROUPE_LOG(kWarning, "checkpoint actor task failed: {}", e.getDescription().cStr());
+}
+
+Result<std::shared_ptr<ck::FlashSegment>> SegmentCache::get(const std::string& name) {
+  struct stat st {};
+  std::string path = (options_.shmDir.empty() ? ck::defaultShmDir() : options_.shmDir) + "/" + name;
+  if (::stat(path.c_str(), &st) != 0) {
+    entries_.erase(name);
+    return Status(StatusCode::kNotFound, fmt::format("no checkpoint segment {}", path));
+  }
+  auto it = entries_.find(name);
+  if (it != entries_.end() && it->second.ino == st.st_ino && it->second.dev == st.st_dev) return it->second.segment;
+  auto segment = ck::FlashSegment::openExisting(options_.segment(name));
+  if (!segment.isOk()) return segment.status();
+  auto shared = std::make_shared<ck::FlashSegment>(std::move(*segment));
+  entries_[name] = Entry{shared, st.st_dev, st.st_ino};
+  return shared;
+}
+
+}  // namespace troupe::actors::checkpoint_actor
