@@ -26,31 +26,32 @@ constexpr size_t kWindow = 4;                          // chunk calls in flight
 constexpr auto kInventoryTimeout = std::chrono::seconds(5);
 constexpr auto kChunkTimeout = std::chrono::seconds(60);
 
+// Step `step`'s complete slot in `segment`, its checksums verified; a slot that fails them is
+// marked CORRUPT, so no later restore picks it.
+Result<ck::SlotInfo> verifiedSlot(ck::FlashSegment& segment, uint64_t step) {
+  auto slot = segment.completeAt(step);
+  if (!slot) return Status(StatusCode::kNotFound, fmt::format("step {} is no longer in {}", step, segment.path()));
+  auto verified = segment.verify(*slot);
+  if (!verified.isOk()) {
+    (void)segment.markSlot(*slot, ck::SlotState::kCorrupt);
+    return verified.status();
+  }
+  return *slot;
+}
+
 // The blocking parts of a restore, run on the restore thread. Each stages step `step` of rank
 // `rank` into the rank's segment on this node, or says why it could not.
 Status stageFromLocalMemory(const Options& o, uint32_t rank, uint64_t step) {
   auto segment = ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true);
   if (!segment.isOk()) return segment.status();
-  auto slot = segment->completeAt(step);
-  if (!slot) return Status(StatusCode::kNotFound, fmt::format("step {} is no longer in {}", step, segment->path()));
-  auto verified = segment->verify(*slot);
-  if (!verified.isOk()) {
-    (void)segment->markSlot(*slot, ck::SlotState::kCorrupt);
-    return verified.status();
-  }
-  return Status::ok();
+  return verifiedSlot(*segment, step).status();
 }
 
 Status stageFromLocalReplica(const Options& o, uint32_t rank, uint64_t step) {
   auto replica = ck::FlashSegment::openExisting(o.segment(o.replica(rank)), /*writable=*/true);
   if (!replica.isOk()) return replica.status();
-  auto slot = replica->completeAt(step);
-  if (!slot) return Status(StatusCode::kNotFound, fmt::format("step {} is no longer in {}", step, replica->path()));
-  auto verified = replica->verify(*slot);
-  if (!verified.isOk()) {
-    (void)replica->markSlot(*slot, ck::SlotState::kCorrupt);
-    return verified.status();
-  }
+  auto slot = verifiedSlot(*replica, step);
+  if (!slot.isOk()) return slot.status();
   auto primary = ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), slot->imageBytes);
   if (!primary.isOk()) return primary.status();
   auto target = primary->beginImage(slot->imageBytes);
