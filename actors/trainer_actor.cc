@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <unistd.h>
 
 #include "troupe/actors/train_actors.h"
@@ -299,9 +300,12 @@ class Trainer final : public TypedActor<rpc::Trainer> {
             context.getResults().setStep(h.step);
           });
     }
-    // The engine is thread-safe for these two (its timeline mutex).
+    // The engine is thread-safe for these two (its timeline mutex); engineMutex_ keeps a restore
+    // from the seed from swapping it meanwhile.
     kj::Promise<void> activity(ActivityContext context) override {
-      TrainerEngine& engine = *actor().engine_;
+      auto& a = actor();
+      std::lock_guard lock(a.engineMutex_);
+      TrainerEngine& engine = *a.engine_;
       auto r = context.getResults();
       r.setRank(engine.rank());
       r.setWorld(engine.worldSize());
@@ -313,7 +317,9 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       return kj::READY_NOW;
     }
     kj::Promise<void> timeline(TimelineContext context) override {
-      TrainerEngine& engine = *actor().engine_;
+      auto& a = actor();
+      std::lock_guard lock(a.engineMutex_);
+      TrainerEngine& engine = *a.engine_;
       auto r = context.getResults();
       r.setRank(engine.rank());
       r.setWorld(engine.worldSize());
@@ -599,7 +605,11 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       auto fresh = TrainerEngine::create(options_);
       if (!fresh.isOk()) return fresh.status();
       auto comm = comm_;
-      engine_ = std::move(*fresh);
+      std::unique_ptr<TrainerEngine> old;  // destroyed outside the lock
+      {
+        std::lock_guard lock(engineMutex_);
+        old = std::exchange(engine_, std::move(*fresh));
+      }
       TROUPE_RETURN_IF_ERROR(engine_->join(comm));
       source = "seed";
     } else if (!fromBundles.empty()) {
@@ -961,7 +971,9 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   int prefetch_ = 2;                                             // batches asked for ahead
   std::map<int64_t, kj::ForkedPromise<Batch>> takes_;            // RPC thread only
   TrainerEngineOptions options_;
-  // Compute thread only:
+  // Compute thread only, but for activity and timeline, which read engine_ on the RPC thread
+  // under engineMutex_ (the compute thread takes it to replace the engine):
+  std::mutex engineMutex_;
   std::unique_ptr<TrainerEngine> engine_;
   std::unique_ptr<ClusterStore> store_;
   std::shared_ptr<collectives::Communicator> comm_;
