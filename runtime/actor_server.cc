@@ -7,6 +7,7 @@
 
 #include <kj/vector.h>
 
+#include "held_buffers.h"
 #include "troupe/runtime/metrics.h"
 
 namespace troupe {
@@ -61,73 +62,14 @@ class TurnEnd {
   kj::Own<Turns> turns_;
 };
 
-class ActorServer final : public rpc::Actor::Server {
+// The actor and its turn queue: one per worker, shared by the servers of its connections.
+class ActorCore {
  public:
-  ActorServer(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options)
+  ActorCore(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options)
       : actor_(std::move(actor)), type_(std::move(type)), options_(options), turns_(kj::refcounted<Turns>()) {}
 
- protected:
-  kj::Promise<void> call(CallContext context) override {
-    // The arguments are read in place: the context (held below) keeps the message alive.
-    auto params = context.getParams();
-    auto arrived = Clock::now();
-    std::string method = params.getMethod().cStr();
-    if (runsNow(method)) {
-      answer(context, runNow(method, view(params.getPayload())), arrived);
-      return kj::READY_NOW;
-    }
-    return schedule(kj::mv(method), view(params.getPayload()))
-        .then([context, arrived](Result<std::string> result) mutable { answer(context, kj::mv(result), arrived); });
-  }
-
-  // Every call of the batch is queued now, in list order, so that a call arriving later (from
-  // this caller or another) queues behind all of them, as if they had arrived one by one.
-  kj::Promise<void> callBatch(CallBatchContext context) override {
-    auto calls = context.getParams().getCalls();
-    context.getResults().initReplies(calls.size());
-    kj::Vector<kj::Promise<void>> replies;
-    for (unsigned i = 0; i < calls.size(); ++i) {
-      auto arrived = Clock::now();
-      std::string method = calls[i].getMethod().cStr();
-      if (runsNow(method)) {
-        answer(context, i, runNow(method, view(calls[i].getPayload())), arrived);
-        continue;
-      }
-      replies.add(schedule(kj::mv(method), view(calls[i].getPayload()))
-                      .then([context, i, arrived](Result<std::string> result) mutable {
-                        answer(context, i, kj::mv(result), arrived);
-                      }));
-    }
-    if (replies.empty()) return kj::READY_NOW;
-    return kj::joinPromises(replies.releaseAsArray());
-  }
-
-  kj::Promise<void> typed(TypedContext context) override {
-    KJ_IF_MAYBE(cap, actor_->typed()) {
-      context.getResults().setCap(*cap);
-      return kj::READY_NOW;
-    }
-    throwStatus(Status(StatusCode::kFailedPrecondition, fmt::format("actor type {} has no typed interface", type_)));
-  }
-
- private:
-  static void answer(CallContext& context, Result<std::string> result, Clock::time_point arrived) {
-    counted(arrived, result.isOk());
-    // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
-    // death to callers. The status code travels in the description.
-    if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
-    context.getResults().setResult(dataOf(*result));
-  }
-
-  static void answer(CallBatchContext& context, unsigned i, Result<std::string> result, Clock::time_point arrived) {
-    counted(arrived, result.isOk());
-    auto reply = context.getResults().getReplies()[i];
-    if (result.isOk()) {
-      reply.setResult(dataOf(*result));
-    } else {
-      reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
-    }
-  }
+  Actor& actor() { return *actor_; }
+  const std::string& type() const { return type_; }
 
   // A synchronous actor's in-turn call: it can run now, as no call is ever left unfinished.
   bool runsNow(const std::string& method) const { return options_.synchronous && !actor_->answersAtOnce(method); }
@@ -149,6 +91,7 @@ class ActorServer final : public rpc::Actor::Server {
     return inTurn(kj::mv(method), payload);
   }
 
+ private:
   // Starts the call once every earlier in-turn call has ended: one call at a time, in arrival
   // order, even when an actor's calls wait on something. With none unfinished it starts now,
   // inside this event (a synchronous actor's call then costs no extra turn of the loop).
@@ -171,16 +114,109 @@ class ActorServer final : public rpc::Actor::Server {
   kj::Own<Turns> turns_;
 };
 
+// rpc::Actor for one connection (or for in-process callers, with `held` null): large results
+// go out referenced from the connection's held buffers, not copied into the reply.
+class ActorServer final : public rpc::Actor::Server {
+ public:
+  ActorServer(std::shared_ptr<ActorCore> core, std::shared_ptr<HeldBuffers> held)
+      : core_(std::move(core)), held_(std::move(held)) {}
+
+ protected:
+  kj::Promise<void> call(CallContext context) override {
+    // The arguments are read in place: the context (held below) keeps the message alive.
+    auto params = context.getParams();
+    auto arrived = Clock::now();
+    std::string method = params.getMethod().cStr();
+    if (core_->runsNow(method)) {
+      answer(context, core_->runNow(method, view(params.getPayload())), arrived);
+      return kj::READY_NOW;
+    }
+    return core_->schedule(kj::mv(method), view(params.getPayload()))
+        .then([this, context, arrived](Result<std::string> result) mutable { answer(context, kj::mv(result), arrived); });
+  }
+
+  // Every call of the batch is queued now, in list order, so that a call arriving later (from
+  // this caller or another) queues behind all of them, as if they had arrived one by one.
+  kj::Promise<void> callBatch(CallBatchContext context) override {
+    auto calls = context.getParams().getCalls();
+    context.getResults().initReplies(calls.size());
+    kj::Vector<kj::Promise<void>> replies;
+    for (unsigned i = 0; i < calls.size(); ++i) {
+      auto arrived = Clock::now();
+      std::string method = calls[i].getMethod().cStr();
+      if (core_->runsNow(method)) {
+        answer(context, i, core_->runNow(method, view(calls[i].getPayload())), arrived);
+        continue;
+      }
+      replies.add(core_->schedule(kj::mv(method), view(calls[i].getPayload()))
+                      .then([this, context, i, arrived](Result<std::string> result) mutable {
+                        answer(context, i, kj::mv(result), arrived);
+                      }));
+    }
+    if (replies.empty()) return kj::READY_NOW;
+    return kj::joinPromises(replies.releaseAsArray());
+  }
+
+  kj::Promise<void> typed(TypedContext context) override {
+    KJ_IF_MAYBE(cap, core_->actor().typed()) {
+      context.getResults().setCap(*cap);
+      return kj::READY_NOW;
+    }
+    throwStatus(Status(StatusCode::kFailedPrecondition, fmt::format("actor type {} has no typed interface", core_->type())));
+  }
+
+ private:
+  void answer(CallContext& context, Result<std::string> result, Clock::time_point arrived) {
+    counted(arrived, result.isOk());
+    // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
+    // death to callers. The status code travels in the description.
+    if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
+    auto results = context.getResults();
+    if (large(*result)) {
+      results.adoptResult(capnp::Orphanage::getForMessageContaining(results).referenceExternalData(
+          held_->hold(std::move(*result))));
+    } else {
+      results.setResult(dataOf(*result));
+    }
+  }
+
+  void answer(CallBatchContext& context, unsigned i, Result<std::string> result, Clock::time_point arrived) {
+    counted(arrived, result.isOk());
+    auto reply = context.getResults().getReplies()[i];
+    if (!result.isOk()) {
+      reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
+    } else if (large(*result)) {
+      reply.adoptResult(capnp::Orphanage::getForMessageContaining(reply).referenceExternalData(
+          held_->hold(std::move(*result))));
+    } else {
+      reply.setResult(dataOf(*result));
+    }
+  }
+
+  // Referenced rather than copied (a result over the message limit is copied, and refused there).
+  bool large(const std::string& result) const {
+    return held_ != nullptr && result.size() >= HeldBuffers::kReferenceFrom && result.size() < kMaxRpcMessageBytes;
+  }
+
+  std::shared_ptr<ActorCore> core_;
+  std::shared_ptr<HeldBuffers> held_;
+};
+
 }  // namespace
 
 rpc::Actor::Client actorServer(std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options) {
-  return kj::heap<ActorServer>(std::move(actor), std::move(type), options);
+  return kj::heap<ActorServer>(std::make_shared<ActorCore>(std::move(actor), std::move(type), options), nullptr);
 }
 
 Result<kj::Own<RpcServer>> listenActor(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
                                        std::unique_ptr<Actor> actor, std::string type, ActorServerOptions options) {
-  return RpcServer::listen(io, bind, std::move(token), actorServer(std::move(actor), std::move(type), options),
-                           PeerWait::kSpinFirst);
+  auto core = std::make_shared<ActorCore>(std::move(actor), std::move(type), options);
+  return RpcServer::listen(
+      io, bind, std::move(token),
+      [core](std::shared_ptr<HeldBuffers> held) -> capnp::Capability::Client {
+        return rpc::Actor::Client(kj::heap<ActorServer>(core, std::move(held)));
+      },
+      PeerWait::kSpinFirst);
 }
 
 }  // namespace troupe

@@ -192,7 +192,7 @@ struct ActorConnection {
     std::string method;
     std::string payload;
     int attempt = 0;
-    kj::Own<kj::PromiseFulfiller<std::string>> reply;
+    kj::Own<kj::PromiseFulfiller<Reply>> reply;
     uint64_t seq = 0;  // submission order, kept across retries
   };
   std::vector<Queued> queue;
@@ -279,7 +279,7 @@ kj::Promise<std::pair<rpc::Actor::Client, uint32_t>> resolve(std::shared_ptr<Act
   KJ_UNREACHABLE;
 }
 
-kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
+kj::Promise<Reply> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
                                    int attempt);
 
 void flush(std::shared_ptr<ActorConnection> c);
@@ -350,6 +350,13 @@ constexpr size_t kMinBatch = 16;
 
 void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued);
 
+// A result at least this large stays in its reply message (Reply) instead of being copied out.
+constexpr size_t kKeepReplyFrom = 64 * 1024;
+
+std::string_view asChars(capnp::Data::Reader data) {
+  return std::string_view(reinterpret_cast<const char*>(data.begin()), data.size());
+}
+
 // Large arguments go from the caller's buffer straight to the socket, not copied into the
 // message: the call's queue entry holds `bytes` until its reply, so they outlive the message.
 // Cap'n Proto sends whole 8-byte words, so the bytes up to the next word boundary are zeroed
@@ -406,7 +413,9 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
           return request.send().then(
               [c, calls](capnp::Response<rpc::Actor::CallResults> response) {
                 auto r = response.getResult();
-                calls->front().reply->fulfill(std::string(reinterpret_cast<const char*>(r.begin()), r.size()));
+                if (r.size() < kKeepReplyFrom) return calls->front().reply->fulfill(Reply(std::string(asChars(r))));
+                auto message = std::make_shared<capnp::Response<rpc::Actor::CallResults>>(kj::mv(response));
+                calls->front().reply->fulfill(Reply(std::move(message), asChars(r)));
               },
               [c, calls, onLost](kj::Exception&& e) mutable {
                 if (e.getType() == kj::Exception::Type::DISCONNECTED) return onLost(kj::mv(e));
@@ -425,11 +434,20 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
         return request.send().then(
             [c, calls](capnp::Response<rpc::Actor::CallBatchResults> response) {
               auto replies = response.getReplies();
+              std::shared_ptr<const void> message;  // made for the first large result
               for (unsigned i = 0; i < calls->size(); ++i) {
                 auto& call = (*calls)[i];
                 if (i < replies.size() && replies[i].isResult()) {
                   auto r = replies[i].getResult();
-                  call.reply->fulfill(std::string(reinterpret_cast<const char*>(r.begin()), r.size()));
+                  if (r.size() < kKeepReplyFrom) {
+                    call.reply->fulfill(Reply(std::string(asChars(r))));
+                    continue;
+                  }
+                  // The readers stay valid: moving a Response moves its owner, not the bytes.
+                  if (!message) {
+                    message = std::make_shared<capnp::Response<rpc::Actor::CallBatchResults>>(kj::mv(response));
+                  }
+                  call.reply->fulfill(Reply(message, asChars(r)));
                 } else {
                   std::string why = i < replies.size() ? replies[i].getError().cStr() : "no reply in the batch";
                   // A batched error is the worker's exception text, its code tag included.
@@ -452,7 +470,7 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
 }
 
 // Queues the call; the first call of a turn schedules the flush at the end of the turn.
-kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
+kj::Promise<Reply> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
                                    int attempt) {
   if (payload.size() > kMaxRpcMessageBytes - 4096) {  // the rest of the message needs a little room
     return exceptionFromStatus(Status(
@@ -460,7 +478,7 @@ kj::Promise<std::string> callActor(std::shared_ptr<ActorConnection> c, std::stri
         fmt::format("actor {} ({}).{}: the arguments are {} bytes, larger than one call carries ({} bytes)",
                     c->id.hex(), c->type, method, payload.size(), kMaxRpcMessageBytes - 4096)));
   }
-  auto paf = kj::newPromiseAndFulfiller<std::string>();
+  auto paf = kj::newPromiseAndFulfiller<Reply>();
   bool first = c->queue.empty();
   c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller), c->nextSeq++});
   if (first) c->shared->tasks->add(kj::evalLast([c]() { flush(c); }));
@@ -497,8 +515,12 @@ void toBundles(const std::vector<Resources>& bundles, capnp::List<rpc::BundleInf
 
 const ActorId& ActorHandle::id() const { return connection_->id; }
 
-kj::Promise<std::string> ActorHandle::call(std::string method, std::string payload) {
+kj::Promise<Reply> ActorHandle::callReply(std::string method, std::string payload) {
   return callActor(connection_, kj::mv(method), kj::mv(payload), 0);
+}
+
+kj::Promise<std::string> ActorHandle::call(std::string method, std::string payload) {
+  return callReply(kj::mv(method), kj::mv(payload)).then([](Reply reply) { return std::move(reply).str(); });
 }
 
 kj::Promise<capnp::Capability::Client> ActorHandle::typedCapability() {
@@ -744,6 +766,29 @@ kj::Promise<PlacementGroupRecord> ClusterClient::removeBundles(const PlacementGr
     for (unsigned i = 0; i < indices.size(); ++i) list.set(i, indices[i]);
     return request.send().then([](auto response) { return fromPlacementGroupInfo(response.getGroup()); });
   });
+}
+
+Reply& Reply::operator=(const Reply& other) {
+  if (this == &other) return *this;
+  owned_ = other.owned_;
+  message_ = other.message_;
+  view_ = message_ ? other.view_ : std::string_view(owned_);
+  return *this;
+}
+
+Reply& Reply::operator=(Reply&& other) noexcept {
+  if (this == &other) return *this;
+  bool owns = !other.message_;
+  owned_ = std::move(other.owned_);
+  message_ = std::move(other.message_);
+  view_ = owns ? std::string_view(owned_) : other.view_;  // a moved string may move its bytes (SSO)
+  other.view_ = {};
+  return *this;
+}
+
+std::string Reply::str() && {
+  if (!message_) return std::move(owned_);
+  return std::string(view_);
 }
 
 }  // namespace troupe

@@ -21,6 +21,7 @@
 
 #include "forwarding_stream.h"
 #include "handshake.h"
+#include "held_buffers.h"
 #include "spinning.h"
 #include "troupe/runtime/logging.h"
 
@@ -86,10 +87,12 @@ long preemptions() {
 // With PeerWait::kSpinFirst the loop also spins for the peer's next message before it sleeps.
 class BufferedStream final : public ForwardingStream {
  public:
-  // `spinScope`: spin first (PeerWait::kSpinFirst), on the loop this scope runs.
-  BufferedStream(kj::Own<kj::AsyncIoStream> inner, kj::WaitScope* spinScope)
+  // `spinScope`: spin first (PeerWait::kSpinFirst), on the loop this scope runs. `held`: the
+  // buffers this connection's messages reference (a server's connection), or null.
+  BufferedStream(kj::Own<kj::AsyncIoStream> inner, kj::WaitScope* spinScope,
+                 std::shared_ptr<HeldBuffers> held = nullptr)
       : ForwardingStream(kj::mv(inner)), buffer_(kj::heapArray<kj::byte>(kSize)),
-        spinScope_(spinScope != nullptr && maxSpinNs() > 0 ? spinScope : nullptr) {}
+        spinScope_(spinScope != nullptr && maxSpinNs() > 0 ? spinScope : nullptr), held_(kj::mv(held)) {}
   ~BufferedStream() noexcept(false) {
     if (spinScope_ != nullptr && tSpinner.owner == this) {  // spin_ goes with us
       tSpinner.owner = nullptr;
@@ -122,6 +125,10 @@ class BufferedStream final : public ForwardingStream {
   }
   kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
     spinForNext(/*peerSpoke=*/false);
+    if (held_ != nullptr && !held_->empty()) {
+      auto carried = held_->carriedBy(pieces);
+      if (!carried.empty()) return inner_->write(pieces).attach(kj::mv(carried));
+    }
     return inner_->write(pieces);
   }
 
@@ -187,6 +194,7 @@ class BufferedStream final : public ForwardingStream {
   kj::Array<kj::byte> buffer_;
   size_t begin_ = 0, end_ = 0;  // the unread bytes of buffer_
   kj::WaitScope* spinScope_;          // non-null: spins (PeerWait::kSpinFirst)
+  std::shared_ptr<HeldBuffers> held_;  // each goes with the write that carries it
   kj::Promise<void> spin_ = nullptr;  // the thread's spin, while this connection runs it
 };
 
@@ -199,10 +207,11 @@ capnp::ReaderOptions readerOptions() {
 // One authenticated connection served by the RPC system (as capnp::TwoPartyServer does, with
 // our message size bound).
 struct ServedConnection {
-  ServedConnection(kj::Own<kj::AsyncIoStream> s, capnp::Capability::Client bootstrap, kj::WaitScope* spinScope)
-      : stream(kj::heap<BufferedStream>(kj::mv(s), spinScope)),
+  ServedConnection(kj::Own<kj::AsyncIoStream> s, ConnectionBootstrap& bootstrap, kj::WaitScope* spinScope,
+                   std::shared_ptr<HeldBuffers> held = std::make_shared<HeldBuffers>())
+      : stream(kj::heap<BufferedStream>(kj::mv(s), spinScope, held)),
         network(*stream, capnp::rpc::twoparty::Side::SERVER, readerOptions()),
-        rpcSystem(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
+        rpcSystem(capnp::makeRpcServer(network, bootstrap(held))) {}
   kj::Own<kj::AsyncIoStream> stream;
   capnp::TwoPartyVatNetwork network;
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpcSystem;
@@ -211,7 +220,7 @@ struct ServedConnection {
 class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler {
  public:
   RpcServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
-                capnp::Capability::Client bootstrap, PeerWait wait)
+                ConnectionBootstrap bootstrap, PeerWait wait)
       : bootstrap_(kj::mv(bootstrap)), connections_(*this),
         acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kRpc, "RPC server",
                   [this, spinScope = wait == PeerWait::kSpinFirst ? &io.waitScope : nullptr](
@@ -230,7 +239,7 @@ class RpcServerImpl final : public RpcServer, private kj::TaskSet::ErrorHandler 
     TROUPE_LOG(kDebug, "RPC connection ended: {}", e.getDescription().cStr());
   }
 
-  capnp::Capability::Client bootstrap_;
+  ConnectionBootstrap bootstrap_;
   kj::TaskSet connections_;  // owns the authenticated connections
   handshake::Acceptor acceptor_;
 };
@@ -259,6 +268,13 @@ void keepMessageBuffers() {
 
 Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
                                              std::string token, capnp::Capability::Client bootstrap,
+                                             PeerWait wait) {
+  return listen(io, bind, kj::mv(token),
+                [bootstrap = kj::mv(bootstrap)](std::shared_ptr<HeldBuffers>) mutable { return bootstrap; }, wait);
+}
+
+Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
+                                             std::string token, ConnectionBootstrap bootstrap,
                                              PeerWait wait) {
   auto listener = handshake::listen(io, bind);
   if (!listener.isOk()) return listener.status();

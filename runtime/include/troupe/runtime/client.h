@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "troupe/runtime/cluster_store.h"
@@ -40,6 +41,32 @@ struct ActorOptions {
 class ClusterClient;
 struct ActorConnection;
 
+// A call's result bytes. A large result stays where it arrived, in the reply message (kept
+// alive by the Reply and its copies), instead of being copied out; a small one is a string.
+// Like its client, a Reply that keeps a message belongs to the client's thread (dropping the
+// message tells the actor's connection the reply is done).
+class Reply {
+ public:
+  Reply() = default;
+  explicit Reply(std::string bytes) : owned_(std::move(bytes)), view_(owned_) {}
+  // `bytes` lie in `message`, which the Reply keeps.
+  Reply(std::shared_ptr<const void> message, std::string_view bytes) : message_(std::move(message)), view_(bytes) {}
+  Reply(const Reply& other) { *this = other; }
+  Reply(Reply&& other) noexcept { *this = std::move(other); }
+  Reply& operator=(const Reply& other);
+  Reply& operator=(Reply&& other) noexcept;
+
+  std::string_view bytes() const { return view_; }
+  size_t size() const { return view_.size(); }
+  // The bytes as a string (a copy, unless this Reply owned them).
+  std::string str() &&;
+
+ private:
+  std::string owned_;
+  std::shared_ptr<const void> message_;
+  std::string_view view_;
+};
+
 // A handle to an actor. Copyable; copies share one connection. Survives restarts: after the
 // worker dies, the next call waits for the new incarnation and goes there. Calls from one
 // handle run in submission order; many may be in flight.
@@ -48,6 +75,8 @@ class ActorHandle {
   const ActorId& id() const;
   // Calls `method` with `payload`; resolves with the actor's reply.
   kj::Promise<std::string> call(std::string method, std::string payload = {});
+  // As call(), with the reply's bytes where they arrived (no copy of a large result).
+  kj::Promise<Reply> callReply(std::string method, std::string payload = {});
   // The actor's typed interface (e.g. rpc::Counter) on its current incarnation.
   template <typename T>
   kj::Promise<typename T::Client> typed() {

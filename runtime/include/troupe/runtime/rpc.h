@@ -8,7 +8,9 @@
 #include <capnp/capability.h>
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
+#include <kj/function.h>
 
+#include <memory>
 #include <string>
 
 #include "troupe/runtime/config.h"
@@ -32,6 +34,11 @@ inline constexpr size_t kMaxRpcMessageBytes = size_t(1) << 30;
 //               it is whole again when an answer comes within a whole window after all.
 enum class PeerWait { kSleep, kSpinFirst };
 
+// A connection's held buffers: what its replies reference instead of copying (runtime-internal).
+class HeldBuffers;
+// Makes a connection's bootstrap capability, given the connection's held buffers.
+using ConnectionBootstrap = kj::Function<capnp::Capability::Client(std::shared_ptr<HeldBuffers>)>;
+
 // Serves `bootstrap` to every connection on `bind` that presents `token`.
 class RpcServer {
  public:
@@ -39,6 +46,10 @@ class RpcServer {
   // kInvalidArgument for an address that cannot be bound.
   static Result<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const HostPort& bind,
                                            std::string token, capnp::Capability::Client bootstrap,
+                                           PeerWait wait = PeerWait::kSleep);
+  // As above, with a capability made for each connection.
+  static Result<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const HostPort& bind,
+                                           std::string token, ConnectionBootstrap bootstrap,
                                            PeerWait wait = PeerWait::kSleep);
   virtual ~RpcServer() noexcept(false) = default;
   virtual int port() const = 0;
@@ -78,11 +89,6 @@ class RpcClient {
   kj::Promise<void> watch_;
 };
 
-// The error model at the RPC edge: a Status travels as a KJ exception whose description starts
-// with its code in brackets ("[NOT_FOUND] no actor named 'x'"), which Cap'n Proto carries to
-// the caller intact. statusFromException reads the code back (never guessing from the text);
-// an exception without one (a broken connection, KJ's own) maps from its KJ type.
-// FAILED unless `type` says otherwise (DISCONNECTED: the connection itself was refused or lost).
 // Keeps the memory of freed buffers up to 32 MiB mapped for the next message (glibc's
 // mallopt; up to 256 MiB of it in all) instead of returning it to the kernel at once. A 16 MB
 // argument or result otherwise costs a fresh mapping each time, whose page faults took four
@@ -90,6 +96,11 @@ class RpcClient {
 // Python module; idempotent.
 void keepMessageBuffers();
 
+// The error model at the RPC edge: a Status travels as a KJ exception whose description starts
+// with its code in brackets ("[NOT_FOUND] no actor named 'x'"), which Cap'n Proto carries to
+// the caller intact. statusFromException reads the code back (never guessing from the text);
+// an exception without one (a broken connection, KJ's own) maps from its KJ type.
+// FAILED unless `type` says otherwise (DISCONNECTED: the connection itself was refused or lost).
 kj::Exception exceptionFromStatus(const Status& status, kj::Exception::Type type = kj::Exception::Type::FAILED);
 // Turns a KJ exception from an RPC into a Status with a readable message (`what: message`).
 Status statusFromException(const kj::Exception& e, const std::string& what);
