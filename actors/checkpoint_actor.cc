@@ -51,7 +51,7 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
       : context_(std::move(context)),
         options_(std::move(options)),
         cache_(options_),
-        peers_(context_.cluster),
+        peers_(context_.cluster, *context_.timer),
         persist_(options_),
         sender_(options_, cache_, peers_),
         held_(options_),
@@ -268,6 +268,9 @@ void registerCheckpointActor(ActorRegistry& registry) {
   registry.add("Checkpoint", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
     auto options = parseOptions(args);
     if (!options.isOk()) return options.status();
+    if (context.timer == nullptr) {
+      return Status(StatusCode::kFailedPrecondition, "the Checkpoint actor needs its event loop's timer (ActorContext::timer)");
+    }
     return std::unique_ptr<Actor>(std::make_unique<CheckpointActor>(context, std::move(*options)));
   });
 }

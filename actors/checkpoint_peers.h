@@ -1,20 +1,18 @@
 // Internal to actors/: how a Checkpoint actor reaches the group's other checkpoint actors: their
-// typed interfaces by name, and deadlines on the calls made to them.
-// The deadlines run on a timer thread of their own (an IoThread): an actor is not handed its
-// worker's kj::Timer (ActorContext has none). Once it is, after() becomes
-// kj::Timer::afterDelay, withTimeout() kj::Timer::timeoutAfter, and the thread goes.
-// Thread-safety: belongs to the actor's RPC thread; the timer thread only fulfils promises.
+// typed interfaces by name, and deadlines on the calls made to them, on the timer of the loop
+// that serves the actor (ActorContext::timer).
+// Thread-safety: belongs to the actor's RPC thread.
 #pragma once
 
 #include <kj/async.h>
 #include <kj/debug.h>
+#include <kj/timer.h>
 
 #include <chrono>
 #include <map>
 #include <string>
 
 #include "troupe/runtime/client.h"
-#include "troupe/runtime/io_thread.h"
 #include "checkpoint.capnp.h"
 
 namespace troupe::actors::checkpoint_actor {
@@ -22,7 +20,8 @@ namespace troupe::actors::checkpoint_actor {
 class CheckpointPeers {
  public:
   // `cluster` is null in tests that construct actors directly: then every peer call rejects.
-  explicit CheckpointPeers(ClusterClient* cluster) : cluster_(cluster) {}
+  // `timer`: the actor's loop's; it outlives this.
+  CheckpointPeers(ClusterClient* cluster, kj::Timer& timer) : cluster_(cluster), timer_(timer) {}
 
   bool connected() const { return cluster_ != nullptr; }
 
@@ -32,7 +31,7 @@ class CheckpointPeers {
   kj::Promise<rpc::Checkpoint::Client> checkpoint(const std::string& name);
 
   // Resolves after `delay`. Dropping the promise cancels the timer.
-  kj::Promise<void> after(std::chrono::milliseconds delay);
+  kj::Promise<void> after(std::chrono::milliseconds delay) { return timer_.afterDelay(delay.count() * kj::MILLISECONDS); }
 
   // Rejects with "<what> timed out after <limit> ms" unless `promise` resolves within `limit`;
   // however it ends, the timer is cancelled, so finished calls leave none behind.
@@ -47,8 +46,8 @@ class CheckpointPeers {
   kj::Promise<ActorHandle> handle(const std::string& name);
 
   ClusterClient* cluster_;
+  kj::Timer& timer_;
   std::map<std::string, ActorHandle> handles_;
-  IoThread timerThread_;
 };
 
 }  // namespace troupe::actors::checkpoint_actor

@@ -103,7 +103,7 @@ TEST_CASE("held replicas: an image is held once committed, and only as what was 
 
 TEST_CASE("checkpoint peers: deadlines on the actor's loop; without a cluster every peer call fails") {
   auto io = kj::setupAsyncIo();
-  CheckpointPeers peers(nullptr);
+  CheckpointPeers peers(nullptr, io.provider->getTimer());
   CHECK_FALSE(peers.connected());
   auto start = std::chrono::steady_clock::now();
   peers.after(std::chrono::milliseconds(20)).wait(io.waitScope);

@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   ActorRegistry registry = builtInActors();
-  ActorContext context{ActorId(actorId), type, incarnation, cluster.get(), ip};
+  ActorContext context{ActorId(actorId), type, incarnation, cluster.get(), ip, &io.provider->getTimer()};
   auto actor = registry.create(context, initArgs);
   if (!actor.isOk()) {
     fprintf(stderr, "troupe-worker: cannot create actor %s: %s\n", type.c_str(), actor.status().message().c_str());

@@ -8,6 +8,7 @@
 #include <capnp/capability.h>
 #include <kj/async.h>
 #include <kj/common.h>
+#include <kj/timer.h>
 
 #include <functional>
 #include <map>
@@ -39,6 +40,9 @@ struct ActorContext {
   ClusterClient* cluster = nullptr;
   // The node's address: servers an actor opens (collective ranks) bind and advertise it.
   std::string nodeIp = "127.0.0.1";
+  // The timer of the event loop that serves the actor: what its deadlines wait on. Null in
+  // unit tests that construct actors directly. Owned by the worker; outlives the actor.
+  kj::Timer* timer = nullptr;
 };
 
 class Actor {
