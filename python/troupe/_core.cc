@@ -1,11 +1,10 @@
 // troupe._core: the C++ runtime inside Python.
 //
-// Driver side (`Runtime`): one KJ event loop and a ClusterClient serve the whole driver. Who runs
-// the loop changes hands: a Python thread that waits for its calls runs it itself (GIL released),
-// so a synchronous call costs no thread hand-off, only the network round trip; when no Python
-// thread has needed it for kIdleHandBack, the background thread takes it back and keeps I/O
-// (output, replies, queued calls) moving. Other work reaches the loop through its kj::Executor,
-// whoever runs it. Actor calls return integer refs at once; calls made together are batched.
+// Driver side (`Runtime`): one KJ event loop on a background thread and a ClusterClient serve the
+// whole driver. Python threads queue calls to it (an eventfd wakes it) and wait on a condition
+// variable for their completions; other work reaches the loop through its kj::Executor. Its
+// actor connections spin for the peer's answer before sleeping (PeerWait::kSpinFirst), as
+// workers' do. Actor calls return integer refs at once; calls made together are batched.
 //
 // Worker side (`serve_actor`): a Python worker process runs the KJ loop on its main thread and
 // serves one Python actor with the C++ workers' actor server (troupe/runtime/actor_server.h),
@@ -103,31 +102,10 @@ struct StatusError {
   Status status;
 };
 
-// kj::Executor knows its EventLoop but keeps the accessor private. The Runtime needs the loop so
-// that a waiting Python thread can run it (a kj::WaitScope is made from the loop); an explicit
-// instantiation may name a private member, which is the language's sanctioned way to reach it.
-using LoopGetter = kj::EventLoop& (kj::Executor::*)() const;
-LoopGetter loopGetter();
-template <LoopGetter Getter>
-struct ExposeLoopGetter {
-  friend LoopGetter loopGetter() { return Getter; }
-};
-template struct ExposeLoopGetter<&kj::Executor::getLoop>;
-
-// Set on a Python worker's main thread, which runs the actor server's own event loop: a thread
-// has at most one KJ loop, so there a Runtime (the actor calling other actors) never runs its
-// loop on the calling thread; it waits while its background thread runs it.
-thread_local bool tHasServerLoop = false;
-
-// How long the loop stays with the Python thread that ran it last before the background thread
-// takes it back: longer than the gap between two calls of a synchronous loop in Python.
-constexpr auto kIdleHandBack = std::chrono::milliseconds(2);
-// How often the background thread looks whether a Python thread still runs the loop.
-constexpr auto kOwnerCheck = std::chrono::milliseconds(10);
 
 // A driver's connection to a cluster. Thread-safety: every public method may be called from
-// any Python thread (they release the GIL while they wait); KJ objects belong to whichever thread
-// runs the loop (see Holder).
+// any Python thread (they release the GIL while they wait); KJ objects belong to the background
+// thread, which runs the loop.
 class Runtime {
  public:
   Runtime(const std::string& address, const std::string& token) : token_(token) {
@@ -145,14 +123,11 @@ class Runtime {
       {
         std::lock_guard lock(m);
         executor_ = kj::getCurrentThreadExecutor().addRef();
-        loop_ = &(executor_.get()->*loopGetter())();
         io_ = &io;
         tasks_ = tasks.get();
       }
       KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-        // Actor connections sleep here: the loop also runs through other WaitScopes (a waiting
-        // Python thread's), and scope.poll() after each submission would wait out a spin.
-        client_ = ClusterClient::connect(io, hp, token, PeerWait::kSleep).wait(io.waitScope);
+        client_ = ClusterClient::connect(io, hp, token, PeerWait::kSpinFirst).wait(io.waitScope);
       })) {
         error = statusFromException(*e, "");
       }
@@ -165,8 +140,8 @@ class Runtime {
       if (!failed) {
         tasks->add(followOutput());
         tasks->add(drainSubmitted(*woken));
-        kj::UnixEventPort::FdObserver handBack(io.unixEventPort, yieldFd_, kj::UnixEventPort::FdObserver::OBSERVE_READ);
-        serveLoop(io.waitScope, handBack);
+        kj::UnixEventPort::FdObserver stop(io.unixEventPort, stopFd_, kj::UnixEventPort::FdObserver::OBSERVE_READ);
+        serveLoop(io.waitScope, stop);
       }
       // Cancel what is in flight first, while the connections it uses still exist; then drop
       // the connections. Clean-up queued by these destructors runs in the polls: an EventLoop
@@ -196,7 +171,7 @@ class Runtime {
   ~Runtime() {
     close();
     ::close(wakeFd_);
-    ::close(yieldFd_);
+    ::close(stopFd_);
   }
 
   void close() {
@@ -211,8 +186,7 @@ class Runtime {
       std::lock_guard lock(mutex_);
       stopping_ = true;
     }
-    poke(yieldFd_);  // the background thread stops running the loop, or wakes from its wait
-    backgroundCv_.notify_all();
+    poke(stopFd_);
     background_.join();
   }
 
@@ -261,33 +235,18 @@ class Runtime {
     onLoop([this, id, noRestart]() { return client_->kill(handle(id), noRestart); });
   }
 
-  // Starts a call and returns its ref at once. A lone call (the synchronous pattern) is sent by
-  // this thread when the loop is free, so it costs no wake-up of another thread. Otherwise the
-  // call joins a queue that whoever runs the loop drains in order; only the first call into an
-  // empty queue pokes the loop, and the client sends a burst as one batch.
+  // Starts a call and returns its ref at once. The call joins a queue that the loop drains in
+  // order; only the first call into an empty queue pokes the loop, and the client sends a burst
+  // as one batch.
   int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload) {
     std::string bytes = payload;
     py::gil_scoped_release release;
     std::unique_lock lock(mutex_);
     int64_t ref = nextRef_++;
-    bool idle = inFlight_ == 0 && submitted_.empty();
     ++inFlight_;
     completions_[ref];
-    if (idle && holder_ == Holder::kNone && !stopping_ && !tHasServerLoop) {
-      holder_ = Holder::kCaller;
-      lock.unlock();
-      {
-        kj::WaitScope scope(*loop_);
-        start(Submitted{ref, id, method, kj::mv(bytes)});
-        scope.poll();  // writes the request now
-      }
-      lock.lock();
-      releaseLoop(lock);
-      return ref;
-    }
     submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
     if (submitted_.size() == 1) poke(wakeFd_);
-    if (idle && !tHasServerLoop) askForLoop(lock);  // so that the get() that usually follows runs the loop itself
     return ref;
   }
 
@@ -323,8 +282,7 @@ class Runtime {
   }
 
   // Waits until at least `numReturns` of `refs` are done or `timeout` (seconds, < 0: forever)
-  // passes; returns the done ones in the given order. Runs the event loop itself when nobody
-  // else does; otherwise waits to be told of completions.
+  // passes; returns the done ones in the given order.
   std::vector<int64_t> wait(const std::vector<int64_t>& refs, size_t numReturns, double timeout) {
     py::gil_scoped_release release;
     std::unique_lock lock(mutex_);
@@ -333,18 +291,7 @@ class Runtime {
                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(
                         timeout < 0 ? 1e9 : timeout));
     while (countDone(refs) < need && std::chrono::steady_clock::now() < deadline) {
-      if (tHasServerLoop) {
-        cv_.wait_until(lock, deadline);  // the background thread runs the loop
-      } else if (holder_ == Holder::kNone && !stopping_) {
-        holder_ = Holder::kCaller;
-        lock.unlock();
-        runLoopUntil(refs, need, deadline);
-        lock.lock();
-        releaseLoop(lock);
-      } else {
-        askForLoop(lock);
-        cv_.wait_until(lock, deadline);  // woken by complete() and by a release of the loop
-      }
+      cv_.wait_until(lock, deadline);  // woken by complete()
     }
     std::vector<int64_t> done;
     for (int64_t r : refs) {
@@ -697,12 +644,6 @@ class Runtime {
       c.data = std::move(data);
     }
     cv_.notify_all();
-    KJ_IF_MAYBE(w, ownerWait_) {
-      if (w->fulfiller->isWaiting()) {
-        std::lock_guard lock(mutex_);
-        if (countDone(*w->refs) >= w->need) w->fulfiller->fulfill();
-      }
-    }
   }
 
   // Number of `refs` that are done (or unknown: consumed or never made). Caller holds mutex_.
@@ -715,65 +656,17 @@ class Runtime {
     return n;
   }
 
-  // ---- Who runs the loop ----
-  // A Python thread that holds the loop (Holder::kCaller) runs it here until `need` of `refs`
-  // are done or the deadline passes.
-  void runLoopUntil(const std::vector<int64_t>& refs, size_t need, std::chrono::steady_clock::time_point deadline) {
-    kj::WaitScope scope(*loop_);
-    auto done = kj::newPromiseAndFulfiller<void>();
-    ownerWait_ = OwnerWait{&refs, need, kj::mv(done.fulfiller)};
-    KJ_DEFER(ownerWait_ = nullptr);
-    {
-      std::lock_guard lock(mutex_);
-      if (countDone(refs) >= need) return;
-    }
-    auto left = deadline - std::chrono::steady_clock::now();
-    auto timeout = io_->provider->getTimer().afterDelay(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(left).count() * kj::NANOSECONDS);
-    done.promise.exclusiveJoin(kj::mv(timeout)).wait(scope);
-  }
-
-  // Asks the background thread to hand the loop over, if it runs it (caller holds mutex_).
-  void askForLoop(std::unique_lock<std::mutex>&) {
-    if (holder_ == Holder::kBackground && !yieldAsked_) {
-      yieldAsked_ = true;
-      poke(yieldFd_);
-    }
-  }
-
-  // Gives the loop up (caller holds mutex_ and held the loop).
-  void releaseLoop(std::unique_lock<std::mutex>&) {
-    holder_ = Holder::kNone;
-    releasedAt_ = std::chrono::steady_clock::now();
-    cv_.notify_all();
-  }
-
-  // The background thread's part: run the loop while no Python thread needs it; hand it over
-  // when one pokes yieldFd_ (a waiter, or close()); take it back once it has been free for
-  // kIdleHandBack.
-  void serveLoop(kj::WaitScope& scope, kj::UnixEventPort::FdObserver& handBack) {
-    std::unique_lock lock(mutex_);
-    holder_ = Holder::kBackground;
-    while (!stopping_) {
-      lock.unlock();
-      uint64_t count = 0;
-      ssize_t n = ::read(yieldFd_, &count, sizeof(count));
-      (void)n;
-      handBack.whenBecomesReadable().wait(scope);
-      lock.lock();
-      if (stopping_) break;
-      holder_ = Holder::kNone;
-      yieldAsked_ = false;
-      releasedAt_ = std::chrono::steady_clock::now();
-      cv_.notify_all();
-      // Polls rather than being woken on every release: a synchronous loop in Python releases
-      // the loop twice per call, and a wake-up per release would cost more than the call.
-      for (;;) {
-        auto now = std::chrono::steady_clock::now();
-        if (holder_ == Holder::kNone && (stopping_ || now >= releasedAt_ + kIdleHandBack)) break;
-        backgroundCv_.wait_until(lock, holder_ == Holder::kNone ? releasedAt_ + kIdleHandBack : now + kOwnerCheck);
+  // The background thread's part: run the loop until close() pokes stopFd_.
+  void serveLoop(kj::WaitScope& scope, kj::UnixEventPort::FdObserver& stop) {
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (stopping_) return;
       }
-      holder_ = Holder::kBackground;
+      stop.whenBecomesReadable().wait(scope);
+      uint64_t count = 0;
+      ssize_t n = ::read(stopFd_, &count, sizeof(count));
+      (void)n;
     }
   }
 
@@ -783,48 +676,35 @@ class Runtime {
     (void)n;
   }
 
-  enum class Holder { kNone, kBackground, kCaller };  // who runs the loop now
-  struct OwnerWait {
-    const std::vector<int64_t>* refs;
-    size_t need;
-    kj::Own<kj::PromiseFulfiller<void>> fulfiller;
-  };
-
   std::thread background_;
   kj::Own<const kj::Executor> executor_;
-  kj::EventLoop* loop_ = nullptr;
-  // The fields marked "loop" belong to whichever thread runs the loop (see Holder).
+  // The fields marked "loop" belong to the background thread, which runs the loop.
   kj::AsyncIoContext* io_ = nullptr;  // loop
   kj::TaskSet* tasks_ = nullptr;      // loop
   kj::Own<ClusterClient> client_;     // loop
   std::map<std::string, ActorHandle> handles_;  // loop: one per actor keeps call order
-  kj::Maybe<OwnerWait> ownerWait_;              // loop: what the Python thread running it waits for
   int64_t nextRef_ = 1;                                     // guarded by mutex_
   std::vector<Submitted> submitted_;                        // guarded by mutex_
   int64_t inFlight_ = 0;                                    // guarded by mutex_: submitted, not completed
   int wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // submit() -> loop: calls are queued
-  int yieldFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -> background thread: hand the loop over
-  Holder holder_ = Holder::kNone;                           // guarded by mutex_
-  std::chrono::steady_clock::time_point releasedAt_;        // guarded by mutex_
+  int stopFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // close() -> loop: stop
   bool stopping_ = false;                                   // guarded by mutex_
-  bool yieldAsked_ = false;                                 // guarded by mutex_: yieldFd_ poked
-  std::condition_variable backgroundCv_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<int64_t, Completion> completions_;
   std::string token_;
-  std::map<std::string, Cursor> followed_;                  // loop_ only
+  std::map<std::string, Cursor> followed_;                  // loop
   static constexpr auto kRelistEvery = std::chrono::seconds(2);
-  std::vector<ActorRecord> listed_;                         // loop_ only: the followed actors' records
-  std::map<NodeId, std::string> addresses_;                 // loop_ only: alive nodes' agents
-  std::chrono::steady_clock::time_point listedAt_;          // loop_ only
-  bool relist_ = true;                                      // loop_ only
-  kj::Promise<void> lastRound_ = kj::READY_NOW;             // loop_ only
+  std::vector<ActorRecord> listed_;                         // loop: the followed actors' records
+  std::map<NodeId, std::string> addresses_;                 // loop: alive nodes' agents
+  std::chrono::steady_clock::time_point listedAt_;          // loop
+  bool relist_ = true;                                      // loop
+  kj::Promise<void> lastRound_ = kj::READY_NOW;             // loop
   struct AgentConnection {
     kj::Own<RpcClient> client;
     std::shared_ptr<bool> broken;  // set when the agent closes it (or dies)
   };
-  std::map<std::string, AgentConnection> nodeAgents_;       // loop_ only
+  std::map<std::string, AgentConnection> nodeAgents_;       // loop
   std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
   bool closing_ = false;                                    // guarded by mutex_
 };
@@ -910,7 +790,6 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
   if (!controllerAddr.isOk()) throw py::value_error(controllerAddr.status().message());
   auto actor = std::make_unique<PythonActor>(std::move(dispatch), concurrent);
   py::gil_scoped_release release;
-  tHasServerLoop = true;
   kj::UnixEventPort::captureSignal(SIGTERM);
   auto io = kj::setupAsyncIo();
   // The same server as C++ workers' (actor_server.h): inline calls run in turn, in arrival order

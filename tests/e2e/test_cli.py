@@ -59,9 +59,17 @@ troupe.init("auto", log_to_driver=False)
 class Holder:
     def ping(self):
         return 1
+import time
+def next_millisecond():  # the listing orders by creation time in ms, ties by id
+    now = time.time_ns() // 1_000_000
+    while time.time_ns() // 1_000_000 == now:
+        pass
 first = Holder.options(lifetime="detached").remote()
 troupe.get(first.ping.remote())  # it holds the slot: the others stay PENDING
-rest = [Holder.options(lifetime="detached").remote() for _ in range(4)]
+rest = []
+for _ in range(4):
+    next_millisecond()
+    rest.append(Holder.options(lifetime="detached").remote())
 print(" ".join(h._id for h in [first] + rest))
 """
     p = run_driver(code, env=troupe.env)
