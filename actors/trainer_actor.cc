@@ -300,6 +300,13 @@ class Trainer final : public TypedActor<rpc::Trainer> {
             context.getResults().setStep(h.step);
           });
     }
+    // Who answers: the head of the activity and timeline results.
+    template <typename Results>
+    static void identify(Results r, TrainerEngine& engine) {
+      r.setRank(engine.rank());
+      r.setWorld(engine.worldSize());
+      r.setPid(::getpid());
+    }
     // The engine is thread-safe for these two (its timeline mutex); engineMutex_ keeps a restore
     // from the seed from swapping it meanwhile.
     kj::Promise<void> activity(ActivityContext context) override {
@@ -307,9 +314,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       std::lock_guard lock(a.engineMutex_);
       TrainerEngine& engine = *a.engine_;
       auto r = context.getResults();
-      r.setRank(engine.rank());
-      r.setWorld(engine.worldSize());
-      r.setPid(::getpid());
+      identify(r, engine);
       auto now = engine.activity();
       spanToWire(now, r.initActivity());
       r.setForS(now.start_us ? static_cast<double>(wallUs() - now.start_us) / 1e6 : 0.0);
@@ -321,9 +326,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       std::lock_guard lock(a.engineMutex_);
       TrainerEngine& engine = *a.engine_;
       auto r = context.getResults();
-      r.setRank(engine.rank());
-      r.setWorld(engine.worldSize());
-      r.setPid(::getpid());
+      identify(r, engine);
       auto spans = engine.timeline();
       auto out = r.initSpans(spans.size());
       for (size_t i = 0; i < spans.size(); ++i) spanToWire(spans[i], out[i]);
