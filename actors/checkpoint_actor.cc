@@ -60,14 +60,11 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
     signal(SIGXFSZ, SIG_IGN);
     TROUPE_LOG(kInfo, "checkpoint actor for group {} node {}: dir '{}', replicas to '{}', shm {}", options_.group,
                options_.node, options_.dir, options_.replicaTo, options_.shmDir);
-    auto server = kj::heap<Server>(*this);
-    server_ = server.get();
-    serve(kj::mv(server));
+    serve<Server>(*this);
   }
 
   ~CheckpointActor() override {
     persist_.stop();
-    server_->actorEnded();  // a caller still holding the capability gets an error, not this freed actor
     // Restores in progress go before the segments, so none re-creates one afterwards.
     restorer_.cancel();
     auto removed = removeSegments();
@@ -78,10 +75,9 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
   // rpc::Checkpoint: reads the params, runs the actor's method, writes the results; errors are
   // thrown as Status exceptions (troupe/runtime/rpc.h). The actor keeps a reference, so the
   // server outlives it; once the actor is gone, calls fail.
-  class Server final : public rpc::Checkpoint::Server {
+  class Server final : public ServerFor<rpc::Checkpoint, CheckpointActor> {
    public:
-    explicit Server(CheckpointActor& actor) : actor_(&actor) {}
-    void actorEnded() { actor_ = nullptr; }
+    using ServerFor::ServerFor;
 
    protected:
     kj::Promise<void> attach(AttachContext context) override {
@@ -178,11 +174,6 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
     }
 
    private:
-    CheckpointActor& actor() {
-      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Checkpoint actor has ended"));
-      return *actor_;
-    }
-    CheckpointActor* actor_;
   };
 
   // The group's live checkpoint actors changed (a node was lost, another joined): ask them for
@@ -251,8 +242,6 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
 
   ActorContext context_;
   Options options_;  // members() changes the members and the replica target
-  // The Server above. Held by pointer: a capability's destructor may throw, an Actor's may not.
-  Server* server_ = nullptr;
   // The units use what is declared before them, so they go first (each cancels its own tasks).
   SegmentCache cache_;  // this thread's mappings
   CheckpointPeers peers_;

@@ -11,7 +11,10 @@
 #include <map>
 #include <string>
 
+#include "checkpoint.capnp.h"
+#include "troupe/actors/checkpoint_actor.h"
 #include "troupe/checkpoint/testing.h"
+#include "troupe/runtime/rpc.h"
 #include "checkpoint_options.h"
 #include "checkpoint_peers.h"
 #include "checkpoint_replica.h"
@@ -124,6 +127,40 @@ TEST_CASE("checkpoint peers: deadlines on the actor's loop; without a cluster ev
   } else {
     FAIL("a peer was found without a cluster");
   }
+}
+
+TEST_CASE("checkpoint actor: needs its loop's timer; a caller holding its interface after it ended gets UNAVAILABLE") {
+  auto io = kj::setupAsyncIo();
+  ScratchDir shm;
+  ActorRegistry registry;
+  registerCheckpointActor(registry);
+  std::string args = R"({"group": "g1", "node": "a", "self": "ck-a", "shm_dir": ")" + shm.str() + R"("})";
+  ActorContext context;
+  context.type = "Checkpoint";
+  auto refused = registry.create(context, args);
+  REQUIRE_FALSE(refused.isOk());
+  CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
+
+  context.timer = &io.provider->getTimer();
+  auto actor = registry.create(context, args);
+  REQUIRE(actor.isOk());
+  auto cap = (*actor)->typed();
+  REQUIRE(cap != nullptr);
+  auto checkpoint = KJ_ASSERT_NONNULL(cap).castAs<rpc::Checkpoint>();
+  auto attach = [&]() {
+    auto request = checkpoint.attachRequest();
+    request.setRank(0);
+    return request.send();
+  };
+  CHECK(std::string(attach().wait(io.waitScope).getShmDir().cStr()) == shm.str());
+
+  actor->reset();
+  Status status;
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { attach().wait(io.waitScope); })) {
+    status = statusFromException(*e, "");
+  }
+  CHECK(status.code() == StatusCode::kUnavailable);
+  CHECK(status.message().find("the Checkpoint actor has ended") != std::string::npos);
 }
 
 }  // namespace

@@ -57,17 +57,15 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
   }
 
   ~Dataloader() override {
-    server_->actorEnded();
     if (!tokenFile_.empty()) ::unlink(tokenFile_.c_str());
   }
 
  private:
   // rpc::Dataloader over this actor's queue and dataset; errors are thrown as Status exceptions.
   // The actor keeps a reference, so the server outlives it; once the actor is gone, calls fail.
-  class Server final : public rpc::Dataloader::Server {
+  class Server final : public ServerFor<rpc::Dataloader, Dataloader> {
    public:
-    explicit Server(Dataloader& actor) : actor_(&actor) {}
-    void actorEnded() { actor_ = nullptr; }
+    using ServerFor::ServerFor;
 
    protected:
     kj::Promise<void> take(TakeContext context) override {
@@ -122,24 +120,15 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
     static void throwIfError(const Status& s) {
       if (!s.isOk()) throwStatus(s);
     }
-    Dataloader& actor() {
-      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Dataloader actor has ended"));
-      return *actor_;
-    }
     ShardQueue& queue() { return *actor().queue_; }
-    Dataloader* actor_;
   };
 
   Dataloader() {
-    auto server = kj::heap<Server>(*this);
-    server_ = server.get();
-    serve(kj::mv(server));
+    serve<Server>(*this);
   }
   std::unique_ptr<Dataset> dataset_;
   std::optional<ShardQueue> queue_;
   std::string tokenFile_;
-  Server* server_ = nullptr;
-  // The Server above. Held by pointer: a capability's destructor may throw, an Actor's may not.
 };
 
 }  // namespace

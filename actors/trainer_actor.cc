@@ -146,7 +146,6 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   }
 
   ~Trainer() noexcept override {
-    server_->actorEnded();
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
@@ -172,10 +171,9 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   // (onCompute) and writes what comes back into the results; errors are thrown as Status
   // exceptions. activity and timeline answer on the RPC thread at once. The actor keeps a
   // reference, so the server outlives it; once the actor is gone, calls fail.
-  class Server final : public rpc::Trainer::Server {
+  class Server final : public ServerFor<rpc::Trainer, Trainer> {
    public:
-    explicit Server(Trainer& actor) : actor_(&actor) {}
-    void actorEnded() { actor_ = nullptr; }
+    using ServerFor::ServerFor;
 
    protected:
     kj::Promise<void> join(JoinContext context) override {
@@ -340,11 +338,6 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       out.setSource(r.source);
       out.setHash(r.hash);
     }
-    Trainer& actor() {
-      if (actor_ == nullptr) throwStatus(Status(StatusCode::kUnavailable, "the Trainer actor has ended"));
-      return *actor_;
-    }
-    Trainer* actor_;
   };
 
   Trainer(const ActorContext& context, const Json& spec, TrainerEngineOptions options)
@@ -362,9 +355,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
         hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
         killInJoin_(context.incarnation == 1 && spec.value("fault_kill_in_join", false)),
         options_(std::move(options)) {
-    auto server = kj::heap<Server>(*this);
-    server_ = server.get();
-    serve(kj::mv(server));
+    serve<Server>(*this);
     compute_ = std::thread([this]() { computeLoop(); });
   }
 
@@ -958,7 +949,6 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   }
 
   ActorContext context_;
-  Server* server_ = nullptr;  // served by TypedActor; told when this actor ends
   kj::Own<const kj::Executor> executor_;  // the RPC thread's
   std::string group_;
   std::string dataloader_;

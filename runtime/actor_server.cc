@@ -171,31 +171,28 @@ class ActorServer final : public rpc::Actor::Server {
     // Always FAILED (exceptionFromStatus): a DISCONNECTED error would read as the worker's
     // death to callers. The status code travels in the description.
     if (!result.isOk()) kj::throwFatalException(exceptionFromStatus(result.status()));
-    auto results = context.getResults();
-    if (large(*result)) {
-      results.adoptResult(capnp::Orphanage::getForMessageContaining(results).referenceExternalData(
-          held_->hold(std::move(*result))));
-    } else {
-      results.setResult(dataOf(*result));
-    }
+    putResult(context.getResults(), std::move(*result));
   }
 
   void answer(CallBatchContext& context, unsigned i, Result<std::string> result, Clock::time_point arrived) {
     counted(arrived, result.isOk());
     auto reply = context.getResults().getReplies()[i];
-    if (!result.isOk()) {
-      reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
-    } else if (large(*result)) {
-      reply.adoptResult(capnp::Orphanage::getForMessageContaining(reply).referenceExternalData(
-          held_->hold(std::move(*result))));
+    if (result.isOk()) {
+      putResult(reply, std::move(*result));
     } else {
-      reply.setResult(dataOf(*result));
+      reply.setError(exceptionFromStatus(result.status()).getDescription());  // the code tag too
     }
   }
 
-  // Referenced rather than copied (a result over the message limit is copied, and refused there).
-  bool large(const std::string& result) const {
-    return held_ != nullptr && result.size() >= HeldBuffers::kReferenceFrom && result.size() < kMaxRpcMessageBytes;
+  // A large result is referenced from the connection's held buffers rather than copied (one
+  // over the message limit is copied, and refused there).
+  template <typename Builder>
+  void putResult(Builder out, std::string result) {
+    if (held_ != nullptr && result.size() >= kReferenceFrom && result.size() < kMaxRpcMessageBytes) {
+      out.adoptResult(held_->hold(out, std::move(result)));
+    } else {
+      out.setResult(dataOf(result));
+    }
   }
 
   std::shared_ptr<ActorCore> core_;

@@ -207,8 +207,8 @@ TEST_CASE("actor server: large results go out referenced, not copied, arrive int
     return s;
   };
   // Sizes off the 8-byte word, below the threshold too (copied).
-  const std::vector<size_t> sizes = {HeldBuffers::kReferenceFrom - 1, HeldBuffers::kReferenceFrom,
-                                     HeldBuffers::kReferenceFrom + 1, (size_t(1) << 20) + 3, (size_t(5) << 20) + 7};
+  const std::vector<size_t> sizes = {kReferenceFrom - 1, kReferenceFrom,
+                                     kReferenceFrom + 1, (size_t(1) << 20) + 3, (size_t(5) << 20) + 7};
   uint64_t everBefore = gHeldBytesEver;
   uint64_t referenced = 0;
   std::vector<kj::Promise<Result<std::string>>> plain;
@@ -216,7 +216,7 @@ TEST_CASE("actor server: large results go out referenced, not copied, arrive int
   for (size_t size : sizes) {
     plain.push_back(f.call("echo", pattern(size, 1)));
     batched.emplace_back("echo", pattern(size, 2));
-    if (size >= HeldBuffers::kReferenceFrom) referenced += 2 * size;
+    if (size >= kReferenceFrom) referenced += 2 * size;
   }
   auto batch = f.batch(batched);
   for (size_t i = 0; i < sizes.size(); ++i) CHECK(f.value(kj::mv(plain[i])) == pattern(sizes[i], 1));

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "held_buffers.h"
 #include "troupe/runtime/schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/config.h"
@@ -350,31 +351,18 @@ constexpr size_t kMinBatch = 16;
 
 void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection::Queued> queued);
 
-// A result at least this large stays in its reply message (Reply) instead of being copied out.
-constexpr size_t kKeepReplyFrom = 64 * 1024;
-
 std::string_view asChars(capnp::Data::Reader data) {
   return std::string_view(reinterpret_cast<const char*>(data.begin()), data.size());
 }
 
 // Large arguments go from the caller's buffer straight to the socket, not copied into the
 // message: the call's queue entry holds `bytes` until its reply, so they outlive the message.
-// Cap'n Proto sends whole 8-byte words, so the bytes up to the next word boundary are zeroed
-// first, in the string's own storage (nothing else of this process's memory goes out).
 void setPayload(rpc::Actor::CallParams::Builder params, std::string& bytes) {
-  constexpr size_t kReferenceFrom = 64 * 1024;
-  const size_t size = bytes.size();
-  if (size < kReferenceFrom) {
-    params.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), size));
-    return;
+  if (bytes.size() < kReferenceFrom) {
+    params.setPayload(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), bytes.size()));
+  } else {
+    params.adoptPayload(referenceBytes(params, bytes));
   }
-  if (size_t padded = (size + 7) & ~size_t{7}; padded != size) {
-    bytes.append(padded - size, '\0');
-    bytes.resize(size);
-  }
-  auto orphanage = capnp::Orphanage::getForMessageContaining(params);
-  params.adoptPayload(
-      orphanage.referenceExternalData(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), size)));
 }
 
 // Sends what was queued this turn: separate calls for a few, one batch for a burst.
@@ -413,7 +401,7 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
           return request.send().then(
               [c, calls](capnp::Response<rpc::Actor::CallResults> response) {
                 auto r = response.getResult();
-                if (r.size() < kKeepReplyFrom) return calls->front().reply->fulfill(Reply(std::string(asChars(r))));
+                if (r.size() < kReferenceFrom) return calls->front().reply->fulfill(Reply(std::string(asChars(r))));
                 auto message = std::make_shared<capnp::Response<rpc::Actor::CallResults>>(kj::mv(response));
                 calls->front().reply->fulfill(Reply(std::move(message), asChars(r)));
               },
@@ -439,7 +427,7 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
                 auto& call = (*calls)[i];
                 if (i < replies.size() && replies[i].isResult()) {
                   auto r = replies[i].getResult();
-                  if (r.size() < kKeepReplyFrom) {
+                  if (r.size() < kReferenceFrom) {
                     call.reply->fulfill(Reply(std::string(asChars(r))));
                     continue;
                   }
@@ -768,27 +756,14 @@ kj::Promise<PlacementGroupRecord> ClusterClient::removeBundles(const PlacementGr
   });
 }
 
-Reply& Reply::operator=(const Reply& other) {
-  if (this == &other) return *this;
-  owned_ = other.owned_;
-  message_ = other.message_;
-  view_ = message_ ? other.view_ : std::string_view(owned_);
-  return *this;
-}
-
-Reply& Reply::operator=(Reply&& other) noexcept {
-  if (this == &other) return *this;
-  bool owns = !other.message_;
-  owned_ = std::move(other.owned_);
-  message_ = std::move(other.message_);
-  view_ = owns ? std::string_view(owned_) : other.view_;  // a moved string may move its bytes (SSO)
-  other.view_ = {};
-  return *this;
+std::string_view Reply::bytes() const {
+  if (const auto* owned = std::get_if<std::string>(&bytes_)) return *owned;
+  return std::get<Kept>(bytes_).bytes;
 }
 
 std::string Reply::str() && {
-  if (!message_) return std::move(owned_);
-  return std::string(view_);
+  if (auto* owned = std::get_if<std::string>(&bytes_)) return std::move(*owned);
+  return std::string(std::get<Kept>(bytes_).bytes);
 }
 
 }  // namespace troupe

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <capnp/blob.h>
+#include <capnp/orphan.h>
 #include <kj/common.h>
 
 #include <atomic>
@@ -17,6 +18,26 @@
 #include <vector>
 
 namespace troupe {
+
+// Bytes from this size on go into a message by reference, not copied: calls' arguments
+// (client.cc), results (actor_server.cc), and the replies a caller keeps (Reply). Below it a copy
+// costs less than the bookkeeping.
+inline constexpr size_t kReferenceFrom = 64 * 1024;
+
+// A Data orphan in the message of `builder` that references `bytes` in place
+// (Orphanage::referenceExternalData); `bytes` must outlive the writing of the message. Cap'n
+// Proto sends whole 8-byte words, so the bytes up to the next word boundary are zeroed first, in
+// the string's own storage (nothing else of this process's memory goes out).
+template <typename Builder>
+capnp::Orphan<capnp::Data> referenceBytes(Builder builder, std::string& bytes) {
+  const size_t size = bytes.size();
+  if (size_t padded = (size + 7) & ~size_t{7}; padded != size) {
+    bytes.append(padded - size, '\0');
+    bytes.resize(size);
+  }
+  return capnp::Orphanage::getForMessageContaining(builder).referenceExternalData(
+      capnp::Data::Reader(reinterpret_cast<const kj::byte*>(bytes.data()), size));
+}
 
 // Bytes held now by every connection of this process, and ever held (for tests).
 inline std::atomic<uint64_t> gHeldBytes{0};
@@ -31,7 +52,7 @@ class HeldBuffer {
   }
   ~HeldBuffer() { gHeldBytes -= bytes_.size(); }
   KJ_DISALLOW_COPY(HeldBuffer);
-  const kj::byte* data() const { return reinterpret_cast<const kj::byte*>(bytes_.data()); }
+  std::string& bytes() { return bytes_; }
 
  private:
   std::string bytes_;
@@ -39,26 +60,16 @@ class HeldBuffer {
 
 class HeldBuffers {
  public:
-  // Below this a copy into the message costs less than the bookkeeping.
-  static constexpr size_t kReferenceFrom = 64 * 1024;
-
-  // Keeps `bytes` and returns them to reference. Cap'n Proto sends whole 8-byte words, so the
-  // bytes up to the next word boundary are zeroed first, in the string's own storage (nothing
-  // else of this process's memory goes out).
-  capnp::Data::Reader hold(std::string bytes) {
-    const size_t size = bytes.size();
-    if (size_t padded = (size + 7) & ~size_t{7}; padded != size) {
-      bytes.append(padded - size, '\0');
-      bytes.resize(size);
-    }
+  // Keeps `bytes` and returns them as a Data orphan of `builder`'s message that references them.
+  template <typename Builder>
+  capnp::Orphan<capnp::Data> hold(Builder builder, std::string bytes) {
     auto owned = std::make_unique<HeldBuffer>(std::move(bytes));
-    const kj::byte* data = owned->data();
-    held_[data] = std::move(owned);
-    return capnp::Data::Reader(data, size);
+    auto orphan = referenceBytes(builder, owned->bytes());
+    held_[reinterpret_cast<const kj::byte*>(owned->bytes().data())] = std::move(owned);
+    return orphan;
   }
 
   bool empty() const { return held_.empty(); }
-  size_t size() const { return held_.size(); }
 
   // Releases the buffers that a write of `pieces` carries, for that write to keep.
   std::vector<std::unique_ptr<HeldBuffer>> carriedBy(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) {

@@ -140,8 +140,9 @@ class Runtime {
       if (!failed) {
         tasks->add(followOutput());
         tasks->add(drainSubmitted(*woken));
+        // Runs the loop until close() pokes stopFd_ (nothing else writes it).
         kj::UnixEventPort::FdObserver stop(io.unixEventPort, stopFd_, kj::UnixEventPort::FdObserver::OBSERVE_READ);
-        serveLoop(io.waitScope, stop);
+        stop.whenBecomesReadable().wait(io.waitScope);
       }
       // Cancel what is in flight first, while the connections it uses still exist; then drop
       // the connections. Clean-up queued by these destructors runs in the polls: an EventLoop
@@ -182,10 +183,6 @@ class Runtime {
     cv_.notify_all();
     if (!background_.joinable()) return;
     py::gil_scoped_release release;
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
     poke(stopFd_);
     background_.join();
   }
@@ -243,7 +240,6 @@ class Runtime {
     py::gil_scoped_release release;
     std::unique_lock lock(mutex_);
     int64_t ref = nextRef_++;
-    ++inFlight_;
     completions_[ref];
     submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
     if (submitted_.size() == 1) poke(wakeFd_);
@@ -638,7 +634,6 @@ class Runtime {
   void complete(int64_t ref, Outcome outcome, std::string data) {
     {
       std::lock_guard lock(mutex_);
-      --inFlight_;
       auto& c = completions_[ref];
       c.outcome = outcome;
       c.data = std::move(data);
@@ -656,20 +651,6 @@ class Runtime {
     return n;
   }
 
-  // The background thread's part: run the loop until close() pokes stopFd_.
-  void serveLoop(kj::WaitScope& scope, kj::UnixEventPort::FdObserver& stop) {
-    for (;;) {
-      {
-        std::lock_guard lock(mutex_);
-        if (stopping_) return;
-      }
-      stop.whenBecomesReadable().wait(scope);
-      uint64_t count = 0;
-      ssize_t n = ::read(stopFd_, &count, sizeof(count));
-      (void)n;
-    }
-  }
-
   static void poke(int fd) {
     uint64_t one = 1;
     ssize_t n = ::write(fd, &one, sizeof(one));
@@ -685,10 +666,8 @@ class Runtime {
   std::map<std::string, ActorHandle> handles_;  // loop: one per actor keeps call order
   int64_t nextRef_ = 1;                                     // guarded by mutex_
   std::vector<Submitted> submitted_;                        // guarded by mutex_
-  int64_t inFlight_ = 0;                                    // guarded by mutex_: submitted, not completed
   int wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // submit() -> loop: calls are queued
   int stopFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);   // close() -> loop: stop
-  bool stopping_ = false;                                   // guarded by mutex_
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<int64_t, Completion> completions_;

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "troupe/runtime/cluster_store.h"
@@ -48,23 +49,21 @@ struct ActorConnection;
 class Reply {
  public:
   Reply() = default;
-  explicit Reply(std::string bytes) : owned_(std::move(bytes)), view_(owned_) {}
+  explicit Reply(std::string bytes) : bytes_(std::move(bytes)) {}
   // `bytes` lie in `message`, which the Reply keeps.
-  Reply(std::shared_ptr<const void> message, std::string_view bytes) : message_(std::move(message)), view_(bytes) {}
-  Reply(const Reply& other) { *this = other; }
-  Reply(Reply&& other) noexcept { *this = std::move(other); }
-  Reply& operator=(const Reply& other);
-  Reply& operator=(Reply&& other) noexcept;
+  Reply(std::shared_ptr<const void> message, std::string_view bytes) : bytes_(Kept{std::move(message), bytes}) {}
 
-  std::string_view bytes() const { return view_; }
-  size_t size() const { return view_.size(); }
+  std::string_view bytes() const;
+  size_t size() const { return bytes().size(); }
   // The bytes as a string (a copy, unless this Reply owned them).
   std::string str() &&;
 
  private:
-  std::string owned_;
-  std::shared_ptr<const void> message_;
-  std::string_view view_;
+  struct Kept {
+    std::shared_ptr<const void> message;
+    std::string_view bytes;
+  };
+  std::variant<std::string, Kept> bytes_;
 };
 
 // A handle to an actor. Copyable; copies share one connection. Survives restarts: after the
