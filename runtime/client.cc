@@ -1,6 +1,7 @@
 #include "troupe/runtime/client.h"
 
 #include <algorithm>
+#include <map>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -53,6 +54,15 @@ struct ClusterClient::Shared : std::enable_shared_from_this<ClusterClient::Share
   // This client's session: its non-detached actors end when the client (or its connection) does.
   kj::Maybe<rpc::Session::Client> session;
   std::string sessionId;
+  // Node deaths (watchNodeDeaths): the actor connections by the node of their worker, broken
+  // when the controller declares it DEAD, and what else wants to hear (onNodeDeath).
+  std::multimap<NodeId, std::weak_ptr<ActorConnection>> byNode;
+  size_t byNodeSwept = 0;  // byNode's size after its last sweep of ended connections
+  std::vector<kj::Function<void(const NodeId&, const Status&)>> deathListeners;
+  bool watchingDeaths = false;
+  bool closed = false;  // ~ClusterClient ran: start no watch that nothing would end
+  uint64_t deathInstance = 0;  // the controller run whose count deathAfter is
+  uint64_t deathAfter = 0;
 
   kj::Promise<ActorRecord> waitActor(const ActorId& id, uint32_t minIncarnation, bool requireAlive, uint32_t timeoutMs) {
     return withController([id, minIncarnation, requireAlive, timeoutMs](rpc::Controller::Client& c) {
@@ -184,6 +194,8 @@ struct ActorConnection {
   int32_t maxTaskRetries = 0;
   uint32_t minIncarnation = 1;  // do not use incarnations older than this
   uint32_t incarnation = 0;     // of `cap`
+  NodeId nodeId;                // where incarnation `incarnation` runs
+  std::string nodeDeath;        // why its connection was broken, when its node was declared DEAD
   kj::Own<RpcClient> rpc;
   kj::Maybe<rpc::Actor::Client> cap;
   kj::Maybe<kj::ForkedPromise<void>> resolving;
@@ -224,6 +236,63 @@ struct ActorConnection {
 
 namespace {
 
+std::string nodeDeathReason(const NodeId& node) {
+  return fmt::format("node {} was declared DEAD: its host stopped answering", node.hex());
+}
+
+// A node the controller declared DEAD: the connections to its workers break now, so the calls in
+// flight on them fail (with the verdict on their actor) instead of waiting for the sockets.
+void nodeDied(ClusterClient::Shared& s, const NodeId& node) {
+  Status why(StatusCode::kUnavailable, nodeDeathReason(node));
+  auto range = s.byNode.equal_range(node);
+  std::vector<std::shared_ptr<ActorConnection>> hit;
+  for (auto it = range.first; it != range.second; ++it) {
+    if (auto c = it->second.lock()) hit.push_back(std::move(c));
+  }
+  s.byNode.erase(range.first, range.second);
+  for (auto& c : hit) {
+    if (c->rpc && c->nodeId == node) {
+      c->nodeDeath = why.message();
+      c->rpc->breakConnection(why);
+    }
+  }
+  for (auto& listener : s.deathListeners) listener(node, why);
+}
+
+// Asks the controller for the nodes it declares DEAD, one long wait after another, for as long as
+// the client lives (held weakly: the wait must not keep it). A controller that does not know the
+// call (older) ends the watch; any other failure is asked again after 500 ms (a restarted
+// controller is reconnected by the session's watch).
+kj::Promise<void> watchDeaths(std::weak_ptr<ClusterClient::Shared> weak) {
+  auto self = weak.lock();
+  if (!self || self->closed) return kj::READY_NOW;
+  auto request = self->controller.watchNodeDeathsRequest();
+  request.setInstance(self->deathInstance);
+  request.setAfter(self->deathAfter);
+  request.setTimeoutMs(30'000);
+  auto& timer = self->io.provider->getTimer();
+  self.reset();
+  return request.send().then(
+      [weak](capnp::Response<rpc::Controller::WatchNodeDeathsResults> response) -> kj::Promise<void> {
+        auto self = weak.lock();
+        if (!self) return kj::READY_NOW;
+        self->deathInstance = response.getInstance();
+        self->deathAfter = response.getNext();
+        for (auto id : response.getNodes()) nodeDied(*self, NodeId(id.cStr()));
+        return watchDeaths(weak);
+      },
+      [weak, &timer](kj::Exception&& e) -> kj::Promise<void> {
+        if (e.getType() == kj::Exception::Type::UNIMPLEMENTED) return kj::READY_NOW;
+        return timer.afterDelay(500 * kj::MILLISECONDS).then([weak]() { return watchDeaths(weak); });
+      });
+}
+
+void startDeathWatch(ClusterClient::Shared& s) {
+  if (s.watchingDeaths || s.closed) return;
+  s.watchingDeaths = true;
+  s.tasks->add(watchDeaths(s.weak_from_this()));
+}
+
 // Its callbacks hold the connection weakly: the promise lives in c->resolving, and a strong
 // reference there would be a cycle whose last link goes from inside the promise's own callback
 // (KJ aborts on a callback destroying itself). The callers that wait on it hold it strongly.
@@ -244,7 +313,7 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
         uint32_t inc = record.incarnation;
         return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS, c->shared->actorCalls)
             .then(
-                [weak, gone, inc](kj::Own<RpcClient> client) -> kj::Promise<void> {
+                [weak, gone, inc, nodeId = record.nodeId](kj::Own<RpcClient> client) -> kj::Promise<void> {
                   auto c = weak.lock();
                   if (!c) return gone();
                   c->cap = client->bootstrap<rpc::Actor>();
@@ -254,6 +323,15 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
                   }));
                   c->rpc = kj::mv(client);
                   c->incarnation = inc;
+                  c->nodeId = nodeId;
+                  c->nodeDeath.clear();
+                  auto& s = *c->shared;
+                  if (s.byNode.size() >= 2 * s.byNodeSwept + 64) {  // drop the entries of ended handles
+                    std::erase_if(s.byNode, [](const auto& entry) { return entry.second.expired(); });
+                    s.byNodeSwept = s.byNode.size();
+                  }
+                  s.byNode.emplace(nodeId, weak);
+                  startDeathWatch(s);
                   return kj::READY_NOW;
                 },
                 [weak, gone, inc](kj::Exception&&) -> kj::Promise<void> {
@@ -313,7 +391,12 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                                     std::string error;
                                     StatusCode code = StatusCode::kActorDied;
                                     if (record.state == ActorState::kDead) {
-                                      error = c->died(record);
+                                      // Its node's death, when that broke the connection, in
+                                      // the client's words (naming the node and DEAD).
+                                      error = c->nodeDeath.empty() || record.nodeId != c->nodeId
+                                                  ? c->died(record)
+                                                  : fmt::format("actor {} ({}) died: {}", c->id.hex(), c->type,
+                                                                c->nodeDeath);
                                     } else if (record.incarnation <= inc) {
                                       code = StatusCode::kUnavailable;
                                       error = fmt::format(
@@ -501,6 +584,11 @@ void toBundles(const std::vector<Resources>& bundles, capnp::List<rpc::BundleInf
 
 }  // namespace
 
+void ClusterClient::onNodeDeath(kj::Function<void(const NodeId&, const Status&)> listener) {
+  shared_->deathListeners.push_back(kj::mv(listener));
+  startDeathWatch(*shared_);
+}
+
 const ActorId& ActorHandle::id() const { return connection_->id; }
 
 kj::Promise<Reply> ActorHandle::callReply(std::string method, std::string payload) {
@@ -541,6 +629,8 @@ kj::Promise<kj::Own<ClusterClient>> ClusterClient::connect(kj::AsyncIoContext& i
 // non-detached actors are reclaimed when the client goes, as in Ray.
 ClusterClient::~ClusterClient() {
   shared_->session = nullptr;
+  shared_->closed = true;
+  shared_->deathListeners.clear();
   // Cancel in-flight work now, from outside it (see Shared::tasks); handles that outlive the
   // client get a fresh set.
   auto old = kj::mv(shared_->tasks);

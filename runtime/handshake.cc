@@ -164,6 +164,7 @@ kj::Promise<void> Acceptor::acceptLoop() {
   return kj::evalNow([this]() { return listener_->accept(); }).then(
       [this](kj::Own<kj::AsyncIoStream> stream) {
         setNoDelay(*stream);
+        detectSilentPeer(*stream);
         std::string source = peerHost(*stream);
         if (pending_[source] >= kMaxPendingPerSource) {
           noteRefused(fmt::format("closed a connection from {}: it already has {} connections in the handshake",

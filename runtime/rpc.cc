@@ -283,8 +283,41 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
   return server;
 }
 
+// A client's stream that breakConnection() can end: every read and write in flight, and every
+// later one, rejects with the reason, so the RPC system drops the connection with it.
+class RpcClient::BreakableStream final : public ForwardingStream {
+ public:
+  using ForwardingStream::ForwardingStream;
+  kj::Promise<size_t> tryRead(void* buffer, size_t minBytes, size_t maxBytes) override {
+    KJ_IF_MAYBE(e, broken_) { return kj::cp(*e); }
+    return canceler_.wrap(inner_->tryRead(buffer, minBytes, maxBytes));
+  }
+  kj::Promise<void> write(const void* buffer, size_t size) override {
+    KJ_IF_MAYBE(e, broken_) { return kj::cp(*e); }
+    return canceler_.wrap(inner_->write(buffer, size));
+  }
+  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
+    KJ_IF_MAYBE(e, broken_) { return kj::cp(*e); }
+    return canceler_.wrap(inner_->write(pieces));
+  }
+  void breakWith(kj::Exception e) {
+    if (broken_ != nullptr) return;
+    canceler_.cancel(e);
+    broken_ = kj::mv(e);
+  }
+
+ private:
+  kj::Maybe<kj::Exception> broken_;
+  kj::Canceler canceler_;  // declared last: cancels what is wrapped before the stream goes
+};
+
 RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream, kj::WaitScope* spinScope)
-    : stream_(kj::heap<BufferedStream>(kj::mv(stream), spinScope)),
+    : breakable_(nullptr),
+      stream_([&]() -> kj::Own<kj::AsyncIoStream> {
+        auto breakable = kj::heap<BreakableStream>(kj::heap<BufferedStream>(kj::mv(stream), spinScope));
+        breakable_ = breakable.get();
+        return breakable;
+      }()),
       network_(*stream_, capnp::rpc::twoparty::Side::CLIENT, readerOptions()),
       rpcSystem_(capnp::makeRpcClient(network_)),
       bootstrap_(bootstrapOf(rpcSystem_)),
@@ -293,6 +326,10 @@ RpcClient::RpcClient(kj::Own<kj::AsyncIoStream> stream, kj::WaitScope* spinScope
                  .then([flag = disconnected_.get()]() { *flag = true; },
                        [flag = disconnected_.get()](kj::Exception&&) { *flag = true; })
                  .eagerlyEvaluate(nullptr)) {}
+
+void RpcClient::breakConnection(const Status& why) {
+  breakable_->breakWith(exceptionFromStatus(why, kj::Exception::Type::DISCONNECTED));
+}
 
 namespace {
 
@@ -304,6 +341,7 @@ kj::Promise<kj::Own<kj::AsyncIoStream>> connectOnce(kj::AsyncIoContext& io, cons
       .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
       .then([token, secure](kj::Own<kj::AsyncIoStream> stream) {
         handshake::setNoDelay(*stream);
+        detectSilentPeer(*stream);
         auto streams = secure ? kj::heap<tls::Streams>(*token) : kj::Own<tls::Streams>();
         auto* tls = streams.get();
         return handshake::connectStream(kj::mv(stream), *token, handshake::Purpose::kRpc, tls)

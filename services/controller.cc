@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <map>
@@ -322,6 +323,22 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     });
   }
 
+  kj::Promise<void> watchNodeDeaths(WatchNodeDeathsContext context) override {
+    auto params = context.getParams();
+    uint64_t after = params.getInstance() == instance_ ? std::min(params.getAfter(), deathCount_) : deathCount_;
+    auto wait = std::min<uint32_t>(params.getTimeoutMs(), 60'000) * kj::MILLISECONDS;
+    return deathsAfter(after, asyncIo_.provider->getTimer().now() + wait).then([this, context, after]() mutable {
+      auto results = context.getResults();
+      results.setInstance(instance_);
+      results.setNext(deathCount_);
+      uint64_t first = std::max(after, deathCount_ - deaths_.size());
+      auto nodes = results.initNodes(static_cast<unsigned>(deathCount_ - first));
+      for (uint64_t i = first; i < deathCount_; ++i) {
+        nodes.set(static_cast<unsigned>(i - first), deaths_[i - (deathCount_ - deaths_.size())]);
+      }
+    });
+  }
+
   kj::Promise<void> getActorByName(GetActorByNameContext context) override {
     std::string name = context.getParams().getName().cStr();
     return onIo([name](Controller::IoState& s) { return s.core.getActorByName(name); })
@@ -581,10 +598,42 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
           noteStoreRead(dead.status());
           if (dead.isOk()) {
             for (const auto& id : *dead) TROUPE_LOG(kWarning, "node {} missed its heartbeat: marked DEAD", id.hex());
+            noteDeaths(*dead);
             if (!dead->empty() || tick % kReconcileEvery == 0) reconcileSoon();
           }
           return reapLoop(tick + 1);
         });
+  }
+
+  // Nodes just declared DEAD: the connection to each one's agent is broken now (a spawn or kill in
+  // flight fails at once, not when its socket notices), and watchNodeDeaths callers hear of them.
+  void noteDeaths(const std::vector<NodeId>& dead) {
+    if (dead.empty()) return;
+    for (const auto& id : dead) {
+      deaths_.push_back(id.hex());
+      ++deathCount_;
+      if (deaths_.size() > kKeptDeaths) deaths_.pop_front();
+      auto it = nodes_.find(id);
+      if (it == nodes_.end()) continue;
+      it->second.client->breakConnection(Status(
+          StatusCode::kUnavailable, fmt::format("node {} was declared DEAD: its host stopped answering", id.hex())));
+      // Destroyed on a later turn, after the calls in flight have heard.
+      tasks_.add(kj::evalLater([old = kj::mv(it->second)]() {}));
+      nodes_.erase(it);
+    }
+    for (auto& waiter : deathWaiters_) waiter->fulfill();
+    deathWaiters_.clear();
+  }
+
+  // Resolves once a death after `after` is known, or at `deadline`.
+  kj::Promise<void> deathsAfter(uint64_t after, kj::TimePoint deadline) {
+    auto& timer = asyncIo_.provider->getTimer();
+    if (deathCount_ > after || timer.now() >= deadline) return kj::READY_NOW;
+    auto paf = kj::newPromiseAndFulfiller<void>();
+    deathWaiters_.push_back(kj::mv(paf.fulfiller));
+    return paf.promise.exclusiveJoin(timer.atTime(deadline)).then([this, after, deadline]() {
+      return deathsAfter(after, deadline);
+    });
   }
 
   // Moves the work off DEAD nodes one node per I/O-thread call, so the reaps queued meanwhile
@@ -649,6 +698,9 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     }
   }
 
+  static constexpr kj::Duration kKillDeadline = 10 * kj::SECONDS;
+  static constexpr kj::Duration kSpawnDeadline = 60 * kj::SECONDS;
+
   // Carries out what the core decided in the background.
   void execute(Actions actions) { tasks_.add(carryOut(kj::mv(actions))); }
 
@@ -664,19 +716,22 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
         done.add(delayedSpawn(kj::mv(actor), action.delay));
         continue;
       }
+      // Deadlines: an agent answers a kill at once and a spawn once forked; one that does not
+      // is treated as gone (a DEAD node's connection is broken sooner, by noteDeaths).
+      auto& timer = asyncIo_.provider->getTimer();
       done.add(nodeAgent(actor.nodeId)
-                     .then([actor, spawn](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
+                     .then([actor, spawn, &timer](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
                        if (!spawn) {
                          auto kill = agent.killWorkerRequest();
                          kill.setId(actor.id.hex());
                          kill.setIncarnation(actor.incarnation);
-                         return kill.send().ignoreResult();
+                         return timer.timeoutAfter(kKillDeadline, kill.send().ignoreResult());
                        }
                        auto request = agent.spawnWorkerRequest();
                        toActorInfo(actor, request.initActor());
                        request.setInitArgs(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(actor.initArgs.data()),
                                                                actor.initArgs.size()));
-                       return request.send().ignoreResult();
+                       return timer.timeoutAfter(kSpawnDeadline, request.send().ignoreResult());
                      })
                      .catch_([this, actor, spawn](kj::Exception&& e) -> kj::Promise<void> {
                        nodes_.erase(actor.nodeId);
@@ -803,6 +858,12 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   std::string token_;
   std::map<NodeId, NodeConnection> nodes_;
   std::vector<kj::Own<kj::PromiseFulfiller<void>>> waiters_;
+  // Nodes this controller declared DEAD (the last kKeptDeaths of deathCount_), for watchNodeDeaths.
+  static constexpr size_t kKeptDeaths = 1024;
+  const uint64_t instance_ = std::stoull(randomHex(7), nullptr, 16) + 1;  // never 0: "no instance"
+  std::deque<std::string> deaths_;
+  uint64_t deathCount_ = 0;
+  std::vector<kj::Own<kj::PromiseFulfiller<void>>> deathWaiters_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::map<std::string, uint64_t> attached_;  // sessions open on this controller -> generation
   uint64_t sessionGeneration_ = 0;

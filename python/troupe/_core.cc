@@ -138,6 +138,9 @@ class Runtime {
       }
       cv.notify_all();
       if (!failed) {
+        // The controller declared a node DEAD: the agent connections to it break now, so a read
+        // in flight (the output follower's, at shutdown) ends instead of waiting on a cut host.
+        client_->onNodeDeath([this](const NodeId& node, const Status& why) { agentNodeDied(node, why); });
         tasks->add(followOutput());
         tasks->add(drainSubmitted(*woken));
         // Runs the loop until close() pokes stopFd_ (nothing else writes it).
@@ -324,17 +327,17 @@ class Runtime {
       return client_->actorInfo(ActorId(id)).then([this](ActorRecord actor) {
         return client_->listNodes().then([this, actor](std::vector<NodeRecord> nodes) {
           for (const auto& n : nodes) {
-            if (n.id == actor.nodeId && n.state == NodeState::kAlive) return nodeAgent(n.address);
+            if (n.id == actor.nodeId && n.state == NodeState::kAlive) return nodeAgent(n.address, n.id);
           }
           throwStatus(Status(StatusCode::kNotFound,
                              fmt::format("actor {}'s node {} is not alive: its logs are in that node's run directory",
                                          actor.id.hex(), actor.nodeId.hex())));
         });
-      }).then([id, maxBytes](rpc::NodeAgent::Client agent) {
+      }).then([this, id, maxBytes](rpc::NodeAgent::Client agent) {
         auto request = agent.readLogsRequest();
         request.setId(id);
         request.setMaxBytes(maxBytes);
-        return request.send();
+        return io_->provider->getTimer().timeoutAfter(kReadLogsDeadline, request.send());
       }).then([](capnp::Response<rpc::NodeAgent::ReadLogsResults> r) {
         auto text = [](capnp::Data::Reader d) { return std::string(reinterpret_cast<const char*>(d.begin()), d.size()); };
         return std::make_pair(text(r.getStdout()), text(r.getStderr()));
@@ -410,7 +413,10 @@ class Runtime {
   std::vector<std::tuple<std::string, std::string, std::string>> flushOutput() {
     onLoop([this]() {
       relist_ = true;  // where every actor is now, and which are dead: their last output
-      return followOnce();
+      // Bounded: shutdown must not wait on a host that stopped answering (a read there ends by
+      // its deadline, its node's death or its socket's, whichever comes first).
+      return io_->provider->getTimer().timeoutAfter(peerSilenceLimit().count() * kj::MILLISECONDS + kj::SECONDS,
+                                                    followOnce());
     });
     std::lock_guard lock(mutex_);
     std::vector<std::tuple<std::string, std::string, std::string>> lines;
@@ -573,13 +579,14 @@ class Runtime {
     // A DEAD record keeps its last pid; one that never started has none: name it by id.
     std::string who = cursor.pid != 0 ? fmt::format("pid={}", cursor.pid) : fmt::format("actor={}", id.substr(0, 8));
     std::string label = fmt::format("({} {})", actor.type.rfind("py:", 0) == 0 ? actor.type.substr(3) : actor.type, who);
-    return nodeAgent(nodeAddress).then([id, cursor](rpc::NodeAgent::Client agent) {
+    return nodeAgent(nodeAddress, actor.nodeId).then([this, id, cursor](rpc::NodeAgent::Client agent) {
       auto request = agent.readLogsRequest();
       request.setId(id);
       request.setMaxBytes(64 * 1024);
       request.setStdoutFrom(cursor.outFrom);
       request.setStderrFrom(cursor.errFrom);
-      return request.send();
+      // A read that times out is asked again next round from the same offsets: nothing is lost.
+      return io_->provider->getTimer().timeoutAfter(kFollowReadDeadline, request.send());
     }).then([this, id, label, dead = actor.state == ActorState::kDead](capnp::Response<rpc::NodeAgent::ReadLogsResults> r) {
       auto it = followed_.find(id);
       if (it != followed_.end()) {
@@ -610,19 +617,36 @@ class Runtime {
   // A connection per node agent, made again once the old one broke: bootstrapping on a broken
   // connection makes capnp 0.9 throw while unwinding (std::terminate), so a broken one is never
   // used again.
-  kj::Promise<rpc::NodeAgent::Client> nodeAgent(const std::string& address) {
+  kj::Promise<rpc::NodeAgent::Client> nodeAgent(const std::string& address, const NodeId& node = {}) {
     auto it = nodeAgents_.find(address);
     if (it != nodeAgents_.end() && !*it->second.broken) return it->second.client->bootstrap<rpc::NodeAgent>();
     if (it != nodeAgents_.end()) nodeAgents_.erase(it);
     auto hp = parseHostPort(address);
     if (!hp.isOk()) throwStatus(hp.status());
-    return RpcClient::connect(*io_, *hp, token_, 3 * kj::SECONDS).then([this, address](kj::Own<RpcClient> c) {
+    return RpcClient::connect(*io_, *hp, token_, 3 * kj::SECONDS).then([this, address, node](kj::Own<RpcClient> c) {
       auto cap = c->bootstrap<rpc::NodeAgent>();
       auto broken = std::make_shared<bool>(false);
       tasks_->add(c->onDisconnect().then([broken]() { *broken = true; }, [broken](kj::Exception&&) { *broken = true; }));
-      nodeAgents_[address] = AgentConnection{kj::mv(c), broken};
+      nodeAgents_[address] = AgentConnection{kj::mv(c), broken, node};
       return cap;
     });
+  }
+
+  // The agent connections to a node the controller declared DEAD break at once (loop thread).
+  void agentNodeDied(const NodeId& node, const Status& why) {
+    auto known = addresses_.find(node);
+    for (auto it = nodeAgents_.begin(); it != nodeAgents_.end();) {
+      if (it->second.node != node && (known == addresses_.end() || it->first != known->second)) {
+        ++it;
+        continue;
+      }
+      it->second.client->breakConnection(why);
+      *it->second.broken = true;
+      // Destroyed on a later turn, after the calls in flight on it have heard.
+      if (tasks_ != nullptr) tasks_->add(kj::evalLater([old = kj::mv(it->second.client)]() {}));
+      it = nodeAgents_.erase(it);
+    }
+    relist_ = true;
   }
 
   ActorHandle handle(const std::string& id) {
@@ -682,7 +706,11 @@ class Runtime {
   struct AgentConnection {
     kj::Own<RpcClient> client;
     std::shared_ptr<bool> broken;  // set when the agent closes it (or dies)
+    NodeId node;                   // the agent's node, where the caller knew it
   };
+  // Deadlines of reads from node agents: the follower's are asked again next round.
+  static constexpr kj::Duration kFollowReadDeadline = 2 * kj::SECONDS;
+  static constexpr kj::Duration kReadLogsDeadline = 10 * kj::SECONDS;
   std::map<std::string, AgentConnection> nodeAgents_;       // loop
   std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
   bool closing_ = false;                                    // guarded by mutex_

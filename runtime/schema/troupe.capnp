@@ -161,6 +161,13 @@ interface Controller {
   # the head's store gateway for every other node. Asked before registering, so a node that
   # cannot reach the store never shows as ALIVE.
   storeEndpoint @19 (head :Bool) -> (redis :RedisEndpoint);
+  # Waits (up to timeoutMs) until this controller has declared a node DEAD after the caller's
+  # `after`, a count of its declarations kept by `instance` (this controller's run: a caller
+  # that names another instance, or 0, starts from now), and returns the ids declared since and
+  # the count to pass next. Clients break their connections to those nodes' agents and workers
+  # at once, instead of waiting for their sockets to notice. Returns no ids on timeout.
+  watchNodeDeaths @20 (instance :UInt64, after :UInt64, timeoutMs :UInt32)
+      -> (instance :UInt64, next :UInt64, nodes :List(Text));
 }
 
 interface Session {}

@@ -30,7 +30,8 @@ int logsCommand(const std::string& actor, const std::string& address, const std:
     auto request = client->bootstrap<rpc::NodeAgent>().readLogsRequest();
     request.setId(found->id.hex());
     request.setMaxBytes(static_cast<uint32_t>(maxBytes));
-    auto response = request.send().wait(io.waitScope);
+    // A deadline: a node cut off but not yet declared DEAD must not hold the command.
+    auto response = io.provider->getTimer().timeoutAfter(10 * kj::SECONDS, request.send()).wait(io.waitScope);
     out.assign(reinterpret_cast<const char*>(response.getStdout().begin()), response.getStdout().size());
     err.assign(reinterpret_cast<const char*>(response.getStderr().begin()), response.getStderr().size());
   })) {

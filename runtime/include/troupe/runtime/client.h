@@ -140,6 +140,13 @@ class ClusterClient {
   kj::Promise<std::optional<ElasticGroupRecord>> group(const std::string& id);
   kj::Promise<std::vector<ElasticGroupRecord>> listGroups();
 
+  // Calls `listener` (on this client's thread) with each node the controller declares DEAD from
+  // now on, and why, after this client broke its connections to that node's workers (their
+  // calls in flight fail with the actor's fate: "actor ... died: node ... was declared DEAD").
+  // Every client that holds an actor connection watches anyway; the listener is for a caller's
+  // own connections to the node (its agent). Dropped with the client.
+  void onNodeDeath(kj::Function<void(const NodeId&, const Status&)> listener);
+
   // For worker processes: this incarnation of `actor` now serves `address` (HOST:PORT).
   kj::Promise<void> reportActorReady(const ActorId& actor, uint32_t incarnation, const std::string& address);
 

@@ -10,6 +10,7 @@
 #include <kj/async-io.h>
 #include <kj/function.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -79,8 +80,14 @@ class RpcClient {
   kj::Promise<void> onDisconnect() { return network_.onDisconnect(); }
   // True once the connection is gone: make a new RpcClient to go on.
   bool disconnected() const { return *disconnected_; }
+  // Ends the connection now, as if the peer had gone with `why`: every call in flight on it
+  // rejects with DISCONNECTED and `why`'s message (code included), and so do later ones. For a
+  // peer known to be gone whose socket has not noticed yet (its node was declared DEAD).
+  void breakConnection(const Status& why);
 
  private:
+  class BreakableStream;
+  BreakableStream* breakable_;  // owned by stream_
   kj::Own<kj::AsyncIoStream> stream_;
   capnp::TwoPartyVatNetwork network_;
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpcSystem_;
@@ -88,6 +95,18 @@ class RpcClient {
   kj::Own<bool> disconnected_;
   kj::Promise<void> watch_;
 };
+
+// The controller's default heartbeat TTL (--heartbeat-ttl-ms): a node silent this long is DEAD.
+inline constexpr int kDefaultHeartbeatTtlMs = 3000;
+// How long a connection may go without a sign of its peer before it ends: the heartbeat TTL
+// this process was told (TROUPE_HEARTBEAT_TTL_MS, 300..600000), else kDefaultHeartbeatTtlMs.
+std::chrono::milliseconds peerSilenceLimit();
+// Tunes a TCP connection so that a peer whose host went silent (cut off, frozen) ends it within
+// peerSilenceLimit() + 1 s, whether data is in flight or the connection waits for an answer:
+// keepalive probes from peerSilenceLimit() - 1 s of silence, one a second, and
+// TCP_USER_TIMEOUT = peerSilenceLimit(). Called beside handshake::setNoDelay on every RPC and
+// gateway connection, both sides; a no-op on non-TCP streams. Any thread (the stream's own).
+void detectSilentPeer(kj::AsyncIoStream& stream);
 
 // Keeps the memory of freed buffers up to 32 MiB mapped for the next message (glibc's
 // mallopt; up to 256 MiB of it in all) instead of returning it to the kernel at once. A 16 MB
