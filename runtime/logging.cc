@@ -10,6 +10,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "troupe/runtime/safe_open.h"
+
 namespace troupe {
 namespace {
 
@@ -68,8 +70,10 @@ void setLogProcessName(std::string name) {
 }
 
 bool openLogFile(const std::string& path, bool alsoStderr) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (fd < 0) return false;
+  // Actors of this user can write the logs directory: never block on a FIFO put at the path.
+  auto opened = openRegularFile(path, O_WRONLY | O_CREAT | O_APPEND);
+  if (!opened.isOk()) return false;
+  int fd = opened->release();
   std::lock_guard lock(sink().mutex);
   if (sink().fd >= 0) ::close(sink().fd);
   sink().fd = fd;

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/safe_open.h"
 
 namespace troupe::metrics {
 namespace {
@@ -135,11 +136,11 @@ ActorCalls& actorCalls() {
 }
 
 Result<std::vector<Sample>> read(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return Status(StatusCode::kNotFound, fmt::format("{}: {}", path, std::strerror(errno)));
+  // The worker that writes it could have put a FIFO there instead: never block on it.
+  auto fd = openRegularFile(path, O_RDONLY);
+  if (!fd.isOk()) return fd.status();
   std::string bytes(kFileBytes + 1, '\0');
-  ssize_t got = ::pread(fd, bytes.data(), bytes.size(), 0);
-  ::close(fd);
+  ssize_t got = ::pread(fd->get(), bytes.data(), bytes.size(), 0);
   if (got != static_cast<ssize_t>(kFileBytes)) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{}: {} bytes, not a counter file of {}", path, got, kFileBytes));
   }

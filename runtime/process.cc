@@ -16,8 +16,11 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
+
+#include "troupe/runtime/safe_open.h"
 
 extern char** environ;
 
@@ -43,14 +46,25 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setsigdefault(&attr, &all);
   posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  if (!options.outputPath.empty()) {
-    posix_spawn_file_actions_addopen(&actions, 1, options.outputPath.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (options.errorPath.empty()) posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  // The log files are opened here, not in the child: posix_spawn waits for the child's exec, so
+  // a FIFO someone put at a log's path would block this process in the child's open().
+  FileDescriptor output, error;
+  for (auto [path, fd, target] : {std::tuple{&options.outputPath, &output, 1}, std::tuple{&options.errorPath, &error, 2}}) {
+    if (path->empty()) continue;
+    auto opened = openRegularFile(*path, O_WRONLY | O_CREAT | O_APPEND);
+    if (opened.isOk() && opened->get() < 3) {  // below 3, dup2 onto its own place would keep close-on-exec
+      opened = FileDescriptor(::fcntl(opened->get(), F_DUPFD_CLOEXEC, 3));
+    }
+    if (!opened.isOk() || opened->get() < 0) {
+      posix_spawn_file_actions_destroy(&actions);
+      posix_spawnattr_destroy(&attr);
+      return opened.isOk() ? Status(StatusCode::kResourceExhausted, fmt::format("cannot open {}", *path))
+                           : opened.status();
+    }
+    *fd = std::move(*opened);
+    posix_spawn_file_actions_adddup2(&actions, fd->get(), target);
   }
-  if (!options.errorPath.empty()) {
-    posix_spawn_file_actions_addopen(&actions, 2, options.errorPath.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-  }
+  if (!options.outputPath.empty() && options.errorPath.empty()) posix_spawn_file_actions_adddup2(&actions, 1, 2);
   // dup2 clears close-on-exec on the copy; a descriptor already at its place is moved out of the
   // way first (dup2 onto itself would keep the flag).
   std::vector<int> moved;

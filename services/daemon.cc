@@ -2,16 +2,20 @@
 
 #include <kj/async-unix.h>
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
 
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/safe_open.h"
 
 namespace troupe {
 
@@ -40,12 +44,29 @@ kj::Promise<std::string> onStopSignal(kj::AsyncIoContext& io) {
   return term.exclusiveJoin(kj::mv(intr));
 }
 
+namespace {
+// The run directory's pids/ is writable by the user's actors: what is at the name goes (a FIFO
+// there would block the open), and the file is made anew.
+void writePidFile(const std::string& path) {
+  ::unlink(path.c_str());
+  auto fd = openRegularFile(path, O_WRONLY | O_CREAT | O_EXCL);
+  if (!fd.isOk()) {
+    TROUPE_LOG(kWarning, "cannot write {}: {}", path, fd.status().toString());
+    return;
+  }
+  std::string text = fmt::format("{}\n", getpid());
+  if (::write(fd->get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+    TROUPE_LOG(kWarning, "cannot write {}: {}", path, std::strerror(errno));
+  }
+}
+}  // namespace
+
 DaemonFiles::DaemonFiles(const std::string& runDir, const std::string& name)
     : pidPath_(fmt::format("{}/pids/{}.pid", runDir, name)), readyPath_(fmt::format("{}/pids/{}.ready", runDir, name)) {
   setLogProcessName(name);
   std::string logPath = fmt::format("{}/logs/{}.log", runDir, name);
   if (!openLogFile(logPath, false)) TROUPE_LOG(kWarning, "cannot open log file {}", logPath);
-  std::ofstream(pidPath_) << getpid() << "\n";
+  writePidFile(pidPath_);
 }
 
 DaemonFiles::~DaemonFiles() {
@@ -53,6 +74,6 @@ DaemonFiles::~DaemonFiles() {
   std::remove(pidPath_.c_str());
 }
 
-void DaemonFiles::markReady() { std::ofstream(readyPath_) << getpid() << "\n"; }
+void DaemonFiles::markReady() { writePidFile(readyPath_); }
 
 }  // namespace troupe

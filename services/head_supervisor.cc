@@ -17,6 +17,7 @@
 
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/safe_open.h"
 
 namespace troupe::supervisor {
 
@@ -36,7 +37,10 @@ struct Recorded {
 
 // Line 1: the log path; then one argv entry per line (no entry holds a newline).
 std::optional<Recorded> readRecord(const std::string& path) {
-  std::ifstream in(path);
+  // Read on the agent's loop, from a directory the user's actors can write: never a blocking open.
+  auto text = readRegularFile(path, 1 << 20);
+  if (!text.isOk()) return std::nullopt;
+  std::istringstream in(*text);
   Recorded r;
   if (!std::getline(in, r.logPath)) return std::nullopt;
   for (std::string line; std::getline(in, line);) r.argv.push_back(line);
@@ -45,7 +49,9 @@ std::optional<Recorded> readRecord(const std::string& path) {
 }
 
 pid_t readPid(const std::string& path) {
-  std::ifstream in(path);
+  auto text = readRegularFile(path, 64);
+  if (!text.isOk()) return 0;
+  std::istringstream in(*text);
   pid_t pid = 0;
   return in >> pid ? pid : 0;
 }

@@ -1,5 +1,6 @@
 #include "node_agent.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <sys/stat.h>
@@ -19,6 +20,7 @@
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/safe_open.h"
 #include "troupe/runtime/tls.h"
 
 namespace troupe {
@@ -127,15 +129,36 @@ std::string hostName() {
   return buf;
 }
 
+// An actor's log, opened so that whatever its worker put at the path (a FIFO, a link) never
+// blocks this loop; its size with it. Nothing (and a size of 0) when it is not a regular file.
+std::pair<FileDescriptor, int64_t> openLog(const std::string& path) {
+  auto fd = openRegularFile(path, O_RDONLY);
+  struct stat st {};
+  if (!fd.isOk() || ::fstat(fd->get(), &st) != 0) return {FileDescriptor(), 0};
+  return {std::move(*fd), static_cast<int64_t>(st.st_size)};
+}
+
+// Up to `length` bytes at `offset` (fewer if the file is shorter).
+std::string readAt(const FileDescriptor& fd, int64_t offset, size_t length) {
+  std::string out(length, '\0');
+  size_t done = 0;
+  while (done < length) {
+    ssize_t got = ::pread(fd.get(), out.data() + done, length - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) break;
+    done += static_cast<size_t>(got);
+  }
+  out.resize(done);
+  return out;
+}
+
 // The last `maxBytes` of a file (whole lines where possible).
 std::string fileTail(const std::string& path, size_t maxBytes) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return "";
-  auto size = static_cast<size_t>(in.tellg());
+  auto [fd, fileSize] = openLog(path);
+  if (fd.get() < 0) return "";
+  auto size = static_cast<size_t>(fileSize);
   size_t from = size > maxBytes ? size - maxBytes : 0;
-  in.seekg(static_cast<std::streamoff>(from));
-  std::string out(size - from, '\0');
-  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  std::string out = readAt(fd, static_cast<int64_t>(from), size - from);
   if (from > 0) {
     auto nl = out.find('\n');
     if (nl != std::string::npos) out.erase(0, nl + 1);
@@ -277,9 +300,19 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, actor.id.hex());
   std::string argsFile = fmt::format("{}.{}.args", base, actor.incarnation);
   {
-    std::ofstream out(argsFile, std::ios::binary);
-    out.write(initArgs.data(), static_cast<std::streamsize>(initArgs.size()));
-    if (!out) throwStatus(Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}", argsFile)));
+    // The name is this agent's alone, but the actor's earlier incarnation could have put a FIFO
+    // or a link there: whatever is there goes, and the file is made anew.
+    ::unlink(argsFile.c_str());
+    auto out = openRegularFile(argsFile, O_WRONLY | O_CREAT | O_EXCL);
+    if (!out.isOk()) throwStatus(out.status());
+    for (size_t done = 0; done < initArgs.size();) {
+      ssize_t wrote = ::write(out->get(), initArgs.data() + done, initArgs.size() - done);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote <= 0) {
+        throwStatus(Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}: {}", argsFile, std::strerror(errno))));
+      }
+      done += static_cast<size_t>(wrote);
+    }
   }
   SpawnOptions spawn;
   // Python actors ("py:<Class>") run in a Python worker hosting the same runtime.
@@ -298,6 +331,15 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   spawn.argv.insert(spawn.argv.end(), args.begin(), args.end());
   spawn.outputPath = base + ".out";
   spawn.errorPath = base + ".err";
+  // An earlier incarnation could have put a FIFO or a link at its log's path, which the new
+  // worker refuses to open: the name is this agent's, so what is not a file of ours there goes.
+  for (const auto& log : {spawn.outputPath, spawn.errorPath}) {
+    struct stat st {};
+    if (::lstat(log.c_str(), &st) == 0 && (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid())) {
+      TROUPE_LOG(kWarning, "actor {}: removing {}, which is not a regular file of this user", actor.id.hex(), log);
+      ::unlink(log.c_str());
+    }
+  }
   spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
   spawn.env.push_back("TROUPE_REDIS_ADDRESS=" + workerRedisAddress_);
   spawn.env.push_back("TROUPE_REDIS_PASSWORD=" + workerRedisPassword_);
@@ -416,14 +458,11 @@ std::pair<std::string, int64_t> NodeAgent::readLog(const ActorId& id, const char
     if (tail.size() < maxBytes) tail = fileTail(path + ".1", maxBytes - tail.size()) + tail;
     return {tail, -1};
   }
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return {"", from};
-  auto size = static_cast<int64_t>(in.tellg());
+  auto [fd, size] = openLog(path);
+  if (fd.get() < 0) return {"", from};
   if (from >= size) return {"", size};
   // Whole lines only, so a follower never splits one (unless a line exceeds maxBytes).
-  std::string out(static_cast<size_t>(std::min<int64_t>(size - from, static_cast<int64_t>(maxBytes))), '\0');
-  in.seekg(from);
-  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  std::string out = readAt(fd, from, static_cast<size_t>(std::min<int64_t>(size - from, static_cast<int64_t>(maxBytes))));
   auto nl = out.rfind('\n');
   if (nl != std::string::npos) out.resize(nl + 1);
   return {out, from + static_cast<int64_t>(out.size())};

@@ -36,7 +36,7 @@ import threading
 # What a worker imports before it serves (troupe and its imports, the _core extension), loaded
 # once here; each forked worker shares these pages with the zygote until it writes to them.
 import troupe  # noqa: F401
-from troupe import _core, _serialization, _worker  # noqa: F401
+from troupe import _core, _files, _serialization, _worker  # noqa: F401
 
 CONTROL_FD = 3
 MAX_MESSAGE = 1 << 20  # a request is a few hundred bytes; anything near this is not the agent's
@@ -203,11 +203,12 @@ def _become_worker(control, request):
     os.dup2(null, 0)
     os.close(null)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    out = os.open(request.output, flags, 0o600)
+    # Not a plain open: a FIFO an actor put at its log's path would hold this worker forever.
+    out = _files.open_regular(request.output, flags)
     os.dup2(out, 1)
     os.close(out)
     if request.error:
-        err = os.open(request.error, flags, 0o600)
+        err = _files.open_regular(request.error, flags)
         os.dup2(err, 2)
         os.close(err)
     else:

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "../head_supervisor.h"
+#include "troupe/runtime/safe_open.h"
 
 namespace troupe::cli {
 
@@ -27,8 +28,9 @@ static void removeRecordedSegments(const std::string& runDir) {
   std::error_code ec;
   fs::path registry = fs::path(runDir) / "shm";
   for (const auto& entry : fs::directory_iterator(registry, ec)) {
-    std::string path;
-    std::getline(std::ifstream(entry.path()), path);
+    // A worker wrote it: whatever is there is read without blocking (a FIFO is skipped).
+    auto recorded = readRegularFile(entry.path().string(), 4096);
+    std::string path = recorded.isOk() ? recorded->substr(0, recorded->find('\n')) : "";
     struct stat st {};
     if (fs::path(path).filename().string().rfind("troupe_", 0) == 0 && ::lstat(path.c_str(), &st) == 0 &&
         S_ISREG(st.st_mode) && st.st_uid == ::geteuid()) {

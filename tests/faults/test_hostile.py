@@ -1,10 +1,13 @@
 """Hostile connections cannot stop a server (issue 14 findings 1 and 11): idle unauthenticated
-connections from one host are capped and timed out, refusals are logged at a bounded rate."""
+connections from one host are capped and timed out, refusals are logged at a bounded rate. A
+hostile actor cannot wedge its node agent with FIFOs at the files the agent opens (issue 34
+finding 4)."""
 import os
 import socket
 import subprocess
+import textwrap
 
-from troupe_testing import eventually, free_port
+from troupe_testing import eventually, free_port, run_driver
 
 
 def idle_connections(port, count, source="127.0.0.2"):
@@ -60,3 +63,57 @@ def test_refusals_are_logged_at_a_bounded_rate(troupe):
     assert troupe.run("status", check=False).returncode == 0
     grown = log.stat().st_size - before
     assert grown < 4096, f"300 refused connections wrote {grown} bytes of log"
+
+
+def test_an_actor_that_puts_fifos_at_its_files_cannot_wedge_its_node_agent(troupe):
+    troupe.run("start", "--head", "--port", str(free_port()))
+    code = textwrap.dedent("""
+        import os, troupe
+        from troupe import _api
+        troupe.init(address="auto")
+
+        @troupe.remote
+        class Hostile:
+            def plant(self):
+                # The agent opens these: its counters, its output, and the args of its restart.
+                metrics = os.environ["TROUPE_METRICS_FILE"]
+                out = os.readlink("/proc/self/fd/1")
+                args = out[:-len(".out")] + ".2.args"
+                for path in (metrics, out, args):
+                    if os.path.lexists(path):
+                        os.unlink(path)
+                    os.mkfifo(path, 0o600)
+                return "planted"
+
+            def die(self):
+                os._exit(1)
+
+            def pid(self):
+                return os.getpid()
+
+        @troupe.remote
+        class Echo:
+            def ping(self):
+                return "pong"
+
+        h = Hostile.options(name="hostile", max_restarts=1).remote()
+        print(troupe.get(h.plant.remote(), timeout=30), flush=True)
+        rt = _api.runtime()
+        agents = [n["address"] for n in rt.snapshot()["nodes"] if n["state"] == "ALIVE"]
+        rt.node_metrics(agents)  # the agent reads every worker's counters file
+        first = troupe.get(h.pid.remote(), timeout=30)
+        h.die.remote()  # its restart writes the args file it replaced
+        e = Echo.remote()
+        print(troupe.get(e.ping.remote(), timeout=30), flush=True)
+        assert troupe.get(h.pid.remote(), timeout=30) != first  # restarted all the same
+        # The agent still answers: another worker's counters come, the hostile one's are left out.
+        samples = rt.node_metrics(agents)
+        assert any("Echo" in labels for _, labels, _ in samples), samples
+        print("done", flush=True)
+    """)
+    p = run_driver(code, env=troupe.env, timeout=90)
+    assert p.returncode == 0 and "planted" in p.stdout and "pong" in p.stdout and "done" in p.stdout, p.stdout + p.stderr
+    # The node's agent serves the CLI too: status and the hostile actor's logs return.
+    logs = troupe.run("logs", "hostile", timeout=20, check=False)
+    assert logs.returncode in (0, 1), logs.stderr
+    assert troupe.run("status", timeout=20, check=False).returncode == 0
