@@ -18,11 +18,22 @@ browsers cost the controller no more than one, and no page waits for it), and se
                          with every worker's counters read live from its node's agent
 
 It writes its URL to DIR/dashboard.url (0600) once it listens: `troupe status` shows it. It
-listens on loopback only, whatever the node's address: the pages show the cluster's state and
-the port has no authentication, so other machines reach it through `ssh -L 8265:127.0.0.1:PORT`.
+listens on loopback only, whatever the node's address; other machines reach it through
+`ssh -L 8265:127.0.0.1:PORT`.
+
+Access (Access below): every request must name a loopback host in its Host header (a DNS-rebound
+name is refused with 403), and carry the session cookie, which only GET /login?key=LOGIN sets;
+anything else gets 401. LOGIN and the cookie's value are HMAC-SHA256s of the cluster token, so
+only who can read the token (the run directory is 0700) can log in, and the token itself is never
+shown. The login URL is written to DIR/dashboard.login (0600) for `troupe dashboard` and the
+head's start banner. /metrics also takes `Authorization: Bearer METRICS`, a third HMAC of the
+token, written to DIR/dashboard.metrics-token (0600) for Prometheus's `credentials_file`.
 """
 import argparse
+import hashlib
+import hmac
 import json
+import re
 import os
 import signal
 import socket
@@ -30,7 +41,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, quote, urlparse
 
 DEFAULT_PORT = 8265
 CACHE_S = 0.5
@@ -242,7 +253,7 @@ def make_handler(view, assets):
         def log_message(self, fmt, *args):  # quiet: a page polls every second
             pass
 
-        def send(self, code, body, content_type):
+        def send(self, code, body, content_type, headers=()):
             data = body if isinstance(body, bytes) else body.encode()
             self.send_response(code)
             self.send_header("Content-Type", content_type)
@@ -265,6 +276,62 @@ def make_handler(view, assets):
                             [n["address"] for n in state["nodes"] if n["state"] == "ALIVE"])
                     except Exception:  # the controller is away: the cluster gauges still come
                         samples = []
+# ---- Access ----
+
+# Host header names a browser uses for this server: anything else is a DNS-rebound name (a page
+# of evil.example whose name now resolves to 127.0.0.1) and is refused. Any port: an SSH tunnel
+# shows the browser's local one.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def derived_secret(token, purpose):
+    """A secret for `purpose` derived from the cluster token: showing it does not show the token."""
+    return hmac.new(token.encode(), f"troupe dashboard {purpose}".encode(), hashlib.sha256).hexdigest()
+
+
+class Access:
+    """Who may read the dashboard: requests to a loopback Host that carry the session cookie (set by
+    /login?key=LOGIN), and for /metrics also a bearer credential. All three secrets are derived from
+    the cluster token."""
+
+    def __init__(self, token, port):
+        self.login_key = derived_secret(token, "login")
+        self.session = derived_secret(token, "session")
+        self.metrics_bearer = derived_secret(token, "metrics")
+        # The port in the name: a browser keeps one cookie jar for 127.0.0.1 whatever the port, and
+        # the dashboards of two clusters must not overwrite each other's session.
+        self.cookie = f"troupe_session_{port}"
+
+    @staticmethod
+    def host_allowed(host):
+        if not host:
+            return False
+        host = host.strip().lower()
+        name = host.rsplit(":", 1)[0] if re.fullmatch(r".*:\d+", host) else host
+        return name in LOOPBACK_HOSTS
+
+    def has_session(self, headers):
+        for header in headers.get_all("Cookie") or []:
+            for part in header.split(";"):
+                name, _, value = part.strip().partition("=")
+                if name == self.cookie and hmac.compare_digest(value.encode(), self.session.encode()):
+                    return True
+        return False
+
+    def has_bearer(self, headers):
+        kind, _, value = (headers.get("Authorization") or "").partition(" ")
+        return kind.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.metrics_bearer.encode())
+
+    def login_ok(self, key):
+        return hmac.compare_digest(key.encode(), self.login_key.encode())
+
+    def set_cookie(self):
+        return f"{self.cookie}={self.session}; Path=/; HttpOnly; SameSite=Strict"
+
+
+LOGIN_HINT = "Open the URL that `troupe dashboard` prints (on the cluster's head, as the user who started it).\n"
+
+
                     return self.send(200, metrics_text(state, samples), "text/plain; version=0.0.4; charset=utf-8")
                 if url.path == "/api/cluster":
                     alive = [n for n in state["nodes"] if n["state"] == "ALIVE"]
@@ -277,6 +344,8 @@ def make_handler(view, assets):
                 elif url.path == "/api/groups":
                     body = {"groups": _groups(state)}
                 elif url.path == "/api/logs":
+            for name, value in headers:
+                self.send_header(name, value)
                     actor = (parse_qs(url.query).get("actor") or [""])[0]
                     if not actor or not all(c in "0123456789abcdef" for c in actor):
                         raise ValueError("actor= must be an actor id (hex)")
@@ -285,8 +354,31 @@ def make_handler(view, assets):
                     except Exception as e:  # its node is gone, or no such actor: say so on the page
                         return self.send(404, json.dumps({"error": str(e)}), "application/json")
                     body = {"actor": actor, "stdout": out.decode(errors="replace"),
+        def admitted(self, url):
+            """Whether the request may go on; if not, the refusal has been sent."""
+            access = self.server.access
+            if not access.host_allowed(self.headers.get("Host")):
+                self.send(403, "Host not allowed: open the dashboard as 127.0.0.1 or localhost\n", "text/plain")
+                return False
+            if url.path == "/login":
+                query = parse_qs(url.query)
+                if not access.login_ok((query.get("key") or [""])[0]):
+                    self.send(403, "Wrong or missing login key. " + LOGIN_HINT, "text/plain")
+                    return False
+                target = (query.get("next") or ["/"])[0]
+                if not target.startswith("/") or target.startswith("//") or "\\" in target:
+                    target = "/"  # only a page of this server
+                self.send(303, "", "text/plain", [("Location", target), ("Set-Cookie", access.set_cookie())])
+                return False
+            if access.has_session(self.headers) or (url.path == "/metrics" and access.has_bearer(self.headers)):
+                return True
+            self.send(401, LOGIN_HINT, "text/plain", [("WWW-Authenticate", 'Bearer realm="troupe"')])
+            return False
+
                             "stderr": err.decode(errors="replace")}
                 else:
+            if not self.admitted(url):
+                return
                     return self.send(404, json.dumps({"error": f"no page {url.path}"}), "application/json")
             except ValueError as e:
                 return self.send(400, json.dumps({"error": str(e)}), "application/json")
@@ -328,22 +420,27 @@ def main(argv=None):
     host, port = server.server_address[:2]
     url = f"http://{host}:{port}"
     path = os.path.join(args.run_dir, "dashboard.url")
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(url + "\n")
-    os.replace(tmp, path)
+    _write_private(path, url)
     # Like the head's other daemons: a pid file that `troupe stop` and the supervisor read, and a
     # clean exit on SIGTERM.
     pid_path = os.path.join(args.run_dir, "pids", "dashboard.pid")
     with open(pid_path, "w") as f:
+def _write_private(path, text):
+    """Writes path (0600) by a rename, so a reader never sees half of it."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
         f.write(f"{os.getpid()}\n")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(f"troupe dashboard at {url} (pid {os.getpid()}, host {socket.gethostname()})", flush=True)
     try:
         server.serve_forever()
     finally:
-        for stale in (pid_path, path):
+        for stale in (pid_path, path, login_path, metrics_path):
             try:
                 os.unlink(stale)
             except OSError:
@@ -354,3 +451,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+    server.access = access = Access(cluster["token"], port)  # named after the port: set before serving
+    # The secrets first: `troupe start` waits for dashboard.url, then reads the login URL.
+    metrics_path = os.path.join(args.run_dir, "dashboard.metrics-token")
+    login_path = os.path.join(args.run_dir, "dashboard.login")
+    _write_private(metrics_path, access.metrics_bearer)
+    _write_private(login_path, f"{url}/login?key={quote(access.login_key)}")

@@ -52,6 +52,11 @@ int pythonCommand(const std::string& module, int argc, char** argv, int first);
 // Prints an actor's captured stdout and stderr (by id, id prefix or name), fetched from its node.
 int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes);
 int restartControllerCommand();
+// Prints the dashboard's login URL (and where Prometheus's credentials are) from this machine's
+// newest run directory; an error if no dashboard runs there.
+int dashboardCommand();
+// The login URL the dashboard wrote to runDir/dashboard.login, or "" if none.
+std::string dashboardLoginUrl(const std::string& runDir);
 
 // Prints "troupe: error: <message>" and returns 1 (2 for bad usage).
 int fail(const Status& status);

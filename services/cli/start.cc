@@ -265,7 +265,8 @@ int startHead(StartFlags f) {
             << "  redis:      " << file.redisAddress << (file.embeddedRedis ? " (embedded)" : "") << "\n"
             << "  gateway:    " << gatewayAddress << " (how other nodes reach the store)\n"
             << "  tls:        " << (f.tls ? "on (every connection encrypted)" : "off") << "\n"
-            << "  dashboard:  " << (dashboardUrl.empty() ? "(not running)" : dashboardUrl + " (and /metrics)") << "\n"
+            << "  dashboard:  " << (dashboardUrl.empty() ? "(not running)" : dashboardLoginUrl(runDir)) << "\n"
+            << (dashboardUrl.empty() ? "" : "              (log in there; 'troupe dashboard' prints it again)\n")
             << "  head node:  " << nodeId.hex() << "\n"
             << "  run dir:    " << runDir << "\n\n"
             << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token

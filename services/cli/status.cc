@@ -147,7 +147,9 @@ int statusCommand(const StatusFlags& flags) {
   for (const auto& n : *nodes) alive += n.state == NodeState::kAlive;
   std::cout << fmt::format("Cluster at {}: {} node(s) alive, {} dead\n", target->controller.toString(), alive,
                            nodes->size() - alive);
-  if (auto url = dashboardUrl(target->runDir); !url.empty()) std::cout << "Dashboard: " << url << "\n";
+  if (auto url = dashboardUrl(target->runDir); !url.empty()) {
+    std::cout << "Dashboard: " << url << " (log in with the URL 'troupe dashboard' prints)\n";
+  }
   std::cout << fmt::format("{:<18}{:<6}{:<22}{:<8}{:<9}{:<12}{}\n", "NODE", "HEAD", "ADDRESS", "PID", "STATE",
                            "HEARTBEAT", "RESOURCES (used / total)");
   for (const auto& n : *nodes) {

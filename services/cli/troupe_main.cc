@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   logsCmd->add_option("--bytes", logsBytes, "At most this much from the end of each stream");
   app.add_subcommand("job", "Run driver scripts on the cluster: job submit|list|status|logs|stop (see job --help)");
   app.add_subcommand("timeline", "Write a training group's recent steps as a Chrome trace: timeline [--group G] [-o FILE]");
+  auto* dashboardCmd = app.add_subcommand("dashboard", "Print the dashboard's login URL (on the head, as its user)");
   auto* restartCmd = app.add_subcommand("restart-controller",
                                         "Restart this machine's controller; it recovers the cluster from Redis");
 
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
   if (statusCmd->parsed()) return statusCommand(status);
   if (stopCmd->parsed()) return stopCommand();
   if (logsCmd->parsed()) return logsCommand(logsActor, logsAddress, logsToken, logsBytes);
+  if (dashboardCmd->parsed()) return dashboardCommand();
   if (restartCmd->parsed()) return restartControllerCommand();
   return 2;
 }

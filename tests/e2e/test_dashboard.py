@@ -8,7 +8,9 @@ import re
 import shutil
 import subprocess
 import textwrap
-import urllib.request
+import http.client
+import urllib.error
+import urllib.parse
 
 import pytest
 
@@ -20,19 +22,60 @@ CHROMIUM = shutil.which("chromium")
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
-def fetch(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+def request(url, headers=None):
+    """(status, headers, body) of a GET, redirects not followed."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("GET", parts.path + ("?" + parts.query if parts.query else ""), headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.headers, r.read().decode()
+    finally:
+        conn.close()
 
 
-def metrics(url):
+def parse_metrics(text):
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
-    for family in text_string_to_metric_families(fetch(url + "/metrics")):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+class Dashboard:
+    """The head's dashboard, logged in through the URL the start banner printed."""
+
+    def __init__(self, login_url):
+        self.login_url = login_url
+        self.url = re.match(r"(http://127\.0\.0\.1:\d+)/login\?key=[0-9a-f]{64}$", login_url).group(1)
+        status, headers, _ = request(login_url)
+        assert status == 303 and headers["Location"] == "/"
+        self.cookie = headers["Set-Cookie"].split(";")[0]
+        assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+
+    def fetch(self, path):
+        status, _, body = request(self.url + path, {"Cookie": self.cookie})
+        if status != 200:
+            raise urllib.error.HTTPError(self.url + path, status, body, None, None)
+        return body
+
+    def metrics(self):
+        return parse_metrics(self.fetch("/metrics"))
+
+    def browse(self, path, screenshot=None):
+        """The page's DOM after its script ran (headless Chromium, logged in by the login URL with
+        next=path), and a screenshot if asked."""
+        assert CHROMIUM, "chromium is missing: scripts/setup installs it"
+        url = self.login_url + "&next=" + urllib.parse.quote(path, safe="")
+        base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--virtual-time-budget=4000", "--window-size=1280,1400"]
+        dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
+        if screenshot:
+            subprocess.run(base + [f"--screenshot={screenshot}", url], capture_output=True, timeout=60)
+            assert os.path.getsize(screenshot) > 1000
+        return dom
 
 
 def counter(m, name, **labels):
@@ -41,34 +84,24 @@ def counter(m, name, **labels):
     return sum(found) if found else None
 
 
-def browse(url, screenshot=None):
-    """The page's DOM after its script ran (headless Chromium), and a screenshot if asked."""
-    assert CHROMIUM, "chromium is missing: scripts/setup installs it"
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--virtual-time-budget=4000", "--window-size=1280,1400"]
-    dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
-    if screenshot:
-        subprocess.run(base + [f"--screenshot={screenshot}", url], capture_output=True, timeout=60)
-        assert os.path.getsize(screenshot) > 1000
-    return dom
-
-
 @pytest.fixture
 def head(troupe):
     port = free_port()
     out = troupe.run("start", "--head", "--port", str(free_port()), "--dashboard-port", str(port)).stdout
-    url = re.search(r"dashboard:\s+(http://127\.0\.0\.1:\d+)", out).group(1)
-    return troupe, url, port
+    login = re.search(r"dashboard:\s+(\S+)", out).group(1)
+    return troupe, Dashboard(login), port
 
 
 def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
-    troupe, url, port = head
+    troupe, dash, port = head
+    url = dash.url
     no_group = troupe.run("timeline", check=False)
     assert no_group.returncode == 1 and "name the group with --group (groups: none)" in no_group.stderr
     assert url == f"http://127.0.0.1:{port}"
-    assert f"Dashboard: {url}" in troupe.run("status").stdout
+    assert f"Dashboard: {url} (log in with the URL 'troupe dashboard' prints)" in troupe.run("status").stdout
+    assert troupe.run("dashboard").stdout.splitlines()[0] == dash.login_url
     assert troupe.status()["cluster"]["dashboard"] == url
-    m = metrics(url)
+    m = dash.metrics()
     assert m[("troupe_cluster_nodes", (("state", "ALIVE"),))] == 1
     assert m[("troupe_resources", (("name", "CPU"), ("state", "AVAILABLE")))] > 0
     assert m[("troupe_actors", (("state", "ALIVE"),))] == 0
@@ -90,35 +123,35 @@ def test_start_and_status_give_the_url_and_metrics_follow_the_cluster(head):
     try:
         assert driver.stdout.readline().strip() == "up"
         # The dashboard reads the cluster at most every 0.5 s.
-        eventually(lambda: metrics(url)[("troupe_actors", (("state", "ALIVE"),))] == 1, 10, "the actor in /metrics")
-        assert metrics(url)[("troupe_resources", (("name", "CPU"), ("state", "USED")))] == 1
-        dom = browse(url + "/?tab=actors")
+        eventually(lambda: dash.metrics()[("troupe_actors", (("state", "ALIVE"),))] == 1, 10, "the actor in /metrics")
+        assert dash.metrics()[("troupe_resources", (("name", "CPU"), ("state", "USED")))] == 1
+        dom = dash.browse("/?tab=actors")
         assert "py:A" in dom and "ALIVE" in dom
-        actor = json.loads(fetch(url + "/api/actors?state=ALIVE"))["actors"][0]["id"]
+        actor = json.loads(dash.fetch("/api/actors?state=ALIVE"))["actors"][0]["id"]
         # Its worker's counters, read live from its node's agent, labelled with node, actor, class.
-        m = metrics(url)
+        m = dash.metrics()
         assert counter(m, "troupe_actor_calls_total", actor=actor, **{"class": "py:A"}) >= 1
         assert counter(m, "troupe_actor_call_seconds_total", actor=actor) > 0
         assert counter(m, "troupe_actor_call_errors_total", actor=actor) == 0
         node = troupe.status()["nodes"][0]["id"]
         assert counter(m, "troupe_actor_calls_total", node=node) >= 1
-        assert "hello from the actor" in json.loads(fetch(url + f"/api/logs?actor={actor}"))["stdout"]
-        dom = browse(url + f"/?tab=actors&logs={actor}")
+        assert "hello from the actor" in json.loads(dash.fetch(f"/api/logs?actor={actor}"))["stdout"]
+        dom = dash.browse(f"/?tab=actors&logs={actor}")
         assert re.search(r'<pre id="log-tail">hello from the actor', dom), "the actor's output is not shown"
     finally:
         driver.communicate("\n", timeout=30)
-    eventually(lambda: metrics(url)[("troupe_actors", (("state", "ALIVE"),))] == 0, 30, "the driver's actor to end")
-    page = json.loads(fetch(url + "/api/actors?state=DEAD&limit=1"))
+    eventually(lambda: dash.metrics()[("troupe_actors", (("state", "ALIVE"),))] == 0, 30, "the driver's actor to end")
+    page = json.loads(dash.fetch("/api/actors?state=DEAD&limit=1"))
     assert page["total"] == 1 and len(page["actors"]) == 1
     with pytest.raises(urllib.error.HTTPError):
-        fetch(url + "/api/actors?limit=x")
-    dom = browse(url + "/", screenshot=str(BUILD / "dashboard-cluster.png"))
+        dash.fetch("/api/actors?limit=x")
+    dom = dash.browse("/", screenshot=str(BUILD / "dashboard-cluster.png"))
     assert "1 node(s) alive, 0 dead" in dom
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BUILD, "troupe-worker-torch")), reason="built without LibTorch")
 def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
-    troupe, url, _ = head
+    troupe, dash, _ = head
     stop = tmp_path / "stop"
     code = textwrap.dedent(f"""
         import os, troupe
@@ -137,21 +170,21 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def group():
-            groups = json.loads(fetch(url + "/api/groups"))["groups"]
+            groups = json.loads(dash.fetch("/api/groups"))["groups"]
             return groups[0] if groups else None
 
         eventually(lambda: (group() or {}).get("step", 0) >= 3, 120, "the group to train its first steps")
-        first = int(re.search(r'class="group-step">step (\d+)', browse(url + "/?tab=training")).group(1))
+        first = int(re.search(r'class="group-step">step (\d+)', dash.browse("/?tab=training")).group(1))
         eventually(lambda: group()["step"] > first, 60, "the group to train on")
-        dom = browse(url + "/?tab=training")
+        dom = dash.browse("/?tab=training")
         second = int(re.search(r'class="group-step">step (\d+)', dom).group(1))
         assert second > first  # the page shows the step advancing between two loads
         eventually(lambda: group()["recovery_count"] >= 1, 120, "the killed trainer's recovery")
-        dom = browse(url + "/?tab=training", screenshot=str(BUILD / "dashboard-training.png"))
+        dom = dash.browse("/?tab=training", screenshot=str(BUILD / "dashboard-training.png"))
         assert "recovered in" in dom and "signal 9" in dom  # the event, with why the trainer died
         assert re.search(r'class="recoveries">.*?<td>12</td>', dom, re.S), "the recovery is not listed"
         assert "<polyline" in dom  # the loss curve
-        m = metrics(url)
+        m = dash.metrics()
         assert m[("troupe_train_step", (("group", "dash"),))] >= second
         assert m[("troupe_train_recoveries", (("group", "dash"),))] >= 1
         assert m[("troupe_train_world_size", (("group", "dash"),))] == 2
@@ -162,10 +195,10 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
         assert allreduced > 0 and counter(m, "troupe_collective_seconds_total", op="allreduce") > 0
         assert counter(m, "troupe_checkpoint_snapshots_total", **{"class": "Trainer"}) >= 1
         assert counter(m, "troupe_checkpoint_snapshot_seconds_total") > 0
-        eventually(lambda: (counter(metrics(url), "troupe_checkpoint_persists_total") or 0) >= 1, 60,
+        eventually(lambda: (counter(dash.metrics(), "troupe_checkpoint_persists_total") or 0) >= 1, 60,
                    "a persisted snapshot in the checkpoint actors' counters")
-        assert counter(metrics(url), "troupe_checkpoint_persist_bytes_total") > 0
-        eventually(lambda: counter(metrics(url), "troupe_collective_bytes_total", op="allreduce") > allreduced, 60,
+        assert counter(dash.metrics(), "troupe_checkpoint_persist_bytes_total") > 0
+        eventually(lambda: counter(dash.metrics(), "troupe_collective_bytes_total", op="allreduce") > allreduced, 60,
                    "the all-reduced bytes to grow")
         # The CLI's timeline of the same group: a Chrome trace file with both ranks.
         trace_file = tmp_path / "trace.json"
