@@ -244,38 +244,6 @@ def _node_families(samples):
     return sorted(by_name.items())
 
 
-# ---- HTTP ----
-
-def make_handler(view, assets):
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "troupe-dashboard"
-
-        def log_message(self, fmt, *args):  # quiet: a page polls every second
-            pass
-
-        def send(self, code, body, content_type, headers=()):
-            data = body if isinstance(body, bytes) else body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' 'unsafe-inline'")
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            url = urlparse(self.path)
-            if url.path in assets:
-                return self.send(200, *assets[url.path])
-            state, error = view.get()
-            try:
-                if url.path == "/metrics":
-                    try:
-                        samples = view.runtime.node_metrics(
-                            [n["address"] for n in state["nodes"] if n["state"] == "ALIVE"])
-                    except Exception:  # the controller is away: the cluster gauges still come
-                        samples = []
 # ---- Access ----
 
 # Host header names a browser uses for this server: anything else is a DNS-rebound name (a page
@@ -332,28 +300,28 @@ class Access:
 LOGIN_HINT = "Open the URL that `troupe dashboard` prints (on the cluster's head, as the user who started it).\n"
 
 
-                    return self.send(200, metrics_text(state, samples), "text/plain; version=0.0.4; charset=utf-8")
-                if url.path == "/api/cluster":
-                    alive = [n for n in state["nodes"] if n["state"] == "ALIVE"]
-                    body = {"nodes": state["nodes"], "alive": len(alive), "dead": len(state["nodes"]) - len(alive),
-                            "actors": len(state["actors"]), "groups": len(state["groups"]), "error": error}
-                elif url.path == "/api/actors":
-                    body = _actors_page(state, parse_qs(url.query))
-                elif url.path == "/api/placement_groups":
-                    body = {"placement_groups": state["placement_groups"]}
-                elif url.path == "/api/groups":
-                    body = {"groups": _groups(state)}
-                elif url.path == "/api/logs":
+# ---- HTTP ----
+
+def make_handler(view, assets):
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "troupe-dashboard"
+
+        def log_message(self, fmt, *args):  # quiet: a page polls every second
+            pass
+
+        def send(self, code, body, content_type, headers=()):
+            data = body if isinstance(body, bytes) else body.encode()
+            self.send_response(code)
             for name, value in headers:
                 self.send_header(name, value)
-                    actor = (parse_qs(url.query).get("actor") or [""])[0]
-                    if not actor or not all(c in "0123456789abcdef" for c in actor):
-                        raise ValueError("actor= must be an actor id (hex)")
-                    try:
-                        out, err = view.runtime.read_logs(actor, LOG_TAIL_BYTES)
-                    except Exception as e:  # its node is gone, or no such actor: say so on the page
-                        return self.send(404, json.dumps({"error": str(e)}), "application/json")
-                    body = {"actor": actor, "stdout": out.decode(errors="replace"),
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' 'unsafe-inline'")
+            self.end_headers()
+            self.wfile.write(data)
+
         def admitted(self, url):
             """Whether the request may go on; if not, the refusal has been sent."""
             access = self.server.access
@@ -375,10 +343,42 @@ LOGIN_HINT = "Open the URL that `troupe dashboard` prints (on the cluster's head
             self.send(401, LOGIN_HINT, "text/plain", [("WWW-Authenticate", 'Bearer realm="troupe"')])
             return False
 
-                            "stderr": err.decode(errors="replace")}
-                else:
+        def do_GET(self):
+            url = urlparse(self.path)
             if not self.admitted(url):
                 return
+            if url.path in assets:
+                return self.send(200, *assets[url.path])
+            state, error = view.get()
+            try:
+                if url.path == "/metrics":
+                    try:
+                        samples = view.runtime.node_metrics(
+                            [n["address"] for n in state["nodes"] if n["state"] == "ALIVE"])
+                    except Exception:  # the controller is away: the cluster gauges still come
+                        samples = []
+                    return self.send(200, metrics_text(state, samples), "text/plain; version=0.0.4; charset=utf-8")
+                if url.path == "/api/cluster":
+                    alive = [n for n in state["nodes"] if n["state"] == "ALIVE"]
+                    body = {"nodes": state["nodes"], "alive": len(alive), "dead": len(state["nodes"]) - len(alive),
+                            "actors": len(state["actors"]), "groups": len(state["groups"]), "error": error}
+                elif url.path == "/api/actors":
+                    body = _actors_page(state, parse_qs(url.query))
+                elif url.path == "/api/placement_groups":
+                    body = {"placement_groups": state["placement_groups"]}
+                elif url.path == "/api/groups":
+                    body = {"groups": _groups(state)}
+                elif url.path == "/api/logs":
+                    actor = (parse_qs(url.query).get("actor") or [""])[0]
+                    if not actor or not all(c in "0123456789abcdef" for c in actor):
+                        raise ValueError("actor= must be an actor id (hex)")
+                    try:
+                        out, err = view.runtime.read_logs(actor, LOG_TAIL_BYTES)
+                    except Exception as e:  # its node is gone, or no such actor: say so on the page
+                        return self.send(404, json.dumps({"error": str(e)}), "application/json")
+                    body = {"actor": actor, "stdout": out.decode(errors="replace"),
+                            "stderr": err.decode(errors="replace")}
+                else:
                     return self.send(404, json.dumps({"error": f"no page {url.path}"}), "application/json")
             except ValueError as e:
                 return self.send(400, json.dumps({"error": str(e)}), "application/json")
@@ -395,6 +395,15 @@ def _assets():
             out["/" + name] = (f.read(), kind)
     out["/"] = out["/index.html"]
     return out
+
+
+def _write_private(path, text):
+    """Writes path (0600) by a rename, so a reader never sees half of it."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
 
 
 def _listen(host, port, handler):
@@ -418,22 +427,19 @@ def main(argv=None):
     runtime = _core.Runtime(cluster["controller_address"], cluster["token"])
     server = _listen("127.0.0.1", args.port, make_handler(ClusterView(runtime), _assets()))
     host, port = server.server_address[:2]
+    server.access = access = Access(cluster["token"], port)  # named after the port: set before serving
     url = f"http://{host}:{port}"
+    # The secrets first: `troupe start` waits for dashboard.url, then reads the login URL.
+    metrics_path = os.path.join(args.run_dir, "dashboard.metrics-token")
+    login_path = os.path.join(args.run_dir, "dashboard.login")
+    _write_private(metrics_path, access.metrics_bearer)
+    _write_private(login_path, f"{url}/login?key={quote(access.login_key)}")
     path = os.path.join(args.run_dir, "dashboard.url")
     _write_private(path, url)
     # Like the head's other daemons: a pid file that `troupe stop` and the supervisor read, and a
     # clean exit on SIGTERM.
     pid_path = os.path.join(args.run_dir, "pids", "dashboard.pid")
     with open(pid_path, "w") as f:
-def _write_private(path, text):
-    """Writes path (0600) by a rename, so a reader never sees half of it."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
-
-
         f.write(f"{os.getpid()}\n")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(f"troupe dashboard at {url} (pid {os.getpid()}, host {socket.gethostname()})", flush=True)
@@ -451,9 +457,3 @@ def _write_private(path, text):
 
 if __name__ == "__main__":
     sys.exit(main())
-    server.access = access = Access(cluster["token"], port)  # named after the port: set before serving
-    # The secrets first: `troupe start` waits for dashboard.url, then reads the login URL.
-    metrics_path = os.path.join(args.run_dir, "dashboard.metrics-token")
-    login_path = os.path.join(args.run_dir, "dashboard.login")
-    _write_private(metrics_path, access.metrics_bearer)
-    _write_private(login_path, f"{url}/login?key={quote(access.login_key)}")

@@ -235,3 +235,74 @@ def test_metrics_text_parses_and_escapes_labels():
     assert samples[("troupe_train_epoch", (group,))] == 3
     assert samples[("troupe_train_straggler", (group, ("rank", "1")))] == 1
     assert samples[("troupe_train_straggler", (group, ("rank", "0")))] == 0
+
+
+def test_only_a_logged_in_session_on_a_loopback_host_is_served(head):
+    """Issue 34: a request without the session cookie, with a wrong one or a wrong login key, or
+    naming another host (DNS rebinding) is refused; the URL `troupe dashboard` prints logs in."""
+    troupe, dash, port = head
+    run_dir = troupe.status()["cluster"]["run_dir"]
+    token = json.loads(open(os.path.join(run_dir, "cluster.json")).read())["token"]
+    for path in ("/", "/index.html", "/app.js", "/api/cluster", "/api/actors", "/api/groups", "/metrics",
+                 "/api/logs?actor=00"):
+        status, headers, body = request(dash.url + path)
+        assert status == 401, path
+        assert "troupe dashboard" in body and "node" not in body and "Set-Cookie" not in headers
+        assert request(dash.url + path, {"Cookie": dash.cookie.split("=")[0] + "=" + "0" * 64})[0] == 401, path
+    name, _, value = dash.cookie.partition("=")
+    assert token not in dash.login_url and token not in value
+    # A wrong key sets nothing; the printed URL sets the cookie (see Dashboard) and only sends to
+    # this server's pages.
+    status, headers, _ = request(dash.url + "/login?key=" + "0" * 64)
+    assert status == 403 and "Set-Cookie" not in headers
+    assert request(dash.url + "/login")[0] == 403
+    status, headers, _ = request(dash.login_url + "&next=//evil.example/x")
+    assert status == 303 and headers["Location"] == "/"
+    status, headers, _ = request(dash.login_url + "&next=/%3Ftab%3Dactors")
+    assert status == 303 and headers["Location"] == "/?tab=actors"
+    # DNS rebinding: the browser sends the cookie of the page's own name only, but the Host check
+    # holds whatever it sends.
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", ""):
+        status, _, body = request(dash.url + "/api/cluster", {"Cookie": dash.cookie, "Host": host})
+        assert status == 403 and "nodes" not in body, host
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost:8265", "LOCALHOST"):
+        assert request(dash.url + "/api/cluster", {"Cookie": dash.cookie, "Host": host})[0] == 200, host
+    assert json.loads(dash.fetch("/api/cluster"))["alive"] == 1
+    # Prometheus: a bearer credential from a 0600 file, for /metrics only.
+    bearer_file = os.path.join(run_dir, "dashboard.metrics-token")
+    assert os.stat(bearer_file).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.join(run_dir, "dashboard.login")).st_mode & 0o777 == 0o600
+    bearer = open(bearer_file).read().strip()
+    assert bearer != token
+    status, _, body = request(dash.url + "/metrics", {"Authorization": f"Bearer {bearer}"})
+    assert status == 200 and parse_metrics(body)[("troupe_cluster_nodes", (("state", "ALIVE"),))] == 1
+    assert request(dash.url + "/api/cluster", {"Authorization": f"Bearer {bearer}"})[0] == 401
+    assert request(dash.url + "/metrics", {"Authorization": "Bearer " + "0" * 64})[0] == 401
+    # The dashboard's page itself, in a browser, through the printed URL.
+    assert "1 node(s) alive" in dash.browse("/")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a probe as another user")
+def test_another_local_user_is_served_nothing(head):
+    troupe, dash, _ = head
+    run_dir = troupe.status()["cluster"]["run_dir"]
+    probe = textwrap.dedent(f"""
+        import http.client, json
+        out = {{}}
+        for path in ("/", "/api/cluster", "/metrics", "/api/actors"):
+            c = http.client.HTTPConnection("127.0.0.1", {dash.url.rsplit(":", 1)[1]}, timeout=10)
+            c.request("GET", path)
+            out[path] = c.getresponse().status
+        for f in ("dashboard.login", "dashboard.metrics-token", "cluster.json"):
+            try:
+                open({run_dir!r} + "/" + f).read()
+                out[f] = "read"
+            except OSError as e:
+                out[f] = type(e).__name__
+        print(json.dumps(out))
+    """)
+    result = subprocess.run(["/usr/bin/python3", "-c", probe], user=65534, group=65534, extra_groups=[],
+                            capture_output=True, text=True, timeout=60, cwd="/")
+    seen = json.loads(result.stdout)
+    assert {seen[p] for p in ("/", "/api/cluster", "/metrics", "/api/actors")} == {401}
+    assert {seen[f] for f in ("dashboard.login", "dashboard.metrics-token", "cluster.json")} == {"PermissionError"}
