@@ -111,7 +111,7 @@ OpCounters& opCounters(OpKind kind) {
   static std::vector<OpCounters> table = [] {
     std::vector<OpCounters> t;
     for (int k = static_cast<int>(OpKind::kAllreduce); k <= static_cast<int>(OpKind::kSendRecv); ++k) {
-      std::string op = fmt::format("op=\"{}\"", opKindName(static_cast<OpKind>(k)));
+      std::string op = metrics::labelText({{"op", opKindName(static_cast<OpKind>(k))}});
       t.push_back(OpCounters{metrics::counter("troupe_collective_ops_total", op),
                              metrics::counter("troupe_collective_bytes_total", op),
                              metrics::counter("troupe_collective_seconds_total", op, metrics::Unit::kSeconds)});

@@ -89,6 +89,16 @@ bool validName(std::string_view s) {
   return true;
 }
 
+bool validLabelName(std::string_view s) {
+  if (s.empty()) return false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    char c = s[i];
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (i > 0 && c >= '0' && c <= '9');
+    if (!ok) return false;
+  }
+  return true;
+}
+
 bool printable(std::string_view s) {
   for (char c : s) {
     if (c < 0x20 || c > 0x7e) return false;
@@ -111,7 +121,8 @@ Counter& counter(std::string_view name, std::string_view labels, Unit unit) {
   std::lock_guard lock(r.mutex);
   if (auto it = r.byKey.find(key); it != r.byKey.end()) return *it->second;
   TROUPE_CHECK(validName(name) && name.size() < sizeof(Slot::name), "metrics: bad counter name '{}'", name);
-  TROUPE_CHECK(printable(labels) && labels.size() < sizeof(Slot::labels), "metrics: bad labels '{}'", labels);
+  TROUPE_CHECK(printable(labels) && labels.size() < sizeof(Slot::labels) && parseLabels(labels).has_value(),
+               "metrics: bad labels '{}' (write them with labelText)", labels);
   uint32_t used = r.header->used.load(std::memory_order_relaxed);
   std::atomic<uint64_t>* value;
   if (used < kSlots) {
@@ -165,10 +176,14 @@ Result<std::vector<Sample>> read(const std::string& path) {
         (unit != static_cast<uint8_t>(Unit::kCount) && unit != static_cast<uint8_t>(Unit::kSeconds))) {
       continue;
     }
+    // The worker wrote this text, and it may write anything: only what parses as label text goes
+    // on, written again by labelText so a stray quote or backslash never reaches a scrape.
+    auto parsed = parseLabels(*labels);
+    if (!parsed) continue;
     uint64_t value = 0;
     std::memcpy(&value, at + offsetof(Slot, value), sizeof(value));
     double v = unit == static_cast<uint8_t>(Unit::kSeconds) ? static_cast<double>(value) / 1e9 : static_cast<double>(value);
-    out.push_back(Sample{std::string(*name), std::string(*labels), v});
+    out.push_back(Sample{std::string(*name), labelText(*parsed), v});
   }
   return out;
 }
@@ -185,6 +200,59 @@ std::string escapeLabel(std::string_view value) {
     } else {
       out += c;
     }
+  }
+  return out;
+}
+
+std::string labelText(const Labels& labels) {
+  std::string out;
+  for (const auto& [name, value] : labels) {
+    TROUPE_CHECK(validLabelName(name), "metrics: bad label name '{}'", name);
+    if (!out.empty()) out += ',';
+    out += fmt::format("{}=\"{}\"", name, escapeLabel(value));
+  }
+  return out;
+}
+
+std::optional<Labels> parseLabels(std::string_view text) {
+  Labels out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (!out.empty()) {
+      if (text[i] != ',') return std::nullopt;
+      ++i;
+    }
+    size_t eq = text.find('=', i);
+    if (eq == std::string_view::npos || !validLabelName(text.substr(i, eq - i))) return std::nullopt;
+    std::string name(text.substr(i, eq - i));
+    i = eq + 1;
+    if (i >= text.size() || text[i] != '"') return std::nullopt;
+    ++i;
+    std::string value;
+    bool closed = false;
+    while (i < text.size()) {
+      char c = text[i++];
+      if (c == '"') {
+        closed = true;
+        break;
+      }
+      if (c == '\n') return std::nullopt;
+      if (c == '\\') {
+        if (i >= text.size()) return std::nullopt;
+        char e = text[i++];
+        if (e == 'n') {
+          value += '\n';
+        } else if (e == '\\' || e == '"') {
+          value += e;
+        } else {
+          return std::nullopt;
+        }
+      } else {
+        value += c;
+      }
+    }
+    if (!closed) return std::nullopt;
+    out.emplace_back(std::move(name), std::move(value));
   }
   return out;
 }

@@ -145,6 +145,36 @@ TEST_CASE("a file that is not a counter file is an error, and a slot with bad te
 TEST_CASE("label values are escaped for the Prometheus text format") {
   CHECK(escapeLabel("py:Counter") == "py:Counter");
   CHECK(escapeLabel("a\"b\\c\nd") == "a\\\"b\\\\c\\nd");
+  CHECK(labelText({{"op", "a\"b\\c\nd"}, {"rank", "0"}}) == "op=\"a\\\"b\\\\c\\nd\",rank=\"0\"");
+  CHECK(parseLabels(labelText({{"op", "a\"b\\c\nd"}})) == Labels{{"op", "a\"b\\c\nd"}});
+  CHECK(parseLabels("") == Labels{});
+  for (const char* bad : {"op=\"a\"b\"", "op=\"a", "op=\"a\\x\"", "op=a", "9op=\"a\"", "op=\"a\"x", "op=\"a\",", "op=\"a\nb\""}) {
+    CHECK_MESSAGE(!parseLabels(bad).has_value(), bad);
+  }
+}
+
+TEST_CASE("a slot whose label text a worker forged is dropped; escaped text comes back as written") {
+  std::string dir = tempDir();
+  std::string path = dir + "/actor-3.0";
+  const std::string tricky = labelText({{"op", "a\"b\\c\nd"}});
+  auto child = spawn(path, [&tricky](int) {
+    counter("troupe_a_total", tricky).add(1);
+    counter("troupe_b_total", "op=\"x\"").add(2);
+  });
+  child.step();
+  CHECK(child.finish() == 0);
+  CHECK(valueOf(*read(path), "troupe_a_total", tricky) == 1);
+  // The worker owns the file and can write any printable text where slot 1's labels are.
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  const size_t header = 64, slot = 192, labels = 96;
+  file.seekp(static_cast<std::streamoff>(header + slot + labels));
+  file << std::string("op=\"x\"} 1\\nfake 9 \"") << '\0';
+  file.flush();
+  auto samples = read(path);
+  REQUIRE(samples.isOk());
+  REQUIRE(samples->size() == 1);
+  CHECK((*samples)[0].name == "troupe_a_total");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

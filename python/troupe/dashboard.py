@@ -142,7 +142,34 @@ def _actors_page(state, query):
 # ---- Prometheus text format ----
 
 def _label(value):
+    """A label value in the text format: backslash, quote and newline escaped. Every label this
+    module writes goes through it (_label_text)."""
     return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+
+
+def _label_text(labels):
+    """`a="x",b="y"` from (name, value) pairs."""
+    return ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+
+
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _parse_labels(text):
+    """The (name, value) pairs of label text, or None if it is not label text."""
+    pairs, at = [], 0
+    while at < len(text):
+        if pairs:
+            if text[at] != ",":
+                return None
+            at += 1
+        m = _LABEL.match(text, at)
+        if m is None:
+            return None
+        pairs.append((m.group(1), re.sub(r"\\[\\\"n]", lambda e: _UNESCAPE[e.group(0)], m.group(2))))
+        at = m.end()
+    return pairs
 
 
 class _Metrics:
@@ -156,7 +183,7 @@ class _Metrics:
         for labels, value in samples:
             if value is None:
                 continue
-            text = ",".join(f'{k}="{_label(v)}"' for k, v in sorted(labels.items()))
+            text = _label_text(sorted(labels.items()))
             self.lines.append(f"{name}{{{text}}} {float(value):.17g}" if text else f"{name} {float(value):.17g}")
 
     def text(self):
@@ -237,10 +264,15 @@ NODE_COUNTERS = {
 
 
 def _node_families(samples):
-    """[(name, [sample lines])] in name order; labels come escaped from the node agents."""
+    """[(name, [sample lines])] in name order. The node agents send label text; it is parsed and
+    written again here, and a sample whose text does not parse (or whose name is not a metric
+    name) is dropped: one bad worker must not break the scrape."""
     by_name = {}
     for name, labels, value in samples:
-        by_name.setdefault(name, []).append(f"{name}{{{labels}}} {float(value):.17g}")
+        pairs = _parse_labels(labels)
+        if pairs is None or not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name):
+            continue
+        by_name.setdefault(name, []).append(f"{name}{{{_label_text(pairs)}}} {float(value):.17g}")
     return sorted(by_name.items())
 
 

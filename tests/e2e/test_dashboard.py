@@ -306,3 +306,45 @@ def test_another_local_user_is_served_nothing(head):
     seen = json.loads(result.stdout)
     assert {seen[p] for p in ("/", "/api/cluster", "/metrics", "/api/actors")} == {401}
     assert {seen[f] for f in ("dashboard.login", "dashboard.metrics-token", "cluster.json")} == {"PermissionError"}
+
+
+def test_label_text_a_worker_forges_never_reaches_the_scrape(head):
+    """Issue 34: an actor writes label text into its own counters file: a well-escaped value with
+    a quote, a backslash and a newline comes through intact; text that is not label text is
+    dropped, and the scrape still parses."""
+    troupe, dash, _ = head
+    code = textwrap.dedent("""
+        import mmap, os, struct, sys, troupe
+        troupe.init("auto", log_to_driver=False)
+        @troupe.remote
+        class Forger:
+            def ping(self):  # the first call's counters make the worker's file
+                return True
+
+            def forge(self):
+                with open(os.environ["TROUPE_METRICS_FILE"], "r+b") as f:
+                    m = mmap.mmap(f.fileno(), 0)
+                used = struct.unpack_from("<I", m, 16)[0]
+                for i, (name, labels) in enumerate([
+                        (b"troupe_forged_ok_total", b'why="a\\\\"b\\\\\\\\c\\\\nd"'),
+                        (b"troupe_forged_bad_total", b'why="x"y",z="}'),
+                        (b"troupe_forged_worse_total", b'why="x"} 1\\\\ntroupe_fake 7 #')]):
+                    at = 64 + (used + i) * 192
+                    m[at:at + 192] = name.ljust(96, b"\\0") + labels.ljust(80, b"\\0") + bytes([1]) + bytes(7) + \\
+                        struct.pack("<Q", 5)
+                struct.pack_into("<I", m, 16, used + 3)
+                return True
+        f = Forger.options(name="forger").remote()
+        assert troupe.get(f.ping.remote()) and troupe.get(f.forge.remote())
+        print("up", flush=True); sys.stdin.readline()
+    """)
+    driver = subprocess.Popen(["/usr/bin/python3", "-c", code], env=dict(troupe.env, PYTHONPATH=str(PYTHON_PACKAGE)),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "up"
+        m = dash.metrics()  # parses: a forged sample would make the parser raise
+        assert counter(m, "troupe_forged_ok_total", why='a"b\\c\nd') == 5
+        assert counter(m, "troupe_forged_bad_total") is None
+        assert counter(m, "troupe_forged_worse_total") is None and counter(m, "troupe_fake") is None
+    finally:
+        driver.communicate("\n", timeout=30)

@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "troupe/runtime/status.h"
@@ -35,8 +37,8 @@ class Counter {
 };
 
 // The process's counter `name` (Prometheus syntax, e.g. "troupe_actor_calls_total") with
-// `labels` (already Prometheus label text, e.g. `op="allreduce"`), made on first use. When the
-// file is full (kSlots), further counters still count but are not published.
+// `labels` (Prometheus label text written by labelText, e.g. `op="allreduce"`), made on first use.
+// When the file is full (kSlots), further counters still count but are not published.
 Counter& counter(std::string_view name, std::string_view labels = {}, Unit unit = Unit::kCount);
 
 // The calls the actor this process serves has answered, failed (its own error), and their
@@ -58,8 +60,19 @@ struct Sample {
 // a slot whose text is not valid is skipped.
 Result<std::vector<Sample>> read(const std::string& path);
 
-// The Prometheus text form of a label value: backslash, quote and newline escaped.
+// The Prometheus text form of a label value: backslash, quote and newline escaped. The one escape
+// of label values in C++: labelText uses it, and so does what a node agent adds to a sample.
 std::string escapeLabel(std::string_view value);
+
+// Label pairs, in the order written: (name, value), the value unescaped.
+using Labels = std::vector<std::pair<std::string, std::string>>;
+
+// `a="x",b="y"`: each value through escapeLabel. A name that is not a label name is fatal.
+std::string labelText(const Labels& labels);
+
+// The pairs of label text as labelText writes it, or nullopt when it is not that (an unescaped
+// quote or newline, a bad escape, a bad name): read() drops such a sample.
+std::optional<Labels> parseLabels(std::string_view text);
 
 inline constexpr size_t kSlots = 340;
 
