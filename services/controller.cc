@@ -621,6 +621,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       tasks_.add(kj::evalLater([old = kj::mv(it->second)]() {}));
       nodes_.erase(it);
     }
+    deathsUntold_ = true;
     for (auto& waiter : deathWaiters_) waiter->fulfill();
     deathWaiters_.clear();
   }
@@ -662,7 +663,10 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                        TROUPE_LOG(kWarning, "reconciling DEAD nodes: {}", done.status().toString());
                        return;
                      }
-                     if (!done->first.empty()) {
+                     // Waiters hear of actors a death ended too, not only of restarts: a caller
+                     // whose connection to a dead node's worker broke waits for that verdict.
+                     bool told = !done->second && std::exchange(deathsUntold_, false);
+                     if (!done->first.empty() || told) {
                        execute(std::move(done->first));
                        notifyWaiters();
                      }
@@ -863,6 +867,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   const uint64_t instance_ = std::stoull(randomHex(7), nullptr, 16) + 1;  // never 0: "no instance"
   std::deque<std::string> deaths_;
   uint64_t deathCount_ = 0;
+  bool deathsUntold_ = false;  // reconciliation has not yet told the waiters of the last deaths
   std::vector<kj::Own<kj::PromiseFulfiller<void>>> deathWaiters_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::map<std::string, uint64_t> attached_;  // sessions open on this controller -> generation
