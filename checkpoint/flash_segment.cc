@@ -20,6 +20,7 @@
 #include "copy_tensors.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/safe_open.h"
 
 namespace troupe::checkpoint {
 namespace {
@@ -99,18 +100,47 @@ void recordInRegistry(const std::string& name, const std::string& path) {
   const char* registry = std::getenv("TROUPE_SHM_REGISTRY");
   if (registry == nullptr || *registry == '\0') return;
   std::string entry = std::string(registry) + "/" + name;
-  int fd = ::open(entry.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return;  // best effort: the segment works without it; stop then leaves it
-  ssize_t written = ::write(fd, path.data(), path.size());
+  auto fd = openRegularFile(entry, O_WRONLY | O_CREAT | O_TRUNC);
+  if (!fd.isOk()) return;  // best effort: the segment works without it; stop then leaves it
+  ssize_t written = ::write(fd->get(), path.data(), path.size());
   (void)written;
-  ::close(fd);
+}
+
+// The segments' directory, made if missing. The per-user default must be this user's and closed
+// to others: in /dev/shm anyone may take a name first, and a directory (or FIFO) someone else made
+// there is refused with what to do, never used or waited on. A directory the caller chose
+// (TROUPE_SHM_DIR, SegmentOptions::dir) is taken as it is; its segments are checked one by one.
+Result<std::string> segmentDir(const SegmentOptions& options) {
+  if (!options.dir.empty() && options.dir != privateShmDir()) return options.dir;
+  std::string dir = defaultShmDir();
+  if (dir != privateShmDir()) return dir;
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    int e = errno;
+    return Status(e == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
+                  fmt::format("cannot make the checkpoint segments' directory {}: {}", dir, errnoText(e)));
+  }
+  FileDescriptor fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  struct stat st {};
+  bool opened = fd.get() >= 0 && ::fstat(fd.get(), &st) == 0;
+  if (!opened) ::lstat(dir.c_str(), &st);
+  if (!opened || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("the checkpoint segments' directory {} is not this user's private directory ({} of uid "
+                              "{}, mode {:o}): another user made it first; remove it, or set TROUPE_SHM_DIR to a "
+                              "directory of yours on a tmpfs",
+                              dir, S_ISDIR(st.st_mode) ? "a directory" : "not a directory", st.st_uid,
+                              st.st_mode & 07777));
+  }
+  return dir;
 }
 
 }  // namespace
 
+std::string privateShmDir() { return fmt::format("{}/troupe-ckpt-{}", kDefaultShmDir, ::geteuid()); }
+
 std::string defaultShmDir() {
   const char* dir = std::getenv("TROUPE_SHM_DIR");
-  return dir && *dir ? dir : kDefaultShmDir;
+  return dir && *dir ? std::string(dir) : privateShmDir();
 }
 
 const char* slotStateName(SlotState state) {
@@ -142,7 +172,6 @@ FlashSegment& FlashSegment::operator=(FlashSegment&& other) noexcept {
     this->~FlashSegment();
     options_ = std::move(other.options_);
     path_ = std::move(other.path_);
-    useShmOpen_ = other.useShmOpen_;
     fd_ = std::exchange(other.fd_, -1);
     base_ = std::exchange(other.base_, nullptr);
     totalBytes_ = std::exchange(other.totalBytes_, 0);
@@ -161,7 +190,9 @@ FlashSegment::~FlashSegment() {
 }
 
 Result<FlashSegment> FlashSegment::openForWrite(const SegmentOptions& options, uint64_t imageBytes) {
-  std::string dir = options.dir.empty() ? defaultShmDir() : options.dir;
+  auto checkedDir = segmentDir(options);
+  if (!checkedDir.isOk()) return checkedDir.status();
+  const std::string& dir = *checkedDir;
   if (options.name.empty() || options.name.find('/') != std::string::npos) {
     return Status(StatusCode::kInvalidArgument, fmt::format("bad segment name '{}'", options.name));
   }
@@ -199,7 +230,6 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
   FlashSegment segment;
   segment.options_ = options;
   segment.path_ = dir + "/" + options.name;
-  segment.useShmOpen_ = dir == kDefaultShmDir;
   segment.slotBytes_ = slotBytes;
   segment.totalBytes_ = kSegmentHeaderBytes + kSlots * slotBytes;
   segment.writable_ = true;
@@ -217,13 +247,12 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
   // Made under a temporary name and renamed once complete: readers never see a partial segment.
   std::string tmpName = fmt::format("{}.tmp.{}.{}", options.name, getpid(), randomHex(4));
   std::string tmpPath = dir + "/" + tmpName;
-  int fd = segment.useShmOpen_ ? shm_open(("/" + tmpName).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600)
-                               : open(tmpPath.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    int e = errno;
-    return Status(StatusCode::kUnavailable, fmt::format("cannot create checkpoint segment {}: {}", tmpPath, errnoText(e)));
+  auto created = openRegularFile(tmpPath, O_RDWR | O_CREAT | O_EXCL);
+  if (!created.isOk()) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("cannot create checkpoint segment {}: {}", tmpPath, created.status().message()));
   }
-  segment.fd_ = fd;
+  int fd = segment.fd_ = created->release();
   struct stat st {};
   if (fstat(fd, &st) == 0) segment.fileId_ = static_cast<uint64_t>(st.st_ino);
   auto fail = [&](Status status) {
@@ -267,19 +296,18 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
 
 Result<FlashSegment> FlashSegment::openExisting(const SegmentOptions& options, bool writable) {
   FlashSegment segment;
-  std::string dir = options.dir.empty() ? defaultShmDir() : options.dir;
+  auto dir = segmentDir(options);
+  if (!dir.isOk()) return dir.status();
   segment.options_ = options;
-  segment.path_ = dir + "/" + options.name;
-  segment.useShmOpen_ = dir == kDefaultShmDir;
-  int flags = writable ? O_RDWR : O_RDONLY;
-  int fd = segment.useShmOpen_ ? shm_open(("/" + options.name).c_str(), flags, 0600)
-                               : open(segment.path_.c_str(), flags | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    int e = errno;
-    return Status(e == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
-                  fmt::format("cannot open checkpoint segment {}: {}", segment.path_, errnoText(e)));
+  segment.path_ = *dir + "/" + options.name;
+  // Never a blocking open: a FIFO someone made at the name would hang the restore. Owner and
+  // mode are checked by mapAndCheck, with what to do.
+  auto opened = openRegularFile(segment.path_, writable ? O_RDWR : O_RDONLY, RegularFileOptions{.mustBeMine = false});
+  if (!opened.isOk()) {
+    return Status(opened.status().code(),
+                  fmt::format("cannot open checkpoint segment {}: {}", segment.path_, opened.status().message()));
   }
-  segment.fd_ = fd;
+  segment.fd_ = opened->release();
   TROUPE_RETURN_IF_ERROR(segment.mapAndCheck(writable));
   return segment;
 }
@@ -594,7 +622,7 @@ Status FlashSegment::markSlot(const SlotInfo& info, SlotState state) {
 }
 
 Status FlashSegment::remove() {
-  int rc = useShmOpen_ ? shm_unlink(("/" + options_.name).c_str()) : unlink(path_.c_str());
+  int rc = unlink(path_.c_str());
   if (rc != 0 && errno != ENOENT) {
     int e = errno;
     return Status(StatusCode::kUnavailable, fmt::format("cannot remove checkpoint segment {}: {}", path_, errnoText(e)));

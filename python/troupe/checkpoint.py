@@ -283,7 +283,7 @@ class FlashCheckpoint:
     then asks it to persist the snapshot and send a replica to its peer (in the background, off
     the caller's path), and restore() first asks it for the newest step complete on every rank
     (from this node's memory, another node's memory or replica, or disk). Without an actor the
-    segment is named by `segment` (or `group` and `node`) in `shm_dir` (default /dev/shm, or
+    segment is named by `segment` (or `group` and `node`) in `shm_dir` (default this user's /dev/shm/troupe-ckpt-<uid>, or
     $TROUPE_SHM_DIR), and restore() reads the newest complete snapshot in it.
     """
 

@@ -1,20 +1,53 @@
 """Checkpoint shared memory and files are private to their cluster and user (issue 14 findings 5,
 6, 7): stop removes only its own cluster's segments, a segment someone else planted is refused,
-persisted checkpoints are 0600 in 0700 directories."""
+persisted checkpoints are 0600 in 0700 directories. Another local user cannot hang a restore or
+squat the segments' directory (issue 34 finding 5)."""
 import os
+import secrets
 import stat
+import subprocess
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from troupe_testing import Troupe, free_port, import_troupe, processes_under, run_driver
+from troupe_testing import PYTHON_PACKAGE, Troupe, free_port, import_troupe, processes_under, run_driver
 
 troupe_pkg = import_troupe()
 from troupe import checkpoint as ckpt  # noqa: E402
 
 SHM = Path("/dev/shm")
+MINE = Path(ckpt._checkpoint.default_shm_dir())  # this user's segments (TROUPE_SHM_DIR unset)
+
+
+@pytest.fixture
+def two_users():
+    """A victim and an attacker: two fresh local users, removed afterwards with what they left."""
+    names = [f"tv{secrets.token_hex(3)}", f"ta{secrets.token_hex(3)}"]
+    for name in names:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    uids = [int(subprocess.run(["id", "-u", n], check=True, capture_output=True, text=True).stdout) for n in names]
+    try:
+        yield list(zip(names, uids))
+    finally:
+        for name, uid in zip(names, uids):
+            subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+            for path in SHM.iterdir():
+                try:
+                    owner = path.lstat().st_uid
+                except FileNotFoundError:
+                    continue
+                if owner == uid:
+                    subprocess.run(["rm", "-rf", str(path)], check=False)
+            subprocess.run(["userdel", name], check=False)
+
+
+def as_user(name, code, timeout=30):
+    """Runs a Python snippet with the build's troupe as another user."""
+    return subprocess.run(["runuser", "-u", name, "--", "env", f"PYTHONPATH={PYTHON_PACKAGE}", "HOME=/tmp",
+                           "/usr/bin/python3", "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout, cwd="/")
 
 
 def make_segment_in_a_worker(t, name):
@@ -44,19 +77,19 @@ def test_stop_removes_only_its_own_clusters_segments(tmp_path):
             t.run("start", "--head", "--port", str(free_port()))
         make_segment_in_a_worker(a, f"troupe_ckpt.a{tag}.n.r0")
         make_segment_in_a_worker(b, f"troupe_ckpt.b{tag}.n.r0")
-        assert (SHM / f"troupe_ckpt.a{tag}.n.r0").exists() and (SHM / f"troupe_ckpt.b{tag}.n.r0").exists()
+        assert (MINE / f"troupe_ckpt.a{tag}.n.r0").exists() and (MINE / f"troupe_ckpt.b{tag}.n.r0").exists()
         a.run("stop")
-        assert not (SHM / f"troupe_ckpt.a{tag}.n.r0").exists()
-        assert (SHM / f"troupe_ckpt.b{tag}.n.r0").exists(), "stopping cluster a removed cluster b's segment"
+        assert not (MINE / f"troupe_ckpt.a{tag}.n.r0").exists()
+        assert (MINE / f"troupe_ckpt.b{tag}.n.r0").exists(), "stopping cluster a removed cluster b's segment"
         b.run("stop")
-        assert not (SHM / f"troupe_ckpt.b{tag}.n.r0").exists()
+        assert not (MINE / f"troupe_ckpt.b{tag}.n.r0").exists()
         assert unrelated.exists(), "stop removed a segment no cluster made"
     finally:
         for t in (a, b):
             t.run("stop", check=False)
         unrelated.unlink(missing_ok=True)
         for name in (f"troupe_ckpt.a{tag}.n.r0", f"troupe_ckpt.b{tag}.n.r0"):
-            (SHM / name).unlink(missing_ok=True)
+            (MINE / name).unlink(missing_ok=True)
     assert processes_under(tmp_path) == []
 
 
@@ -83,3 +116,57 @@ def test_persisted_checkpoints_are_private_by_default(tmp_path):
     for path in paths:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {oct(mode)}"
+
+
+def test_a_fifo_at_a_segment_name_is_refused_at_once(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.mkfifo(shm / "troupe_ckpt.fifo.n.r0", 0o600)
+    code = f"""
+        from troupe import checkpoint as ckpt
+        try:
+            ckpt.FlashCheckpoint("troupe_ckpt.fifo.n.r0", shm_dir={str(shm)!r}).restore()
+        except Exception as e:
+            print("refused:", e)
+    """
+    p = run_driver(textwrap.dedent(code), timeout=30)  # before: open() waited for a writer forever
+    assert p.returncode == 0 and "refused:" in p.stdout and "FIFO" in p.stdout, p.stdout + p.stderr
+
+
+def test_another_user_cannot_hang_a_restore_or_take_the_segments_directory(two_users):
+    (victim, victim_uid), (attacker, _) = two_users
+    name = f"troupe_ckpt.g{secrets.token_hex(3)}.n.r0"
+    private = SHM / f"troupe-ckpt-{victim_uid}"
+    # The attacker takes every name the victim could use: the segment's name in /dev/shm (where
+    # segments were made before) and the victim's directory, world-writable, with a FIFO inside.
+    plant = f"""
+        import os
+        os.mkfifo("/dev/shm/{name}", 0o666)
+        os.mkdir("{private}")
+        os.chmod("{private}", 0o777)
+        os.mkfifo("{private}/{name}", 0o666)
+    """
+    p = as_user(attacker, plant)
+    assert p.returncode == 0, p.stderr
+    restore = f"""
+        import numpy as np
+        from troupe import checkpoint as ckpt
+        for what in ("restore", "save"):
+            try:
+                flash = ckpt.FlashCheckpoint("{name}")
+                flash.restore() if what == "restore" else flash.save(1, {{"w": np.ones(4, dtype=np.float32)}})
+                print(what, "worked")
+            except Exception as e:
+                print(what, "refused:", e)
+    """
+    p = as_user(victim, restore)  # before: the restore waited on the attacker's FIFO forever
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("another user made it first") == 2, p.stdout
+    # Once the squatted directory is gone, the victim's segments go to its own 0700 directory,
+    # whatever the attacker left in /dev/shm.
+    subprocess.run(["rm", "-rf", str(private)], check=True)
+    p = as_user(victim, restore.replace('("restore", "save")', '("save", "restore")'))
+    assert p.returncode == 0 and p.stdout.split() == ["save", "worked", "restore", "worked"], p.stdout + p.stderr
+    st = private.lstat()
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == victim_uid and stat.S_IMODE(st.st_mode) == 0o700
+    assert (private / name).stat().st_uid == victim_uid

@@ -34,13 +34,16 @@
 
 namespace troupe::checkpoint {
 
-// "/dev/shm", or $TROUPE_SHM_DIR when set (tests point it at a small tmpfs).
+// "/dev/shm/troupe-ckpt-<euid>": this user's directory for segments, made 0700 on first use. A
+// segment operation refuses it (kFailedPrecondition, saying what to do) when another user made it.
+std::string privateShmDir();
+// privateShmDir(), or $TROUPE_SHM_DIR when set (tests point it at a small tmpfs).
 std::string defaultShmDir();
 
 enum class SegmentKind { kPrimary, kReplica };
 // "troupe_ckpt.<group>.<node>.r<rank>" for the snapshots a rank on `node` wrote, or
 // "troupe_ckpt.<group>.<node>.replica.r<rank>" for the copy of another node's rank that `node`
-// keeps. `troupe stop` removes every /dev/shm/troupe_* file. kInvalidArgument when group or
+// keeps. `troupe stop` removes the segments its cluster's workers recorded. kInvalidArgument when group or
 // node is empty, longer than 64 bytes, or has characters other than [A-Za-z0-9_-].
 Result<std::string> segmentName(std::string_view group, std::string_view node, SegmentKind kind, uint32_t rank);
 // "troupe_ckpt.<group>.<node>.": every segment of `group` on `node` starts with it.
@@ -155,7 +158,6 @@ class FlashSegment {
 
   SegmentOptions options_;
   std::string path_;
-  bool useShmOpen_ = false;
   int fd_ = -1;
   uint8_t* base_ = nullptr;
   uint64_t totalBytes_ = 0;
