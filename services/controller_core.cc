@@ -343,21 +343,78 @@ std::vector<Result<ActorRecord>> ControllerCore::actorsReady(const std::vector<R
   return out;
 }
 
-// A member of an elastic group ended: the group's epoch advances (its survivors' collectives
-// fail fast and they meet again at the new epoch) and the group records why.
+class ControllerCore::Incident {
+ public:
+  explicit Incident(ControllerCore& core) : core_(core), outer_(core.incident_ == nullptr) {
+    if (outer_) core_.incident_ = &ends_;
+  }
+  // Written on every way out, errors included: the members did end.
+  ~Incident() {
+    if (!outer_) return;
+    core_.incident_ = nullptr;
+    for (const auto& [group, ends] : ends_) core_.groupEnded(group, ends);
+  }
+  Incident(const Incident&) = delete;
+  Incident& operator=(const Incident&) = delete;
+
+ private:
+  ControllerCore& core_;
+  const bool outer_;
+  std::map<std::string, std::vector<MemberEnd>> ends_;
+};
+
 void ControllerCore::memberEnded(const ActorRecord& actor, const std::string& reason, bool restarting) {
   if (actor.placementGroup.empty()) return;
-  std::string id = actor.placementGroup.hex();
+  MemberEnd end{actor.type, actor.id, reason, restarting};
+  std::string group = actor.placementGroup.hex();
+  if (incident_ != nullptr) {
+    (*incident_)[group].push_back(std::move(end));
+    return;
+  }
+  groupEnded(group, {end});
+}
+
+// The group's epoch advances (its survivors' collectives fail fast and they meet again at the new
+// epoch) and the group records why. A second advance before anyone joined the first one would
+// abort nothing more, but it would be read as a second failure: one lost host (a trainer, its
+// dataloader and checkpoint actor, then the driver's removal of their bundle) made eight.
+void ControllerCore::groupEnded(const std::string& id, const std::vector<MemberEnd>& ends) {
+  if (ends.empty()) return;
   auto group = store_.getElasticGroup(id);
   if (!group.isOk() || !group->has_value()) return;
-  auto epoch = store_.advanceGroupEpoch(id, (*group)->epoch + 1);
+  const int64_t current = (*group)->epoch;
+  std::string who;
+  bool oneReason = true;
+  for (const auto& e : ends) oneReason = oneReason && e.reason == ends.front().reason;
+  for (const auto& e : ends) {
+    if (!who.empty()) who += oneReason ? ", " : "; ";
+    who += fmt::format("{} {} ({})", e.type, e.id.hex(), e.restarting ? "restarting" : "not restarted");
+    if (!oneReason) who += " ended: " + e.reason;
+  }
+  if (oneReason) who += " ended: " + ends.front().reason;
+  const auto now = std::chrono::steady_clock::now();
+  auto last = advanced_.find(id);
+  if (last != advanced_.end() && last->second.epoch == current && now - last->second.at < kOneRecovery) {
+    // Nobody joined since: unless a rendezvous of this very epoch began (a join that read the
+    // epoch before the advance), the advance already made covers this end too.
+    auto joining = store_.getRendezvous(id, current);
+    if (joining.isOk() && joining->empty()) {
+      (void)store_.appendGroupEvent(id, fmt::format("{} epoch {} (the same recovery): {}", wallClockMs(), current, who));
+      return;
+    }
+  }
+  auto epoch = store_.advanceGroupEpoch(id, current + 1);
+  // A join of current + 1 that began since the read is no advance: go past it.
+  if (epoch.isOk() && *epoch != current + 1) epoch = store_.advanceGroupEpoch(id, *epoch + 1);
   if (!epoch.isOk()) {
     TROUPE_LOG(kWarning, "group {}: could not advance its epoch: {}", id, epoch.status().toString());
     return;
   }
-  (void)store_.appendGroupEvent(
-      id, fmt::format("{} epoch {}: {} {} ended: {}; {}", wallClockMs(), *epoch, actor.type, actor.id.hex(), reason,
-                      restarting ? "restarting" : "not restarted"));
+  if (advanced_.size() >= 1024) {
+    std::erase_if(advanced_, [&](const auto& entry) { return now - entry.second.at >= kOneRecovery; });
+  }
+  advanced_[id] = Advanced{*epoch, now};
+  (void)store_.appendGroupEvent(id, fmt::format("{} epoch {}: {}", wallClockMs(), *epoch, who));
 }
 
 Status ControllerCore::endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
@@ -462,6 +519,7 @@ Status ControllerCore::killActor(const ActorId& id, bool noRestart, std::vector<
 
 Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions) {
   std::set<NodeId> dead(nodes.begin(), nodes.end());
+  Incident incident(*this);  // a group's members on these nodes: one epoch advance
   // What was on each dead node, from its claims and its actor index: the cost follows what the
   // node held, not the cluster's size.
   for (const NodeId& node : dead) {
@@ -517,6 +575,7 @@ Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAct
   if (owner.empty()) return Status::ok();
   auto actors = store_.listLiveActors();
   if (!actors.isOk()) return actors.status();
+  Incident incident(*this);
   for (const auto& actor : *actors) {
     if (actor.owner != owner || actor.detached || actor.state == ActorState::kDead) continue;
     if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
@@ -731,6 +790,7 @@ Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vec
   for (uint32_t i = 0; i < group->bundles.size(); ++i) all.push_back(i);
   TROUPE_RETURN_IF_ERROR(releaseBundles(*group, all, actions));
   TROUPE_RETURN_IF_ERROR(store_.deletePlacementGroup(id));
+  advanced_.erase(id.hex());
   return retryPending(actions);
 }
 
@@ -773,9 +833,10 @@ Status ControllerCore::releaseBundles(PlacementGroupRecord& group, const std::ve
     if (!isRemoved(group.bundles[i])) removing.insert(static_cast<int32_t>(i));  // removed twice: no-op
   }
   if (removing.empty()) return Status::ok();
-  // Actors in removed bundles end first (no restart: their bundle is gone).
+  // Actors in removed bundles end first (no restart: their bundle is gone), in one epoch advance.
   auto actors = store_.listGroupActors(group.id);
   if (!actors.isOk()) return actors.status();
+  Incident incident(*this);
   for (const auto& actor : *actors) {
     if (actor.placementGroup == group.id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
       if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -120,7 +121,22 @@ class ControllerCore {
   Status releaseBundles(PlacementGroupRecord& group, const std::vector<uint32_t>& indices,
                         std::vector<WorkerAction>& actions);
   void releaseActorResources(const ActorRecord& actor);
+  // A member of an elastic group ended. Inside an Incident it is gathered with the incident's
+  // other ends; otherwise the group's epoch advances for it at once (groupEnded).
   void memberEnded(const ActorRecord& actor, const std::string& reason, bool restarting);
+  struct MemberEnd {
+    std::string type;
+    ActorId id;
+    std::string reason;
+    bool restarting = false;
+  };
+  // The ends of one group's members caused by one incident: one epoch advance and one event,
+  // or only the event while the group has not joined since this core advanced it for an earlier
+  // end within kOneRecovery (its survivors are already aborted and nobody is in a newer epoch).
+  void groupEnded(const std::string& group, const std::vector<MemberEnd>& ends);
+  // Open while one call ends several members (a node's death, bundles removed, an owner gone):
+  // their ends are gathered per group and written by groupEnded when the outermost one closes.
+  class Incident;
   Status endIncarnation(ActorRecord actor, const std::string& reason, bool allowRestart,
                         std::vector<WorkerAction>& actions);
 
@@ -137,6 +153,17 @@ class ControllerCore {
   // Per actor, how many incarnations in a row ended within kStableRunMs of starting (or before
   // they served). Kept in memory: a restarted controller starts the back-off afresh.
   std::unordered_map<ActorId, int> quickEnds_;
+
+  // The ends gathered by the open Incident, by group; null when none is open.
+  std::map<std::string, std::vector<MemberEnd>>* incident_ = nullptr;
+  // Per elastic group, the epoch this core last advanced it to for a member's end, and when.
+  // In memory: a restarted controller advances once more for the next end, which is harmless.
+  struct Advanced {
+    int64_t epoch = 0;
+    std::chrono::steady_clock::time_point at;
+  };
+  std::unordered_map<std::string, Advanced> advanced_;
+  static constexpr std::chrono::seconds kOneRecovery{30};
 };
 
 }  // namespace troupe

@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 
 #include "controller_core.h"
+#include "troupe/runtime/ids.h"
+#include "troupe/testing/redis_server.h"
 
 namespace troupe {
 namespace {
@@ -493,6 +495,131 @@ TEST_CASE("core: a group that does not fit now stays PENDING with a reason, then
   huge.id = PlacementGroupId::generate();
   huge.bundles = {Bundle{{{"CPU", 3}}, {}}};
   CHECK(c.core.createPlacementGroup(huge).status().code() == StatusCode::kResourceExhausted);
+}
+
+// Runs `body` on a core over the fake store, then over a real Redis: the same decisions on both.
+template <typename Body>
+void onBothStores(Body body) {
+  SUBCASE("fake store") {
+    Core c;
+    body(c);
+  }
+  SUBCASE("real Redis") {
+    testing::RedisServerProcess redis;
+    auto store = connectRedisStore(redis.options("core" + randomHex(4)));
+    REQUIRE(store.isOk());
+    Core c(std::move(*store));
+    body(c);
+  }
+}
+
+// An elastic group as ElasticTrainer makes one: a placement group of `bundles` bundles of one
+// CPU, its record, a Trainer in every bundle and a Dataloader and a Checkpoint actor (0 CPU) in
+// bundle 0, all restarted without limit.
+struct ElasticGroup {
+  PlacementGroupRecord group;
+  std::vector<ActorRecord> members;
+  std::string id() const { return group.id.hex(); }
+};
+
+ElasticGroup makeElasticGroup(Core& c, uint32_t bundles) {
+  ElasticGroup g;
+  g.group.id = PlacementGroupId::generate();
+  g.group.strategy = PlacementStrategy::kPack;
+  for (uint32_t i = 0; i < bundles; ++i) g.group.bundles.push_back(Bundle{{{"CPU", 1}}, {}});
+  auto created = c.core.createPlacementGroup(g.group);
+  REQUIRE(created.isOk());
+  REQUIRE(created->state == PlacementGroupState::kCreated);
+  g.group = *created;
+  REQUIRE(c.store->putElasticGroup(g.id(), "{}").isOk());
+  auto member = [&](const char* type, double cpus, uint32_t bundle) {
+    auto a = c.spec(cpus, -1);
+    a.type = type;
+    a.placementGroup = g.group.id;
+    a.bundleIndex = static_cast<int32_t>(bundle);
+    auto made = c.core.createActor(a, c.actions);
+    REQUIRE(made.isOk());
+    g.members.push_back(*made);
+  };
+  for (uint32_t i = 0; i < bundles; ++i) member("Trainer", 1, i);
+  member("Dataloader", 0, 0);
+  member("Checkpoint", 0, 0);
+  return g;
+}
+
+int64_t epochOf(Core& c, const ElasticGroup& g) { return *c.store->groupEpoch(g.id()); }
+
+// The group's events that name `text`.
+std::vector<std::string> eventsWith(Core& c, const ElasticGroup& g, const std::string& text) {
+  auto record = c.store->getElasticGroup(g.id());
+  REQUIRE(record.isOk());
+  REQUIRE(record->has_value());
+  std::vector<std::string> out;
+  for (const auto& e : (*record)->events) {
+    if (e.find(text) != std::string::npos) out.push_back(e);
+  }
+  return out;
+}
+
+TEST_CASE("core: a node's death ends all its members of an elastic group in one epoch advance") {
+  onBothStores([](Core& c) {
+    NodeId doomed = c.addNode(2);
+    ElasticGroup g = makeElasticGroup(c, 2);
+    for (const auto& m : g.members) REQUIRE(m.nodeId == doomed);
+    c.addNode(2);  // room for the bundles again
+    REQUIRE(c.store->markNodeDead(doomed, "test").isOk());
+    REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
+    CHECK(epochOf(c, g) == 1);
+    auto advanced = eventsWith(c, g, "epoch 1: ");
+    REQUIRE(advanced.size() == 1);
+    for (const auto& m : g.members) CHECK(advanced[0].find(m.id.hex()) != std::string::npos);
+    CHECK(advanced[0].find("its node " + doomed.hex() + " died") != std::string::npos);
+    // The exit reports of the old incarnations, arriving late, and a second pass change nothing.
+    for (const auto& m : g.members) REQUIRE(c.core.workerExited(m.id, 1, "worker killed by signal 9", c.actions).isOk());
+    REQUIRE(c.core.reconcileDeadNodes(c.actions).isOk());
+    CHECK(epochOf(c, g) == 1);
+    for (const auto& m : g.members) CHECK(c.core.getActor(m.id)->incarnation == 2);
+  });
+}
+
+TEST_CASE("core: members of an elastic group ending before it joins again share one advance; after a join one advances") {
+  onBothStores([](Core& c) {
+    c.addNode(4);
+    ElasticGroup g = makeElasticGroup(c, 3);
+    // A host's processes killed one after another, each reported on its own.
+    REQUIRE(c.core.workerExited(g.members[0].id, 1, "worker killed by signal 9", c.actions).isOk());
+    CHECK(epochOf(c, g) == 1);
+    REQUIRE(c.core.workerExited(g.members[3].id, 1, "worker killed by signal 9", c.actions).isOk());
+    REQUIRE(c.core.workerExited(g.members[1].id, 1, "worker killed by signal 9", c.actions).isOk());
+    // The driver's recovery removes a trainer that does not come back: the same round.
+    REQUIRE(c.core.killActor(g.members[2].id, true, c.actions).isOk());
+    CHECK(epochOf(c, g) == 1);
+    CHECK(eventsWith(c, g, "epoch 1: ").size() == 1);
+    CHECK(eventsWith(c, g, "epoch 1 (the same recovery): ").size() == 3);
+    // The survivors join epoch 2 (each rank's rendezvous advances it): the next end is a new failure.
+    REQUIRE(*c.store->advanceGroupEpoch(g.id(), 2) == 2);
+    REQUIRE(c.core.workerExited(g.members[0].id, 2, "worker killed by signal 9", c.actions).isOk());
+    CHECK(epochOf(c, g) == 3);
+    // A rank that read epoch 2 before that advance is meeting at epoch 3: the next end aborts it.
+    REQUIRE(c.store->putRendezvousEntry(g.id(), 3, 0, "rank 0", std::chrono::seconds(60)).isOk());
+    REQUIRE(c.core.workerExited(g.members[1].id, 2, "worker killed by signal 9", c.actions).isOk());
+    CHECK(epochOf(c, g) == 4);
+  });
+}
+
+TEST_CASE("core: removing bundles ends their members of an elastic group in one epoch advance") {
+  onBothStores([](Core& c) {
+    c.addNode(4);
+    ElasticGroup g = makeElasticGroup(c, 3);
+    auto shrunk = c.core.removeBundles(g.group.id, {0, 2}, c.actions);
+    REQUIRE(shrunk.isOk());
+    CHECK(epochOf(c, g) == 1);
+    auto advanced = eventsWith(c, g, "epoch 1: ");
+    REQUIRE(advanced.size() == 1);
+    for (size_t i : {size_t{0}, size_t{2}, size_t{3}, size_t{4}}) CHECK(advanced[0].find(g.members[i].id.hex()) != std::string::npos);
+    CHECK(advanced[0].find(g.members[1].id.hex()) == std::string::npos);
+    CHECK(c.core.getActor(g.members[1].id)->state == ActorState::kPending);  // untouched, as created
+  });
 }
 
 }  // namespace
