@@ -9,11 +9,13 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -134,6 +136,48 @@ Result<std::string> segmentDir(const SegmentOptions& options) {
   return dir;
 }
 
+// Freed put() objects that their processes keep for reuse (python/troupe/_objects.py: files named
+// <pid>-free-<n> in this user's object directory and its fallbacks beside it) hold shared memory
+// that nothing uses; a segment short of room takes it back first. Only this user's files in this
+// user's private directories on the segment's file system go. Returns the bytes released.
+uint64_t releaseKeptObjects(const std::string& segmentDir) {
+  struct stat segmentFs {};
+  if (::stat(segmentDir.c_str(), &segmentFs) != 0) return 0;
+  const char* env = std::getenv("TROUPE_OBJECT_DIR");
+  const fs::path canonical = env && *env ? fs::path(env) : fs::path(fmt::format("{}/troupe-objects-{}", kDefaultShmDir, ::getuid()));
+  const std::string fallbackPrefix = canonical.filename().string() + ".";
+  std::vector<fs::path> dirs = {canonical};
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(canonical.parent_path(), ec)) {
+    if (entry.path().filename().string().rfind(fallbackPrefix, 0) == 0) dirs.push_back(entry.path());
+  }
+  auto isKept = [](const std::string& name) {
+    size_t dash = name.find("-free-");
+    auto digits = [](std::string_view v) {
+      return !v.empty() && std::all_of(v.begin(), v.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    };
+    return dash != std::string::npos && digits(std::string_view(name).substr(0, dash)) &&
+           digits(std::string_view(name).substr(dash + 6));
+  };
+  uint64_t released = 0;
+  for (const auto& dir : dirs) {
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0 ||
+        st.st_dev != segmentFs.st_dev) {
+      continue;
+    }
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (!isKept(entry.path().filename().string())) continue;
+      struct stat file {};
+      if (::lstat(entry.path().c_str(), &file) == 0 && S_ISREG(file.st_mode) && file.st_uid == ::geteuid() &&
+          ::unlink(entry.path().c_str()) == 0) {
+        released += static_cast<uint64_t>(file.st_blocks) * 512;
+      }
+    }
+  }
+  return released;
+}
+
 }  // namespace
 
 std::string privateShmDir() { return fmt::format("{}/troupe-ckpt-{}", kDefaultShmDir, ::geteuid()); }
@@ -242,6 +286,13 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
                   fmt::format("cannot use shared-memory directory {}: {}", dir, errnoText(e)));
   }
   uint64_t avail = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+  if (avail < need) {
+    if (uint64_t released = releaseKeptObjects(dir); released > 0 && statvfs(dir.c_str(), &vfs) == 0) {
+      TROUPE_LOG(kInfo, "checkpoint segment {} is short of room: released {} bytes of freed objects kept for reuse",
+                 segment.path_, released);
+      avail = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+    }
+  }
   if (avail < need) return noRoom(segment.path_, dir, need, avail, uint64_t(vfs.f_blocks) * vfs.f_frsize);
 
   // Made under a temporary name and renamed once complete: readers never see a partial segment.

@@ -16,19 +16,32 @@ ObjectLostError saying so.
 Reuse: the file of a freed object (1 MB or more) that no other process could have mapped, and
 whose mappings here are all closed, is kept and written over by a later put(): its pages are
 already allocated, so that put() is one memcpy (a new file costs the kernel a zeroed page per
-4 KB first). At most 1 GiB per process is kept.
+4 KB first). At most 1 GiB per process is kept, and never more than half of what the file
+system has free when the object is freed: kept pages are memory the machine cannot use. A put()
+that finds the file system full gives the kept files back and tries once more, and a flash
+checkpoint short of room removes every process's kept files (named <pid>-free-<n>) first.
+
+Directory: /dev/shm/troupe-objects-<uid> (or $TROUPE_OBJECT_DIR), which must be this user's with
+mode 0700. Anyone can make that name first: when someone else did, this process puts its objects
+in a fresh private directory beside it (troupe-objects-<uid>.<random>, made by mkdtemp) and says
+so once on stderr; the ids of its objects then carry that directory's name, so other processes
+of this user find them.
 
 File: b"TOB1" | u32 count | u64 len(pickle) | u64 len(buffer) * count | pickle | buffers, each
 buffer at a 64-byte aligned offset (so arrays map aligned).
 """
+import errno
 import itertools
 import mmap
 import os
 import pickle
+import re
 import secrets
 import socket
 import stat
 import struct
+import sys
+import tempfile
 import threading
 
 import cloudpickle
@@ -63,6 +76,22 @@ def _host_id():
     return f"{socket.gethostname()}/{boot}"
 
 
+def _private_dir_problem(path):
+    """None if `path` is a directory of this user closed to others (checked on an open descriptor,
+    no link followed), else what it is instead: the one check of an object directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return f"cannot be opened as a directory ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return f"belongs to uid {st.st_uid} with mode {oct(stat.S_IMODE(st.st_mode))}"
+    return None
+
+
 class _Store:
     """This process's view of the machine's object directory."""
 
@@ -70,12 +99,20 @@ class _Store:
         root = os.environ.get("TROUPE_OBJECT_DIR") or f"/dev/shm/troupe-objects-{os.getuid()}"
         if not os.path.isdir(os.path.dirname(root) or "/"):
             root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"troupe-objects-{os.getuid()}")
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.lstat(root)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise TroupeError(f"the object directory {root} must be a directory owned by uid {os.getuid()} "
-                              f"with mode 0700 (it is {oct(st.st_mode & 0o777)}, uid {st.st_uid})")
+        self.parent, self.name = os.path.split(root)
+        self.fallback = None  # the private directory made because root was someone else's
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+        problem = _private_dir_problem(root)
+        if problem is not None:
+            wanted, root = root, tempfile.mkdtemp(prefix=f"{self.name}.", dir=self.parent)
+            self.fallback = root
+            print(f"(troupe) the object directory {wanted} {problem}, not this user's with mode 0700 (another "
+                  f"user made it?): this process keeps its objects in {root} instead", file=sys.stderr, flush=True)
         self.root = root
+        self.checked = {}  # another process's fallback directory -> whether it is ours and private
         self.host = host_id()
         self.pid = os.getpid()
         self.lock = threading.Lock()
@@ -101,7 +138,23 @@ class _Store:
                     pass
 
     def path(self, object_id):
-        return os.path.join(self.root, object_id)
+        """Where an object's file is: in this store's directory, or, for an id of the form
+        <directory>/<name>, in another process's fallback directory beside it (which must be
+        this user's and private)."""
+        directory, _, name = object_id.rpartition("/")
+        if not directory:
+            return os.path.join(self.root, object_id)
+        if not re.fullmatch(re.escape(self.name) + r"\.[A-Za-z0-9_]+", directory) or not re.fullmatch(r"[0-9A-Za-z-]+", name):
+            raise ObjectLostError(f"object {object_id!r} names no object directory of this user")
+        if directory not in self.checked:
+            self.checked[directory] = _private_dir_problem(os.path.join(self.parent, directory)) is None
+        if not self.checked[directory]:
+            raise ObjectLostError(f"object {object_id!r} is in a directory that is not this user's")
+        return os.path.join(self.parent, directory, name)
+
+    def new_id(self):
+        name = f"{self.pid}-{next(self.counter)}-{secrets.token_hex(4)}"
+        return f"{os.path.basename(self.root)}/{name}" if self.fallback else name
 
     def put(self, value):
         main, raws = _pickle(value)
@@ -120,24 +173,35 @@ class _Store:
                 parts.append(b"\0" * pad)
             parts.append(raw)
             offset += pad + raw.nbytes
-        object_id = f"{self.pid}-{next(self.counter)}-{secrets.token_hex(4)}"
+        object_id = self.new_id()
         path = self.path(object_id)
-        fd = self.reuse(offset, path)
-        if fd is None:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-        try:
-            for start in range(0, len(parts), 512):  # IOV_MAX is 1024
-                chunk = parts[start:start + 512]
-                want = sum(memoryview(p).nbytes for p in chunk)
-                if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
-                    raise OSError(28, "No space left on device")
-        except OSError as e:
+        for attempt in range(2):
+            fd = self.reuse(offset, path)
+            if fd is None:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+            try:
+                for start in range(0, len(parts), 512):  # IOV_MAX is 1024
+                    chunk = parts[start:start + 512]
+                    want = sum(memoryview(p).nbytes for p in chunk)
+                    if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
+                        raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as e:
+                os.close(fd)
+                os.unlink(path)
+                if e.errno == errno.ENOSPC and attempt == 0 and self.trim():
+                    continue  # the kept files' pages went back to the system: once more
+                raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
+                                  "(is the shared-memory file system full?)") from None
             os.close(fd)
-            os.unlink(path)
-            raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
-                              "(is the shared-memory file system full?)") from None
-        os.close(fd)
-        return object_id, offset
+            return object_id, offset
+
+    def trim(self):
+        """Deletes the files kept for reuse (the machine is short of shared memory); True if any."""
+        with self.lock:
+            free, self.free, self.free_bytes = self.free, [], 0
+        for _, path in free:
+            _unlink(path)
+        return bool(free)
 
     def reuse(self, size, path):
         """A freed object's file, renamed to `path` and opened for writing: its pages are already
@@ -173,10 +237,12 @@ class _Store:
                 return
         try:
             size = os.stat(path).st_size
+            vfs = os.statvfs(self.root)
         except OSError:
             return
+        room = vfs.f_bavail * vfs.f_frsize  # the kept files are not in it: they are allocated
         with self.lock:
-            if size >= RECYCLE_MIN_BYTES and self.free_bytes + size <= RECYCLE_MAX_BYTES:
+            if size >= RECYCLE_MIN_BYTES and self.free_bytes + size <= min(RECYCLE_MAX_BYTES, room // 2):
                 free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
                 try:
                     os.rename(path, free)
@@ -287,6 +353,11 @@ class _Store:
             _unlink(self.path(object_id))
         for _, path in free:
             _unlink(path)
+        if self.fallback:
+            try:
+                os.rmdir(self.fallback)  # left if another process's handed-off file is still in it
+            except OSError:
+                pass
 
 
 def _pickle(value):

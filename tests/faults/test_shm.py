@@ -170,3 +170,73 @@ def test_another_user_cannot_hang_a_restore_or_take_the_segments_directory(two_u
     st = private.lstat()
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == victim_uid and stat.S_IMODE(st.st_mode) == 0o700
     assert (private / name).stat().st_uid == victim_uid
+
+
+def test_a_squatted_object_directory_gets_a_private_fallback(two_users):
+    (victim, victim_uid), (attacker, _) = two_users
+    squatted = SHM / f"troupe-objects-{victim_uid}"
+    p = as_user(attacker, f"import os; os.mkdir('{squatted}'); os.chmod('{squatted}', 0o777)")
+    assert p.returncode == 0, p.stderr
+    code = """
+        import subprocess, sys
+        import numpy as np
+        from troupe import _objects
+        store = _objects.store()
+        object_id, _ = store.put(np.arange(1 << 20, dtype=np.int64))
+        assert store.get(object_id, store.host, store.pid)[12345] == 12345
+        # Another process of the user finds it from its id alone.
+        child = f'''
+        from troupe import _objects
+        s = _objects.store()
+        print("other process read", s.get({object_id!r}, s.host, {store.pid})[777])
+        '''
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.strip())
+        import os, stat
+        st = os.lstat(store.root)
+        print("private", st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700)
+        print("root", store.root)
+    """
+    p = as_user(victim, code)  # before: every put() failed ("must be a directory owned by uid ...")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "other process read 777" in p.stdout, p.stdout
+    root = Path(p.stdout.split("root ")[-1].strip())
+    assert root.parent == SHM and root.name.startswith(f"troupe-objects-{victim_uid}.")
+    assert "private True" in p.stdout, p.stdout
+    assert not root.exists(), "the fallback directory outlived its process"
+    # Said once (the child's stderr is its own), naming what was wrong.
+    assert p.stderr.count(f"the object directory {squatted} belongs to uid") == 1, p.stderr
+    assert not list(squatted.iterdir()), "an object went into the squatted directory"
+
+
+def test_freed_objects_give_their_memory_back_when_a_checkpoint_needs_it(tmp_path):
+    tmpfs = tmp_path / "shm"
+    tmpfs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(tmpfs)], check=True)
+    try:
+        (tmpfs / "ckpt").mkdir(mode=0o700)
+        env = {"TROUPE_OBJECT_DIR": str(tmpfs / "objects"), "TROUPE_SHM_DIR": str(tmpfs / "ckpt")}
+        code = """
+            import os
+            import numpy as np
+            from troupe import _objects, checkpoint as ckpt
+            store = _objects.store()
+            ids = [store.put(np.ones(4 << 20, dtype=np.uint8))[0] for _ in range(8)]  # 32 of 48 MiB
+            for object_id in ids:  # the last ref goes: a file of 4 MiB is a candidate for reuse
+                store.ref_added(object_id)
+                store.ref_dropped(object_id)
+            vfs = os.statvfs(store.root)
+            free = vfs.f_bavail * vfs.f_frsize
+            print("kept", store.free_bytes, "free", free)
+            assert store.free_bytes <= free // 2, (store.free_bytes, free)
+            # 3 slots of 11 MiB: more than is free while the kept files stay.
+            ckpt.FlashCheckpoint("troupe_ckpt.room.n.r0").save(1, {"w": np.ones(11 << 20, dtype=np.uint8)})
+            print("saved")
+            # The store goes on without the files it kept.
+            object_id, _ = store.put(np.ones(4 << 20, dtype=np.uint8))
+            print("put again", store.get(object_id, store.host, store.pid)[0])
+        """
+        p = run_driver(textwrap.dedent(code), env=env, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr  # before: 32 MiB kept, the checkpoint refused
+        assert "saved" in p.stdout and "put again 1" in p.stdout, p.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(tmpfs)], check=False)
