@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string token = "fuzz-token-0123456789abcdef";  // the promise keeps a reference
   auto pipe = kj::newTwoWayPipe();
   auto* server = pipe.ends[1].get();
-  auto client = handshake::connect(*pipe.ends[0], token, handshake::Purpose::kRpc);
+  auto client = handshake::connect(*pipe.ends[0], token, handshake::Purpose::kRpc, handshake::Transport::kPlain);
   kj::Promise<void> sent = size == 0 ? kj::Promise<void>(kj::READY_NOW) : server->write(data, size);
   sent = sent.then([server]() { server->shutdownWrite(); }).eagerlyEvaluate(nullptr);
   auto drained = server->readAllBytes().eagerlyEvaluate(nullptr);  // the client's hello and answer
@@ -54,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     at += static_cast<size_t>(n);
   }
   ::shutdown(fds[1], SHUT_WR);
-  auto status = handshake::connectBlocking(fds[0], token, handshake::Purpose::kStore, std::chrono::milliseconds(200));
+  auto status = handshake::connectBlocking(fds[0], token, handshake::Purpose::kStore, handshake::Transport::kPlain,
+                                            std::chrono::milliseconds(200));
   ::close(fds[0]);
   ::close(fds[1]);
   if (status.isOk()) __builtin_trap();

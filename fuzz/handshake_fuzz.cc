@@ -19,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static Loop* loop = new Loop;
   static const std::string token = "fuzz-token-0123456789abcdef";  // the promise keeps a reference
   auto pipe = kj::newTwoWayPipe();
-  auto server = handshake::accept(*pipe.ends[0], token, handshake::Purpose::kRpc);
+  auto server = handshake::accept(*pipe.ends[0], token, handshake::Purpose::kRpc, handshake::Transport::kPlain);
   auto* client = pipe.ends[1].get();
   kj::Promise<void> sent = size == 0 ? kj::Promise<void>(kj::READY_NOW) : client->write(data, size);
   sent = sent.then([client]() { client->shutdownWrite(); }).eagerlyEvaluate(nullptr);

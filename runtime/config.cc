@@ -43,42 +43,50 @@ Result<HostPort> parseHostPort(const std::string& text) {
 
 std::string runRoot() {
   const char* env = std::getenv("TROUPE_TEMP_DIR");
-  return env && *env ? std::string(env) : std::string("/tmp/troupe");
+  // Per user: one shared /tmp/troupe would let the first user's directory (or a planted one)
+  // stand for everyone's.
+  return env && *env ? std::string(env) : fmt::format("/tmp/troupe-{}", ::geteuid());
 }
 
-namespace {
-
-// The run root holds tokens and passwords: it must be ours and closed to others.
-Status checkOwnDirectory(const std::string& path) {
+Status checkPrivate(const std::string& path, PathKind kind, mode_t forbidden) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) {
     return Status(StatusCode::kNotFound, fmt::format("{} does not exist", path));
   }
-  if (!S_ISDIR(st.st_mode)) {
+  bool rightKind = kind == PathKind::kDirectory ? S_ISDIR(st.st_mode) : S_ISREG(st.st_mode);
+  if (!rightKind) {
     return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("{} is not a directory (a link?); remove it or set TROUPE_TEMP_DIR", path));
+                  fmt::format("{} is not a {} (a link, a FIFO?); remove it or set TROUPE_TEMP_DIR", path,
+                              kind == PathKind::kDirectory ? "directory" : "regular file"));
   }
   if (st.st_uid != ::geteuid()) {
     return Status(StatusCode::kFailedPrecondition,
                   fmt::format("{} belongs to uid {}, not to you (uid {}): another user could read the cluster's "
-                              "secrets there; remove it or set TROUPE_TEMP_DIR to a directory of your own",
+                              "secrets there or plant a cluster of theirs; remove it or set TROUPE_TEMP_DIR to a "
+                              "directory of your own",
                               path, st.st_uid, ::geteuid()));
   }
-  if ((st.st_mode & 022) != 0) {
+  if ((st.st_mode & forbidden) != 0) {
     return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("{} is writable by group or others (mode {:o}); run 'chmod go-w {}' or set "
-                              "TROUPE_TEMP_DIR",
-                              path, st.st_mode & 07777, path));
+                  fmt::format("{} is {} (mode {:o}); run 'chmod {} {}' or set TROUPE_TEMP_DIR", path,
+                              (forbidden & 044) != 0 ? "open to group or others" : "writable by group or others",
+                              st.st_mode & 07777, (forbidden & 044) != 0 ? "go-rwx" : "go-w", path));
   }
   return Status::ok();
 }
 
+namespace {
+// The run root holds tokens and passwords: ours and not writable by others (readable is the
+// user's choice: the run directories inside are 0700).
+Status checkOwnRoot(const std::string& root) { return checkPrivate(root, PathKind::kDirectory, 022); }
 }  // namespace
 
-Result<std::string> latestRunDir() {
-  fs::path latest = fs::path(runRoot()) / "latest";
+Result<std::string> latestRunDir() { return latestRunDir(runRoot()); }
+
+Result<std::string> latestRunDir(const std::string& root) {
+  fs::path latest = fs::path(root) / "latest";
   std::error_code ec;
-  if (auto own = checkOwnDirectory(runRoot()); !own.isOk() && own.code() != StatusCode::kNotFound) return own;
+  if (auto own = checkOwnRoot(root); !own.isOk() && own.code() != StatusCode::kNotFound) return own;
   struct stat link {};
   if (::lstat(latest.c_str(), &link) == 0 && link.st_uid != ::geteuid()) {
     return Status(StatusCode::kFailedPrecondition,
@@ -95,9 +103,20 @@ Result<std::string> latestRunDir() {
   if (target.has_parent_path() || target.string().rfind("run_", 0) != 0) {
     return Status(StatusCode::kFailedPrecondition,
                   fmt::format("{} points at '{}', not at a run directory of {}", latest.string(), target.string(),
-                              runRoot()));
+                              root));
   }
-  return (fs::path(runRoot()) / target).string();
+  std::string dir = (fs::path(root) / target).string();
+  // The run directory itself: ours and closed (created 0700), or not followed.
+  if (auto own = checkPrivate(dir, PathKind::kDirectory, 077); !own.isOk()) {
+    if (own.code() == StatusCode::kNotFound) {
+      return Status(StatusCode::kNotFound,
+                    fmt::format("no running Troupe cluster found ({} points at {}, which is gone); start one with "
+                                "'troupe start --head' or pass --address",
+                                latest.string(), dir));
+    }
+    return own;
+  }
+  return dir;
 }
 
 Result<std::string> createRunDir() {
@@ -109,7 +128,7 @@ Result<std::string> createRunDir() {
                   fmt::format("cannot create {}: {}; set TROUPE_TEMP_DIR to a writable directory", runRoot(),
                               strerror(errno)));
   }
-  if (auto own = checkOwnDirectory(runRoot()); !own.isOk()) return own;
+  if (auto own = checkOwnRoot(runRoot()); !own.isOk()) return own;
   auto now = std::chrono::system_clock::now();
   time_t secs = std::chrono::system_clock::to_time_t(now);
   struct tm tm;
@@ -169,15 +188,47 @@ Status writeClusterFile(const std::string& runDir, const ClusterFile& file) {
 
 Result<ClusterFile> readClusterFile(const std::string& runDir) {
   std::string path = runDir + "/cluster.json";
-  std::ifstream in(path);
-  if (!in) {
-    return Status(StatusCode::kNotFound,
-                  fmt::format("no running Troupe cluster found ({} is missing); start one with "
-                              "'troupe start --head' or pass --address",
-                              path));
+  auto missing = [&path]() {
+    return Status(StatusCode::kNotFound, fmt::format("no running Troupe cluster found ({} is missing); start one "
+                                                     "with 'troupe start --head' or pass --address",
+                                                     path));
+  };
+  // The file names the cluster a client will trust and hand its code to: it must be ours and
+  // private, in a directory that is ours and private, or another user could have planted it.
+  if (auto own = checkPrivate(runDir, PathKind::kDirectory, 077); !own.isOk()) {
+    return own.code() == StatusCode::kNotFound ? missing() : own;
   }
+  // Non-blocking and not through a link: a FIFO or a link in its place is refused, not waited on.
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return missing();
+    return Status(StatusCode::kFailedPrecondition, fmt::format("cannot open {}: {}", path, strerror(errno)));
+  }
+  struct stat st {};
+  std::string text;
+  Status checked = Status::ok();
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    checked = Status(StatusCode::kFailedPrecondition, fmt::format("{} is not a regular file; remove it", path));
+  } else if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    checked = Status(StatusCode::kFailedPrecondition,
+                     fmt::format("{} belongs to uid {} with mode {:o}: a cluster file must be yours and 0600; "
+                                 "not trusting it",
+                                 path, st.st_uid, st.st_mode & 07777));
+  } else if (st.st_size > kMaxClusterFileBytes) {
+    checked = Status(StatusCode::kFailedPrecondition,
+                     fmt::format("{} holds {} bytes, more than a cluster file's {}: corrupt", path, st.st_size,
+                                 kMaxClusterFileBytes));
+  } else {
+    text.resize(static_cast<size_t>(st.st_size));
+    ssize_t n = ::read(fd, text.data(), text.size());
+    if (n != static_cast<ssize_t>(text.size())) {
+      checked = Status(StatusCode::kFailedPrecondition, fmt::format("cannot read {}: {}", path, strerror(errno)));
+    }
+  }
+  ::close(fd);
+  if (!checked.isOk()) return checked;
   try {
-    nlohmann::json j = nlohmann::json::parse(in);
+    nlohmann::json j = nlohmann::json::parse(text);
     ClusterFile f;
     f.controllerAddress = j.at("controller_address").get<std::string>();
     f.token = j.at("token").get<std::string>();

@@ -25,7 +25,7 @@ namespace troupe::handshake {
 namespace {
 
 constexpr kj::byte kMagic[4] = {'T', 'R', 'P', 'E'};
-constexpr kj::byte kVersion = 2;
+constexpr kj::byte kVersion = 3;  // 3: the proofs cover the transport (TLS or plaintext)
 constexpr size_t kNonce = 32;
 constexpr size_t kMac = 32;
 constexpr size_t kHello = 6 + kNonce;
@@ -36,8 +36,8 @@ constexpr kj::byte kTlsRecord = 0x16;  // the first byte of a TLS ClientHello
 constexpr auto kHandshakeTimeout = 5 * kj::SECONDS;
 // The server's proof did not match: from here a wrong token and a stranger look alike.
 constexpr const char* kNotShared =
-    "the cluster token was rejected: the server proved a different token (wrong --token, or not this cluster's "
-    "server)";
+    "the cluster token was rejected: the server proved a different token (wrong --token, not this cluster's "
+    "server, or a relay between us changed the connection, e.g. stripped TLS)";
 
 using Nonce = std::array<kj::byte, kNonce>;
 using Mac = std::array<kj::byte, kMac>;
@@ -48,10 +48,14 @@ Nonce freshNonce() {
   return n;
 }
 
-// HMAC-SHA256(token, role | purpose | client nonce | server nonce).
-Mac proof(const std::string& token, const char* role, Purpose purpose, const kj::byte* cn, const kj::byte* sn) {
+// HMAC-SHA256(token, role | purpose | transport | client nonce | server nonce). The transport is
+// each side's own view of its stream: a relay that speaks TLS to the server and plaintext to the
+// client (a downgrade) leaves the two views different, so neither proof verifies.
+Mac proof(const std::string& token, const char* role, Purpose purpose, Transport transport, const kj::byte* cn,
+          const kj::byte* sn) {
   std::string message = role;
   message.push_back(static_cast<char>(purpose));
+  message.push_back(static_cast<char>(transport));
   message.append(reinterpret_cast<const char*>(cn), kNonce);
   message.append(reinterpret_cast<const char*>(sn), kNonce);
   Mac mac;
@@ -101,19 +105,20 @@ void setNoDelay(kj::AsyncIoStream& stream) {
   }
 }
 
-kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {
+kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose, Transport transport) {
   auto hello = kj::heapArray<kj::byte>(kHello);
   auto* h = hello.begin();
   // The fixed part first, so a stranger speaking another protocol is refused at once.
-  return stream.read(h, 6).then([&stream, &token, purpose, hello = kj::mv(hello)]() mutable -> kj::Promise<bool> {
+  return stream.read(h, 6).then([&stream, &token, purpose, transport,
+                                 hello = kj::mv(hello)]() mutable -> kj::Promise<bool> {
     if (memcmp(hello.begin(), kMagic, 4) != 0 || hello[4] != kVersion || hello[5] != static_cast<kj::byte>(purpose)) {
       return stream.write(&kRejected, 1).then([]() { return false; });
     }
     auto* cnAt = hello.begin() + 6;
-    return stream.read(cnAt, kNonce).then([&stream, &token, purpose, hello = kj::mv(hello)]() {
+    return stream.read(cnAt, kNonce).then([&stream, &token, purpose, transport, hello = kj::mv(hello)]() {
       Nonce sn = freshNonce();
-      Mac serverMac = proof(token, "troupe-server", purpose, hello.begin() + 6, sn.data());
-      Mac expected = proof(token, "troupe-client", purpose, hello.begin() + 6, sn.data());
+      Mac serverMac = proof(token, "troupe-server", purpose, transport, hello.begin() + 6, sn.data());
+      Mac expected = proof(token, "troupe-client", purpose, transport, hello.begin() + 6, sn.data());
       auto reply = kj::heapArray<kj::byte>(kNonce + kMac);
       memcpy(reply.begin(), sn.data(), kNonce);
       memcpy(reply.begin() + kNonce, serverMac.data(), kMac);
@@ -246,7 +251,7 @@ void Acceptor::taskFailed(kj::Exception&& e) {
   }
 }
 
-kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose) {
+kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose, Transport transport) {
   auto hello = kj::heapArray<kj::byte>(kHello);
   memcpy(hello.begin(), kMagic, 4);
   hello[4] = kVersion;
@@ -254,23 +259,24 @@ kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, P
   Nonce cn = freshNonce();
   memcpy(hello.begin() + 6, cn.data(), kNonce);
   auto* h = hello.begin();
-  return stream.write(h, kHello).attach(kj::mv(hello)).then([&stream, &token, purpose, cn]() {
+  return stream.write(h, kHello).attach(kj::mv(hello)).then([&stream, &token, purpose, transport, cn]() {
     // A server that refuses the hello answers 'N' and closes: the read comes up short.
     auto reply = kj::heapArray<kj::byte>(kNonce + kMac);
     auto* r = reply.begin();
     return stream.tryRead(r, kNonce + kMac, kNonce + kMac)
         .catch_([](kj::Exception&&) -> size_t { return 0; })  // reset before any answer: as a close
-        .then([&stream, &token, purpose, cn, reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
+        .then([&stream, &token, purpose, transport, cn,
+               reply = kj::mv(reply)](size_t got) mutable -> kj::Promise<void> {
           if (got == 1 && reply[0] == kSpeakTls) return refusedBy(StatusCode::kFailedPrecondition, kTlsRequired);
           // Closed unanswered: the server had kMaxPendingPerSource handshakes from this host under
           // way (or is stopping). RpcClient::connect asks again.
           if (got == 0) return refusedBy(StatusCode::kResourceExhausted, kClosedUnanswered);
           if (got != kNonce + kMac) return refusedBy(StatusCode::kUnauthenticated, "the cluster token was rejected");
-          if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.begin()))) {
+          if (!same(reply.begin() + kNonce, proof(token, "troupe-server", purpose, transport, cn.data(), reply.begin()))) {
             return refusedBy(StatusCode::kUnauthenticated, kNotShared);
           }
           auto answer = kj::heapArray<kj::byte>(kMac + 1);
-          Mac clientMac = proof(token, "troupe-client", purpose, cn.data(), reply.begin());
+          Mac clientMac = proof(token, "troupe-client", purpose, transport, cn.data(), reply.begin());
           memcpy(answer.begin(), clientMac.data(), kMac);
           auto* a = answer.begin();
           return stream.write(a, kMac).then([&stream, answer = kj::mv(answer)]() mutable {
@@ -310,9 +316,10 @@ kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::Asyn
     if (hello && tls == nullptr) return Served(nullptr);  // a TLS client of a plaintext cluster
     auto whole = tls::prefixed(kj::mv(stream), kj::mv(first));
     auto secured = hello ? tls->server(kj::mv(whole)) : kj::Promise<kj::Own<kj::AsyncIoStream>>(kj::mv(whole));
-    return secured.then([&token, purpose](kj::Own<kj::AsyncIoStream> ready) {
+    Transport transport = hello ? Transport::kTls : Transport::kPlain;
+    return secured.then([&token, purpose, transport](kj::Own<kj::AsyncIoStream> ready) {
       auto& r = *ready;
-      return accept(r, token, purpose).then([ready = kj::mv(ready)](bool ok) mutable {
+      return accept(r, token, purpose, transport).then([ready = kj::mv(ready)](bool ok) mutable {
         return ok ? Served(kj::mv(ready)) : Served(nullptr);
       });
     });
@@ -322,9 +329,10 @@ kj::Promise<kj::Maybe<kj::Own<kj::AsyncIoStream>>> acceptStream(kj::Own<kj::Asyn
 kj::Promise<kj::Own<kj::AsyncIoStream>> connectStream(kj::Own<kj::AsyncIoStream> stream, const std::string& token,
                                                       Purpose purpose, tls::Streams* tls) {
   auto secured = tls ? tls->client(kj::mv(stream)) : kj::Promise<kj::Own<kj::AsyncIoStream>>(kj::mv(stream));
-  return secured.then([&token, purpose](kj::Own<kj::AsyncIoStream> ready) {
+  Transport transport = tls ? Transport::kTls : Transport::kPlain;
+  return secured.then([&token, purpose, transport](kj::Own<kj::AsyncIoStream> ready) {
     auto& r = *ready;
-    return connect(r, token, purpose).then([ready = kj::mv(ready)]() mutable { return kj::mv(ready); });
+    return connect(r, token, purpose, transport).then([ready = kj::mv(ready)]() mutable { return kj::mv(ready); });
   });
 }
 
@@ -353,7 +361,8 @@ Status transfer(int fd, kj::byte* data, size_t size, bool write, std::chrono::st
 
 }  // namespace
 
-Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::chrono::milliseconds timeout) {
+Status connectBlocking(int fd, const std::string& token, Purpose purpose, Transport transport,
+                       std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::array<kj::byte, kHello> hello;
   memcpy(hello.data(), kMagic, 4);
@@ -371,10 +380,10 @@ Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::c
     if (reply[0] == kSpeakTls) return Status(StatusCode::kFailedPrecondition, kTlsRequired);
     return Status(StatusCode::kUnauthenticated, "the cluster token was rejected");
   }
-  if (!same(reply.data() + kNonce, proof(token, "troupe-server", purpose, cn.data(), reply.data()))) {
+  if (!same(reply.data() + kNonce, proof(token, "troupe-server", purpose, transport, cn.data(), reply.data()))) {
     return Status(StatusCode::kUnauthenticated, kNotShared);
   }
-  Mac clientMac = proof(token, "troupe-client", purpose, cn.data(), reply.data());
+  Mac clientMac = proof(token, "troupe-client", purpose, transport, cn.data(), reply.data());
   TROUPE_RETURN_IF_ERROR(transfer(fd, clientMac.data(), kMac, true, deadline));
   kj::byte verdict = 0;
   if (!transfer(fd, &verdict, 1, false, deadline).isOk() || verdict != kAccepted) {

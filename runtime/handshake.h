@@ -2,13 +2,16 @@
 // gateway). Challenge-response, so the token never crosses the wire and a client never talks
 // to a server that cannot prove it knows the token:
 //
-//   client -> "TRPE", version 2, purpose, client nonce (32 bytes)
-//   server -> server nonce (32), HMAC-SHA256(token, "troupe-server" purpose cn sn)
-//   client -> HMAC-SHA256(token, "troupe-client" purpose cn sn)   (only if the server's proof holds)
+//   client -> "TRPE", version 3, purpose, client nonce (32 bytes)
+//   server -> server nonce (32), HMAC-SHA256(token, "troupe-server" purpose transport cn sn)
+//   client -> HMAC-SHA256(token, "troupe-client" purpose transport cn sn)   (only if the server's proof holds)
 //   server -> 'Y' (then the protocol starts) or 'N' and close
 //
 // The purpose byte keeps a proof for one service from being replayed to another; fresh nonces on
-// both sides keep any proof from being replayed at all. Without --tls the bytes after the
+// both sides keep any proof from being replayed at all. The transport byte is each side's own view
+// of whether the connection is inside TLS: an on-path relay without the token that speaks TLS to a
+// --tls server and plaintext to the client (a downgrade) makes the views differ, and the client
+// refuses the server's proof. Without --tls the bytes after the
 // handshake are not protected (see docs/design.md, "Several hosts").
 // Thread-safety: the async functions belong to the KJ thread of their stream; the blocking one
 // may run on any thread.
@@ -36,6 +39,8 @@ Result<kj::Own<kj::ConnectionReceiver>> listen(kj::AsyncIoContext& io, const Hos
 void setNoDelay(kj::AsyncIoStream& stream);
 
 enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
+// Whether the handshake runs inside TLS, as this side sees it; bound into both proofs.
+enum class Transport : uint8_t { kPlain = 'P', kTls = 'T' };
 
 // A server's whole accept path: a first byte of 0x16 (a TLS ClientHello) is answered with TLS
 // through `tls` (null: TLS is refused), anything else with the plaintext handshake, unless `tls`
@@ -94,15 +99,17 @@ class Acceptor final : private kj::TaskSet::ErrorHandler {
 
 // Server side. Resolves true once the client proved the token (after writing 'Y'), false when it
 // did not (after writing 'N'). Rejects when the stream fails.
-kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
+kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose, Transport transport);
 
 // Client side. Rejects (DISCONNECTED, code kUnauthenticated) with a message starting "the cluster
 // token was rejected" (by the server, or because the server proved a different token).
-kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose);
+kj::Promise<void> connect(kj::AsyncIoStream& stream, const std::string& token, Purpose purpose, Transport transport);
 
-// Client side on a blocking socket (the store's hiredis connections through the gateway).
+// Client side on a blocking socket (the store's hiredis connections through the gateway);
+// `transport` is kTls when `fd` is the plaintext end of a tls::relay().
 // kUnauthenticated for either failed proof, kUnavailable for I/O errors or no answer in `timeout`,
 // kFailedPrecondition (message kTlsRequired) when the server requires TLS.
-Status connectBlocking(int fd, const std::string& token, Purpose purpose, std::chrono::milliseconds timeout);
+Status connectBlocking(int fd, const std::string& token, Purpose purpose, Transport transport,
+                       std::chrono::milliseconds timeout);
 
 }  // namespace troupe::handshake

@@ -75,7 +75,9 @@ Result<ContextPtr> connectThroughGateway(const RedisOptions& options) {
     fd = tls::relay(*fd, options.gatewayToken, false, options.timeout);
     if (!fd.isOk()) return unreachable(options, fd.status().message());
   }
-  if (auto s = handshake::connectBlocking(*fd, options.gatewayToken, handshake::Purpose::kStore, options.timeout);
+  auto transport = secure ? handshake::Transport::kTls : handshake::Transport::kPlain;
+  if (auto s = handshake::connectBlocking(*fd, options.gatewayToken, handshake::Purpose::kStore, transport,
+                                          options.timeout);
       !s.isOk()) {
     ::close(*fd);
     if (!secure && s.code() == StatusCode::kFailedPrecondition) {  // the handshake's kTlsRequired

@@ -183,9 +183,9 @@ TEST_CASE("rpc: the token never crosses the wire, and a recorded proof cannot be
   auto client = io.provider->getNetwork().parseAddress("127.0.0.1", port).wait(io.waitScope)->connect();
   auto serverSide = accepted.wait(io.waitScope);
   auto clientSide = client.wait(io.waitScope);
-  auto clientDone = handshake::connect(*clientSide, token, handshake::Purpose::kRpc).fork();
+  auto clientDone = handshake::connect(*clientSide, token, handshake::Purpose::kRpc, handshake::Transport::kPlain).fork();
   // Tee the server side: record the client's bytes while a real accept() answers.
-  auto ok = handshake::accept(*serverSide, token, handshake::Purpose::kRpc).wait(io.waitScope);
+  auto ok = handshake::accept(*serverSide, token, handshake::Purpose::kRpc, handshake::Transport::kPlain).wait(io.waitScope);
   CHECK(ok);
   clientDone.addBranch().wait(io.waitScope);
 
@@ -195,7 +195,7 @@ TEST_CASE("rpc: the token never crosses the wire, and a recorded proof cannot be
   auto a2 = l2->accept();
   auto c2 = io.provider->getNetwork().parseAddress("127.0.0.1", p2).wait(io.waitScope)->connect().wait(io.waitScope);
   auto s2 = a2.wait(io.waitScope);
-  auto attempt = handshake::connect(*c2, token, handshake::Purpose::kRpc).then([]() {}, [](kj::Exception&&) {}).eagerlyEvaluate(nullptr);
+  auto attempt = handshake::connect(*c2, token, handshake::Purpose::kRpc, handshake::Transport::kPlain).then([]() {}, [](kj::Exception&&) {}).eagerlyEvaluate(nullptr);
   kj::byte hello[38];
   s2->read(hello, sizeof(hello)).wait(io.waitScope);
   std::string sent(reinterpret_cast<char*>(hello), sizeof(hello));
@@ -223,12 +223,12 @@ TEST_CASE("rpc: the blocking client side of the handshake agrees with the server
   std::thread t([&]() {
     auto fd = connectTcp(f.address(), std::chrono::seconds(2));
     if (fd.isOk()) {
-      ok = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      ok = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, handshake::Transport::kPlain, std::chrono::seconds(2));
       ::close(*fd);
     }
     fd = connectTcp(f.address(), std::chrono::seconds(2));
     if (fd.isOk()) {
-      bad = handshake::connectBlocking(*fd, "wrong", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      bad = handshake::connectBlocking(*fd, "wrong", handshake::Purpose::kRpc, handshake::Transport::kPlain, std::chrono::seconds(2));
       ::close(*fd);
     }
     done = true;
@@ -252,7 +252,7 @@ TEST_CASE("rpc: the blocking client accepts every server nonce, whatever its fir
     for (int i = 0; i < 2000; ++i) {  // P(no nonce begins with 'S') = (255/256)^2000 < 0.1%
       auto fd = connectTcp(f.address(), std::chrono::seconds(2));
       if (!fd.isOk()) continue;
-      auto status = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, std::chrono::seconds(2));
+      auto status = handshake::connectBlocking(*fd, "secret-token", handshake::Purpose::kRpc, handshake::Transport::kPlain, std::chrono::seconds(2));
       ::close(*fd);
       tries += 1;
       if (!status.isOk() && failures++ == 0) firstFailure = status.toString();

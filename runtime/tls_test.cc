@@ -12,7 +12,9 @@
 #include <future>
 #include <string>
 
+#include "handshake.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
 
 namespace troupe {
@@ -133,4 +135,73 @@ TEST_CASE("tls: two relays with the same token carry bytes both ways; a stranger
 }
 
 }  // namespace
+// An on-path relay without the token, between a client that starts in plaintext and a --tls
+// server: it speaks TLS to the server (a TLS client needs no secret) and plaintext to the client,
+// forwarding the handshake, so that it could read and rewrite everything after it. The proofs
+// cover each side's transport, so the client refuses the server's proof and nothing is served.
+// Relaying plaintext to plaintext (the control) succeeds: the relay itself is sound.
+namespace {
+struct Relayed {
+  bool clientConnected = false;
+  StatusCode clientCode = StatusCode::kOk;
+  std::string clientError;
+  bool served = false;
+};
+
+Relayed throughRelay(bool serverTls) {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  const std::string token = "relay-test-token-0123456789abcdef";
+  tls::Streams serverSide(token), relaySide(token);  // the relay's pinned check is a courtesy it could skip
+  auto toRelay = kj::newTwoWayPipe();
+  auto toServer = kj::newTwoWayPipe();
+  auto& clientEnd = *toRelay.ends[0];
+  auto& relayPlain = *toRelay.ends[1];
+
+  Relayed r;
+  auto served = handshake::acceptStream(kj::mv(toServer.ends[1]), token, handshake::Purpose::kRpc,
+                                        serverTls ? &serverSide : nullptr)
+                    .then([&r](kj::Maybe<kj::Own<kj::AsyncIoStream>> s) { r.served = s != nullptr; },
+                          [](kj::Exception&&) {})
+                    .eagerlyEvaluate(nullptr);
+  auto upstream = serverTls ? relaySide.client(kj::mv(toServer.ends[0]))
+                            : kj::Promise<kj::Own<kj::AsyncIoStream>>(kj::mv(toServer.ends[0]));
+  kj::Own<kj::AsyncIoStream> up;
+  kj::Promise<void> relay = upstream
+                   .then([&](kj::Own<kj::AsyncIoStream> s) {
+                     up = kj::mv(s);
+                     return kj::joinPromises(kj::arr(
+                         relayPlain.pumpTo(*up).ignoreResult().then([&]() { up->shutdownWrite(); }),
+                         up->pumpTo(relayPlain).ignoreResult().then([&]() { relayPlain.shutdownWrite(); })));
+                   })
+                   .then([]() {}, [](kj::Exception&&) {})
+                   .eagerlyEvaluate(nullptr);
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
+    handshake::connect(clientEnd, token, handshake::Purpose::kRpc, handshake::Transport::kPlain).wait(io.waitScope);
+    r.clientConnected = true;
+  })) {
+    Status s = statusFromException(*e, "");
+    r.clientCode = s.code();
+    r.clientError = s.message();
+  }
+  // The client and the relay go away: the server's read ends, and with it its verdict.
+  toRelay.ends[0] = nullptr;
+  relay = kj::READY_NOW;
+  up = nullptr;
+  served.wait(io.waitScope);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("tls: a relay that strips TLS between a plaintext client and a --tls server is refused") {
+  Relayed control = throughRelay(false);
+  CHECK(control.clientConnected);
+  CHECK(control.served);
+
+  Relayed stripped = throughRelay(true);
+  CHECK_FALSE(stripped.clientConnected);
+  CHECK(stripped.clientCode == StatusCode::kUnauthenticated);
+  CHECK(stripped.clientError.find("stripped TLS") != std::string::npos);
+  CHECK_FALSE(stripped.served);
+}
+
 }  // namespace troupe

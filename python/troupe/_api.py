@@ -149,10 +149,22 @@ def _troupe_binary():
     raise TroupeError("cannot find the `troupe` executable: build it (make build) or put it on PATH")
 
 
-def _read_cluster_file(run_root):
-    latest = os.path.join(run_root, "latest")
-    with open(os.path.join(latest, "cluster.json")) as f:
-        return json.load(f)
+def _read_cluster_file(run_root: str) -> dict[str, Any]:
+    """The cluster file of run_root's newest run, as a dict (with its "run_dir"). The C++ owner-and-
+    mode checks apply (the CLI's own): a root, `latest` link, run directory or cluster.json that is
+    not this user's and private raises FailedPreconditionError instead of being trusted; none
+    raises NotFoundError. A --tls cluster's file makes this process speak TLS from the start."""
+    from . import _core
+
+    cluster = _core.read_cluster_file(run_root)
+    if cluster["tls"]:
+        _core.require_tls()
+    return cluster
+
+
+def default_run_root() -> str:
+    """$TROUPE_TEMP_DIR, else this user's own /tmp/troupe-<uid> (as the CLI's)."""
+    return os.environ.get("TROUPE_TEMP_DIR") or f"/tmp/troupe-{os.geteuid()}"
 
 
 def _free_port():
@@ -270,13 +282,17 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
             cluster = _read_cluster_file(run_root)
             address, token = cluster["controller_address"], cluster["token"]
         else:
-            root = os.environ.get("TROUPE_TEMP_DIR", "/tmp/troupe")
-            local = None
+            root = default_run_root()
+            local = local_error = None
             try:
                 local = _read_cluster_file(root)
-            except (OSError, ValueError):
+            except NotFoundError:
                 pass
+            except TroupeError as e:  # another user's, or open to others: never trusted
+                local_error = e
             if address == "auto":
+                if local_error is not None:
+                    raise local_error
                 if local is None:
                     raise ConnectionError(f"no running Troupe cluster found under {root}; start one with "
                                           "`troupe start --head` or pass an address")

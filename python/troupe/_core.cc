@@ -29,9 +29,11 @@
 #include "troupe.capnp.h"
 #include "troupe/runtime/actor_server.h"
 #include "troupe/runtime/client.h"
+#include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
+#include "troupe/runtime/tls.h"
 
 namespace py = pybind11;
 
@@ -870,6 +872,32 @@ PYBIND11_MODULE(_core, m) {
         py::arg("ip"), py::arg("token"), py::arg("dispatch"), py::arg("concurrent") = false,
         py::arg("type") = "python");
   m.def("die_with_parent", []() { prctl(PR_SET_PDEATHSIG, SIGKILL); });
+  // The cluster file of `root`'s newest run, through the same owner-and-mode checks as the CLI's
+  // (troupe.init("auto"), troupe job): a dict, or the check's error as a troupe exception.
+  m.def(
+      "read_cluster_file",
+      [](const std::string& root, bool latest) {
+        auto dir = latest ? troupe::latestRunDir(root) : troupe::Result<std::string>(root);
+        if (!dir.isOk()) throw troupe::StatusError{dir.status()};
+        auto file = troupe::readClusterFile(*dir);
+        if (!file.isOk()) throw troupe::StatusError{file.status()};
+        py::dict d;
+        d["run_dir"] = *dir;
+        d["controller_address"] = file->controllerAddress;
+        d["token"] = file->token;
+        d["redis_address"] = file->redisAddress;
+        d["redis_password"] = file->redisPassword;
+        d["cluster"] = file->cluster;
+        d["embedded_redis"] = file->embeddedRedis;
+        d["tls"] = file->tls;
+        d["heartbeat_ttl_ms"] = file->heartbeatTtlMs;
+        return d;
+      },
+      py::arg("root"), py::arg("latest") = true);
+  m.def("default_run_root", &troupe::runRoot);
+  // A --tls cluster (its cluster file says so): every connection of this process starts with
+  // TLS, so nothing on the path can make it speak plaintext.
+  m.def("require_tls", &troupe::tls::require);
   // A call that raised, in this worker's counters (the node agent reads them for /metrics).
   m.def("count_call_error", []() { troupe::metrics::actorCalls().errors.add(); });
 }

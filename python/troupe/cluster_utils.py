@@ -13,7 +13,7 @@ resources, a node dying) without several machines; modelled on Ray's ray.cluster
 
 Every node is a real `troupe-node` agent started by the real `troupe` CLI, all on 127.0.0.1 and
 sharing one run directory under the cluster's private TROUPE_TEMP_DIR, so a cluster never sees
-or stops another one (the machine's own /tmp/troupe included). Nodes differ only in the
+or stops another one (the user's own /tmp/troupe-<uid> included). Nodes differ only in the
 resources they offer: to pin an actor to a node, give that node a custom resource and ask for it
 (`@troupe.remote(resources={"gpu_slot": 1})`).
 
@@ -150,9 +150,10 @@ class Cluster:
                 break
             if fixed_port or "already in use" not in p.stderr or attempt == 2:
                 raise TroupeError(f"could not start the head node: {p.stderr.strip()}")
-        self.run_dir = os.path.realpath(os.path.join(self.temp_dir, "latest"))
-        with open(os.path.join(self.run_dir, "cluster.json")) as f:
-            cluster = json.load(f)
+        from ._api import _read_cluster_file
+
+        cluster = _read_cluster_file(self.temp_dir)  # the CLI's owner-and-mode checks
+        self.run_dir = cluster["run_dir"]
         self.address, self.token = cluster["controller_address"], cluster["token"]
         return self._node_from(p.stdout, r"^\s*head node:\s+([0-9a-f]+)", True, node_args)
 

@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "troupe/runtime/schema_convert.h"
 #include "troupe/runtime/rpc.h"
+#include "troupe/runtime/tls.h"
 
 namespace troupe::cli {
 
@@ -28,6 +29,7 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
     if (file.isOk() && file->controllerAddress == hp->toString()) {
       if (target.token.empty()) target.token = file->token;
       target.runDir = *runDir;
+      if (file->tls) tls::require();  // known to be a --tls cluster: never start in plaintext
     }
     if (target.token.empty()) {
       return Status(StatusCode::kInvalidArgument,
@@ -43,6 +45,7 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
   target.controller = *hp;
   target.token = token.empty() ? file->token : token;
   target.runDir = *runDir;
+  if (file->tls) tls::require();
   return target;
 }
 
