@@ -6,6 +6,7 @@
 
 #include <thread>
 
+#include "troupe/runtime/client.h"
 #include "troupe/testing/cluster_fixture.h"
 
 namespace troupe {
@@ -120,6 +121,56 @@ TEST_CASE("node agent: SIGTERM records a clean stop") {
   REQUIRE(nodes.isOk());
   CHECK(nodeStateName(nodes->front().state) == std::string("DEAD"));
   CHECK(nodes->front().deathReason.find("SIGTERM") != std::string::npos);
+}
+
+TEST_CASE("controller: a node lost with several members of an elastic group advances the group's epoch once") {
+  Cluster c(1000);
+  c.startController();
+  NodeId doomed = c.startNode(2);
+  auto& ws = c.io().waitScope;
+  auto client = ClusterClient::connect(c.io(), c.controllerAddress(), c.token()).wait(ws);
+  // As ElasticTrainer makes one: two trainers' bundles, and a dataloader and a checkpoint actor
+  // (0 CPU) in the first, all restarted without limit.
+  auto group = client->createPlacementGroup(PlacementStrategy::kPack, {{{"CPU", 1}}, {{"CPU", 1}}}).wait(ws);
+  REQUIRE(group.state == PlacementGroupState::kCreated);
+  auto store = connectRedisStore(c.head().storeOptions());
+  REQUIRE(store.isOk());
+  REQUIRE((*store)->putElasticGroup(group.id.hex(), "{}").isOk());
+  std::vector<ActorId> members;
+  for (auto [bundle, cpus] : {std::pair{0, 1.0}, std::pair{1, 1.0}, std::pair{0, 0.0}, std::pair{0, 0.0}}) {
+    ActorOptions o;
+    o.type = "Counter";
+    o.resources = {{"CPU", cpus}};
+    o.maxRestarts = -1;
+    o.placementGroup = group.id;
+    o.bundleIndex = bundle;
+    members.push_back(client->createActor(o).wait(ws).id());
+  }
+  for (const auto& id : members) REQUIRE(client->actorInfo(id).wait(ws).nodeId == doomed);
+  NodeId rescue = c.startNode(2);
+
+  c.nodeProcesses()[0].stop(SIGKILL, std::chrono::seconds(5));
+  // Its workers die with it; once the node is DEAD every member comes back on the other node.
+  bool back = eventually(std::chrono::milliseconds(c.ttlMs() + 20'000), [&]() {
+    for (const auto& id : members) {
+      auto info = client->actorInfo(id).wait(ws);
+      if (info.state != ActorState::kAlive || info.incarnation != 2 || info.nodeId != rescue) return false;
+    }
+    return true;
+  });
+  if (!back) c.dumpLogs("the members did not come back on the other node");
+  REQUIRE(back);
+  auto record = (*store)->getElasticGroup(group.id.hex());
+  REQUIRE(record.isOk());
+  REQUIRE(record->has_value());
+  CHECK((*record)->epoch == 1);
+  std::vector<std::string> advances;
+  for (const auto& e : (*record)->events) {
+    if (e.find(" epoch ") != std::string::npos && e.find("ended") != std::string::npos) advances.push_back(e);
+  }
+  REQUIRE(advances.size() == 1);
+  for (const auto& id : members) CHECK(advances[0].find(id.hex()) != std::string::npos);
+  CHECK(advances[0].find(doomed.hex()) != std::string::npos);
 }
 
 }  // namespace
