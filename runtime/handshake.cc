@@ -19,6 +19,7 @@
 #include <kj/debug.h>
 
 #include "troupe/runtime/logging.h"
+#include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe::handshake {
@@ -87,13 +88,16 @@ Result<kj::Own<kj::ConnectionReceiver>> listen(kj::AsyncIoContext& io, const Hos
     auto addr = io.provider->getNetwork().parseAddress(bind.host, bind.port).wait(io.waitScope);
     listener = addr->listen();
   })) {
-    std::string desc = e->getDescription().cStr();
-    if (desc.find("in use") != std::string::npos || desc.find("EADDRINUSE") != std::string::npos) {
+    // KJ's exception carries bind's errno only as text: bind again to learn it.
+    auto why = checkBindable(bind.host, bind.port);
+    if (why.code() == StatusCode::kAlreadyExists) {
       return Status(StatusCode::kAlreadyExists,
                     fmt::format("port {} on {} is already in use; pass another --port or stop the process using it",
                                 bind.port, bind.host));
     }
-    return Status(StatusCode::kInvalidArgument, fmt::format("cannot listen on {}: {}", bind.toString(), desc));
+    if (!why.isOk()) return why;
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("cannot listen on {}: {}", bind.toString(), e->getDescription().cStr()));
   }
   return listener;
 }

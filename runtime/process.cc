@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -213,18 +214,33 @@ Result<int> pickFreePort(const std::string& host) {
   return static_cast<int>(ntohs(addr.sin_port));
 }
 
-bool portInUse(const std::string& host, int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+Status checkBindable(const std::string& host, int port) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
-  bool inUse = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return Status::ok();  // a name: the listener says
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status::ok();
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  int err = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 ? 0 : errno;
   ::close(fd);
-  return inUse;
+  switch (err) {
+    case 0:
+      return Status::ok();
+    case EADDRINUSE:
+      return Status(StatusCode::kAlreadyExists, fmt::format("port {} on {} is already in use", port, host));
+    case EADDRNOTAVAIL:
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{} is not an address of this machine (EADDRNOTAVAIL): pass --node-ip-address "
+                                "with one of its own addresses ('ip -brief address' lists them)",
+                                host));
+    case EACCES:
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("port {} on {} needs privileges to bind (EACCES): pass a port above 1023", port, host));
+    default:
+      return Status(StatusCode::kUnavailable, fmt::format("cannot bind {}:{}: {}", host, port, std::strerror(err)));
+  }
 }
 
 Result<int> connectTcp(const HostPort& address, std::chrono::milliseconds timeout) {

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable, NoReturn, TypeVar, overload
 
 from . import _objects, _serialization
-from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, NotFoundError, TaskError,
+from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, InvalidArgumentError, NotFoundError, TaskError,
                          TroupeError, UnauthenticatedError, UnavailableError, WorkerCrashedError)
 
 _lock = threading.RLock()
@@ -262,8 +262,8 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
                         "log_to_driver, logging_level")
     if include_dashboard:
         raise ValueError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
-    if namespace is not None and (not isinstance(namespace, str) or not namespace or "/" in namespace):
-        raise ValueError(f"namespace must be a non-empty string without '/', not {namespace!r}")
+    if namespace is not None:
+        _check_name(namespace, "namespace")
     runtime_env = _check_runtime_env(runtime_env)
     if num_gpus is not None:
         resources = dict(resources or {}, GPU=float(num_gpus))
@@ -316,6 +316,7 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
         _session = _Session(rt, address, proc, run_root, log_to_driver, ctx.get("job_id") or secrets.token_hex(8),
                             namespace or ctx.get("namespace"),
                             runtime_env if runtime_env is not None else ctx.get("runtime_env"))
+        _session.cluster_tag = _tag_of(token)
 
 
 def shutdown() -> None:
@@ -382,7 +383,7 @@ _OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "name", "namespa
                  "_task_worker"}  # internal: the actor is a task pool's worker (_tasks.py)
 
 
-def _check_options(options, what="actor"):
+def _check_options(options, what="actor", internal_name=False):
     known = _OPTION_NAMES if what == "actor" else _tasks_option_names()
     unknown = set(options) - known
     if unknown:
@@ -402,20 +403,52 @@ def _check_options(options, what="actor"):
             if k in resources:
                 raise ValueError(f"use num_{k.lower()}s= rather than resources={{'{k}': ...}}")
     for key in ("max_restarts", "max_task_retries", "max_retries", "num_returns"):
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
-            raise ValueError(f"{key} must be an integer >= -1, not {value!r}")
-    concurrency = options.get("max_concurrency")
-    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
-                                    or concurrency < 1):
-        raise ValueError(f"max_concurrency must be an integer >= 1, not {concurrency!r}")
+        _check_int(options.get(key), key, -1)
+    _check_int(options.get("max_concurrency"), "max_concurrency", 1)
     if options.get("concurrency_groups"):
         raise ValueError("concurrency_groups are not supported by Troupe; use max_concurrency")
     if "runtime_env" in options:
         options["runtime_env"] = _check_runtime_env(options["runtime_env"])
     name = options.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty string, not {name!r}")
+    if name is not None and not internal_name:
+        _check_name(name)
+    if options.get("namespace") is not None:
+        _check_name(options["namespace"], "namespace")
+
+
+# The most the runtime's counters and options hold (int32 in the RPC records).
+_MAX_INT_OPTION = 2**31 - 1
+
+
+def _check_int(value, key, least):
+    """None, or an integer in [least, 2**31 - 1]: ValueError saying which otherwise (a bigger one
+    would reach the runtime's int32 fields as a raw TypeError)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not least <= value <= _MAX_INT_OPTION):
+        raise ValueError(f"{key} must be an integer in [{least}, {_MAX_INT_OPTION}], not {value!r}")
+
+
+def _check_name(value, what="actor name"):
+    """The one check of a name a user gives (troupe/runtime/names.h, shared with the CLI):
+    printable UTF-8 of at most 256 bytes, no control or bidi characters, no '/' (which separates
+    a namespace from a name). InvalidArgumentError (a ValueError) saying what is wrong."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, not {value!r}")
+    from . import _core
+
+    # surrogateescape: a lone surrogate becomes bytes that are not UTF-8, which the check names.
+    _core.check_name(value.encode("utf-8", "surrogateescape"), what)
+
+
+def _check_timeout(timeout, what):
+    """None (wait for ever) or a finite number of seconds >= 0."""
+    if timeout is None:
+        return
+    import numbers
+
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
+            or timeout < 0:
+        raise ValueError(f"{what}: timeout must be None or a finite number of seconds >= 0, not {timeout!r}")
 
 
 def _tasks_option_names():
@@ -569,7 +602,8 @@ class ActorClass:
     """A class made remote with @troupe.remote. `Cls.remote(*args)` starts an actor."""
 
     def __init__(self, cls: type, options: Mapping[str, Any]) -> None:
-        _check_options(options)
+        # The task pools' workers (troupe._tasks) are named by the runtime: "__troupe_tasks__/JOB/SHAPE/I".
+        _check_options(options, internal_name=cls.__module__ == "troupe._tasks")
         self._cls = cls
         self._options = dict(options)
         try:
@@ -783,6 +817,7 @@ class ActorMethod:
         if others:
             raise TypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
         _check_retry_exceptions(retry_exceptions)
+        _check_int(num_returns, "num_returns", 0)
         method = ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
                              self._retry_exceptions if retry_exceptions is None else retry_exceptions)
         method._signature = self._signature
@@ -985,12 +1020,13 @@ class _ItemRef(ObjectRef):
 class _StoredRef(ObjectRef):
     """An object in this machine's shared-memory store (troupe.put, or a ref passed by value)."""
 
-    __slots__ = ("_object_id", "_host", "_owner", "_size", "_counted")
+    __slots__ = ("_object_id", "_host", "_owner", "_size", "_counted", "_cluster")
 
-    def __init__(self, object_id, host, owner, size, counted):
+    def __init__(self, object_id, host, owner, size, counted, cluster=None):
         super().__init__(None, None, "put")
         self._object_id, self._host, self._owner, self._size = object_id, host, owner, size
         self._counted = counted
+        self._cluster = cluster  # _cluster_tag() of the process that put it
         self._done = True
         if counted:
             _objects.store().ref_added(object_id)
@@ -999,9 +1035,15 @@ class _StoredRef(ObjectRef):
     def _from_value(cls, value):
         store = _objects.store()
         object_id, size = store.put(value)
-        return cls(object_id, store.host, store.pid, size, True)
+        return cls(object_id, store.host, store.pid, size, True, _cluster_tag())
 
     def _get_value(self):
+        here = _cluster_tag()
+        if self._cluster is not None and here is not None and self._cluster != here:
+            # Machines' stores are shared by every cluster of a user: without this, a ref of
+            # another cluster would read that cluster's object.
+            return InvalidArgumentError(f"{self!r} was put() in another cluster ({self._cluster}) than this "
+                                        f"process's ({here}): pass values between clusters, not refs")
         try:
             return _objects.store().get(self._object_id, self._host, self._owner)
         except BaseException as e:  # returned, so that get() raises it like a call's error
@@ -1010,7 +1052,7 @@ class _StoredRef(ObjectRef):
     def __reduce__(self):
         if self._counted:
             _objects.store().lent(self._object_id)
-        return _StoredRef, (self._object_id, self._host, self._owner, self._size, False)
+        return _StoredRef, (self._object_id, self._host, self._owner, self._size, False, self._cluster)
 
     def __del__(self):
         if self._counted:
@@ -1041,6 +1083,22 @@ class PollRef(ObjectRef):
             if done:
                 self._value, self._done = value, True
         return self._done
+
+
+def _tag_of(token):
+    import hashlib
+    import hmac
+
+    return hmac.new(token.encode(), b"troupe cluster tag", hashlib.sha256).hexdigest()[:16]
+
+
+def _cluster_tag():
+    """Which cluster this process belongs to, as put() refs carry it: an HMAC of the cluster token
+    (which it does not show); None in a process that knows no cluster."""
+    if _session is not None:
+        return getattr(_session, "cluster_tag", None)
+    token = os.environ.get("TROUPE_TOKEN")  # a worker that has not connected yet
+    return _tag_of(token) if token else None
 
 
 def put(value: Any) -> ObjectRef:
@@ -1135,6 +1193,7 @@ def get(refs: Iterable[ObjectRef], timeout: float | None = None) -> list[Any]: .
 
 def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> Any:
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
+    _check_timeout(timeout, "get()")
     if type(refs) is ObjectRef and refs._retry is None:  # the common synchronous case
         if not refs._done:
             rt = runtime()
@@ -1168,6 +1227,7 @@ def _timeout_error(timeout, refs, total):
 def wait(refs: Iterable[ObjectRef], num_returns: int = 1, timeout: float | None = None,
          fetch_local: bool = True) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """(ready, not_ready): returns once num_returns refs are done or timeout passes."""
+    _check_timeout(timeout, "wait()")
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)
@@ -1204,10 +1264,9 @@ def exit_actor() -> None:
 
 def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
     """The handle of the live actor named `name` in `namespace` (default: this job's)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"get_actor() takes a non-empty actor name, not {name!r}")
-    if namespace is not None and not isinstance(namespace, str):
-        raise TypeError(f"namespace must be a string, not {type(namespace).__name__}")
+    _check_name(name)
+    if namespace is not None:
+        _check_name(namespace, "namespace")
     try:
         actor_id, type_name = runtime_call(runtime().get_actor, _scoped_name(name, namespace))
     except NotFoundError as e:

@@ -32,6 +32,7 @@
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/metrics.h"
+#include "troupe/runtime/names.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
 
@@ -898,6 +899,15 @@ PYBIND11_MODULE(_core, m) {
   // A --tls cluster (its cluster file says so): every connection of this process starts with
   // TLS, so nothing on the path can make it speak plaintext.
   m.def("require_tls", &troupe::tls::require);
+  // The one check of the names users give (troupe/runtime/names.h, which the CLI uses too):
+  // InvalidArgumentError (a ValueError) saying what is wrong. Bytes, so that Python's lone
+  // surrogates arrive as the bytes that are not UTF-8 rather than as a conversion error.
+  m.def(
+      "check_name",
+      [](const py::bytes& name, const std::string& what) {
+        if (auto s = troupe::checkName(std::string(name), what); !s.isOk()) throw troupe::StatusError{s};
+      },
+      py::arg("name"), py::arg("what") = "actor name");
   // A call that raised, in this worker's counters (the node agent reads them for /metrics).
   m.def("count_call_error", []() { troupe::metrics::actorCalls().errors.add(); });
 }

@@ -1,11 +1,21 @@
 #include <iostream>
 
 #include "cli.h"
+#include "troupe/runtime/names.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe::cli {
 
 int logsCommand(const std::string& actor, const std::string& address, const std::string& token, size_t maxBytes) {
+  // An id, an id prefix (4+ hex digits) or a name ("NAME" or "NAMESPACE/NAME"), checked before any
+  // lookup: '' would match an unnamed actor.
+  if (actor.empty()) {
+    return fail(Status(StatusCode::kInvalidArgument, "name an actor: its id, an id prefix or its name (see 'troupe status')"));
+  }
+  bool hex = actor.find_first_not_of("0123456789abcdef") == std::string::npos;
+  if (!hex) {
+    if (auto s = checkScopedName(actor); !s.isOk()) return fail(s);
+  }
   auto target = resolveCluster(address, token);
   if (!target.isOk()) return fail(target.status());
   auto io = kj::setupAsyncIo();
@@ -13,7 +23,8 @@ int logsCommand(const std::string& actor, const std::string& address, const std:
   if (!snapshot.isOk()) return fail(snapshot.status());
   const ActorRecord* found = nullptr;
   for (const auto& a : snapshot->actors) {
-    bool match = a.id.hex() == actor || a.name == actor || (actor.size() >= 4 && a.id.hex().rfind(actor, 0) == 0);
+    bool match = a.id.hex() == actor || (!a.name.empty() && a.name == actor) ||
+                 (hex && actor.size() >= 4 && a.id.hex().rfind(actor, 0) == 0);
     if (match && (!found || a.state != ActorState::kDead)) found = &a;
   }
   if (!found) return fail(Status(StatusCode::kNotFound, fmt::format("no actor with id or name '{}' (see 'troupe status')", actor)));

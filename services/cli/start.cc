@@ -126,7 +126,8 @@ int blockUntilStopped(Launch& launch, const std::string& runDir, pid_t watchPid)
 
 int startHead(StartFlags f) {
   if (f.nodeIp.empty()) f.nodeIp = "127.0.0.1";  // a single-machine cluster unless told otherwise
-  if (portInUse(f.nodeIp, f.port)) {
+  if (auto bindable = checkBindable(f.nodeIp, f.port); !bindable.isOk()) {
+    if (bindable.code() != StatusCode::kAlreadyExists) return fail(bindable);
     return fail(Status(StatusCode::kAlreadyExists,
                        fmt::format("port {} on {} is already in use (a cluster may be running: 'troupe status'); "
                                    "pass --port or run 'troupe stop'",

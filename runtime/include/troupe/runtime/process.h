@@ -61,8 +61,10 @@ bool processAlive(pid_t pid);
 std::string processCommandLine(pid_t pid);
 // A TCP port on `host` that was free a moment ago (bind to port 0, read it, close).
 Result<int> pickFreePort(const std::string& host);
-// True when something already listens on host:port (a connect succeeds) or it cannot be bound.
-bool portInUse(const std::string& host, int port);
+// Whether host:port (an IPv4 literal; a name is not checked) can be bound, by binding it: OK, or
+// why not from bind's errno: kAlreadyExists (EADDRINUSE), kInvalidArgument for an address this
+// machine does not have (EADDRNOTAVAIL) or a privileged port (EACCES), kUnavailable otherwise.
+[[nodiscard]] Status checkBindable(const std::string& host, int port);
 // A blocking TCP connection to host:port (IPv4 literal or name), made within `timeout`, with
 // TCP_NODELAY set. kUnavailable naming the address and the reason otherwise.
 Result<int> connectTcp(const HostPort& address, std::chrono::milliseconds timeout);
