@@ -3,14 +3,21 @@
 head with no CPUs for trainers, two trainer nodes and a spare), trained for --duration seconds
 while a killer SIGKILLs, at random every --min-gap to --max-gap seconds, one of: a trainer, a
 dataloader, a checkpoint actor, a trainer node's agent (a fresh spare node then joins), the
-controller or Redis (the head restarts both). It reports each fault and its recovery time (kill
+controller or Redis (the head restarts both), or cuts a trainer node's host off for 10 s (then it
+comes back). The nodes share one machine and its loopback, so a host cut is made through the same
+seam as the kills, signals: the node's agent and every process under it (its workers) are
+SIGSTOPped for 10 s, then SIGCONTinued. As with a link taken down and up, nothing of that host
+answers or resets a connection meanwhile, it is declared DEAD after its heartbeat TTL (its members
+restart on a fresh spare node), and when it comes back its stale agent exits with its workers. It
+reports each fault and its recovery time (kill
 to the next step completed), goodput (time in steps that count / wall time), and checks:
 - bitwise_equal: the final parameters equal those of a fault-free run of the same steps
   (snapshots every step, so no step is lost or trained twice);
 - exactly_once: every sample was trained on exactly once per epoch (counts differ by at most
   one across samples: the last epoch is partial).
 
-    bench/run chaos [--duration 600] [--min-gap 20] [--max-gap 60] [--seed 1] [--keep-logs DIR] [--json]
+    bench/run chaos [--duration 600] [--min-gap 20] [--max-gap 60] [--seed 1] [--kinds trainer,host_cut,...]
+                    [--keep-logs DIR] [--json]
 """
 import argparse
 import collections
@@ -29,7 +36,8 @@ from troupe.cluster_utils import Cluster  # noqa: E402
 from troupe import _typed  # noqa: E402
 from troupe.train import ElasticTrainer  # noqa: E402
 
-KINDS = ["trainer", "dataloader", "checkpoint", "node_agent", "controller", "redis"]
+KINDS = ["trainer", "dataloader", "checkpoint", "node_agent", "host_cut", "controller", "redis"]
+CUT_S = 10.0  # how long a cut host stays cut off
 DATA = "/usr/share/common-licenses/GPL-3"
 
 
@@ -42,10 +50,11 @@ def make_trainer(name):
 class Chaos:
     """Kills one component at a time and measures how long training takes to move again."""
 
-    def __init__(self, cluster, trainer, rng, min_gap, max_gap):
-        self.cluster, self.t, self.rng = cluster, trainer, rng
+    def __init__(self, cluster, trainer, rng, min_gap, max_gap, kinds=KINDS):
+        self.cluster, self.t, self.rng, self.kinds = cluster, trainer, rng, kinds
         self.min_gap, self.max_gap = min_gap, max_gap
         self.faults = []
+        self.stale_agents = []  # cut hosts' agents that did not exit once back
         self.stop = threading.Event()
         self.progress = []  # (monotonic time, step) whenever the step advances
 
@@ -69,39 +78,108 @@ class Chaos:
             return self.actor_pid("Dataloader")
         if kind == "checkpoint":
             return self.actor_pid("Checkpoint")
-        if kind == "node_agent":
+        if kind in ("node_agent", "host_cut"):
             busy = {self.t._pg["bundle_nodes"][b] for b in self.t._bundles}
             nodes = [n for n in troupe.nodes() if n["state"] == "ALIVE" and not n["is_head"] and n["id"] in busy]
             return self.rng.choice(nodes)["pid"] if nodes else None
         return self.pid_file(kind)
 
     def watch(self):
-        last = -1
         while not self.stop.is_set():
-            if self.t.step != last:
-                last = self.t.step
-                self.progress.append((time.monotonic(), last))
+            self.note_progress()
             time.sleep(0.02)
+
+    def note_progress(self):
+        step = self.t.step
+        if not self.progress or self.progress[-1][1] != step:
+            self.progress.append((time.monotonic(), step))
 
     def killer(self):
         while not self.stop.wait(self.rng.uniform(self.min_gap, self.max_gap)):
-            kind = self.rng.choice(KINDS)
+            kind = self.rng.choice(self.kinds)
             pid = self.victim(kind)
             if pid is None:
                 continue
             step = self.t.step
             at = time.monotonic()
+            if kind == "host_cut":
+                self.cut_host(pid, step, at)
+                continue
             os.kill(pid, signal.SIGKILL)
             self.faults.append({"kind": kind, "pid": pid, "at": at, "step": step})
             print(f"chaos: killed {kind} (pid {pid}) at step {step}", flush=True)
             if kind == "node_agent":
                 self.cluster.add_node(num_cpus=1)  # the spare for the next node fault
 
+    def cut_host(self, agent, step, at):
+        """The node of `agent` falls silent for CUT_S seconds: it and every process under it stop,
+        then go on. Afterwards its agent, declared DEAD meanwhile, must exit."""
+        frozen = [agent]
+        try:
+            os.kill(agent, signal.SIGSTOP)  # first, so it starts nothing more
+            for pid in descendants(agent):
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
+                except ProcessLookupError:
+                    pass
+            self.faults.append({"kind": "host_cut", "pid": agent, "at": at, "step": step})
+            print(f"chaos: cut host of node agent {agent} ({len(frozen)} processes) off at step {step}", flush=True)
+            self.cluster.add_node(num_cpus=1)  # the spare its members move to, as for a lost node
+            time.sleep(max(0.0, at + CUT_S - time.monotonic()))  # the fault's length, not a wait for a condition
+        finally:
+            for pid in frozen:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        gone = wait_until(lambda: not os.path.exists(f"/proc/{agent}") or zombie(agent), 30)
+        print(f"chaos: host of node agent {agent} back after {time.monotonic() - at:.1f} s; its stale agent "
+              f"{'exited' if gone else 'is STILL RUNNING after 30 s'}", flush=True)
+        if not gone:
+            self.stale_agents.append(agent)
+
     def recovery_times(self):
         for f in self.faults:
             later = [t for t, step in self.progress if t > f["at"] and step > f["step"]]
             f["recovery_s"] = round(later[0] - f["at"], 3) if later else None
         return [{"kind": f["kind"], "step": f["step"], "recovery_s": f["recovery_s"]} for f in self.faults]
+
+
+def descendants(pid):
+    """Every process under `pid`, read from /proc (children first found, then theirs)."""
+    children = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_until(condition, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
 
 
 def exactly_once(history, steps, plan):
@@ -128,10 +206,14 @@ def main():
     parser.add_argument("--min-gap", type=float, default=20.0)
     parser.add_argument("--max-gap", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"the faults to draw from (default: all of {KINDS})")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep-logs", metavar="DIR", help="run the cluster in DIR and keep its logs afterwards")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds: choose among {KINDS}")
 
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0}, temp_dir=args.keep_logs)
     try:
@@ -139,9 +221,10 @@ def main():
             cluster.add_node(num_cpus=1)
         t = make_trainer("chaos")
         t.fit(4)  # warm-up: the first steps compile and fill caches
-        chaos = Chaos(cluster, t, rng, args.min_gap, args.max_gap)
+        chaos = Chaos(cluster, t, rng, args.min_gap, args.max_gap, kinds)
         threading.Thread(target=chaos.watch, daemon=True).start()
-        threading.Thread(target=chaos.killer, daemon=True).start()
+        killer = threading.Thread(target=chaos.killer, daemon=True)
+        killer.start()
         history_from = len(t.history)
         t0 = time.monotonic()
         failure = None
@@ -151,7 +234,9 @@ def main():
         except Exception as e:  # the run ended: report what happened up to here
             failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         wall = time.monotonic() - t0
+        chaos.note_progress()  # the last chunk's steps, which the watcher may not have seen before it stops
         chaos.stop.set()
+        killer.join()  # a host cut under way ends (its processes go on) before anything else is asked of them
         steps = t.step
         useful = sum(r["step_s"] for r in t.history[history_from:])
         faults = chaos.recovery_times()
@@ -188,11 +273,14 @@ def main():
         print(f"{f['kind']:<12} {f['step']:>6} {f['recovery_s'] if f['recovery_s'] is not None else 'never':>11}")
     print(f"steps {steps} in {wall:.0f} s, goodput {result['goodput']:.3f}, bitwise_equal {bitwise}, "
           f"exactly_once {once} ({result['steps_from_plan']} step(s) of failed chunks taken from the plan)")
+    if chaos.stale_agents:
+        print(f"stale agents of cut hosts still running after they came back: {chaos.stale_agents}")
     if failure:
         print(f"the run ended early: {failure}")
     if args.json:
         print(json.dumps(result))
-    ok = failure is None and bitwise and once and all(f["recovery_s"] is not None for f in faults)
+    ok = (failure is None and bitwise and once and all(f["recovery_s"] is not None for f in faults)
+          and not chaos.stale_agents)
     sys.exit(0 if ok else 1)
 
 
