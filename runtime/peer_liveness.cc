@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include <kj/debug.h>
@@ -14,14 +15,23 @@
 
 namespace troupe {
 
-std::chrono::milliseconds peerSilenceLimit() {
-  static const std::chrono::milliseconds limit = []() {
+namespace {
+std::chrono::milliseconds limitFrom(long ms) {
+  return std::chrono::milliseconds(ms >= 300 && ms <= 600'000 ? ms : kDefaultHeartbeatTtlMs);
+}
+
+std::atomic<int64_t>& silenceLimitMs() {
+  static std::atomic<int64_t> limit{[]() {
     const char* env = getenv("TROUPE_HEARTBEAT_TTL_MS");
-    long ms = env != nullptr ? atol(env) : 0;
-    return std::chrono::milliseconds(ms >= 300 && ms <= 600'000 ? ms : kDefaultHeartbeatTtlMs);
-  }();
+    return static_cast<int64_t>(limitFrom(env != nullptr ? atol(env) : 0).count());
+  }()};
   return limit;
 }
+}  // namespace
+
+std::chrono::milliseconds peerSilenceLimit() { return std::chrono::milliseconds(silenceLimitMs().load()); }
+
+void setPeerSilenceLimit(std::chrono::milliseconds ttl) { silenceLimitMs().store(limitFrom(ttl.count()).count()); }
 
 void detectSilentPeer(kj::AsyncIoStream& stream) {
   auto limit = peerSilenceLimit();

@@ -233,6 +233,9 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
         a.workerRedisGateway_ = endpoint.getGateway();
         a.workerCluster_ = redis.cluster;
         a.state_->ttl = std::chrono::milliseconds(endpoint.getHeartbeatTtlMs());
+        // Connections end on a silent peer within the cluster's TTL: this agent's from now on,
+        // and its workers' (TROUPE_HEARTBEAT_TTL_MS in their environment).
+        setPeerSilenceLimit(a.state_->ttl);
         // The store is created on the I/O thread, which owns it from then on.
         auto state = a.state_;
         return a.ioThread_.call([state, redis]() {
@@ -348,6 +351,7 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   if (tls::required()) spawn.env.push_back("TROUPE_TLS=1");
   spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
+  spawn.env.push_back(fmt::format("TROUPE_HEARTBEAT_TTL_MS={}", state_->ttl.count()));
   // Checkpoint segments the worker makes are recorded here, for `troupe stop` to remove.
   std::string registry = options_.runDir + "/shm";
   std::string countersDir = options_.runDir + "/metrics";

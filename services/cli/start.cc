@@ -138,6 +138,8 @@ int startHead(StartFlags f) {
     ::setenv("TROUPE_TLS", "1", 1);
     tls::require();
   }
+  // The daemons inherit the TTL: their connections end on a silent peer within it.
+  ::setenv("TROUPE_HEARTBEAT_TTL_MS", std::to_string(f.heartbeatTtlMs).c_str(), 1);
   Launch launch(f.block);
   // What the head's agent starts again should one of them exit (not under --block, where the
   // cluster lives and dies with this process).
@@ -375,6 +377,7 @@ int restartControllerCommand() {
     ::setenv("TROUPE_TLS", "1", 1);
     tls::require();
   }
+  ::setenv("TROUPE_HEARTBEAT_TTL_MS", std::to_string(file->heartbeatTtlMs).c_str(), 1);
   // The head's agent would start one too: it waits while we replace it.
   supervisor::ReplaceLock replacing(*runDir);
   std::ifstream pidFile(*runDir + "/pids/controller.pid");

@@ -101,6 +101,9 @@ inline constexpr int kDefaultHeartbeatTtlMs = 3000;
 // How long a connection may go without a sign of its peer before it ends: the heartbeat TTL
 // this process was told (TROUPE_HEARTBEAT_TTL_MS, 300..600000), else kDefaultHeartbeatTtlMs.
 std::chrono::milliseconds peerSilenceLimit();
+// Sets it once this process learns the cluster's TTL (a joining agent, from the controller);
+// connections made from then on use it. Any thread.
+void setPeerSilenceLimit(std::chrono::milliseconds ttl);
 // Tunes a TCP connection so that a peer whose host went silent (cut off, frozen) ends it within
 // peerSilenceLimit() + 1 s, whether data is in flight or the connection waits for an answer:
 // keepalive probes from peerSilenceLimit() - 1 s of silence, one a second, and
