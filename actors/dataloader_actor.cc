@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -34,8 +36,17 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
     int64_t context = j->value("context", 64);
     Result<std::unique_ptr<Dataset>> dataset = Status(StatusCode::kInvalidArgument, "data.kind must be text, tokens or npy");
     if (kind == "text") {
-      // Bytes are the tokens: build the token file once per incarnation, next to nothing shared.
-      self->tokenFile_ = fmt::format("/tmp/troupe-tokens-{}-{}.u16", j->value("group", "g"), getpid());
+      // Bytes are the tokens: build the token file once per incarnation, in a directory of its
+      // own (mkdtemp, 0700): a predictable name in /tmp would let another user plant a link or
+      // a FIFO there.
+      const char* tmp = std::getenv("TMPDIR");
+      std::string dir = fmt::format("{}/troupe-tokens-XXXXXX", tmp != nullptr && *tmp ? tmp : "/tmp");
+      if (::mkdtemp(dir.data()) == nullptr) {
+        return Status(StatusCode::kResourceExhausted,
+                      fmt::format("cannot make a directory for the token file ({}): {}", dir, std::strerror(errno)));
+      }
+      self->tokenDir_ = dir;
+      self->tokenFile_ = dir + "/tokens.u16";
       auto built = buildTokenFile(data.value("path", ""), self->tokenFile_, "uint16");
       if (!built.isOk()) return built.status();
       dataset = openTokenDataset({self->tokenFile_, "uint16", context});
@@ -58,6 +69,7 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
 
   ~Dataloader() override {
     if (!tokenFile_.empty()) ::unlink(tokenFile_.c_str());
+    if (!tokenDir_.empty()) ::rmdir(tokenDir_.c_str());
   }
 
  private:
@@ -128,6 +140,7 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
   }
   std::unique_ptr<Dataset> dataset_;
   std::optional<ShardQueue> queue_;
+  std::string tokenDir_;  // private, made by mkdtemp; holds tokenFile_
   std::string tokenFile_;
 };
 

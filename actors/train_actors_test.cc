@@ -123,6 +123,37 @@ TEST_CASE("dataloader: typed take, complete and info; the generic call reaches t
   CHECK(l.generic("stepSamples", "{\"step\": 0}").status().code() == StatusCode::kInvalidArgument);
 }
 
+// A text data set's token file was built at /tmp/troupe-tokens-<group>-<pid>.u16 (through
+// <that>.tmp.<pid>): another user could plant a link there and have the actor overwrite a file of
+// its user's. It is built in a directory of its own now, gone with the actor.
+TEST_CASE("dataloader: a text data set's token file is private, not at a name another user can plant") {
+  fs::path scratch = fs::temp_directory_path() / fmt::format("troupe-plant-test-{}", ::getpid());
+  fs::create_directories(scratch);
+  fs::path victim = scratch / "precious";
+  std::ofstream(victim) << "precious";
+  fs::path text = scratch / "corpus.txt";
+  std::ofstream(text) << std::string(4096, 'x');
+  std::string old = fmt::format("/tmp/troupe-tokens-planted-{}.u16", ::getpid());
+  fs::path planted = fmt::format("{}.tmp.{}", old, ::getpid());
+  fs::remove(planted);
+  fs::create_symlink(victim, planted);
+  {
+    ActorRegistry registry;
+    registerTrainActors(registry);
+    ActorContext context;
+    context.type = "Dataloader";
+    auto made = registry.create(context, R"({"group": "planted", "node": "a", "data": {"kind": "text", "path": ")" +
+                                             text.string() + R"("}, "global_batch": 4, "context": 8})");
+    REQUIRE(made.isOk());
+  }
+  std::ifstream in(victim);
+  std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(content == "precious");
+  CHECK_FALSE(fs::exists(old));
+  fs::remove(planted);
+  fs::remove_all(scratch);
+}
+
 TEST_CASE("dataloader: a batch from a peer is refused unless its sizes match its shapes") {
   Batch batch;
   batch.inputs = HostTensor{"", "int64", {2, 3}, std::vector<uint8_t>(2 * 3 * 8, 1)};
