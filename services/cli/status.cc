@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "troupe/runtime/names.h"
 #include "troupe/runtime/resources.h"
 
 namespace troupe::cli {
@@ -162,7 +163,7 @@ int statusCommand(const StatusFlags& flags) {
     }
     std::cout << fmt::format("{:<18}{:<6}{:<22}{:<8}{:<9}{:<12}{}\n", n.id.hex(), n.isHead ? "yes" : "", n.address,
                              n.pid, nodeStateName(n.state), ago(n.lastHeartbeatMs), res);
-    if (n.state == NodeState::kDead) std::cout << "    died: " << n.deathReason << "\n";
+    if (n.state == NodeState::kDead) std::cout << "    died: " << displayText(n.deathReason) << "\n";
   }
   std::string counts;
   for (const auto& [state, n] : snapshot->actorCounts) counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", n, state);
@@ -178,9 +179,10 @@ int statusCommand(const StatusFlags& flags) {
     std::cout << fmt::format("\nActors ({}: {})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", shown, counts, "ACTOR",
                              "TYPE", "NAME", "NODE", "PID", "STATE", "RESTARTS", "REASON");
     for (const auto& a : snapshot->actors) {
-      std::cout << fmt::format("{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), a.type,
-                               a.name.empty() ? "-" : a.name, a.nodeId.empty() ? "-" : a.nodeId.hex(), a.pid,
-                               actorStateName(a.state), a.restarts, a.deathReason);
+      // Names, types and reasons as one line each: none can forge a row (a reason holds stderr).
+      std::cout << fmt::format("{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), displayText(a.type, 64),
+                               a.name.empty() ? "-" : displayText(a.name, 64), a.nodeId.empty() ? "-" : a.nodeId.hex(),
+                               a.pid, actorStateName(a.state), a.restarts, displayText(a.deathReason));
     }
   }
   if (!snapshot->placementGroups.empty()) {
@@ -210,7 +212,8 @@ int statusCommand(const StatusFlags& flags) {
     auto& events = g["events"];
     size_t from = events.size() > 5 ? events.size() - 5 : 0;
     for (size_t i = from; i < events.size(); ++i) {
-      std::cout << fmt::format("  {:>11} {}\n", ago(events[i]["time_ms"].get<int64_t>()), events[i]["text"].get<std::string>());
+      std::cout << fmt::format("  {:>11} {}\n", ago(events[i]["time_ms"].get<int64_t>()),
+                               displayText(events[i]["text"].get<std::string>()));
     }
   }
   std::cout << std::flush;

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import textwrap
 
-from troupe_testing import PYTHON_PACKAGE, free_port, one_line_error, run_driver
+from troupe_testing import PYTHON_PACKAGE, eventually, free_port, one_line_error, run_driver
 
 
 
@@ -270,3 +270,33 @@ def test_binding_an_address_the_machine_lacks_says_so(troupe):
         s.listen()
         taken = s.getsockname()[1]
         assert "already in use" in one_line_error(troupe.run("start", "--head", "--port", str(taken), check=False))
+
+
+def test_status_prints_every_record_as_one_line_whatever_its_text(troupe):
+    """An actor's death reason carries the last lines of its stderr, which the actor writes: a
+    newline, a carriage return or a bidi override there once forged rows of `troupe status`.
+    Printed records are escaped by one function (displayText), checked names or not."""
+    start_head(troupe)
+    forged = "ffffffffffffffff  Echo      forged            -                 1       ALIVE      0"
+    lines = driver_lines(troupe, f"""
+        import os, sys, troupe
+        troupe.init("auto")
+        @troupe.remote(max_restarts=0)
+        class Victim:
+            def die(self):
+                sys.stderr.write("boom\\n{forged}\\r\\u202eevil\\n")
+                sys.stderr.flush()
+                os._exit(3)
+        v = Victim.options(name="victim", lifetime="detached").remote()
+        try:
+            troupe.get(v.die.remote(), timeout=60)
+        except troupe.exceptions.ActorDiedError as e:
+            print("died")
+    """)
+    assert lines[-1] == "died", lines
+    out = eventually(lambda: (lambda s: s if "\\u{202E}evil" in s else None)(troupe.run("status").stdout),
+                     30, "the death reason with its stderr in troupe status")
+    assert not any(line.startswith("ffffffffffffffff") for line in out.splitlines()), out
+    assert "\u202e" not in out and "\r" not in out
+    row = next(line for line in out.splitlines() if " victim " in line)
+    assert forged in row and row.endswith("\\u{000D}\\u{202E}evil"), row

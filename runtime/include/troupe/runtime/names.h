@@ -82,4 +82,33 @@ inline bool unprintable(int32_t cp) {
   return checkName(scoped.substr(slash + 1));
 }
 
+// `text` as one line a terminal shows as it is: every control, bidi or line-separator character
+// and every byte that is not UTF-8 written as an escape (\n, \u{202E}, \xFF), and cut to at most
+// `maxBytes` bytes of it with "..." after. For what `troupe status` prints of records (names, death
+// reasons with an actor's stderr, events): a record that passed no check still cannot forge a row.
+inline std::string displayText(std::string_view text, size_t maxBytes = 4096) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    if (out.size() >= maxBytes) {
+      out += "...";
+      break;
+    }
+    size_t at = i;
+    int32_t cp = names_detail::nextCodePoint(text, i);
+    if (cp < 0) {
+      out += fmt::format("\\x{:02X}", static_cast<uint8_t>(text[at]));
+      i = at + 1;
+    } else if (cp == '\n') {
+      out += "\\n";
+    } else if (cp == '\t') {
+      out += "\\t";
+    } else if (names_detail::unprintable(cp)) {
+      out += fmt::format("\\u{{{:04X}}}", cp);
+    } else {
+      out.append(text.substr(at, i - at));
+    }
+  }
+  return out;
+}
+
 }  // namespace troupe
