@@ -2,8 +2,9 @@
 // scheduling actors and placement groups, lifecycle transitions (PENDING -> ALIVE ->
 // RESTARTING -> DEAD), restarts, node deaths, resizes. Its only state is a recent view of the
 // nodes for choosing where to place (the store re-checks every claim, so a stale view costs a
-// retry, never an over-commitment); so the same calls after a controller restart continue where
-// the last one stopped.
+// retry, never an over-commitment), the restart back-off counts, and per elastic group the epoch it
+// last advanced for a member's end (a restarted core advances once more: harmless); so the same
+// calls after a controller restart continue where the last one stopped.
 // Side effects on processes are returned as WorkerActions for the caller to carry out.
 // Thread-safety: runs on the controller's I/O thread (the store's thread); every call is a
 // unit, so calls never interleave.

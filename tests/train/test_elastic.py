@@ -1,6 +1,7 @@
 """The elastic training group end to end: real clusters, real C++ trainer, dataloader and
 checkpoint actors, kill -9 of members, resizes, exactly-once data and bitwise determinism."""
 import os
+import re
 import signal
 
 import pytest
@@ -253,6 +254,11 @@ def test_losing_a_node_shrinks_the_group_and_training_goes_on(troupe):  # noqa: 
             assert len(t.recoveries) == 1
             events = group_record(t)["events"]
             assert any("the group shrinks" in e for e in events), events
+            # One failure, one epoch advance: the node's trainer, dataloader and checkpoint actor,
+            # and then the driver's removal of the trainer that did not come back and its bundle.
+            advances = [e for e in events if re.match(r"\d+ epoch \d+: ", e)]
+            assert len(advances) == 1, events
+            assert all(kind in advances[0] for kind in ("Trainer", "Dataloader", "Checkpoint")), advances
     finally:
         troupe_api.shutdown()
 
