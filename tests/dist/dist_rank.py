@@ -151,6 +151,25 @@ def ops(rank, world, gloo):
     return {"checked": checked, "errors": errors}
 
 
+def small(rank, world, gloo):
+    """A few ops against gloo (for runs whose transport differs: TLS)."""
+    for dtype in DTYPES:
+        for n in (5, 300001):
+            x = inputs(rank, n, dtype)
+            a, b = x.clone(), x.clone()
+            dist.all_reduce(a)
+            dist.all_reduce(b, group=gloo)
+            same(a, b, world, f"all_reduce {dtype} n={n}", exact=False)
+            outs_t = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(outs_t, x)
+            for r in range(world):
+                assert torch.equal(outs_t[r], inputs(r, n, dtype)), f"all_gather {dtype} n={n}"
+            a = x.clone()
+            dist.broadcast(a, src=world - 1)
+            assert torch.equal(a, inputs(world - 1, n, dtype)), f"broadcast {dtype} n={n}"
+    return {}
+
+
 def mlp(width=64, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),

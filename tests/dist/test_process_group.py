@@ -76,6 +76,13 @@ def test_ops_over_tcp_match_gloo(tmp_path):
     expect_ok(results, logs)
 
 
+def test_tls(tmp_path):
+    """TROUPE_DIST_TLS_TOKEN: every connection speaks TLS (TCP between the ranks, shm off)."""
+    results, _, logs = run_ranks("small", 2, tmp_path, env={"TROUPE_DIST_TLS_TOKEN": "t0ken-of-this-test",
+                                                          "TROUPE_COLLECTIVES_SHM": "0"})
+    expect_ok(results, logs)
+
+
 def test_ddp_and_zero_bitwise_equal_to_gloo(tmp_path):
     results, _, logs = run_ranks("ddp", 2, tmp_path)
     expect_ok(results, logs)
