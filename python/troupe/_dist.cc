@@ -141,6 +141,7 @@ class TroupeWork final : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
 
   // Wakes wait()ers, then runs the Future's callbacks on this thread.
   void complete(std::exception_ptr error) {

@@ -60,8 +60,10 @@ def ops(rank, world, gloo):
                 assert torch.equal(a, want), f"all_reduce AVG {tag}"
             # async: the Work's future carries the result.
             a = x.clone()
-            fut = dist.all_reduce(a, async_op=True).get_future()
-            (res,) = fut.wait()
+            work = dist.all_reduce(a, async_op=True)
+            (res,) = work.get_future().wait()
+            assert work.wait() and work.is_completed() and work.is_success()
+            assert torch.equal(work.result()[0], res)
             b = x.clone()
             dist.all_reduce(b, group=gloo)
             same(res, b, world, f"all_reduce future {tag}", exact=False)
