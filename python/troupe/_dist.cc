@@ -225,6 +225,10 @@ class ProcessGroupTroupe final : public c10d::ProcessGroup {
   }
 
   ~ProcessGroupTroupe() override {
+    // Python drops the last reference holding the GIL, and a failed op's Future may run a Python
+    // callback on the completion thread, which needs it: release it while that thread drains.
+    std::optional<py::gil_scoped_release> noGil;
+    if (Py_IsInitialized() && PyGILState_Check()) noGil.emplace();
     // Destroying the communicator fails what is still queued, so the completion thread drains.
     {
       std::lock_guard submit(submitMutex_);

@@ -248,6 +248,28 @@ def kill(rank, world, gloo):
     return {"error": error, "failed_after_s": failed_after, "later": later, "health": troupe.dist.health()}
 
 
+def destroy(rank, world, gloo):
+    """Destroying a group while an op is pending fails the op; a Python callback on its future
+    (which needs the GIL the destroying thread holds) runs, and destroy returns."""
+    group = dist.new_group(backend="troupe")
+    seen = {}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(4), group=group, async_op=True)  # rank 1 never joins it
+
+        def callback(fut):
+            try:
+                fut.value()
+                seen["error"] = None
+            except RuntimeError as e:
+                seen["error"] = str(e)
+        chained = work.get_future().then(callback)
+        dist.destroy_process_group(group)
+        del group, work
+        seen["done_after_destroy"] = chained.done()
+    dist.barrier(group=gloo)  # rank 1 keeps its end open until rank 0 is through
+    return seen
+
+
 def main():
     scenario, rank, world, init_method, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     try:

@@ -83,6 +83,13 @@ def test_tls(tmp_path):
     expect_ok(results, logs)
 
 
+def test_destroy_with_pending_op_and_python_callback(tmp_path):
+    results, _, logs = run_ranks("destroy", 2, tmp_path, timeout=60)
+    expect_ok(results, logs)
+    assert results[0]["done_after_destroy"] is True, results[0]
+    assert "destroyed" in results[0]["error"], results[0]
+
+
 def test_ddp_and_zero_bitwise_equal_to_gloo(tmp_path):
     results, _, logs = run_ranks("ddp", 2, tmp_path)
     expect_ok(results, logs)
