@@ -194,7 +194,7 @@ def test_a_cut_host_is_declared_dead_and_its_stale_agent_exits_when_the_link_ret
 
 
 TRAIN_DRIVER = """
-import json, os, signal, sys
+import json, os, re, signal, sys
 sys.path.insert(0, %(pkg)r)
 import troupe
 from troupe import _api
@@ -225,8 +225,11 @@ for line in sys.stdin:
         elif cmd["op"] == "resize":
             t.resize(cmd["workers"])
             t.fit(cmd.get("steps", 2))
+        # The controller's epoch advances for members' ends ("<ms> epoch <n>: ... ended: ...").
+        advances = [e for e in rt.group(t.group_id)["events"] if re.match(r"\\d+ epoch \\d+: ", e)]
         reply(step=t.step, world=len(t.trainers), where=where(), hashes=t.parameter_hash(),
-              recoveries=t.recoveries, members=[x._id for x in t.trainers], events=[e["text"] for e in t.events])
+              recoveries=t.recoveries, members=[x._id for x in t.trainers], events=[e["text"] for e in t.events],
+              advances=advances)
     except Exception as e:
         reply(error=repr(e), events=[e["text"] for e in t.events])
 t.close()
@@ -295,10 +298,14 @@ def test_an_elastic_group_trains_across_hosts_through_a_kill_a_cut_link_and_a_gr
     eventually(lambda: any(g["step"] >= step_before + 2 for g in status(hosts[0], controller, token)["groups"]),
                120, "training to be under way")
     stale = [m for m, ip in zip(r["members"], r["where"]) if ip == hosts[2].address]
+    advanced = len(r["advances"])
     hosts[2].cut()
     r = d.read(300)
     assert r["world"] == 2 and hosts[2].address not in r["where"], r
     assert len(r["recoveries"]) == 2 and max(x["recovery_s"] for x in r["recoveries"]) < 30, r
+    # One failure, one epoch advance: the host's trainer, dataloader and checkpoint actor, and the
+    # driver's removal of the trainer that did not come back and of its bundle.
+    assert len(r["advances"]) == advanced + 1, r["advances"][advanced:]
     print("host cut: recoveries", r["recoveries"], "events", [e for e in r["events"] if "recovered" in e or "failure" in e])
     assert len(set(r["hashes"])) == 1 and r["step"] == step_before + 40, r
     assert not set(stale) & set(r["members"]), r
