@@ -71,7 +71,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _api, _tensorboard, _typed
-from ._api import ActorDiedError, ActorError, ActorHandle, ObjectRef, TroupeError
+from ._api import ActorDiedError, ActorError, TroupeError
 from .exceptions import ResourceExhaustedError, UnavailableError
 
 if TYPE_CHECKING:  # torch is imported only where a module is given
@@ -243,15 +243,6 @@ def _configs(scaling: ScalingConfig | None, failure: FailureConfig | None,
     return resolved[0], resolved[1], CheckpointConfig.of(checkpoint)
 
 
-def _trainer(handle: ActorHandle, method: str, **params: Any) -> ObjectRef:
-    """A call of the Trainer's typed interface (actors/schema/trainer.capnp)."""
-    return _typed.call(handle, "Trainer", method, **params)
-
-
-def _trainer_reply(method: str, reply: bytes) -> dict[str, Any]:
-    return _typed.reply("Trainer", method, reply)
-
-
 def _step_row(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """A rank's StepMetrics with the history's names (computeS -> compute_s)."""
     return {re.sub(r"[A-Z]", lambda c: "_" + c.group(0).lower(), k): v for k, v in metrics.items()}
@@ -294,39 +285,73 @@ def _data_spec(data: str | os.PathLike[str] | Mapping[str, str]) -> dict[str, st
     return {"kind": "text", "path": path}
 
 
-class ElasticTrainer:
-    """A training job as one elastic group. See the module docstring.
+class GroupState:
+    """The coordinator's phases, as the group record's "state" says them."""
 
-    The job: `model` ("tinylm", "mlp", a TorchScript file or a torch.nn.Module), `loss`, `data`
-    (a text or token file, or {"features": F, "labels": L} .npy paths), `optimizer` (a name or
-    {"name": ..., "lr": ..., other hyper-parameters}), `global_batch_size` (split over the
-    ranks, in micro-batches of at most `max_micro_batch`), `context` (tokens per sequence) and
-    `seed`. How the group scales, fails and keeps its state: `scaling` (ScalingConfig),
-    `failure` (FailureConfig) and `checkpoint` (CheckpointConfig, or the same as a dict or a
-    directory). Each field of ScalingConfig and FailureConfig except max_failures may be given
-    as a keyword instead (min_workers=2, hang_timeout=60.0, ...), not both ways (TypeError); a
-    keyword left None takes the config's default. Invalid values raise ValueError before
-    anything is placed. `steps_per_call`: steps per chunk; `progress`: a tqdm bar in fit();
-    `name` and `detached`: see the module docstring; `tensorboard_dir`: TensorBoard scalars."""
+    STARTING = "STARTING"      # placing the group
+    JOINING = "JOINING"        # the trainers join a new epoch and restore a step
+    RUNNING = "RUNNING"        # training chunks
+    RECOVERING = "RECOVERING"  # a member failed: waiting for it, or shrinking without it
+    ADOPTING = "ADOPTING"      # a new coordinator takes over a detached group
+    HUNG = "HUNG"              # a chunk made no progress for hang_timeout
+    STOPPED = "STOPPED"        # stopped at another driver's request
+    FAILED = "FAILED"          # a failure that was not recovered
 
-    def __init__(self, model: str | os.PathLike[str] | torch.nn.Module = "tinylm", loss: str = "cross_entropy",
-                 data: str | os.PathLike[str] | Mapping[str, str] | None = None,
-                 optimizer: str | Mapping[str, Any] = "adamw", global_batch_size: int = 32,
-                 min_workers: int | None = None, max_workers: int | None = None, workers: int | None = None,
-                 checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-                 seed: int = 0, threads_per_worker: int | None = None, max_micro_batch: int | None = None,
-                 context: int = 64, steps_per_call: int = 10, recovery_timeout: float | None = None,
-                 progress: bool = True, name: str | None = None, replace_timeout: float | None = None,
-                 tuner: bool | Mapping[str, Any] | None = None, detached: bool = False,
-                 tensorboard_dir: str | os.PathLike[str] | None = None, hang_timeout: float | None = None,
-                 zero: int | None = None, sequence_parallel: int | None = None, *,
-                 scaling: ScalingConfig | None = None, failure: FailureConfig | None = None,
-                 _fault: Mapping[str, Any] | None = None) -> None:
-        scaling, failure, ckpt = _configs(scaling, failure, checkpoint, {
-            "min_workers": min_workers, "max_workers": max_workers, "workers": workers,
-            "threads_per_worker": threads_per_worker, "sequence_parallel": sequence_parallel, "zero": zero,
-            "tuner": tuner, "recovery_timeout": recovery_timeout, "replace_timeout": replace_timeout,
-            "hang_timeout": hang_timeout})
+
+class _CppTrainers:
+    """The coordinator's trainers are C++ Trainer actors (actors/trainer_actor.cc): typed calls of
+    actors/schema/trainer.capnp. `prepare(workdir)` -> (engine settings, data spec)."""
+
+    name = "cpp"
+
+    def __init__(self, prepare):
+        self.prepare = prepare
+
+    def call(self, handle, method, **params):
+        return _typed.call(handle, "Trainer", method, **params)
+
+    def reply(self, method, value):
+        return _typed.reply("Trainer", method, value)
+
+    def handle(self, actor_id):
+        return _api.ActorHandle(actor_id, "Trainer")
+
+    def fatal(self, failure):
+        """The error fit() raises at once for `failure` instead of recovering (None: recover)."""
+        return None
+
+    def spawn(self, group, bundle):
+        node = group._pg["bundle_nodes"][bundle]
+        loader, ckpt = group._node_services[node]
+        spec = {"group": group.group_id, "node": node, "engine": group._engine, "dataloader": loader.actor_id,
+                "checkpoint": ckpt.actor_id, "snapshot_every": group._checkpoint["snapshot_every"],
+                "persist_every": group._checkpoint["persist_every"], "bundle": bundle,
+                "min_workers": group.min_workers,
+                "fault_kill_at_step": group._fault.get("kill_at_step", -1) if group._fault.get("rank") == bundle else -1,
+                "fault_slow_ms": group._fault.get("slow_ms", 0) if group._fault.get("slow_rank") == bundle else 0,
+                "fault_hang_at_step": group._fault.get("hang_at_step", -1) if group._fault.get("hang_rank") == bundle else -1,
+                "fault_kill_in_join": group._fault.get("join_kill_bundle") == bundle,
+                "fault_kill_at_start": group._fault.get("start_kill_bundle") == bundle}
+        return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
+                              placement_group=group.group_id, bundle_index=bundle, lifetime=group._lifetime)
+
+
+class GroupCoordinator:
+    """The elastic group's coordinator: it places the group (trainer bundles, one dataloader and
+    one checkpoint actor per node, the tuner), drives the trainers chunk by chunk, and carries
+    the group through failures, resizes, adoption and the tuner's decisions. What the trainers
+    are is its strategy, `kind` (_CppTrainers: the C++ Trainer actor; troupe.torch_trainer's:
+    a Python process running the user's own loop): the coordinator only calls the Trainer
+    interface's methods through it, so both kinds are driven by this one class.
+
+    Its phases are the group record's states (GroupState): STARTING, JOINING, RUNNING,
+    RECOVERING, ADOPTING, HUNG, STOPPED and FAILED. Not thread-safe: one driver thread calls it."""
+
+    def _start(self, kind, scaling, failure, ckpt, *, name, detached, progress, steps_per_call, tensorboard_dir,
+               fault):
+        """Adopts the running group `name` (detached) or places a new one. `kind.prepare(workdir)`
+        returns the trainers' engine settings and the data spec (called only for a new group)."""
+        self._kind = kind
         self.name = name or f"train-{uuid.uuid4().hex[:6]}"
         # Scalars per step (loss, samples/s, world size) for TensorBoard, written by this
         # coordinator, which receives every rank's results.
@@ -352,22 +377,9 @@ class ElasticTrainer:
                         remove(found["id"])
                     except TroupeError:
                         pass
-        if data is None:
-            raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
-        seq = scaling.sequence_parallel
-        if context % (2 * seq):
-            raise ValueError(f"sequence_parallel={seq} needs context ({context}) to be a multiple of twice it")
-        if global_batch_size < scaling.max_workers:
-            raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
-        opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
-        self._engine = {
-            "model": _model_path(model, self._workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
-            "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": scaling.threads_per_worker,
-            "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
-            "context": int(context), "zero": scaling.zero, "sequence_parallel": seq, **{k: v for k, v in opt.items()},
-        }
-        self._data = _data_spec(data)
+        self._engine, self._data = kind.prepare(self._workdir)
+        self._engine.setdefault("threads", scaling.threads_per_worker)
         self._snapshot_fixed = ckpt.snapshot_every is not None
         self._checkpoint = {"dir": ckpt.dir or "", "snapshot_every": ckpt.snapshot_every or 1,
                             "persist_every": ckpt.persist_every, "keep": ckpt.keep}
@@ -382,7 +394,7 @@ class ElasticTrainer:
         self._resize_to: int | None = None
         self._fresh: set[str] = set()  # members a grow added that do not hold the group's state yet
         # tests: {"rank": r, "kill_at_step": s, "join_kill_bundle": b, "start_kill_bundle": b, "checkpoint": fault spec}
-        self._fault = dict(_fault or {})
+        self._fault = dict(fault or {})
         self.recoveries: list[dict[str, Any]] = []
         self._place(scaling.workers or scaling.max_workers)
         if ckpt.resume:
@@ -397,7 +409,7 @@ class ElasticTrainer:
             self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id, bundle_index=self._bundles[0],
                                               max_restarts=-1, lifetime=self._lifetime).remote(
                                                   self.min_workers, self.max_workers, options)
-            self._record({"state": "RUNNING", "tuner": self._tuner.actor_id})
+            self._record({"state": GroupState.RUNNING, "tuner": self._tuner.actor_id})
         self._start_heartbeat()
 
     # ---- Membership ----
@@ -405,7 +417,7 @@ class ElasticTrainer:
         """Reserves `workers` trainer bundles (fewer, down to min_workers, if they do not fit)."""
         self._pg = _reserve_trainers(self._rt, self.name, workers, self.min_workers, self._seq())
         self.group_id = self._pg["id"]
-        self._record({"state": "STARTING"})
+        self._record({"state": GroupState.STARTING})
         self._event(f"placed {len(self._pg['bundle_nodes'])} trainer bundle(s) on node(s) "
                     f"{sorted(set(self._pg['bundle_nodes']))}")
         self._node_services = {}
@@ -469,19 +481,7 @@ class ElasticTrainer:
         return {"dataloader": loader.actor_id, "checkpoint": ckpt.actor_id}
 
     def _spawn_trainer(self, bundle):
-        node = self._pg["bundle_nodes"][bundle]
-        loader, ckpt = self._node_services[node]
-        spec = {"group": self.group_id, "node": node, "engine": self._engine, "dataloader": loader.actor_id,
-                "checkpoint": ckpt.actor_id, "snapshot_every": self._checkpoint["snapshot_every"],
-                "persist_every": self._checkpoint["persist_every"], "bundle": bundle,
-                "min_workers": self.min_workers,
-                "fault_kill_at_step": self._fault.get("kill_at_step", -1) if self._fault.get("rank") == bundle else -1,
-                "fault_slow_ms": self._fault.get("slow_ms", 0) if self._fault.get("slow_rank") == bundle else 0,
-                "fault_hang_at_step": self._fault.get("hang_at_step", -1) if self._fault.get("hang_rank") == bundle else -1,
-                "fault_kill_in_join": self._fault.get("join_kill_bundle") == bundle,
-                "fault_kill_at_start": self._fault.get("start_kill_bundle") == bundle}
-        return _api.cpp_actor("Trainer", json.dumps(spec).encode(), num_cpus=1, max_restarts=-1,
-                              placement_group=self.group_id, bundle_index=bundle, lifetime=self._lifetime)
+        return self._kind.spawn(self, bundle)
 
     def _epoch(self):
         return int(self._rt.group(self.group_id).get("epoch", 0))
@@ -496,24 +496,29 @@ class ElasticTrainer:
         # The controller advances the epoch when a member dies; the trainers' join advances it
         # otherwise (joining an epoch ends every earlier one: collectives/README.md).
         epoch = self._epoch() + 1
-        self._record({"state": "JOINING"})
+        self._record({"state": GroupState.JOINING})
         world = len(self.trainers)
         nodes = {t.actor_id: self._rt.actor_info(t.actor_id)["node_id"] for t in self.trainers}
         # A trainer restarted on another node (its node was lost) has no memory snapshot there:
         # it does not vote on the step, and its node's checkpoint actor stages the step for it.
         moved = {tid for tid, node in nodes.items() if self._trainer_nodes.get(tid, node) != node}
         self._trainer_nodes.update(nodes)
-        joins = [_trainer(t, "join", epoch=epoch, rank=r, world=world, **self._services_of(nodes[t.actor_id]))
+        joins = [self._kind.call(t, "join", epoch=epoch, rank=r, world=world, **self._services_of(nodes[t.actor_id]))
                  for r, t in enumerate(self.trainers)]
-        _api.get(joins, timeout=self.recovery_timeout)
+        joined = _api.get(joins, timeout=self.recovery_timeout)
+        # A trainer kind whose memory snapshots live in the trainer's process (Python trainers)
+        # says so in its join reply when that process holds none (it was restarted): it restores
+        # from a peer, as a new member does.
+        fresh |= {t.actor_id for t, x in zip(self.trainers, joined) if self._kind.reply("join", x).get("amnesic")}
+        self._fresh = set(fresh)
         old = [t for t in self.trainers if t.actor_id not in fresh and t.actor_id not in moved]
         if moved:
             self._event(f"trainer(s) {sorted(moved)} moved to another node; their state comes from a peer's "
                         f"replica or memory, or from disk")
         candidates = [restore_step]
         if restore_step is None:
-            held = [set(_trainer_reply("snapshots", x)["steps"])
-                    for x in _api.get([_trainer(t, "snapshots") for t in old])]
+            held = [set(self._kind.reply("snapshots", x)["steps"])
+                    for x in _api.get([self._kind.call(t, "snapshots") for t in old])]
             common = set.intersection(*held) if held else set()
             # Newest first. A moved member's state comes from a peer's replica, which may lag the
             # newest snapshots: then an older step every member holds is used, down to the step
@@ -537,9 +542,9 @@ class ElasticTrainer:
     def _settle(self):
         """After a restore: the restored step is pinned on every rank and replica, and the data
         rewinds to it, before training goes on."""
-        _api.get([_trainer(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
+        _api.get([self._kind.call(t, "pin") for t in self.trainers], timeout=self.recovery_timeout)
         _api.get([_typed.call(loader, "Dataloader", "rewind", step=self.step) for loader, _ in self._node_services.values()])
-        self._record({"state": "RUNNING"})
+        self._record({"state": GroupState.RUNNING})
 
     def _resume_from_disk(self):
         """Every trainer loads the newest complete step persisted in the checkpoint directory,
@@ -554,9 +559,9 @@ class ElasticTrainer:
         if not complete:
             self._event(f"resume: no complete step in {directory}; training starts from the seed")
             return
-        replies = _api.get([_trainer(t, "loadDir", dir=directory, step=complete[0]) for t in self.trainers],
+        replies = _api.get([self._kind.call(t, "loadDir", dir=directory, step=complete[0]) for t in self.trainers],
                            timeout=self.recovery_timeout)
-        self._restored([_trainer_reply("loadDir", x) for x in replies])
+        self._restored([self._kind.reply("loadDir", x) for x in replies])
         self._settle()
         self._event(f"resumed at step {self.step} from {directory}")
 
@@ -568,9 +573,9 @@ class ElasticTrainer:
     def _restore_all(self, restore_step, fresh):
         if self._resharding() and restore_step > 0:
             # Every rank puts its new shard together from the old ranks' snapshots.
-            replies = _api.get([_trainer(t, "restore", step=restore_step, fromBundles=self._sharded_as)
+            replies = _api.get([self._kind.call(t, "restore", step=restore_step, fromBundles=self._sharded_as)
                                 for t in self.trainers], timeout=self.recovery_timeout)
-            self._restored([_trainer_reply("restore", x) for x in replies])
+            self._restored([self._kind.reply("restore", x) for x in replies])
             self._event(f"re-sharded the optimizer state of step {restore_step} from the snapshots of bundle(s) "
                         f"{self._sharded_as} onto {len(self.trainers)} rank(s)")
             return
@@ -589,8 +594,8 @@ class ElasticTrainer:
             if remote:
                 params["broadcastFrom"] = root
                 params["fromBroadcast"] = t.actor_id in remote
-            requests.append(_trainer(t, "restore", **params))
-        self._restored([_trainer_reply("restore", x) for x in _api.get(requests, timeout=self.recovery_timeout)])
+            requests.append(self._kind.call(t, "restore", **params))
+        self._restored([self._kind.reply("restore", x) for x in _api.get(requests, timeout=self.recovery_timeout)])
 
     def _restored(self, replies):
         """`replies`: every rank's results of restore or loadDir."""
@@ -704,7 +709,7 @@ class ElasticTrainer:
         self._pg = self._rt.placement_group(self.group_id)
         self._bundles = list(doc["bundles"])
         self._sharded_as = list(doc.get("sharded_as") or doc["bundles"])
-        self.trainers = [_api.ActorHandle(i, "Trainer") for i in doc["members"]]
+        self.trainers = [self._kind.handle(i) for i in doc["members"]]
         self._node_services = {n: (_api.ActorHandle(l, "Dataloader"), _api.ActorHandle(c, "Checkpoint"))
                                for n, (l, c) in doc["services"].items()}
         self._trainer_nodes = dict(doc.get("trainer_nodes", {}))
@@ -715,7 +720,7 @@ class ElasticTrainer:
         t0 = time.monotonic()
         # The members finish what the dead coordinator asked of them, then every one restores
         # the newest step they all hold, as after a failure.
-        self._record({"state": "ADOPTING"})
+        self._record({"state": GroupState.ADOPTING})
         self._recover(TroupeError(f"the group's coordinator (pid {doc.get('coordinator', {}).get('pid')}) is gone"),
                       [])
         self._event(f"adopted by a new coordinator (pid {os.getpid()}) in {time.monotonic() - t0:.2f} s at step "
@@ -772,7 +777,7 @@ class ElasticTrainer:
                         self.resize(n)
                 if stop:
                     self._event(f"stopped at step {self.step} at the request of another driver")
-                    self._record({"state": "STOPPED"})
+                    self._record({"state": GroupState.STOPPED})
                     break
                 resize_to, self._resize_to = self._resize_to, None
                 refs = []
@@ -791,14 +796,19 @@ class ElasticTrainer:
                             raise
                     chunk = min(self.steps_per_call, target - self.step)
                     t0 = time.monotonic()
-                    refs = [_trainer(t, "run", fromStep=self.step, steps=chunk) for t in self.trainers]
-                    replies = [_trainer_reply("run", x) for x in self._gather(refs, watch=True)]
+                    refs = [self._kind.call(t, "run", fromStep=self.step, steps=chunk) for t in self.trainers]
+                    replies = [self._kind.reply("run", x) for x in self._gather(refs, watch=True)]
                 except (ActorDiedError, ActorError) as failure:
+                    fatal = self._kind.fatal(failure)
+                    if fatal is not None:
+                        self._event(f"failure at step {self.step}, not recovered: {str(fatal).splitlines()[0][:200]}")
+                        self._record({"state": GroupState.FAILED})
+                        raise fatal from failure
                     self._failures += 1
                     if 0 <= self.max_failures < self._failures:
                         self._event(f"failure at step {self.step}: not recovered, FailureConfig.max_failures="
                                     f"{self.max_failures} reached: {str(failure).splitlines()[0][:200]}")
-                        self._record({"state": "FAILED"})
+                        self._record({"state": GroupState.FAILED})
                         raise TroupeError(f"group {self.name}: failure {self._failures} at step {self.step}, more "
                                           f"than FailureConfig.max_failures={self.max_failures}") from failure
                     self._recover(failure, refs)
@@ -838,6 +848,8 @@ class ElasticTrainer:
                    "samples": m["samples"],
                    # the members of a ring share their rows: each row once
                    "sample_ids": sorted(x for r in per_rank[::self._seq()] for x in r[i]["sample_ids"])}
+            if "metrics" in m:  # what a user's loop reported (rank 0's)
+                row["metrics"] = m["metrics"]
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
@@ -859,7 +871,7 @@ class ElasticTrainer:
             except (ActorDiedError, ActorError):
                 pass  # a dataloader is restarting: the next chunk fails, and its recovery rewinds every queue
         self._tune_snapshots()
-        self._record({"state": "RUNNING"})
+        self._record({"state": GroupState.RUNNING})
 
     def _tune_snapshots(self):
         """Unless the user chose an interval, snapshot every step while a snapshot costs under 5%
@@ -872,14 +884,14 @@ class ElasticTrainer:
         every = max(1, int(-(-cost // (0.05 * step_s)))) if step_s > 0 else 1
         every = min(every, 100)
         if every != self._checkpoint["snapshot_every"]:
-            _api.get([_trainer(t, "configure", snapshotEvery=every) for t in self.trainers])
+            _api.get([self._kind.call(t, "configure", snapshotEvery=every) for t in self.trainers])
             self._event(f"memory snapshots every {every} step(s): a snapshot takes {cost * 1e3:.1f} ms, "
                         f"a step {step_s * 1e3:.1f} ms")
             self._checkpoint["snapshot_every"] = every
 
     def _recover(self, failure, refs):
         t0 = time.monotonic()
-        self._record({"state": "RECOVERING"})
+        self._record({"state": GroupState.RECOVERING})
         # Every live rank's run() must have ended (the others' collectives failed) before they
         # join a new epoch. A call to a member that died before it arrived waits for the member's
         # restart, which may never come: such calls are not waited for.
@@ -892,7 +904,7 @@ class ElasticTrainer:
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
         deadline = time.monotonic() + self.replace_timeout
-        answering = self._answering([(t, lambda h: _trainer(h, "hash")) for t in self.trainers], deadline)
+        answering = self._answering([(t, lambda h: self._kind.call(h, "hash")) for t in self.trainers], deadline)
         survivors = [t for t in self.trainers if t.actor_id in answering]
         for t, bundle in zip(self.trainers, self._bundles):
             if t.actor_id not in answering:
@@ -929,7 +941,7 @@ class ElasticTrainer:
         self._join_all()
         # A restarted member starts with its spawn's settings, and one a failed grow added missed
         # the resize's configure: every member gets the group's current ones.
-        _api.get([_trainer(t, "configure", **self._settings, snapshotEvery=self._checkpoint["snapshot_every"])
+        _api.get([self._kind.call(t, "configure", **self._settings, snapshotEvery=self._checkpoint["snapshot_every"])
                   for t in self.trainers], timeout=self.recovery_timeout)
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
@@ -989,11 +1001,11 @@ class ElasticTrainer:
         """An event naming what each rank is doing and since when (asked out of turn, so a rank
         stuck in its step still answers), e.g. that one waits in bucket 3's all-reduce while the
         rank it needs is stuck in its data wait."""
-        refs = [_trainer(t, "activity") for t in self.trainers]
+        refs = [self._kind.call(t, "activity") for t in self.trainers]
         parts = []
         for t, ref in zip(self.trainers, refs):
             try:
-                a = _trainer_reply("activity", _api.get(ref, timeout=10))
+                a = self._kind.reply("activity", _api.get(ref, timeout=10))
             except TroupeError as e:
                 parts.append(f"Trainer {t.actor_id}: no answer ({e})")
                 continue
@@ -1003,7 +1015,7 @@ class ElasticTrainer:
             parts.append(f"rank {a['rank']} (Trainer {t.actor_id}, pid {a['pid']}): {where} at step {act['step']} "
                          f"for {a['forS']:.1f} s{waiting}")
         self._event(f"no progress for {waited:.0f} s (hang_timeout {self.hang_timeout:g} s): " + "; ".join(parts))
-        self._record({"state": "HUNG"})
+        self._record({"state": GroupState.HUNG})
 
     def _consult_tuner(self, chunk):
         rows = self.history[-chunk:]
@@ -1033,13 +1045,13 @@ class ElasticTrainer:
             self._settings = settings
             self._engine["threads"] = settings["threads"]
             if decision["action"] == "keep":
-                _api.get([_trainer(t, "configure", **settings) for t in self.trainers])
+                _api.get([self._kind.call(t, "configure", **settings) for t in self.trainers])
             self._event(f"tuner: {settings['threads']} intra-op thread(s) per trainer, prefetch depth "
                         f"{settings['prefetch']}")
         # The outcome of the previous change is measured now: its decision record is on the tuner.
         self.tuner_decisions = _api.get(self._tuner.decisions.remote())
         errors = [d for d in self.tuner_decisions if d.get("prediction_error") is not None]
-        self._record({"state": "RUNNING", "tuner": {"last": decision["action"], "target": decision["target"],
+        self._record({"state": GroupState.RUNNING, "tuner": {"last": decision["action"], "target": decision["target"],
                                                     "reason": decision["reason"],
                                                     "prediction_errors": [round(d["prediction_error"], 3)
                                                                           for d in errors]}})
@@ -1077,7 +1089,7 @@ class ElasticTrainer:
         # Every rank restores the current step after the move, a new member copies a node mate's
         # snapshot of it, and under ZeRO the ranks re-shard from every old rank's (the leaving
         # ones' included): each rank snapshots it now, as snapshot_every > 1 skips most steps.
-        _api.get([_trainer(t, "pin", snapshot=True) for t in self.trainers], timeout=self.recovery_timeout)
+        _api.get([self._kind.call(t, "pin", snapshot=True) for t in self.trainers], timeout=self.recovery_timeout)
         if workers < current:
             leaving = self._bundles[workers:]
             for t in self.trainers[workers:]:
@@ -1102,14 +1114,26 @@ class ElasticTrainer:
             self.trainers += fresh
             self._bundles += added
             self._join_all(restore_step=self.step, fresh={t.actor_id for t in fresh})
-        _api.get([_trainer(t, "configure", **self._settings) for t in self.trainers])
+        _api.get([self._kind.call(t, "configure", **self._settings) for t in self.trainers])
         self._event(f"resized from {current} to {workers} trainer(s) at step {self.step}")
         return True
 
+    def members(self) -> list[dict[str, Any]]:
+        """The group's members: [{"kind": "trainer"|"dataloader"|"checkpoint", "rank" (a
+        trainer's rank, else None), "actor_id", "pid", "node"}], trainers first in rank order."""
+        out = [{"kind": "trainer", "rank": r, "actor_id": t.actor_id} for r, t in enumerate(self.trainers)]
+        for loader, ckpt in self._node_services.values():
+            out += [{"kind": "dataloader", "rank": None, "actor_id": loader.actor_id},
+                    {"kind": "checkpoint", "rank": None, "actor_id": ckpt.actor_id}]
+        for m in out:
+            info = self._rt.actor_info(m["actor_id"])
+            m.update(pid=info.get("pid"), node=info.get("node_id"))
+        return out
+
     def parameter_hash(self) -> list[str]:
         """Every rank's hash of its parameters (equal on every rank of a healthy group)."""
-        replies = _api.get([_trainer(t, "hash") for t in self.trainers])
-        return [f"{_trainer_reply('hash', x)['hash']:016x}" for x in replies]
+        replies = _api.get([self._kind.call(t, "hash") for t in self.trainers])
+        return [f"{self._kind.reply('hash', x)['hash']:016x}" for x in replies]
 
     def close(self) -> None:
         """Ends the group: its actors, shared-memory segments and records."""
@@ -1131,11 +1155,66 @@ class ElasticTrainer:
         self._rt.remove_placement_group(self.group_id)
         self._rt.remove_group(self.group_id)
 
-    def __enter__(self) -> ElasticTrainer:
+    def __enter__(self) -> GroupCoordinator:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ElasticTrainer(GroupCoordinator):
+    """A training job as one elastic group. See the module docstring.
+
+    The job: `model` ("tinylm", "mlp", a TorchScript file or a torch.nn.Module), `loss`, `data`
+    (a text or token file, or {"features": F, "labels": L} .npy paths), `optimizer` (a name or
+    {"name": ..., "lr": ..., other hyper-parameters}), `global_batch_size` (split over the
+    ranks, in micro-batches of at most `max_micro_batch`), `context` (tokens per sequence) and
+    `seed`. How the group scales, fails and keeps its state: `scaling` (ScalingConfig),
+    `failure` (FailureConfig) and `checkpoint` (CheckpointConfig, or the same as a dict or a
+    directory). Each field of ScalingConfig and FailureConfig except max_failures may be given
+    as a keyword instead (min_workers=2, hang_timeout=60.0, ...), not both ways (TypeError); a
+    keyword left None takes the config's default. Invalid values raise ValueError before
+    anything is placed. `steps_per_call`: steps per chunk; `progress`: a tqdm bar in fit();
+    `name` and `detached`: see the module docstring; `tensorboard_dir`: TensorBoard scalars."""
+
+    def __init__(self, model: str | os.PathLike[str] | torch.nn.Module = "tinylm", loss: str = "cross_entropy",
+                 data: str | os.PathLike[str] | Mapping[str, str] | None = None,
+                 optimizer: str | Mapping[str, Any] = "adamw", global_batch_size: int = 32,
+                 min_workers: int | None = None, max_workers: int | None = None, workers: int | None = None,
+                 checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 seed: int = 0, threads_per_worker: int | None = None, max_micro_batch: int | None = None,
+                 context: int = 64, steps_per_call: int = 10, recovery_timeout: float | None = None,
+                 progress: bool = True, name: str | None = None, replace_timeout: float | None = None,
+                 tuner: bool | Mapping[str, Any] | None = None, detached: bool = False,
+                 tensorboard_dir: str | os.PathLike[str] | None = None, hang_timeout: float | None = None,
+                 zero: int | None = None, sequence_parallel: int | None = None, *,
+                 scaling: ScalingConfig | None = None, failure: FailureConfig | None = None,
+                 _fault: Mapping[str, Any] | None = None) -> None:
+        scaling, failure, ckpt = _configs(scaling, failure, checkpoint, {
+            "min_workers": min_workers, "max_workers": max_workers, "workers": workers,
+            "threads_per_worker": threads_per_worker, "sequence_parallel": sequence_parallel, "zero": zero,
+            "tuner": tuner, "recovery_timeout": recovery_timeout, "replace_timeout": replace_timeout,
+            "hang_timeout": hang_timeout})
+        seq = scaling.sequence_parallel
+
+        def prepare(workdir):
+            if data is None:
+                raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
+            if context % (2 * seq):
+                raise ValueError(f"sequence_parallel={seq} needs context ({context}) to be a multiple of twice it")
+            if global_batch_size < scaling.max_workers:
+                raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
+            opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
+            engine = {
+                "model": _model_path(model, workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),
+                "lr": float(opt.pop("lr", 1e-3)), "seed": int(seed), "threads": scaling.threads_per_worker,
+                "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
+                "context": int(context), "zero": scaling.zero, "sequence_parallel": seq, **{k: v for k, v in opt.items()},
+            }
+            return engine, _data_spec(data)
+
+        self._start(_CppTrainers(prepare), scaling, failure, ckpt, name=name, detached=detached, progress=progress,
+                    steps_per_call=steps_per_call, tensorboard_dir=tensorboard_dir, fault=_fault)
 
 
 HEARTBEAT_S = 1.0
