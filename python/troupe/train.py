@@ -77,8 +77,8 @@ from .exceptions import ResourceExhaustedError, UnavailableError
 if TYPE_CHECKING:  # torch is imported only where a module is given
     import torch
 
-__all__ = ["CheckpointConfig", "ElasticTrainer", "FailureConfig", "GroupHandle", "GroupPlacementError",
-           "ScalingConfig"]
+__all__ = ["CheckpointConfig", "ElasticTrainer", "FailureConfig", "GroupCoordinator", "GroupHandle",
+           "GroupPlacementError", "ScalingConfig", "TorchTrainer", "TrainLoopError"]
 
 
 class GroupPlacementError(TroupeError):
@@ -1312,3 +1312,13 @@ class _TunerActor:
 
     def decisions(self):
         return self.tuner.decisions
+
+
+def __getattr__(name: str) -> Any:
+    """TorchTrainer and TrainLoopError: the user's own PyTorch loop on the same coordinator
+    (troupe/torch_trainer.py, which imports this module; loaded on first use)."""
+    if name in ("TorchTrainer", "TrainLoopError", "TorchContext", "GroupChanged"):
+        from . import torch_trainer
+
+        return getattr(torch_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

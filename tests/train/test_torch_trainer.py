@@ -1,0 +1,162 @@
+"""TorchTrainer end to end: the user's own eager PyTorch loop in the elastic group (2 Python
+trainers on a real local cluster), its accuracy, kill -9 of a trainer (the survivor keeps its
+process, every sample trained once per epoch), and its errors."""
+import os
+
+import pytest
+
+from train_testing import needs_trainers, troupe  # noqa: F401 (troupe: the build's package)
+
+torch = pytest.importorskip("torch")
+pytestmark = needs_trainers
+
+CLASSES, DIM = 10, 64
+
+
+def digits():
+    """scikit-learn's digits when python3-sklearn is installed, else a deterministic synthetic
+    set of the same shape: 10 classes of 8x8 images, each a fixed prototype plus noise."""
+    try:
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+        return x, torch.tensor(d.target, dtype=torch.int64)
+    except ImportError:
+        g = torch.Generator().manual_seed(0)
+        protos = (torch.rand(CLASSES, DIM, generator=g) > 0.6).float()
+        y = torch.arange(1200) % CLASSES
+        x = (protos[y] + 0.35 * torch.randn(1200, DIM, generator=g)).clamp(0, 1)
+        return x, y
+
+
+class Digits(torch.utils.data.Dataset):
+    """A map-style Dataset of (features, label) pairs."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+class EagerNet(torch.nn.Module):
+    """Python TorchScript cannot compile (a generator expression over the blocks), and
+    data-dependent control flow: how many times the blocks run depends on the batch's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(DIM, 64)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.out = torch.nn.Linear(64, CLASSES)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for _ in range(1 + int(h.mean().item() > 0.4)):
+            h = h + sum(torch.relu(b(h)) for b in self.blocks) / len(self.blocks)
+        return self.out(h)
+
+
+def train_loop(ctx):
+    torch.manual_seed(0)
+    model = ctx.prepare(EagerNet())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
+    ctx.track(model=model, opt=opt, sched=sched)
+    for x, y in ctx.batches():
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        ctx.report(loss=loss.item(), acc=(logits.argmax(1) == y).float().mean().item(), pid=os.getpid())
+
+
+def _make(data, **options):
+    from troupe.train import ScalingConfig, TorchTrainer
+
+    return TorchTrainer(train_loop, data=data, global_batch_size=32,
+                        scaling=ScalingConfig(min_workers=1, max_workers=2), steps_per_call=5, progress=False,
+                        **options)
+
+
+@pytest.fixture
+def dataset():
+    x, y = digits()
+    return Digits(x, y)
+
+
+def test_an_eager_loop_trains_to_accuracy_and_survives_a_kill_9_with_every_sample_once(cluster, dataset):
+    from troupe import _typed
+
+    with pytest.raises(Exception):
+        torch.jit.script(EagerNet())  # the loop's model is eager-only
+    n = len(dataset)
+    steps_per_epoch = n // 32
+    with _make(dataset, _fault={"rank": 1, "kill_at_step": 20}) as t:  # as it takes step 21
+        before = {m["rank"]: m for m in t.members() if m["kind"] == "trainer"}
+        assert sorted(before) == [0, 1] and {m["kind"] for m in t.members()} == {"trainer", "dataloader",
+                                                                                   "checkpoint"}
+        history = t.fit(steps=steps_per_epoch + 20)
+        after = {m["rank"]: m for m in t.members() if m["kind"] == "trainer"}
+        loader = next(iter(t._node_services.values()))[0]
+        # One recovery; the survivor (rank 0) kept its process, the killed rank is a new one.
+        assert len(t.recoveries) == 1 and t.recoveries[0]["step"] == 20
+        assert after[0]["pid"] == before[0]["pid"]
+        assert after[1]["pid"] != before[1]["pid"]
+        assert {r["metrics"]["pid"] for r in history[-3:]} == {before[0]["pid"]}  # rank 0's loop, same process
+        assert t.step == steps_per_epoch + 20 and [r["step"] for r in history] == list(range(1, t.step + 1))
+        # Exactly once: each step trained the samples the queue planned, the epoch each once.
+        for row in history:
+            planned = _typed.get(loader, "Dataloader", "stepSamples", step=row["step"] - 1)["ids"]
+            assert row["sample_ids"] == sorted(planned)
+        first_epoch = [i for r in history[:steps_per_epoch] for i in r["sample_ids"]]
+        assert len(first_epoch) == len(set(first_epoch)) == steps_per_epoch * 32
+        # Both ranks hold the same parameters, and the loop learned: training accuracy over the
+        # last 10 steps of at least 90% (chance: 10%).
+        hashes = [t._kind.reply("hash", h)["hash"] for h in troupe.get([t._kind.call(x, "hash") for x in t.trainers])]
+        assert len(set(hashes)) == 1 and hashes[0] != 0
+        acc = sum(r["metrics"]["acc"] for r in history[-10:]) / 10
+        assert acc >= 0.9, f"accuracy {acc:.2f} after {t.step} steps"
+        assert history[-1]["loss"] < 0.5 * history[0]["loss"]
+
+
+def _untracked_loop(ctx):
+    model = ctx.prepare(torch.nn.Linear(DIM, CLASSES))
+    ctx.track(model=model, lr=0.1)
+
+
+def _failing_loop(ctx):
+    model = ctx.prepare(torch.nn.Linear(DIM, CLASSES))
+    ctx.track(model=model)
+    for x, y in ctx.batches():
+        if ctx.rank == 1 and ctx.step == 3:
+            raise ValueError("a bug in the user's loop at step 4")
+        model(x).sum().backward()
+        ctx.report(loss=0.0)
+
+
+@pytest.mark.parametrize("loop, error, text", [
+    (_untracked_loop, "TypeError", r"ctx.track\(lr=...\): a builtins.float has no state_dict\(\)"),
+    (_failing_loop, "ValueError", "a bug in the user's loop at step 4"),
+])
+def test_an_error_in_the_loop_is_raised_in_the_driver_with_its_rank_and_traceback(cluster, dataset, loop, error,
+                                                                                   text):
+    import re
+
+    from troupe.train import ScalingConfig, TorchTrainer, TrainLoopError
+
+    with TorchTrainer(loop, data=dataset, global_batch_size=32, scaling=ScalingConfig(min_workers=2, max_workers=2),
+                      steps_per_call=5, progress=False) as t:
+        with pytest.raises(TrainLoopError) as caught:
+            t.fit(steps=10)
+        assert t.recoveries == []  # a bug in the loop is not a failure of the group
+    e = caught.value
+    assert "Traceback" in e.remote_traceback and error in e.remote_traceback
+    assert re.search(text, str(e)), str(e)
+    if loop is _failing_loop:
+        assert e.rank == 1 and "rank 1" in str(e) and "_failing_loop" in e.remote_traceback
