@@ -204,7 +204,7 @@ class _TorchTrainerActor:
 
         import torch.distributed as dist
 
-        from . import dist  # noqa: F401 (registers the "troupe" backend)
+        from . import dist as _backend  # noqa: F401 (registers the "troupe" backend)
 
         self._stop_loop()
         if dist.is_initialized():
