@@ -52,6 +52,10 @@ runs as a ring (ring attention, equal to full attention). The trainers form a 2-
 data-parallel groups of S. The world size stays a multiple of S: a failure that leaves a broken
 ring shrinks the group to whole rings (never below min_workers), and resizes go by whole rings.
 
+TorchTrainer(train_loop, data=..., global_batch_size=..., scaling=...) runs the user's own eager
+PyTorch loop on every rank instead of the C++ engine (troupe/torch_trainer.py). Both are one
+GroupCoordinator (placement, recovery, resize, adoption, tuner) with a different trainer kind.
+
 The actors' methods take and return JSON; the wire format is documented in
 actors/include/troupe/actors/trainer_actor.h.
 """
