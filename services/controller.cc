@@ -720,8 +720,10 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
         done.add(delayedSpawn(kj::mv(actor), action.delay));
         continue;
       }
-      // Deadlines: an agent answers a kill at once and a spawn once forked; one that does not
-      // is treated as gone (a DEAD node's connection is broken sooner, by noteDeaths).
+      // Deadlines: an agent answers a kill at once and a spawn once forked. Only a broken
+      // connection is dropped (DISCONNECTED: its keepalive ended it, or noteDeaths broke it for a
+      // DEAD node); an error of one spawn or kill, or its deadline, fails that action alone, as
+      // the other calls in flight on the connection are fine.
       auto& timer = asyncIo_.provider->getTimer();
       done.add(nodeAgent(actor.nodeId)
                      .then([actor, spawn, &timer](rpc::NodeAgent::Client agent) mutable -> kj::Promise<void> {
@@ -738,7 +740,7 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
                        return timer.timeoutAfter(kSpawnDeadline, request.send().ignoreResult());
                      })
                      .catch_([this, actor, spawn](kj::Exception&& e) -> kj::Promise<void> {
-                       nodes_.erase(actor.nodeId);
+                       if (e.getType() == kj::Exception::Type::DISCONNECTED) dropNodeAgent(actor.nodeId);
                        if (!spawn) return kj::READY_NOW;  // its node is gone: so is the worker
                        std::string reason = fmt::format("could not start its worker on node {}: {}", actor.nodeId.hex(),
                                                         statusFromException(e, "").message());
@@ -776,6 +778,16 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
         .catch_([id = actor.id](kj::Exception&& e) {
           TROUPE_LOG(kWarning, "restarting actor {}: {}", id.hex(), e.getDescription().cStr());
         });
+  }
+
+  // Forgets a broken connection to a node's agent (the next action connects anew). It is
+  // destroyed on a later turn: destroyed now, the calls still in flight on it would reject with
+  // "RpcSystem was destroyed" instead of the connection's own error.
+  void dropNodeAgent(NodeId id) {
+    auto it = nodes_.find(id);
+    if (it == nodes_.end()) return;
+    tasks_.add(kj::evalLater([old = kj::mv(it->second)]() {}));
+    nodes_.erase(it);
   }
 
   // A connection to a node's agent, made on first use and kept.
