@@ -98,7 +98,10 @@ class Cluster:
     # ---- the CLI ----
 
     def _cli(self, *args, timeout=_START_TIMEOUT_S, check=True):
-        p = subprocess.run([_troupe_binary(), *args], env=self._env, capture_output=True, text=True, timeout=timeout)
+        # The token in the environment, never in argv (where every local user sees it).
+        token = getattr(self, "token", None)
+        env = dict(self._env, TROUPE_TOKEN=token) if token else self._env
+        p = subprocess.run([_troupe_binary(), *args], env=env, capture_output=True, text=True, timeout=timeout)
         if check and p.returncode != 0:
             raise TroupeError(f"`troupe {' '.join(args)}` failed ({p.returncode}): "
                               f"{(p.stderr or p.stdout).strip()}")
@@ -108,7 +111,7 @@ class Cluster:
         """`troupe status --json` of this cluster, parsed: nodes, actors, groups."""
         if self.address is None:
             raise TroupeError("the cluster has no head yet: add_node() first")
-        return json.loads(self._cli("status", "--json", "--address", self.address, "--token", self.token).stdout)
+        return json.loads(self._cli("status", "--json", "--address", self.address).stdout)
 
     # ---- nodes ----
 
@@ -132,7 +135,7 @@ class Cluster:
             node = self._start_head(args, node_args)
             self.head_node = node
         else:
-            out = self._cli("start", "--address", self.address, "--token", self.token, *args).stdout
+            out = self._cli("start", "--address", self.address, *args).stdout
             node = self._node_from(out, r"^Node ([0-9a-f]+) ", False, node_args)
             self.worker_nodes.append(node)
         return node

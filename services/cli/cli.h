@@ -68,6 +68,10 @@ struct ClusterTarget {
   std::string runDir;  // empty when the cluster was named only by flags
 };
 Result<ClusterTarget> resolveCluster(const std::string& address, const std::string& token);
+// The cluster token kept in `path` (what `troupe start --head` writes as <run_dir>/token): a
+// regular file of this user's, 0600, at most 4 KiB; surrounding whitespace dropped.
+// kFailedPrecondition saying what is wrong, kNotFound when missing.
+Result<std::string> readTokenFile(const std::string& path);
 
 // Everything Controller.status returns.
 struct ClusterSnapshot {

@@ -16,6 +16,25 @@ int fail(const Status& status) {
   return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+Result<std::string> readTokenFile(const std::string& path) {
+  if (auto own = checkPrivate(path, PathKind::kRegularFile, 077); !own.isOk()) {
+    return Status(own.code(), fmt::format("--token-file: {}", own.message()));
+  }
+  std::ifstream in(path);
+  std::string token((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (token.size() > 4096) {
+    return Status(StatusCode::kFailedPrecondition, fmt::format("--token-file {} holds {} bytes: not a token", path,
+                                                               token.size()));
+  }
+  auto isSpace = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
+  while (!token.empty() && isSpace(token.back())) token.pop_back();
+  size_t first = 0;
+  while (first < token.size() && isSpace(token[first])) ++first;
+  token.erase(0, first);
+  if (token.empty()) return Status(StatusCode::kFailedPrecondition, fmt::format("--token-file {} is empty", path));
+  return token;
+}
+
 Result<ClusterTarget> resolveCluster(const std::string& address, const std::string& token) {
   ClusterTarget target;
   auto runDir = latestRunDir();
@@ -33,8 +52,8 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
     }
     if (target.token.empty()) {
       return Status(StatusCode::kInvalidArgument,
-                    fmt::format("no cluster token for {}: pass --token (printed by 'troupe start --head') "
-                                "or set TROUPE_TOKEN",
+                    fmt::format("no cluster token for {}: pass --token-file (a copy of the head's "
+                                "<run_dir>/token) or set TROUPE_TOKEN",
                                 address));
     }
     return target;

@@ -1,9 +1,12 @@
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -124,6 +127,22 @@ int blockUntilStopped(Launch& launch, const std::string& runDir, pid_t watchPid)
   return rc;
 }
 
+namespace {
+// <runDir>/token (0600): what a machine that joins needs, to copy there; never a command line.
+Result<std::string> writeTokenFile(const std::string& runDir, const std::string& token) {
+  std::string path = runDir + "/token";
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return Status(StatusCode::kFailedPrecondition, fmt::format("cannot write {}: {}", path, std::strerror(errno)));
+  }
+  std::string text = token + "\n";
+  bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!ok) return Status(StatusCode::kFailedPrecondition, fmt::format("cannot write {}", path));
+  return path;
+}
+}  // namespace
+
 int startHead(StartFlags f) {
   if (f.nodeIp.empty()) f.nodeIp = "127.0.0.1";  // a single-machine cluster unless told otherwise
   if (auto bindable = checkBindable(f.nodeIp, f.port); !bindable.isOk()) {
@@ -198,6 +217,8 @@ int startHead(StartFlags f) {
   file.redisPassword = redis.password;
   file.controllerAddress = HostPort{f.nodeIp, f.port}.toString();
   if (auto s = writeClusterFile(runDir, file); !s.isOk()) return fail(s);
+  auto tokenFile = writeTokenFile(runDir, file.token);
+  if (!tokenFile.isOk()) return fail(tokenFile.status());
 
   auto io = kj::setupAsyncIo();
   ClusterTarget target{HostPort{f.nodeIp, f.port}, file.token, runDir};
@@ -272,8 +293,9 @@ int startHead(StartFlags f) {
             << (dashboardUrl.empty() ? "" : "              (log in there; 'troupe dashboard' prints it again)\n")
             << "  head node:  " << nodeId.hex() << "\n"
             << "  run dir:    " << runDir << "\n\n"
-            << "To add a machine: troupe start --address " << file.controllerAddress << " --token " << file.token
-            << "\n"
+            << "To add a machine: copy " << *tokenFile << " (0600) to it, then run there\n"
+            << "  troupe start --address " << file.controllerAddress << " --token-file FILE\n"
+            << "  (or put the token in TROUPE_TOKEN; never on a command line, where every local user sees it)\n"
             << "To see the cluster: troupe status\n"
             << "To stop this machine's processes: troupe stop" << std::endl;
   // Only now: a failed start must not redirect later commands to a dead cluster.

@@ -5,6 +5,37 @@
 #include "cli.h"
 #include "troupe/runtime/logging.h"
 
+namespace {
+// --token and --token-file for a command; TROUPE_TOKEN fills --token from the environment.
+void addTokenOptions(CLI::App* cmd, std::string& token, std::string& tokenFile) {
+  cmd->add_option("--token", token, "Cluster token (visible to every local user in ps: prefer --token-file or "
+                                    "TROUPE_TOKEN)")
+      ->envname("TROUPE_TOKEN");
+  cmd->add_option("--token-file", tokenFile, "File holding the cluster token (the head's <run_dir>/token, 0600)");
+}
+
+// Reads --token-file into `token`; says once that a token in argv is visible to others.
+bool settleToken(int argc, char** argv, std::string& token, const std::string& tokenFile) {
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a(argv[i]);
+    if (a == "--token" || a.rfind("--token=", 0) == 0) {
+      std::cerr << "troupe: warning: a token given with --token is visible to every local user (ps) for this "
+                   "process's life; use --token-file FILE or TROUPE_TOKEN instead"
+                << std::endl;
+      break;
+    }
+  }
+  if (tokenFile.empty()) return true;
+  auto read = troupe::cli::readTokenFile(tokenFile);
+  if (!read.isOk()) {
+    troupe::cli::fail(read.status());
+    return false;
+  }
+  token = *read;
+  return true;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace troupe::cli;
   // Jobs (python/troupe/job.py) and timelines (timeline.py) are Python, which parses its own flags.
@@ -17,7 +48,8 @@ int main(int argc, char** argv) {
   auto* startCmd = app.add_subcommand("start", "Start a head node (--head) or join a cluster (--address)");
   startCmd->add_flag("--head", start.head, "Start a new cluster with this machine as its head");
   startCmd->add_option("--address", start.address, "Join the cluster whose controller is at HOST:PORT");
-  startCmd->add_option("--token", start.token, "Cluster token (printed by start --head)")->envname("TROUPE_TOKEN");
+  std::string startTokenFile, statusTokenFile, logsTokenFile;
+  addTokenOptions(startCmd, start.token, startTokenFile);
   startCmd->add_option("--port", start.port, "Controller RPC port (head)")->check(CLI::Range(1, 65535));
   startCmd->add_option("--dashboard-port", start.dashboardPort,
                        "Dashboard and /metrics port on 127.0.0.1 (head; default 8265, a free one if taken)")
@@ -42,7 +74,7 @@ int main(int argc, char** argv) {
   StatusFlags status;
   auto* statusCmd = app.add_subcommand("status", "Show nodes, actors and groups");
   statusCmd->add_option("--address", status.address, "Controller HOST:PORT (default: this machine's cluster)");
-  statusCmd->add_option("--token", status.token, "Cluster token")->envname("TROUPE_TOKEN");
+  addTokenOptions(statusCmd, status.token, statusTokenFile);
   statusCmd->add_flag("--json", status.json, "Print one JSON object");
   statusCmd->add_option("--limit", status.limit, "Actors to show, oldest first (0: all)")->capture_default_str();
   statusCmd->add_option("--offset", status.offset, "Actors to skip before the first shown");
@@ -56,7 +88,7 @@ int main(int argc, char** argv) {
   auto* logsCmd = app.add_subcommand("logs", "Print an actor's captured stdout and stderr");
   logsCmd->add_option("actor", logsActor, "Actor id, id prefix, or name")->required();
   logsCmd->add_option("--address", logsAddress, "Controller HOST:PORT (default: this machine's cluster)");
-  logsCmd->add_option("--token", logsToken, "Cluster token")->envname("TROUPE_TOKEN");
+  addTokenOptions(logsCmd, logsToken, logsTokenFile);
   logsCmd->add_option("--bytes", logsBytes, "At most this much from the end of each stream");
   app.add_subcommand("job", "Run driver scripts on the cluster: job submit|list|status|logs|stop (see job --help)");
   app.add_subcommand("timeline", "Write a training group's recent steps as a Chrome trace: timeline [--group G] [-o FILE]");
@@ -77,10 +109,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   troupe::setLogLevel(troupe::LogLevel::kWarning);
-  if (startCmd->parsed()) return startCommand(start);
-  if (statusCmd->parsed()) return statusCommand(status);
+  if (startCmd->parsed()) return settleToken(argc, argv, start.token, startTokenFile) ? startCommand(start) : 1;
+  if (statusCmd->parsed()) return settleToken(argc, argv, status.token, statusTokenFile) ? statusCommand(status) : 1;
   if (stopCmd->parsed()) return stopCommand();
-  if (logsCmd->parsed()) return logsCommand(logsActor, logsAddress, logsToken, logsBytes);
+  if (logsCmd->parsed()) {
+    if (!settleToken(argc, argv, logsToken, logsTokenFile)) return 1;
+    return logsCommand(logsActor, logsAddress, logsToken, logsBytes);
+  }
   if (dashboardCmd->parsed()) return dashboardCommand();
   if (restartCmd->parsed()) return restartControllerCommand();
   return 2;

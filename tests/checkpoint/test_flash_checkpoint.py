@@ -168,7 +168,7 @@ def test_checkpoint_actors_from_python(troupe, shm_dir, tmp_path):
     port = free_port()
     troupe.run("start", "--head", "--port", str(port), "--num-cpus", "2", "--resources", "ckA=1")
     cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
-    troupe.run("start", "--address", cluster["controller_address"], "--token", cluster["token"], "--num-cpus", "2",
+    troupe.run("start", "--address", cluster["controller_address"], "--token-file", str(troupe.run_dir() / "token"), "--num-cpus", "2",
                "--resources", "ckB=1")
     disk = tmp_path / "ckpt"
     done = run_driver(DRIVER.replace("sys.argv[1], sys.argv[2]", f"{str(shm_dir)!r}, {str(disk)!r}"),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from troupe_testing import BUILD, eventually, free_port, processes_under, run_driver, start_redis
+from troupe_testing import BUILD, Troupe, eventually, free_port, processes_under, run_driver, start_redis
 
 
 def node_states(t):
@@ -18,7 +18,7 @@ def node_states(t):
 def test_head_join_status_death_and_stop(troupe):
     port = free_port()
     out = troupe.run("start", "--head", "--port", str(port), "--num-cpus", "2", "--resources", "ssd=1").stdout
-    assert f"127.0.0.1:{port}" in out and "--token" in out
+    assert f"127.0.0.1:{port}" in out and "--token-file" in out
     troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
 
     status = troupe.status()
@@ -138,7 +138,10 @@ def test_unauthenticated_rpc_and_redis_are_refused(troupe):
         except ConnectionResetError:
             pass  # closed with our unread bytes still queued: a reset is a close too
         assert data in (b"", b"N"), data
-    p = troupe.run("status", "--address", f"127.0.0.1:{port}", "--token", "0" * 32, check=False)
+    wrong = troupe.root / "wrong-token"
+    wrong.write_text("0" * 32)
+    wrong.chmod(0o600)
+    p = troupe.run("status", "--address", f"127.0.0.1:{port}", "--token-file", str(wrong), check=False)
     assert p.returncode != 0 and "token was rejected" in p.stderr
     # The embedded Redis refuses a client that has no password.
     redis = json.loads((troupe.run_dir() / "cluster.json").read_text())["redis_address"]
@@ -227,3 +230,37 @@ def test_external_redis_cluster_survives_a_new_head(troupe, tmp_path):
         troupe.run("stop", check=False)
         redis.kill()
         redis.wait()
+
+
+def test_no_suggested_command_line_and_no_process_carries_the_token(troupe, tmp_path):
+    """Issue 34 finding 8: the head's banner told users to join with `--token <token>`, which every
+    local user saw in ps for the node's life. The banner names a 0600 token file instead; a join
+    from another run root with --token-file works; --token still works but warns."""
+    port = free_port()
+    out = troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1").stdout
+    token = json.loads((troupe.run_dir() / "cluster.json").read_text())["token"]
+    token_file = troupe.run_dir() / "token"
+    assert token not in out and str(token_file) in out and "--token-file" in out, out
+    assert token_file.read_text().strip() == token and token_file.stat().st_mode & 0o777 == 0o600
+    elsewhere = Troupe(tmp_path / "joined")  # no cluster file of its own to take the token from
+    copy = tmp_path / "copied-token"
+    copy.write_text(token + "\n")
+    copy.chmod(0o644)
+    refused = elsewhere.run("start", "--address", f"127.0.0.1:{port}", "--token-file", str(copy), check=False)
+    assert refused.returncode != 0 and "go-rwx" in refused.stderr, refused.stderr
+    copy.chmod(0o600)
+    joined = elsewhere.run("start", "--address", f"127.0.0.1:{port}", "--token-file", str(copy), "--num-cpus", "1")
+    assert "warning" not in joined.stderr
+    try:
+        assert len([n for n in troupe.status()["nodes"] if n["state"] == "ALIVE"]) == 2
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                assert token.encode() not in cmdline, cmdline
+        warned = troupe.run("status", "--address", f"127.0.0.1:{port}", "--token", token)
+        assert "visible to every local user" in warned.stderr
+    finally:
+        elsewhere.run("stop", check=False)
