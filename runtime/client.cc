@@ -311,7 +311,11 @@ kj::Promise<void> connectAlive(std::shared_ptr<ActorConnection> c) {
         auto address = parseHostPort(record.address);
         if (!address.isOk()) throwStatus(address.status());
         uint32_t inc = record.incarnation;
-        return RpcClient::connect(c->shared->io, *address, c->shared->token, 5 * kj::SECONDS, c->shared->actorCalls)
+        // A host that does not answer a connect within the silence limit + 1 s is as silent as one
+        // whose connection ends then (a connect in flight to a cut host's worker outlived the
+        // node's DEAD verdict: nodeDied breaks only connections made).
+        auto within = kj::min(5 * kj::SECONDS, (peerSilenceLimit().count() + 1000) * kj::MILLISECONDS);
+        return RpcClient::connect(c->shared->io, *address, c->shared->token, within, c->shared->actorCalls)
             .then(
                 [weak, gone, inc, nodeId = record.nodeId](kj::Own<RpcClient> client) -> kj::Promise<void> {
                   auto c = weak.lock();

@@ -7,6 +7,7 @@ which every namespace shares, so the test compares them with the moment it cut t
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -318,3 +319,156 @@ def test_actors_on_the_other_hosts_answer_each_other_while_the_head_is_cut(testb
     d = Driver(bed.hosts[2], controller, token, RECOVERED)
     assert d.hear(120)["answer"] == 7
     assert d.exit_code(30) == 0
+
+
+# A job (`troupe job submit`) whose driver follows an actor on a host that is then cut. The job's
+# supervisor (0 CPUs) is placed on the node with the most free CPUs: HOLD_CPUS takes every other
+# host's one CPU while the job is submitted, so the test chooses where the job's driver runs.
+HOLD_CPUS = """
+@troupe.remote(num_cpus=1)
+class Hold:
+    def ok(self):
+        return True
+
+holds = [Hold.options(resources={h: 1}).remote() for h in hear()["hosts"]]
+troupe.get([h.ok.remote() for h in holds], timeout=60)
+say(held=True)
+hear()  # the job is placed
+troupe.shutdown()
+"""
+
+JOB_WITH_A_CUT_ACTOR = """
+import os, sys, time
+import troupe
+
+troupe.init()  # TROUPE_ADDRESS, as every job's driver; log_to_driver on
+
+@troupe.remote(num_cpus=0, resources={sys.argv[1]: 1})
+class Sleeper:
+    def node(self):
+        return os.environ["TROUPE_NODE_ID"]
+
+    def block(self):
+        print("blocking on", os.environ["TROUPE_NODE_IP"], flush=True)
+        time.sleep(3600)
+
+s = Sleeper.remote()
+print("driver on", os.environ.get("TROUPE_NODE_IP"), "actor on node", troupe.get(s.node.remote(), timeout=60), flush=True)
+ref = s.block.remote()
+try:
+    troupe.get(ref, timeout=120)
+    print("the call returned", flush=True)
+except Exception as e:
+    print(f"failed_at={time.monotonic()} {type(e).__name__}: {e}", flush=True)
+    troupe.shutdown()
+    print(f"shut_at={time.monotonic()}", flush=True)
+    raise SystemExit(f"the job's actor died: {type(e).__name__}")
+"""
+
+
+def job(host, controller, token, *args, timeout=30, check=True):
+    """`troupe job ARGS` on `host`; the process and its time in seconds."""
+    t0 = time.monotonic()
+    p = host.troupe("job", "--address", controller, *args, env={"TROUPE_TOKEN": token}, timeout=timeout, check=check)
+    return p, time.monotonic() - t0
+
+
+def submit_job_on(bed, controller, token, where, script, name, args):
+    """Submits `script` from the head with every host but `where` holding its CPU, so the job's
+    supervisor and driver run on `where`; returns the job's status."""
+    others = [f"host{h.index}" for h in bed.hosts if h is not where]
+    hold = Driver(bed.hosts[0], controller, token, HOLD_CPUS)
+    hold.tell(hosts=others)
+    assert hold.hear(120)["held"]
+    job(bed.hosts[0], controller, token, "submit", str(script), "--name", name, "--", *args, timeout=90)
+    hold.tell(go=True)
+    assert hold.exit_code(30) == 0
+    p, _ = job(bed.hosts[0], controller, token, "status", name)
+    return p.stdout
+
+
+def job_logs(bed, controller, token, name, text, timeout):
+    """The job's output once it holds `text` (asked with `troupe job logs`, with a deadline)."""
+    return eventually(lambda: (lambda out: out if text in out else None)(
+        job(bed.hosts[0], controller, token, "logs", name)[0].stdout), timeout, f"{text!r} in the job's output")
+
+
+@pytest.fixture
+def job_name():
+    """A job name of this test alone; the job's directory (made by its supervisor in /tmp, which
+    every host of the bed shares) goes with the bed's processes, so it is removed here."""
+    name = f"cut-{os.urandom(3).hex()}"
+    yield name
+    for path in Path(tempfile.gettempdir()).glob(f"troupe-job-{name}-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_job_whose_actor_is_on_a_cut_host_fails_with_the_nodes_death_and_its_driver_shuts_down(testbed3, tmp_path,
+                                                                                                 job_name):
+    bed = testbed3
+    controller, token = start_cluster(bed.hosts)
+    driver_host, victim = bed.hosts[1], bed.hosts[2]
+    script = tmp_path / "cut_actor.py"
+    script.write_text(JOB_WITH_A_CUT_ACTOR)
+    assert "RUNNING" in submit_job_on(bed, controller, token, driver_host, script, job_name, [f"host{victim.index}"])
+    # The actor's output reaches the job's log through the driver's follower, which reads from
+    # the victim's agent: the connection the cut leaves waiting.
+    out = job_logs(bed, controller, token, job_name, "blocking on", 120)
+    assert f"driver on {driver_host.address}" in out, out
+    node = out.split("actor on node ")[1].split()[0]
+    assert node == node_of(bed.hosts[0], controller, token, victim)["id"]
+
+    cut_at = time.monotonic()
+    victim.cut()
+    # status and logs answer from the head while the host is not yet declared DEAD, and after.
+    p, status_s = job(bed.hosts[0], controller, token, "status", job_name, timeout=TTL_S + 2)
+    assert f"{job_name}: " in p.stdout, p.stdout
+    out = job_logs(bed, controller, token, job_name, "shut_at=", TTL_S + 10)
+    failed_s = float(out.split("failed_at=")[1].split()[0]) - cut_at
+    shut_s = float(out.split("shut_at=")[1].split()[0]) - cut_at
+    eventually(lambda: "FAILED" in job(bed.hosts[0], controller, token, "status", job_name)[0].stdout, 10,
+               "the job to end")
+    ended_s = time.monotonic() - cut_at
+    p, logs_s = job(bed.hosts[0], controller, token, "logs", job_name)
+    print(f"job status answered in {status_s:.2f} s; the actor's call failed {failed_s:.2f} s after the cut, the "
+          f"driver's shutdown returned at {shut_s:.2f} s, the job was FAILED by {ended_s:.2f} s; logs took "
+          f"{logs_s:.2f} s")
+    line = next(x for x in p.stdout.splitlines() if "failed_at=" in x)
+    assert "ActorDiedError" in line and node in line and ("declared DEAD" in line or "its node" in line), line
+    assert failed_s <= TTL_S + 2 and shut_s <= TTL_S + 2, (failed_s, shut_s)
+    status_line = job(bed.hosts[0], controller, token, "status", job_name)[0].stdout
+    assert "exit code 1" in status_line and "the job's actor died: ActorDiedError" in status_line, status_line
+    assert job_name in job(bed.hosts[0], controller, token, "list")[0].stdout
+    assert victim.is_cut
+
+
+def test_a_job_whose_driver_is_on_a_cut_host_is_answered_for_and_its_actor_elsewhere_ends(testbed3, tmp_path,
+                                                                                        job_name):
+    bed = testbed3
+    controller, token = start_cluster(bed.hosts)
+    head, other, victim = bed.hosts
+    script = tmp_path / "cut_driver.py"
+    script.write_text(JOB_WITH_A_CUT_ACTOR)
+    assert "RUNNING" in submit_job_on(bed, controller, token, victim, script, job_name, [f"host{other.index}"])
+    out = job_logs(bed, controller, token, job_name, "blocking on", 120)
+    assert f"driver on {victim.address}" in out and f"blocking on {other.address}" in out, out
+
+    cut_at = time.monotonic()
+    victim.cut()
+    # The job's record is its supervisor, on the cut host: asked at once, status answers with the
+    # supervisor's death by its node (a connect to its worker is cut short at TTL + 1 s), and
+    # once that death is known the job is no longer there to ask.
+    p, status_s = job(head, controller, token, "status", job_name, timeout=TTL_S + 2, check=False)
+    assert p.returncode != 0 and ("its node" in p.stderr or "no job named" in p.stderr), p.stderr[-2000:]
+    p, logs_s = job(head, controller, token, "logs", job_name, timeout=TTL_S + 2, check=False)
+    assert p.returncode != 0 and ("its node" in p.stderr or "no job named" in p.stderr), p.stderr[-2000:]
+    p, list_s = job(head, controller, token, "list", timeout=TTL_S + 2)
+    # The cut driver's session ends with its connection to the controller: its actor on the
+    # other host is not left running for a driver that cannot reach it.
+    sleeper = lambda: next(a for a in status(head, controller, token)["actors"] if a["type"] == "py:Sleeper")  # noqa: E731
+    eventually(lambda: sleeper()["state"] == "DEAD", 2 * TTL_S + 2, "the cut driver's actor to end")
+    ended_s = time.monotonic() - cut_at
+    print(f"job status answered in {status_s:.2f} s, logs {logs_s:.2f} s, list {list_s:.2f} s; the cut driver's "
+          f"actor on another host ended {ended_s:.2f} s after the cut ({sleeper()['death_reason']})")
+    assert ended_s <= 2 * TTL_S + 2, ended_s  # its connection ends within TTL + 1 s, then the kill
+    assert victim.is_cut
