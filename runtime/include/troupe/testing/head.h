@@ -53,6 +53,8 @@ class TestHead {
     runDir_ = fs::temp_directory_path() / (options_.dirPrefix + randomHex(6));
     fs::create_directories(runDir_ / "logs");
     fs::create_directories(runDir_ / "pids");
+    // 0700, as createRunDir makes it: readClusterFile refuses a run directory open to others.
+    fs::permissions(runDir_, fs::perms::owner_all, fs::perm_options::replace);
     ClusterFile file;
     file.redisAddress = HostPort{redis_.host(), redis_.port()}.toString();
     file.redisPassword = redis_.password();
