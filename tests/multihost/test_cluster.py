@@ -157,9 +157,12 @@ def test_actors_spread_over_three_hosts_are_called_and_found_from_any_host(testb
     assert re.search(r"FOUND 10\.", out), out
     # The head's /metrics reads each actor's counters from the agent of the host it runs on.
     head = bed.hosts[0]
-    url = (Path(head.env["TROUPE_TEMP_DIR"]) / "latest" / "dashboard.url").read_text().strip()
+    run_dir = Path(head.env["TROUPE_TEMP_DIR"]) / "latest"
+    url = (run_dir / "dashboard.url").read_text().strip()
+    bearer = (run_dir / "dashboard.metrics-token").read_text().strip()  # as Prometheus scrapes it
     text = head.run(["/usr/bin/python3", "-c", "import sys, urllib.request; "
-                     f"sys.stdout.write(urllib.request.urlopen({url + '/metrics'!r}, timeout=30).read().decode())"],
+                     f"r = urllib.request.Request({url + '/metrics'!r}, headers={{'Authorization': 'Bearer {bearer}'}}); "
+                     "sys.stdout.write(urllib.request.urlopen(r, timeout=30).read().decode())"],
                     timeout=60).stdout
     calls = re.findall(r'troupe_actor_calls_total\{node="(\w+)",actor="\w+",class="py:Where"\} (\S+)', text)
     node_ids = {n["id"] for n in status(head, controller, token)["nodes"] if n["state"] == "ALIVE"}
