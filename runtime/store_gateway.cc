@@ -232,7 +232,7 @@ class StoreGatewayImpl final : public StoreGateway {
   // Relayed connections one source address may hold at once: a host cannot take every
   // descriptor of the gateway or every client slot of Redis. Far above a node's need (its agent
   // and each of its workers hold one or two).
-  static constexpr int kMaxRelayedPerSource = 1024;
+  static constexpr int kMaxRelayedPerSource = 4096;
 
   kj::AsyncIoContext& io_;
   RedisOptions redis_;

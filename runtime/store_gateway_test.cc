@@ -105,13 +105,13 @@ TEST_CASE("store gateway: only the runtime's commands on the cluster's keys are 
   CHECK(after == "b");  // nothing was flushed, and Redis still runs
 }
 
-TEST_CASE("store gateway: one source holds at most 1024 relayed connections; the next is closed") {
+TEST_CASE("store gateway: one source holds at most 4096 relayed connections; the next is closed") {
   Gateway g;
   std::vector<ContextPtr> held;
   std::string overLimit;
   bool freedSlotWorks = false;
   g.whileServing([&]() {
-    for (int i = 0; i < 1024; ++i) {
+    for (int i = 0; i < 4096; ++i) {
       auto c = connectAndAuthenticate(g.relayed());
       REQUIRE(c.isOk());
       REQUIRE(run(c->get(), {"PING"}) == "PONG");  // relayed, so counted
