@@ -275,6 +275,10 @@ def _main(argv=None):
     except JobError as e:
         print(f"troupe job: {e}", file=sys.stderr)
         return 1
+    except _api.TroupeError as e:  # the job's supervisor died (its node did) or cannot be reached
+        name = getattr(a, "name", None)
+        print(f"troupe job: {f'job {name!r}: ' if name else ''}its supervisor cannot answer: {e}", file=sys.stderr)
+        return 1
     finally:
         _api.shutdown()
     return 2

@@ -460,6 +460,7 @@ def test_a_job_whose_driver_is_on_a_cut_host_is_answered_for_and_its_actor_elsew
     # once that death is known the job is no longer there to ask.
     p, status_s = job(head, controller, token, "status", job_name, timeout=TTL_S + 2, check=False)
     assert p.returncode != 0 and ("its node" in p.stderr or "no job named" in p.stderr), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]  # one line saying why, not Python's insides
     p, logs_s = job(head, controller, token, "logs", job_name, timeout=TTL_S + 2, check=False)
     assert p.returncode != 0 and ("its node" in p.stderr or "no job named" in p.stderr), p.stderr[-2000:]
     p, list_s = job(head, controller, token, "list", timeout=TTL_S + 2)
