@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "daemon.h"
+#include "head_supervisor.h"
 #include "troupe/runtime/store_gateway.h"
 #include "troupe/runtime/logging.h"
 
@@ -45,6 +46,12 @@ int main(int argc, char** argv) {
   store->reset();  // one connection per relayed client from here on
   files.markReady();
   TROUPE_LOG(kInfo, "store gateway listening on {}, relaying to Redis at {}:{}", address, redis.host, redis.port);
+  // A second supervisor of the head's daemons, beside the head's agent: either may die and the
+  // other starts it again (and the rest). Both take the run directory's replace lock per round.
+  kj::Promise<void> supervision = supervisor::superviseHeadDaemons(io, runDir, 200 * kj::MILLISECONDS)
+                                      .eagerlyEvaluate([](kj::Exception&& e) {
+                                        TROUPE_LOG(kError, "supervision ended: {}", e.getDescription().cStr());
+                                      });
   std::string why = onStopSignal(io).wait(io.waitScope);
   TROUPE_LOG(kInfo, "stopping on {}", why);
   return 0;

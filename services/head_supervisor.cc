@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/safe_open.h"
@@ -102,17 +104,38 @@ void superviseOnce(Supervision& s) {
     SpawnOptions spawn;
     spawn.argv = record->argv;
     spawn.outputPath = record->logPath;
+    std::string startedAs = name;
+    // The head's node agent comes back as a new node: the old id is (or soon will be) DEAD, and
+    // a node id is never reused. Its record moves to the new name.
+    if (name.rfind("node-", 0) == 0) {
+      auto idFlag = std::find(spawn.argv.begin(), spawn.argv.end(), "--node-id");
+      if (idFlag == spawn.argv.end() || idFlag + 1 == spawn.argv.end()) {
+        TROUPE_LOG(kWarning, "cannot restart {}: its record has no --node-id", name);
+        continue;
+      }
+      std::string fresh = NodeId::generate().hex();
+      *(idFlag + 1) = fresh;
+      startedAs = "node-" + fresh;
+      spawn.outputPath = fmt::format("{}/logs/{}.log", s.runDir, startedAs);
+      if (auto moved = supervisor::record(s.runDir, startedAs, spawn.argv, spawn.outputPath); !moved.isOk()) {
+        TROUPE_LOG(kError, "cannot restart {}: {}", name, moved.toString());
+        continue;
+      }
+      ::unlink(path.c_str());
+    }
     spawn.newSession = true;  // it must outlive this agent, as the daemons `troupe start` made do
-    s.lastStart[name] = now;
+    s.lastStart[startedAs] = now;
     auto started = spawnProcess(spawn);
     if (!started.isOk()) {
       TROUPE_LOG(kError, "cannot restart {}: {}", name, started.status().toString());
       continue;
     }
-    s.children[name] = *started;
+    s.children[startedAs] = *started;
     // Daemons of our own write their pid file when they start; redis-server does not.
-    std::ofstream(fmt::format("{}/pids/{}.pid", s.runDir, name)) << *started << "\n";
-    TROUPE_LOG(kWarning, "{} (pid {}) was gone: restarted it as pid {}", name, pid, *started);
+    std::ofstream(fmt::format("{}/pids/{}.pid", s.runDir, startedAs)) << *started << "\n";
+    if (startedAs != name) ::unlink(fmt::format("{}/pids/{}.pid", s.runDir, name).c_str());
+    TROUPE_LOG(kWarning, "{} (pid {}) was gone: restarted it as pid {}{}", name, pid, *started,
+               startedAs != name ? " (" + startedAs + ")" : std::string());
   }
   ::flock(lock, LOCK_UN);
   ::close(lock);

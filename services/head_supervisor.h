@@ -1,7 +1,8 @@
 // The head's daemons come back by themselves: the embedded Redis, the controller and the store
-// gateway are each recorded when `troupe start --head` launches them, and the head's node agent
-// starts again any of them that exits (kill -9 included), until `troupe stop` marks the run
-// directory as stopping. Redis comes back from its AOF; the controller from Redis.
+// gateway (and the dashboard and the head's node agent) are each recorded when `troupe start
+// --head` launches them, and two supervisors, the head's node agent and the gateway, start again
+// any of them that exits (kill -9 included), each other included, until `troupe stop` marks the
+// run directory as stopping. A node agent comes back with a fresh node id. Redis comes back from its AOF; the controller from Redis.
 // Internal to services/. Thread-safety: the free functions are safe anywhere; superviseHeadDaemons
 // runs on the calling thread's KJ event loop.
 #pragma once

@@ -301,6 +301,9 @@ int startHead(StartFlags f) {
   // Only now: a failed start must not redirect later commands to a dead cluster.
   if (auto s = markLatest(runDir); !s.isOk()) return fail(s);
   if (f.block) return blockUntilStopped(launch, runDir, f.watchPid);
+  // The head's agent is recorded too: the gateway supervises the head as well, so a killed agent
+  // comes back (as a new node) and the other daemons stay supervised meanwhile.
+  supervised.push_back({"node-" + nodeId.hex(), nodeArgs(f, runDir, file.controllerAddress, nodeId), nodeLog});
   for (const auto& d : supervised) {
     if (auto s = supervisor::record(runDir, d.name, d.argv, d.log); !s.isOk()) return fail(s);
   }

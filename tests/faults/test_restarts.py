@@ -147,6 +147,33 @@ def test_the_head_restarts_its_controller_and_gateway(troupe):
     exit_one_actor(troupe)
 
 
+def test_the_heads_agent_is_supervised_too_and_a_later_controller_kill_is_recovered(troupe):
+    """Issue 34 finding 11: the head's agent was the only supervisor of the head's daemons and
+    nothing restarted it; after it was killed, a later controller kill was permanent. The
+    gateway supervises too: the agent comes back as a new head node, and the controller after it."""
+    troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "2", "--heartbeat-ttl-ms", "1000")
+    head = next(n for n in troupe.status()["nodes"] if n["is_head"])
+    os.kill(head["pid"], signal.SIGKILL)
+
+    def new_head():
+        nodes = troupe.run("status", "--json", check=False)
+        if nodes.returncode != 0:
+            return None
+        import json
+        alive_heads = [n for n in json.loads(nodes.stdout)["nodes"]
+                       if n["is_head"] and n["state"] == "ALIVE" and n["id"] != head["id"]]
+        return alive_heads[0] if alive_heads else None
+
+    replacement = eventually(new_head, 20, "the head's agent to come back as a new head node")
+    assert replacement["pid"] != head["pid"] and alive(replacement["pid"])
+    old = troupe.pid_of("controller")
+    os.kill(old, signal.SIGKILL)
+    eventually(lambda: pid_or_zero(troupe, "controller") not in (0, old) and alive(pid_or_zero(troupe, "controller")),
+               10, "the controller to be restarted after the head's agent was")
+    eventually(lambda: troupe.run("status", check=False).returncode == 0, 10, "status to answer again")
+    exit_one_actor(troupe)  # an actor is created, answers and is reported dead with its reason
+
+
 def test_an_actor_whose_constructor_keeps_failing_restarts_with_a_back_off(troupe):
     """A worker that cannot come up (it crashes in its constructor) is restarted after 0, 100,
     200, 400, 800, 1600 ms... not in a hot loop (2313 restarts were seen in one chaos run). A
@@ -183,7 +210,9 @@ def test_a_driver_call_made_while_redis_is_down_waits_for_it(troupe):
     of "lost the connection to Redis during putElasticGroup")."""
     start_two_nodes(troupe, ttl_ms=1000)
     head = next(n["pid"] for n in troupe.status()["nodes"] if n["is_head"])
-    os.kill(head, signal.SIGSTOP)  # its supervision would restart Redis at once
+    gateway = troupe.pid_of("gateway")
+    for supervisor in (head, gateway):
+        os.kill(supervisor, signal.SIGSTOP)  # the head's two supervisors would restart Redis at once
     try:
         os.kill(redis_pid(troupe), signal.SIGKILL)
         log = troupe.run_dir() / "driver.err"
@@ -205,7 +234,8 @@ def test_a_driver_call_made_while_redis_is_down_waits_for_it(troupe):
         eventually(lambda: "failure detector cannot read Redis" in controller.read_text(), 30,
                    "the failure detector to meet the outage")
     finally:
-        os.kill(head, signal.SIGCONT)
+        for supervisor in (head, gateway):
+            os.kill(supervisor, signal.SIGCONT)
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out + log.read_text()
     assert "value 7" in out
