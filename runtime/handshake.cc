@@ -139,7 +139,6 @@ kj::Promise<bool> accept(kj::AsyncIoStream& stream, const std::string& token, Pu
   });
 }
 
-namespace {
 // The peer's address without its port ("?" if unknown), as per-source limits count it.
 std::string peerHost(kj::AsyncIoStream& stream) {
   sockaddr_storage addr{};
@@ -155,7 +154,6 @@ std::string peerHost(kj::AsyncIoStream& stream) {
   }
   return text;
 }
-}  // namespace
 
 Acceptor::Acceptor(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token,
                    Purpose purpose, std::string what, Serve serve)

@@ -37,6 +37,8 @@ namespace troupe::handshake {
 Result<kj::Own<kj::ConnectionReceiver>> listen(kj::AsyncIoContext& io, const HostPort& bind);
 // Small messages must leave at once, not wait for Nagle's algorithm (no-op on non-TCP streams).
 void setNoDelay(kj::AsyncIoStream& stream);
+// The peer's address without its port ("?" if unknown), as per-source limits count it.
+std::string peerHost(kj::AsyncIoStream& stream);
 
 enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
 // Whether the handshake runs inside TLS, as this side sees it; bound into both proofs.

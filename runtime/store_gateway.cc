@@ -1,9 +1,6 @@
 #include "troupe/runtime/store_gateway.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <openssl/rand.h>
-#include <sys/socket.h>
 
 #include <map>
 #include <set>
@@ -63,21 +60,6 @@ std::string randomSecret() {
   return hex;
 }
 
-// The peer's address without its port ("?" if unknown): connections are counted per source.
-std::string sourceOf(kj::AsyncIoStream& stream) {
-  sockaddr_storage addr{};
-  uint length = sizeof addr;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { stream.getpeername(reinterpret_cast<sockaddr*>(&addr), &length); })) {
-    return "?";
-  }
-  char text[INET6_ADDRSTRLEN] = "?";
-  if (addr.ss_family == AF_INET) {
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, text, sizeof text);
-  } else if (addr.ss_family == AF_INET6) {
-    inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr, text, sizeof text);
-  }
-  return text;
-}
 
 // Reads one line ("...\r\n") of at most 512 bytes: Redis's answer to AUTH.
 kj::Promise<std::string> readLine(kj::AsyncIoStream& stream, std::string sofar = {}) {
@@ -115,7 +97,7 @@ class StoreGatewayImpl final : public StoreGateway {
  private:
   // One relayed connection, counted against its source while it lasts.
   kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> client) {
-    std::string source = sourceOf(*client);
+    std::string source = handshake::peerHost(*client);
     if (relayed_[source] >= kMaxRelayedPerSource) {
       if (!warnedFull_.count(source)) {
         TROUPE_LOG(kWarning, "store gateway: closed a connection from {}: it already has {} relayed connections",
