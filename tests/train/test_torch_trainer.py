@@ -105,7 +105,9 @@ def test_an_eager_loop_trains_to_accuracy_and_survives_a_kill_9_with_every_sampl
         after = {m["rank"]: m for m in t.members() if m["kind"] == "trainer"}
         loader = next(iter(t._node_services.values()))[0]
         # One recovery; the survivor (rank 0) kept its process, the killed rank is a new one.
-        assert len(t.recoveries) == 1 and t.recoveries[0]["step"] == 20
+        # It restores the newest step both ranks hold: 20 when the kill meets a chunk boundary,
+        # an earlier snapshot when a slow machine split the chunks otherwise.
+        assert len(t.recoveries) == 1 and 0 < t.recoveries[0]["step"] <= 20, t.recoveries
         assert after[0]["pid"] == before[0]["pid"]
         assert after[1]["pid"] != before[1]["pid"]
         assert {r["metrics"]["pid"] for r in history[-3:]} == {before[0]["pid"]}  # rank 0's loop, same process
