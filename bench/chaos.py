@@ -61,9 +61,18 @@ class Chaos:
     def run_dir(self):
         return os.path.realpath(os.path.join(self.cluster.temp_dir, "latest"))
 
-    def pid_file(self, name):
-        with open(os.path.join(self.run_dir(), "pids", f"{name}.pid")) as f:
-            return int(f.read().strip())
+    def pid_file(self, name, timeout=30.0):
+        # A daemon the head's supervisors are starting again has no pid file for a moment.
+        path = os.path.join(self.run_dir(), "pids", f"{name}.pid")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(path) as f:
+                    return int(f.read().strip())
+            except (FileNotFoundError, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def actor_pid(self, type_name):
         trainer_nodes = {self.t._pg["bundle_nodes"][b] for b in self.t._bundles}
