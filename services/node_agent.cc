@@ -3,6 +3,10 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <dirent.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +15,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <tuple>
 
 #include <kj/async-unix.h>
 
@@ -275,7 +281,7 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
       })
       .then([agent = kj::mv(agent)](Status status) mutable {
         if (!status.isOk()) throwStatus(status);
-        agent->tasks_->add(agent->collectLogs());
+        agent->startLogKeeper();
         TROUPE_LOG(kInfo, "node {} registered; serving on {}:{}", agent->options_.id.hex(), agent->options_.ip,
                    agent->server_->port());
         return kj::mv(agent);
@@ -546,49 +552,148 @@ uint64_t byteLimit(const char* name, uint64_t fallback) {
   unsigned long long v = std::strtoull(text, &end, 10);
   return end && *end == '\0' && v > 0 ? v : fallback;
 }
+
+bool isActorLog(std::string_view name) {
+  return name.rfind("actor-", 0) == 0 && (name.ends_with(".out") || name.ends_with(".err") || name.ends_with(".1"));
+}
 }  // namespace
 
-kj::Promise<void> NodeAgent::collectLogs() {
-  return io_.provider->getTimer().afterDelay(2 * kj::SECONDS).then([this]() {
-    namespace fs = std::filesystem;
-    const uint64_t maxFile = byteLimit("TROUPE_LOG_MAX_BYTES", 256ull << 20);
-    const uint64_t maxRun = byteLimit("TROUPE_LOG_RUN_MAX_BYTES", 4ull << 30);
-    std::error_code ec;
-    struct Log {
-      fs::path path;
-      uint64_t size;
-      fs::file_time_type written;
-    };
-    std::vector<Log> rotated;
-    uint64_t total = 0;
-    for (const auto& entry : fs::directory_iterator(options_.runDir + "/logs", ec)) {
-      std::string name = entry.path().filename().string();
-      if (name.rfind("actor-", 0) != 0 || !entry.is_regular_file(ec)) continue;
-      uint64_t size = entry.file_size(ec);
-      if (ec) continue;
-      bool isRotated = name.size() > 2 && name.compare(name.size() - 2, 2, ".1") == 0;
-      if (!isRotated && (name.ends_with(".out") || name.ends_with(".err")) && size > maxFile) {
-        // Copy, then truncate: the worker keeps appending to the same open file (O_APPEND).
-        fs::path old = entry.path().string() + ".1";
-        fs::copy_file(entry.path(), old, fs::copy_options::overwrite_existing, ec);
-        if (!ec && ::truncate(entry.path().c_str(), 0) == 0) {
-          TROUPE_LOG(kInfo, "rotated {} ({} bytes) to {}", entry.path().string(), size, old.string());
-          size = 0;
+// Keeps the actors' logs within their caps. A worker (and every child it starts) holds its log
+// open with O_APPEND and never reopens it, so a rename alone would leave it writing to the
+// renamed file: a log over the per-file cap keeps its last `maxFile` bytes in `<log>.1` (copied
+// by the kernel into a new file, then renamed over the old `.1`) and is truncated in place. It
+// runs on a thread of its own, woken by inotify at each write to the logs directory, so a flood
+// is caught within one write or two, and never delays the agent's loop. While the run's actor
+// logs exceed `maxRun`, the oldest go: `.1` files are removed, a log a worker may still hold is
+// truncated (removing it would leave its worker filling an unnamed file).
+class LogKeeper {
+ public:
+  LogKeeper(std::string dir, uint64_t maxFile, uint64_t maxRun)
+      : dir_(std::move(dir)), maxFile_(maxFile), maxRun_(maxRun) {
+    notify_ = FileDescriptor(::inotify_init1(IN_NONBLOCK | IN_CLOEXEC));
+    wake_ = FileDescriptor(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (notify_.get() < 0 || ::inotify_add_watch(notify_.get(), dir_.c_str(), IN_MODIFY | IN_CLOSE_WRITE) < 0) {
+      // Without inotify the keeper still looks every 100 ms.
+      TROUPE_LOG(kWarning, "cannot watch {} for writes ({}): checking its logs every 100 ms", dir_, std::strerror(errno));
+      notify_ = FileDescriptor(-1);
+    }
+    thread_ = std::thread([this]() { run(); });
+  }
+  ~LogKeeper() {
+    uint64_t one = 1;
+    if (::write(wake_.get(), &one, sizeof one) < 0) {}
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    auto lastSweep = std::chrono::steady_clock::time_point();
+    std::vector<char> buffer(64 * 1024);
+    while (true) {
+      pollfd fds[2] = {{wake_.get(), POLLIN, 0}, {notify_.get(), POLLIN, 0}};
+      int ready = ::poll(fds, notify_.get() >= 0 ? 2 : 1, notify_.get() >= 0 ? 1000 : 100);
+      if (ready < 0 && errno != EINTR) return;
+      if (fds[0].revents & POLLIN) return;
+      std::set<std::string> written;
+      if (notify_.get() < 0) {
+        std::error_code ec;
+        for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) written.insert(entry.path().filename().string());
+      } else if (fds[1].revents & POLLIN) {
+        ssize_t n = 0;
+        while ((n = ::read(notify_.get(), buffer.data(), buffer.size())) > 0) {
+          for (ssize_t at = 0; at < n;) {
+            auto* event = reinterpret_cast<const inotify_event*>(buffer.data() + at);
+            if (event->len > 0) written.insert(event->name);
+            at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
+          }
         }
-        continue;  // counted at the next pass
       }
-      total += size;
-      if (isRotated) rotated.push_back({entry.path(), size, entry.last_write_time(ec)});
+      bool grew = false;
+      for (const auto& name : written) {
+        if (!isActorLog(name)) continue;
+        grew = true;
+        if (!name.ends_with(".1")) rotateIfOver(name);
+      }
+      auto now = std::chrono::steady_clock::now();
+      if ((grew && now - lastSweep >= std::chrono::milliseconds(50)) || now - lastSweep >= std::chrono::seconds(2)) {
+        enforceRunCap();
+        lastSweep = now;
+      }
     }
-    std::sort(rotated.begin(), rotated.end(), [](const Log& a, const Log& b) { return a.written < b.written; });
-    for (const auto& log : rotated) {
-      if (total <= maxRun) break;
-      fs::remove(log.path, ec);
+  }
+
+  void rotateIfOver(const std::string& name) {
+    std::string path = dir_ + "/" + name;
+    auto in = openRegularFile(path, O_RDWR);
+    struct stat st {};
+    if (!in.isOk() || ::fstat(in->get(), &st) != 0 || static_cast<uint64_t>(st.st_size) <= maxFile_) return;
+    std::string rotated = path + ".1";
+    std::string staging = path + ".1.new";
+    ::unlink(staging.c_str());
+    auto out = openRegularFile(staging, O_WRONLY | O_CREAT | O_EXCL);
+    if (!out.isOk()) return;
+    // The last maxFile_ bytes, then what the worker wrote during the copy (a few rounds at most:
+    // a flood that outruns the copy loses what it wrote between the last look and the truncation).
+    loff_t from = static_cast<loff_t>(st.st_size - std::min<uint64_t>(maxFile_, st.st_size));
+    for (int round = 0; round < 4 && ::fstat(in->get(), &st) == 0 && st.st_size > from; ++round) {
+      while (from < st.st_size) {
+        ssize_t n = ::copy_file_range(in->get(), &from, out->get(), nullptr, static_cast<size_t>(st.st_size - from), 0);
+        if (n <= 0) break;  // the file shrank meanwhile, or the kernel cannot: keep what was copied
+      }
+    }
+    if (::rename(staging.c_str(), rotated.c_str()) != 0) ::unlink(staging.c_str());
+    if (::ftruncate(in->get(), 0) == 0) {
+      TROUPE_LOG(kInfo, "rotated {} ({} bytes, cap {}): its last bytes are in {}", path, st.st_size, maxFile_, rotated);
+    }
+  }
+
+  void enforceRunCap() {
+    struct Log {
+      std::string name;
+      uint64_t size;
+      timespec written;
+    };
+    std::vector<Log> logs;
+    uint64_t total = 0;
+    DIR* dir = ::opendir(dir_.c_str());
+    if (dir == nullptr) return;
+    while (dirent* entry = ::readdir(dir)) {
+      struct stat st {};
+      if (!isActorLog(entry->d_name) || ::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (!S_ISREG(st.st_mode)) continue;
+      logs.push_back({entry->d_name, static_cast<uint64_t>(st.st_size), st.st_mtim});
+      total += static_cast<uint64_t>(st.st_size);
+    }
+    ::closedir(dir);
+    if (total <= maxRun_) return;
+    std::sort(logs.begin(), logs.end(), [](const Log& a, const Log& b) {
+      return std::tie(a.written.tv_sec, a.written.tv_nsec) < std::tie(b.written.tv_sec, b.written.tv_nsec);
+    });
+    for (const auto& log : logs) {
+      if (total <= maxRun_) break;
+      std::string path = dir_ + "/" + log.name;
+      if (log.name.ends_with(".1")) {
+        if (::unlink(path.c_str()) != 0) continue;
+      } else {
+        auto fd = openRegularFile(path, O_WRONLY);
+        if (!fd.isOk() || ::ftruncate(fd->get(), 0) != 0) continue;
+      }
       total -= log.size;
-      TROUPE_LOG(kInfo, "removed {}: the run's logs exceed {} bytes", log.path.string(), maxRun);
+      TROUPE_LOG(kInfo, "dropped {} ({} bytes): the run's actor logs exceed {} bytes", path, log.size, maxRun_);
     }
-    return collectLogs();
-  });
+  }
+
+  const std::string dir_;
+  const uint64_t maxFile_;
+  const uint64_t maxRun_;
+  FileDescriptor notify_;
+  FileDescriptor wake_;
+  std::thread thread_;
+};
+
+void NodeAgent::startLogKeeper() {
+  logKeeper_ = std::make_unique<LogKeeper>(options_.runDir + "/logs", byteLimit("TROUPE_LOG_MAX_BYTES", 256ull << 20),
+                                           byteLimit("TROUPE_LOG_RUN_MAX_BYTES", 4ull << 30));
 }
 
 NodeAgent::~NodeAgent() {

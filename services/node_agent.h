@@ -26,6 +26,8 @@
 
 namespace troupe {
 
+class LogKeeper;  // node_agent.cc
+
 struct NodeAgentOptions {
   NodeId id;
   HostPort controller;
@@ -93,9 +95,7 @@ class NodeAgent {
   // Reports an exit to the controller, reconnecting and retrying while it is unreachable.
   kj::Promise<void> reportExit(ActorId id, uint32_t incarnation, int status, int attempt);
   kj::Promise<rpc::Controller::Client> controller();
-  // Every few seconds: rotates actor logs over the per-file cap and deletes the oldest rotated
-  // logs while the run's logs exceed the per-run cap (TROUPE_LOG_MAX_BYTES, _RUN_MAX_BYTES).
-  kj::Promise<void> collectLogs();
+  void startLogKeeper();
 
   kj::AsyncIoContext& io_;
   IoThread& ioThread_;
@@ -112,6 +112,9 @@ class NodeAgent {
   bool workerRedisGateway_ = false;
   std::string workerCluster_;
   kj::Own<kj::TaskSet> tasks_;
+  // Keeps the actors' logs within TROUPE_LOG_MAX_BYTES per file and TROUPE_LOG_RUN_MAX_BYTES per
+  // run, on a thread of its own (never this agent's event loop); started once registered.
+  std::unique_ptr<LogKeeper> logKeeper_;
 };
 
 }  // namespace troupe
