@@ -50,22 +50,29 @@ Result<pid_t> spawnProcess(const SpawnOptions& options) {
   // The log files are opened here, not in the child: posix_spawn waits for the child's exec, so
   // a FIFO someone put at a log's path would block this process in the child's open().
   FileDescriptor output, error;
-  for (auto [path, fd, target] : {std::tuple{&options.outputPath, &output, 1}, std::tuple{&options.errorPath, &error, 2}}) {
-    if (path->empty()) continue;
-    auto opened = openRegularFile(*path, O_WRONLY | O_CREAT | O_APPEND);
-    if (opened.isOk() && opened->get() < 3) {  // below 3, dup2 onto its own place would keep close-on-exec
+  for (auto [path, given, fd, target] : {std::tuple{&options.outputPath, options.outputFd, &output, 1},
+                                         std::tuple{&options.errorPath, options.errorFd, &error, 2}}) {
+    if (path->empty() && given < 0) continue;
+    // A given descriptor is copied at 3 or above: dup2 onto its own place would keep close-on-exec.
+    Result<FileDescriptor> opened = given >= 0 ? Result<FileDescriptor>(FileDescriptor(::fcntl(given, F_DUPFD_CLOEXEC, 3)))
+                                               : openRegularFile(*path, O_WRONLY | O_CREAT | O_APPEND);
+    if (given < 0 && opened.isOk() && opened->get() < 3) {  // below 3, dup2 onto its own place would keep close-on-exec
       opened = FileDescriptor(::fcntl(opened->get(), F_DUPFD_CLOEXEC, 3));
     }
     if (!opened.isOk() || opened->get() < 0) {
       posix_spawn_file_actions_destroy(&actions);
       posix_spawnattr_destroy(&attr);
-      return opened.isOk() ? Status(StatusCode::kResourceExhausted, fmt::format("cannot open {}", *path))
+      std::string what = path->empty() ? "a copy of the given descriptor" : *path;
+      return opened.isOk() ? Status(StatusCode::kResourceExhausted,
+                                    fmt::format("cannot open {}: {}", what, std::strerror(errno)))
                            : opened.status();
     }
     *fd = std::move(*opened);
     posix_spawn_file_actions_adddup2(&actions, fd->get(), target);
   }
-  if (!options.outputPath.empty() && options.errorPath.empty()) posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  if ((!options.outputPath.empty() || options.outputFd >= 0) && options.errorPath.empty() && options.errorFd < 0) {
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  }
   // dup2 clears close-on-exec on the copy; a descriptor already at its place is moved out of the
   // way first (dup2 onto itself would keep the flag).
   std::vector<int> moved;

@@ -3,10 +3,6 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <dirent.h>
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,13 +11,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <thread>
-#include <tuple>
 
 #include <kj/async-unix.h>
 
 #include <asio/steady_timer.hpp>
 
+#include "log_pump.h"
 #include "troupe/runtime/schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/logging.h"
@@ -281,7 +276,7 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
       })
       .then([agent = kj::mv(agent)](Status status) mutable {
         if (!status.isOk()) throwStatus(status);
-        agent->startLogKeeper();
+        agent->startLogPump();
         TROUPE_LOG(kInfo, "node {} registered; serving on {}:{}", agent->options_.id.hex(), agent->options_.ip,
                    agent->server_->port());
         return kj::mv(agent);
@@ -349,6 +344,21 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
       ::unlink(log.c_str());
     }
   }
+  // The worker writes into pipes the log pump drains within the caps; without the pump (not yet
+  // registered) or a pipe, it appends to the files itself.
+  auto logEnds = std::make_shared<std::pair<FileDescriptor, FileDescriptor>>();
+  if (logPump_) {
+    auto out = logPump_->open(spawn.outputPath);
+    auto err = out.isOk() ? logPump_->open(spawn.errorPath) : Result<FileDescriptor>(out.status());
+    if (out.isOk() && err.isOk()) {
+      *logEnds = {std::move(*out), std::move(*err)};
+      spawn.outputFd = logEnds->first.get();
+      spawn.errorFd = logEnds->second.get();
+    } else {
+      TROUPE_LOG(kWarning, "actor {}: its output goes to its log files uncapped: {}", actor.id.hex(),
+                 (out.isOk() ? err : out).status().toString());
+    }
+  }
   spawn.env.push_back("TROUPE_TOKEN=" + options_.token);
   spawn.env.push_back("TROUPE_REDIS_ADDRESS=" + workerRedisAddress_);
   spawn.env.push_back("TROUPE_REDIS_PASSWORD=" + workerRedisPassword_);
@@ -366,6 +376,7 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   }
   if (::mkdir(registry.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TROUPE_SHM_REGISTRY=" + registry);
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
+  spawn.env.push_back("TROUPE_JOBS_DIR=" + options_.runDir + "/jobs");  // a job's files (job.py), removed by stop
   std::string counters = metricsPath(actor.id, actor.incarnation);
   ::unlink(counters.c_str());  // left by an agent that died with its worker: the worker makes it anew
   spawn.env.push_back("TROUPE_METRICS_FILE=" + counters);
@@ -393,11 +404,14 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   }
   ActorId id = actor.id;
   uint32_t incarnation = actor.incarnation;
+  // The pipes' write ends live until the zygote has them or the fallback below has spawned.
   auto forked = zygote_->fork(args, spawn)
-                    .then([this, id, incarnation](ForkedWorker worker) {
+                    .then([this, id, incarnation, logEnds](ForkedWorker worker) {
+                      *logEnds = {};
                       return adoptForked(id, incarnation, kj::mv(worker));
                     },
-                    [this, id, incarnation, spawn](kj::Exception&& e) -> int64_t {
+                    [this, id, incarnation, spawn, logEnds](kj::Exception&& e) -> int64_t {
+                      KJ_DEFER(*logEnds = {});
                       // The zygote failed (it says so once, and restarts): a new process instead.
                       TROUPE_LOG(kDebug, "actor {}: {}; spawning its worker", id.hex(), e.getDescription().cStr());
                       auto it = workers_.find(id);
@@ -506,6 +520,11 @@ kj::Promise<void> NodeAgent::watchWorker(ActorId id, uint32_t incarnation, pid_t
     auto it = workers_.find(id);
     if (it != workers_.end() && it->second.incarnation == incarnation) it->second.pid = 0;
     ::unlink(metricsPath(id, incarnation).c_str());
+    if (logPump_) {
+      std::string base = fmt::format("{}/logs/actor-{}", options_.runDir, id.hex());
+      logPump_->drain(base + ".out");
+      logPump_->drain(base + ".err");  // its last words, read into the exit report below
+    }
     return reportExit(id, incarnation, status, 0);
   });
 }
@@ -553,147 +572,12 @@ uint64_t byteLimit(const char* name, uint64_t fallback) {
   return end && *end == '\0' && v > 0 ? v : fallback;
 }
 
-bool isActorLog(std::string_view name) {
-  return name.rfind("actor-", 0) == 0 && (name.ends_with(".out") || name.ends_with(".err") || name.ends_with(".1"));
-}
 }  // namespace
 
-// Keeps the actors' logs within their caps. A worker (and every child it starts) holds its log
-// open with O_APPEND and never reopens it, so a rename alone would leave it writing to the
-// renamed file: a log over the per-file cap keeps its last `maxFile` bytes in `<log>.1` (copied
-// by the kernel into a new file, then renamed over the old `.1`) and is truncated in place. It
-// runs on a thread of its own, woken by inotify at each write to the logs directory, so a flood
-// is caught within one write or two, and never delays the agent's loop. While the run's actor
-// logs exceed `maxRun`, the oldest go: `.1` files are removed, a log a worker may still hold is
-// truncated (removing it would leave its worker filling an unnamed file).
-class LogKeeper {
- public:
-  LogKeeper(std::string dir, uint64_t maxFile, uint64_t maxRun)
-      : dir_(std::move(dir)), maxFile_(maxFile), maxRun_(maxRun) {
-    notify_ = FileDescriptor(::inotify_init1(IN_NONBLOCK | IN_CLOEXEC));
-    wake_ = FileDescriptor(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-    if (notify_.get() < 0 || ::inotify_add_watch(notify_.get(), dir_.c_str(), IN_MODIFY | IN_CLOSE_WRITE) < 0) {
-      // Without inotify the keeper still looks every 100 ms.
-      TROUPE_LOG(kWarning, "cannot watch {} for writes ({}): checking its logs every 100 ms", dir_, std::strerror(errno));
-      notify_ = FileDescriptor(-1);
-    }
-    thread_ = std::thread([this]() { run(); });
-  }
-  ~LogKeeper() {
-    uint64_t one = 1;
-    if (::write(wake_.get(), &one, sizeof one) < 0) {}
-    thread_.join();
-  }
-
- private:
-  void run() {
-    auto lastSweep = std::chrono::steady_clock::time_point();
-    std::vector<char> buffer(64 * 1024);
-    while (true) {
-      pollfd fds[2] = {{wake_.get(), POLLIN, 0}, {notify_.get(), POLLIN, 0}};
-      int ready = ::poll(fds, notify_.get() >= 0 ? 2 : 1, notify_.get() >= 0 ? 1000 : 100);
-      if (ready < 0 && errno != EINTR) return;
-      if (fds[0].revents & POLLIN) return;
-      std::set<std::string> written;
-      if (notify_.get() < 0) {
-        std::error_code ec;
-        for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) written.insert(entry.path().filename().string());
-      } else if (fds[1].revents & POLLIN) {
-        ssize_t n = 0;
-        while ((n = ::read(notify_.get(), buffer.data(), buffer.size())) > 0) {
-          for (ssize_t at = 0; at < n;) {
-            auto* event = reinterpret_cast<const inotify_event*>(buffer.data() + at);
-            if (event->len > 0) written.insert(event->name);
-            at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
-          }
-        }
-      }
-      bool grew = false;
-      for (const auto& name : written) {
-        if (!isActorLog(name)) continue;
-        grew = true;
-        if (!name.ends_with(".1")) rotateIfOver(name);
-      }
-      auto now = std::chrono::steady_clock::now();
-      if ((grew && now - lastSweep >= std::chrono::milliseconds(50)) || now - lastSweep >= std::chrono::seconds(2)) {
-        enforceRunCap();
-        lastSweep = now;
-      }
-    }
-  }
-
-  void rotateIfOver(const std::string& name) {
-    std::string path = dir_ + "/" + name;
-    auto in = openRegularFile(path, O_RDWR);
-    struct stat st {};
-    if (!in.isOk() || ::fstat(in->get(), &st) != 0 || static_cast<uint64_t>(st.st_size) <= maxFile_) return;
-    std::string rotated = path + ".1";
-    std::string staging = path + ".1.new";
-    ::unlink(staging.c_str());
-    auto out = openRegularFile(staging, O_WRONLY | O_CREAT | O_EXCL);
-    if (!out.isOk()) return;
-    // The last maxFile_ bytes, then what the worker wrote during the copy (a few rounds at most:
-    // a flood that outruns the copy loses what it wrote between the last look and the truncation).
-    loff_t from = static_cast<loff_t>(st.st_size - std::min<uint64_t>(maxFile_, st.st_size));
-    for (int round = 0; round < 4 && ::fstat(in->get(), &st) == 0 && st.st_size > from; ++round) {
-      while (from < st.st_size) {
-        ssize_t n = ::copy_file_range(in->get(), &from, out->get(), nullptr, static_cast<size_t>(st.st_size - from), 0);
-        if (n <= 0) break;  // the file shrank meanwhile, or the kernel cannot: keep what was copied
-      }
-    }
-    if (::rename(staging.c_str(), rotated.c_str()) != 0) ::unlink(staging.c_str());
-    if (::ftruncate(in->get(), 0) == 0) {
-      TROUPE_LOG(kInfo, "rotated {} ({} bytes, cap {}): its last bytes are in {}", path, st.st_size, maxFile_, rotated);
-    }
-  }
-
-  void enforceRunCap() {
-    struct Log {
-      std::string name;
-      uint64_t size;
-      timespec written;
-    };
-    std::vector<Log> logs;
-    uint64_t total = 0;
-    DIR* dir = ::opendir(dir_.c_str());
-    if (dir == nullptr) return;
-    while (dirent* entry = ::readdir(dir)) {
-      struct stat st {};
-      if (!isActorLog(entry->d_name) || ::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
-      if (!S_ISREG(st.st_mode)) continue;
-      logs.push_back({entry->d_name, static_cast<uint64_t>(st.st_size), st.st_mtim});
-      total += static_cast<uint64_t>(st.st_size);
-    }
-    ::closedir(dir);
-    if (total <= maxRun_) return;
-    std::sort(logs.begin(), logs.end(), [](const Log& a, const Log& b) {
-      return std::tie(a.written.tv_sec, a.written.tv_nsec) < std::tie(b.written.tv_sec, b.written.tv_nsec);
-    });
-    for (const auto& log : logs) {
-      if (total <= maxRun_) break;
-      std::string path = dir_ + "/" + log.name;
-      if (log.name.ends_with(".1")) {
-        if (::unlink(path.c_str()) != 0) continue;
-      } else {
-        auto fd = openRegularFile(path, O_WRONLY);
-        if (!fd.isOk() || ::ftruncate(fd->get(), 0) != 0) continue;
-      }
-      total -= log.size;
-      TROUPE_LOG(kInfo, "dropped {} ({} bytes): the run's actor logs exceed {} bytes", path, log.size, maxRun_);
-    }
-  }
-
-  const std::string dir_;
-  const uint64_t maxFile_;
-  const uint64_t maxRun_;
-  FileDescriptor notify_;
-  FileDescriptor wake_;
-  std::thread thread_;
-};
-
-void NodeAgent::startLogKeeper() {
-  logKeeper_ = std::make_unique<LogKeeper>(options_.runDir + "/logs", byteLimit("TROUPE_LOG_MAX_BYTES", 256ull << 20),
-                                           byteLimit("TROUPE_LOG_RUN_MAX_BYTES", 4ull << 30));
+void NodeAgent::startLogPump() {
+  logPump_ = std::make_unique<LogPump>(LogPumpOptions{options_.runDir + "/logs",
+                                                      byteLimit("TROUPE_LOG_MAX_BYTES", 256ull << 20),
+                                                      byteLimit("TROUPE_LOG_RUN_MAX_BYTES", 4ull << 30)});
 }
 
 NodeAgent::~NodeAgent() {

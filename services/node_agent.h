@@ -21,12 +21,11 @@
 #include "troupe/runtime/metrics.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
+#include "log_pump.h"
 #include "python_zygote.h"
 #include "troupe.capnp.h"
 
 namespace troupe {
-
-class LogKeeper;  // node_agent.cc
 
 struct NodeAgentOptions {
   NodeId id;
@@ -95,7 +94,7 @@ class NodeAgent {
   // Reports an exit to the controller, reconnecting and retrying while it is unreachable.
   kj::Promise<void> reportExit(ActorId id, uint32_t incarnation, int status, int attempt);
   kj::Promise<rpc::Controller::Client> controller();
-  void startLogKeeper();
+  void startLogPump();
 
   kj::AsyncIoContext& io_;
   IoThread& ioThread_;
@@ -112,9 +111,9 @@ class NodeAgent {
   bool workerRedisGateway_ = false;
   std::string workerCluster_;
   kj::Own<kj::TaskSet> tasks_;
-  // Keeps the actors' logs within TROUPE_LOG_MAX_BYTES per file and TROUPE_LOG_RUN_MAX_BYTES per
-  // run, on a thread of its own (never this agent's event loop); started once registered.
-  std::unique_ptr<LogKeeper> logKeeper_;
+  // Writes the workers' output (pipes) to their logs within TROUPE_LOG_MAX_BYTES per file and
+  // TROUPE_LOG_RUN_MAX_BYTES per run, on a thread of its own; made once registered.
+  std::unique_ptr<LogPump> logPump_;
 };
 
 }  // namespace troupe

@@ -1,5 +1,6 @@
 #include "python_zygote.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -111,8 +112,19 @@ kj::Promise<ForkedWorker> PythonZygote::fork(const std::vector<std::string>& arg
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, line) != 0) {
     return KJ_EXCEPTION(FAILED, fmt::format("cannot make a worker's start line: {}", std::strerror(errno)));
   }
+  kj::AutoCloseFd workerEnd(line[1]);
+  kj::AutoCloseFd agentEnd(line[0]);
+  kj::Vector<kj::AutoCloseFd> logEnds;
+  if (spawn.outputFd >= 0 && spawn.errorFd >= 0) {
+    // The worker writes to pipes its agent reads (see LogPump): they ride with the start line.
+    for (int fd : {spawn.outputFd, spawn.errorFd}) {
+      int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
+      if (copy < 0) return KJ_EXCEPTION(FAILED, fmt::format("cannot pass a worker's output: {}", std::strerror(errno)));
+      logEnds.add(copy);
+    }
+  }
   auto paf = kj::newPromiseAndFulfiller<ForkedWorker>();
-  queue_.push_back(Pending{nextSeq_++, std::move(message), kj::AutoCloseFd(line[1]), kj::AutoCloseFd(line[0]),
+  queue_.push_back(Pending{nextSeq_++, std::move(message), kj::mv(workerEnd), kj::mv(agentEnd), kj::mv(logEnds),
                            kj::mv(paf.fulfiller)});
   if (state_ == State::kIdle) {
     start();
@@ -201,12 +213,15 @@ void PythonZygote::pump() {
     queue_.pop_front();
     // The bytes and the worker's end of its start line live until sent (closed here then).
     auto bytes = kj::heapArray<kj::byte>(reinterpret_cast<const kj::byte*>(next.message.data()), next.message.size());
-    auto fds = kj::heapArray<int>({next.workerEnd.get()});
+    kj::Vector<int> sent;
+    sent.add(next.workerEnd.get());
+    for (auto& log : next.logEnds) sent.add(log.get());
+    auto fds = sent.releaseAsArray();
     running.writing = running.writing
-                          .then([&running, bytes = kj::mv(bytes), fds = kj::mv(fds),
-                                 workerEnd = kj::mv(next.workerEnd)]() mutable {
+                          .then([&running, bytes = kj::mv(bytes), fds = kj::mv(fds), workerEnd = kj::mv(next.workerEnd),
+                                 logEnds = kj::mv(next.logEnds)]() mutable {
                             auto write = running.control->writeWithFds(bytes, nullptr, fds);
-                            return write.attach(kj::mv(bytes), kj::mv(fds), kj::mv(workerEnd));
+                            return write.attach(kj::mv(bytes), kj::mv(fds), kj::mv(workerEnd), kj::mv(logEnds));
                           })
                           .catch_([this, generation](kj::Exception&& e) { fail(generation, e.getDescription().cStr()); })
                           .eagerlyEvaluate(nullptr);

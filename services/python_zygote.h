@@ -18,6 +18,7 @@
 
 #include <kj/async-io.h>
 #include <kj/io.h>
+#include <kj/vector.h>
 
 #include "troupe/runtime/process.h"
 
@@ -76,6 +77,7 @@ class PythonZygote {
     std::string message;  // length-prefixed request
     kj::AutoCloseFd workerEnd;  // the worker's end of its start line, sent with the request
     kj::AutoCloseFd agentEnd;
+    kj::Vector<kj::AutoCloseFd> logEnds;  // copies of the worker's stdout and stderr (pipes), sent with it
     kj::Own<kj::PromiseFulfiller<ForkedWorker>> fulfiller;
   };
   enum class State { kIdle, kStarting, kReady, kDown };

@@ -8,7 +8,9 @@ fd 3. Messages both ways are a 4-byte little-endian length and that many bytes:
 - zygote -> agent, once: b"ready <pid>";
 - agent -> zygote: b"\\0"-separated fields: output path, error path (may be empty), the number of
   worker arguments, the arguments (what follows `python3 -m troupe._worker`), then NAME=value
-  environment entries. One file descriptor rides with it (SCM_RIGHTS): the worker's start line;
+  environment entries. File descriptors ride with it (SCM_RIGHTS): the worker's start line and,
+  when the agent reads the worker's output through pipes, the write ends of its stdout and stderr
+  (which the worker takes instead of opening the paths);
 - zygote -> agent: b"ok <pid of the middle process>", or b"error <why>".
 
 Each worker is forked twice (zygote -> a short-lived middle process -> worker) so that when the
@@ -74,7 +76,7 @@ def _receive(sock):
 class _Request:
     """One worker to fork, decoded and checked."""
 
-    def __init__(self, body, start_fd):
+    def __init__(self, body, start_fd, log_fds=()):
         fields = [f.decode() for f in body.split(b"\0")]
         if len(fields) < 3 or not fields[2].isdigit():
             raise ValueError("a request without its output paths and argument count")
@@ -92,6 +94,7 @@ class _Request:
         if not self.output:
             raise ValueError("a request without an output path")
         self.start_fd = start_fd
+        self.log_fds = list(log_fds)  # [stdout, stderr] pipes, or empty: open the paths
 
 
 def _read_at_start(name):
@@ -141,9 +144,10 @@ def serve(control, log_dir):
         _reap_middles()
         body, fds = message
         try:
-            if len(fds) != 1:
-                raise ValueError(f"a request with {len(fds)} file descriptors (expected 1: the start line)")
-            request = _Request(body, fds[0])
+            if len(fds) not in (1, 3):
+                raise ValueError(f"a request with {len(fds)} file descriptors (expected the start line, "
+                                 f"and maybe stdout and stderr)")
+            request = _Request(body, fds[0], fds[1:])
             for path in (request.output, request.error):
                 if path and os.path.dirname(os.path.realpath(path)) != log_dir:
                     raise ValueError(f"an output path outside {log_dir}: {path}")
@@ -165,7 +169,8 @@ def serve(control, log_dir):
             continue
         if middle is None:
             return request
-        os.close(request.start_fd)
+        for fd in fds:
+            os.close(fd)
         _send(control, f"ok {middle}".encode())
 
 
@@ -202,17 +207,22 @@ def _become_worker(control, request):
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    # Not a plain open: a FIFO an actor put at its log's path would hold this worker forever.
-    out = _files.open_regular(request.output, flags)
-    os.dup2(out, 1)
-    os.close(out)
-    if request.error:
-        err = _files.open_regular(request.error, flags)
-        os.dup2(err, 2)
-        os.close(err)
+    if request.log_fds:
+        for fd, target in zip(request.log_fds, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
     else:
-        os.dup2(1, 2)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        # Not a plain open: a FIFO an actor put at its log's path would hold this worker forever.
+        out = _files.open_regular(request.output, flags)
+        os.dup2(out, 1)
+        os.close(out)
+        if request.error:
+            err = _files.open_regular(request.error, flags)
+            os.dup2(err, 2)
+            os.close(err)
+        else:
+            os.dup2(1, 2)
     _wait_for_adoption(_agent_pid)
     os.environ.update(request.env)
     # What the worker can read of where it came from; tests check it to see this path was taken.

@@ -10,7 +10,9 @@ any driver shows its progress and can resize or stop it.
     troupe job stop NAME
 
 The supervisor is a detached actor named "job:NAME" (0 CPUs). It keeps the script (sent with
-the submission, so any node can run it) and the driver's output in a private directory, runs
+the submission, so any node can run it) and the driver's output in a private directory under its
+node's run directory (`troupe stop` removes it); the output is capped like an actor's log: over
+TROUPE_LOG_MAX_BYTES, driver.log is renamed to driver.log.1 and started anew. It runs
 the driver with this cluster's address in TROUPE_ADDRESS (troupe.init() connects to it), and
 starts it again, up to --max-restarts times, if it dies by a signal or a non-zero exit. A
 script that should continue where a dead incarnation stopped creates its ElasticTrainer with
@@ -24,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -60,29 +63,97 @@ class _JobSupervisor:
 
     def __init__(self, name, script_name, script, args, max_restarts):
         self.name, self.args, self.max_restarts = name, list(args), int(max_restarts)
-        self.dir = tempfile.mkdtemp(prefix=f"troupe-job-{name}-")  # 0700
+        self.dir = self._make_dir(name)
         self.script = os.path.join(self.dir, os.path.basename(script_name) or "job.py")
         fd = os.open(self.script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(script)
         self.log = os.path.join(self.dir, "driver.log")
-        os.close(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self.log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600)
+        # Offsets count every byte the driver wrote; the files hold the last ones: driver.log.1
+        # from rotated_at (None: no such file), driver.log from current_at, to written.
+        self.max_log = _log_cap()
+        self.written, self.current_at, self.rotated_at = 0, 0, None
+        self.log_lock = threading.Lock()
         self.state, self.restarts, self.returncode, self.message = "PENDING", 0, None, ""
         self.started, self.ended, self.proc = time.time(), None, None
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         threading.Thread(target=self._supervise, daemon=True, name="job-driver").start()
 
+    @staticmethod
+    def _make_dir(name):
+        """A 0700 directory for the job under $TROUPE_JOBS_DIR (the node's run directory's jobs/,
+        which `troupe stop` removes), or in the temporary directory on an agent that names none."""
+        root = os.environ.get("TROUPE_JOBS_DIR")
+        if root:
+            try:
+                os.mkdir(root, 0o700)
+            except FileExistsError:
+                pass
+            st = os.lstat(root)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise JobError(f"{root} is not a private directory of this user: remove it")
+        return tempfile.mkdtemp(prefix=f"troupe-job-{name}-", dir=root or None)  # 0700
+
+    def _append(self, data):
+        """Appends to the driver's log within its cap: a log that would pass it is renamed to
+        driver.log.1 (replacing the older one) and started anew."""
+        with self.log_lock:
+            while data:
+                if self.written - self.current_at >= self.max_log:
+                    os.replace(self.log, self.log + ".1")
+                    os.close(self.log_fd)
+                    self.log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND,
+                                          0o600)
+                    self.rotated_at, self.current_at = self.current_at, self.written
+                piece = data[:self.max_log - (self.written - self.current_at)]
+                try:
+                    n = os.write(self.log_fd, piece)
+                except OSError:
+                    return  # a full disk: the output is dropped rather than the driver held
+                self.written += n
+                data = data[n:]
+
+    def _pump(self, pipe):
+        """Copies the driver's output (a pipe: a flood waits while its bytes are written) to its log."""
+        with pipe:
+            while True:
+                data = os.read(pipe.fileno(), 1 << 16)
+                if not data:
+                    return
+                self._append(data)
+
+    def _read(self, offset, limit):
+        """Up to `limit` bytes of the output from `offset` (moved up to the oldest byte kept)."""
+        with self.log_lock:
+            oldest = self.current_at if self.rotated_at is None else self.rotated_at
+            offset = max(oldest, min(int(offset), self.written))
+            parts, start = [], offset
+            for path, begin, end in ((self.log + ".1", self.rotated_at, self.current_at),
+                                     (self.log, self.current_at, self.written)):
+                if begin is None or start >= end or limit <= 0:
+                    continue
+                with open(path, "rb") as f:
+                    f.seek(start - begin)
+                    data = f.read(min(limit, end - start))
+                parts.append(data)
+                start += len(data)
+                limit -= len(data)
+            return b"".join(parts), start
+
     def _spawn(self):
         env = dict(os.environ, TROUPE_JOB_NAME=self.name, PYTHONUNBUFFERED="1")
         env.pop("TROUPE_ACTOR_ID", None)
-        with open(self.log, "ab") as out:
-            out.write(f"--- troupe job {self.name}: driver incarnation {self.restarts} starts at "
-                      f"{time.strftime('%H:%M:%S')}\n".encode())
-            out.flush()
-            return subprocess.Popen([sys.executable, self.script, *self.args], cwd=self.dir, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+        env.pop("TROUPE_JOBS_DIR", None)
+        self._append(f"--- troupe job {self.name}: driver incarnation {self.restarts} starts at "
+                     f"{time.strftime('%H:%M:%S')}\n".encode())
+        proc = subprocess.Popen([sys.executable, self.script, *self.args], cwd=self.dir, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc.pump = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True, name="job-output")
+        proc.pump.start()
+        return proc
 
     def _supervise(self):
         while True:
@@ -92,6 +163,7 @@ class _JobSupervisor:
                 self.proc = self._spawn()
                 self.state = "RUNNING"
             rc = self.proc.wait()
+            self.proc.pump.join(timeout=5)  # its last lines (a process it left may hold the pipe)
             with self.lock:
                 self.returncode = rc
                 if self.stopping.is_set():
@@ -117,13 +189,10 @@ class _JobSupervisor:
         return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
 
     def _note(self, text):
-        with open(self.log, "ab") as out:
-            out.write(f"--- troupe job {self.name}: {text}\n".encode())
+        self._append(f"--- troupe job {self.name}: {text}\n".encode())
 
     def _tail(self, n):
-        with open(self.log, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log) - n))
-            return f.read().decode(errors="replace").strip()
+        return self._read(self.written - n, n)[0].decode(errors="replace").strip()
 
     def status(self):
         with self.lock:
@@ -131,16 +200,12 @@ class _JobSupervisor:
                     "max_restarts": self.max_restarts, "returncode": self.returncode, "message": self.message,
                     "pid": self.proc.pid if self.proc and self.state == "RUNNING" else None,
                     "node_ip": os.environ.get("TROUPE_NODE_IP", ""), "started": self.started, "ended": self.ended,
-                    "log_bytes": os.path.getsize(self.log)}
+                    "log_bytes": self.written}
 
     def logs(self, offset=0, limit=MAX_LOG_READ):
-        """Up to `limit` bytes of the driver's output from `offset`; (bytes, next offset)."""
-        size = os.path.getsize(self.log)
-        offset = max(0, min(int(offset), size))
-        with open(self.log, "rb") as f:
-            f.seek(offset)
-            data = f.read(max(0, min(int(limit), MAX_LOG_READ)))
-        return data, offset + len(data)
+        """Up to `limit` bytes of the driver's output from `offset`; (bytes, next offset). Bytes
+        older than the log's cap are gone: an offset before them reads from the oldest kept."""
+        return self._read(offset, max(0, min(int(limit), MAX_LOG_READ)))
 
     def stop(self):
         """SIGTERM to the driver's process group, SIGKILL after a grace period."""
@@ -164,6 +229,14 @@ class _JobSupervisor:
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _log_cap():
+    try:
+        cap = int(os.environ.get("TROUPE_LOG_MAX_BYTES", ""))
+    except ValueError:
+        cap = 0
+    return cap if cap > 0 else 256 << 20
 
 
 def _handle(name):

@@ -114,9 +114,12 @@ int stopRunDir(const std::string& runDir, bool verbose) {
     if (verbose) std::cout << "Stopped " << what << " (pid " << pid << "), which no pid file named" << std::endl;
     ++stopped;
   }
-  // The token dies with the cluster; logs stay for post-mortems.
+  // The token dies with the cluster; actor logs stay for post-mortems.
   if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);
   removeRecordedSegments(runDir);
+  // Jobs' scripts and driver logs (job.py keeps them in <runDir>/jobs) go with the cluster.
+  fs::path jobs = fs::path(runDir) / "jobs";
+  if (fs::is_directory(fs::symlink_status(jobs, ec))) fs::remove_all(jobs, ec);
   return stopped;
 }
 

@@ -114,3 +114,42 @@ def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_anot
         assert "stopped at" in out and "incarnation 1" in out, out
     finally:
         api.shutdown()
+
+
+def test_a_flooding_job_keeps_its_output_within_the_cap_and_stop_removes_it(troupe, tmp_path):
+    """Issue 34 finding 7: a job's driver.log had no cap and stayed in /tmp/troupe-job-* after
+    `troupe stop`. A driver that floods its output for 3 s keeps at most 2 x TROUPE_LOG_MAX_BYTES
+    (driver.log and driver.log.1) in its job directory under the run directory, `troupe job logs`
+    shows its last line, and `troupe stop` removes the directory."""
+    mb = 1 << 20
+    troupe.env["TROUPE_LOG_MAX_BYTES"] = str(mb)
+    start_head(troupe, 1)
+    script = tmp_path / "flood.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        line = (b"z" * 1023 + b"\\n") * 64
+        end, n = time.monotonic() + 3, 0
+        while time.monotonic() < end:
+            n += os.write(1, line)
+        print("flooded", n, flush=True)
+    """))
+    jobs = troupe.run_dir() / "jobs"
+    troupe.run("job", "submit", str(script), "--name", "flood")
+    largest = 0
+    while "RUNNING" in job_state(troupe, "flood"):
+        for f in jobs.glob("troupe-job-flood-*/driver.log*"):
+            try:
+                largest = max(largest, sum(g.stat().st_size for g in f.parent.glob("driver.log*")))
+            except FileNotFoundError:
+                pass  # renamed while we looked
+    eventually(lambda: "SUCCEEDED" in job_state(troupe, "flood"), 60, "the job to succeed")
+    logs = list(jobs.glob("troupe-job-flood-*/driver.log*"))
+    kept = sum(f.stat().st_size for f in logs)
+    flooded = int(troupe.run("job", "logs", "flood").stdout.rsplit("flooded", 1)[1].split()[0])
+    print("flooded", flooded, "largest", largest, "kept", kept)
+    assert flooded > 10 * mb, flooded  # before: every byte stayed in driver.log
+    assert {f.name for f in logs} == {"driver.log", "driver.log.1"}
+    assert largest <= 2 * mb and kept <= 2 * mb, (largest, kept)
+    assert not glob.glob(f"/tmp/troupe-job-flood-*")
+    troupe.run("stop")
+    assert not jobs.exists()

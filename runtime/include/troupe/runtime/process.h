@@ -19,6 +19,8 @@ struct SpawnOptions {
   std::vector<std::string> argv;   // argv[0] is a path or a name looked up on PATH
   std::string outputPath;          // stdout (and stderr, unless errorPath) appended here; empty: inherit
   std::string errorPath;           // stderr appended here when set
+  int outputFd = -1;               // when >= 0, stdout is a copy of it instead (the caller keeps its own)
+  int errorFd = -1;                // when >= 0, stderr is a copy of it instead
   bool newSession = false;         // setsid(): survives the parent's terminal and group
   std::vector<std::string> env;    // extra "NAME=value" entries on top of the parent's
   std::vector<int> inheritFds;     // open in the child as fds 3, 4, ... in this order
