@@ -160,9 +160,11 @@ def test_the_heads_agent_is_supervised_too_and_a_later_controller_kill_is_recove
         if nodes.returncode != 0:
             return None
         import json
-        alive_heads = [n for n in json.loads(nodes.stdout)["nodes"]
-                       if n["is_head"] and n["state"] == "ALIVE" and n["id"] != head["id"]]
-        return alive_heads[0] if alive_heads else None
+        listed = json.loads(nodes.stdout)["nodes"]
+        alive_heads = [n for n in listed if n["is_head"] and n["state"] == "ALIVE" and n["id"] != head["id"]]
+        # Until its TTL runs out the killed agent's node still reads ALIVE and may be chosen.
+        old_dead = all(n["state"] == "DEAD" for n in listed if n["id"] == head["id"])
+        return alive_heads[0] if alive_heads and old_dead else None
 
     replacement = eventually(new_head, 20, "the head's agent to come back as a new head node")
     assert replacement["pid"] != head["pid"] and alive(replacement["pid"])
