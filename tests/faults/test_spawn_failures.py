@@ -22,7 +22,7 @@ class Probe:
 
 @pytest.fixture
 def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
+    troupe.init(num_cpus=2)  # log_to_driver on, as a user runs it
     root = troupe._api._session.run_root
     yield Path(root) / "latest" / "logs"
     troupe.shutdown()
