@@ -1,4 +1,5 @@
 #include "troupe/runtime/config.h"
+#include "troupe/runtime/safe_open.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -198,37 +199,15 @@ Result<ClusterFile> readClusterFile(const std::string& runDir) {
   if (auto own = checkPrivate(runDir, PathKind::kDirectory, 077); !own.isOk()) {
     return own.code() == StatusCode::kNotFound ? missing() : own;
   }
-  // Non-blocking and not through a link: a FIFO or a link in its place is refused, not waited on.
-  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return missing();
-    return Status(StatusCode::kFailedPrecondition, fmt::format("cannot open {}: {}", path, strerror(errno)));
+  if (auto own = checkPrivate(path, PathKind::kRegularFile, 077); !own.isOk()) {
+    if (own.code() == StatusCode::kNotFound) return missing();
+    return Status(own.code(), fmt::format("a cluster file must be yours and 0600; not trusting it: {}", own.message()));
   }
-  struct stat st {};
-  std::string text;
-  Status checked = Status::ok();
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    checked = Status(StatusCode::kFailedPrecondition, fmt::format("{} is not a regular file; remove it", path));
-  } else if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
-    checked = Status(StatusCode::kFailedPrecondition,
-                     fmt::format("{} belongs to uid {} with mode {:o}: a cluster file must be yours and 0600; "
-                                 "not trusting it",
-                                 path, st.st_uid, st.st_mode & 07777));
-  } else if (st.st_size > kMaxClusterFileBytes) {
-    checked = Status(StatusCode::kFailedPrecondition,
-                     fmt::format("{} holds {} bytes, more than a cluster file's {}: corrupt", path, st.st_size,
-                                 kMaxClusterFileBytes));
-  } else {
-    text.resize(static_cast<size_t>(st.st_size));
-    ssize_t n = ::read(fd, text.data(), text.size());
-    if (n != static_cast<ssize_t>(text.size())) {
-      checked = Status(StatusCode::kFailedPrecondition, fmt::format("cannot read {}: {}", path, strerror(errno)));
-    }
-  }
-  ::close(fd);
-  if (!checked.isOk()) return checked;
+  // Opened without following a link or blocking on a FIFO swapped in since the check.
+  auto text = readRegularFile(path, kMaxClusterFileBytes);
+  if (!text.isOk()) return text.status().code() == StatusCode::kNotFound ? missing() : text.status();
   try {
-    nlohmann::json j = nlohmann::json::parse(text);
+    nlohmann::json j = nlohmann::json::parse(*text);
     ClusterFile f;
     f.controllerAddress = j.at("controller_address").get<std::string>();
     f.token = j.at("token").get<std::string>();

@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "troupe/runtime/schema_convert.h"
 #include "troupe/runtime/rpc.h"
+#include "troupe/runtime/safe_open.h"
 #include "troupe/runtime/tls.h"
 
 namespace troupe::cli {
@@ -20,12 +21,9 @@ Result<std::string> readTokenFile(const std::string& path) {
   if (auto own = checkPrivate(path, PathKind::kRegularFile, 077); !own.isOk()) {
     return Status(own.code(), fmt::format("--token-file: {}", own.message()));
   }
-  std::ifstream in(path);
-  std::string token((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (token.size() > 4096) {
-    return Status(StatusCode::kFailedPrecondition, fmt::format("--token-file {} holds {} bytes: not a token", path,
-                                                               token.size()));
-  }
+  auto read = readRegularFile(path, 4096);  // not through a link or a FIFO swapped in since the check
+  if (!read.isOk()) return Status(read.status().code(), fmt::format("--token-file: {}", read.status().message()));
+  std::string token = std::move(*read);
   auto isSpace = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
   while (!token.empty() && isSpace(token.back())) token.pop_back();
   size_t first = 0;
