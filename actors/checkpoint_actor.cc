@@ -53,7 +53,7 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
         cache_(options_),
         peers_(context_.cluster, *context_.timer),
         persist_(options_),
-        sender_(options_, cache_, peers_),
+        sender_(options_, cache_, peers_, [this](const std::string& gone) { dropMember(gone); }),
         held_(options_),
         restorer_(options_, cache_, peers_) {
     // A file size limit must make a write fail with EFBIG (reported), not kill the worker.
@@ -187,6 +187,17 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
     if (target != options_.replicaTo) sender_.targetChanged();
     options_.replicaTo = target;
     return options_.replicaTo;
+  }
+
+  // A member's name is gone (it was killed with its lost node, and this actor restarted with its
+  // spawn's member list): replicas go to the next live one instead of waiting for it.
+  void dropMember(const std::string& gone) {
+    std::vector<std::string> live;
+    for (const auto& m : options_.members) {
+      if (m != gone) live.push_back(m);
+    }
+    std::string target = members(std::move(live));
+    TROUPE_LOG(kInfo, "checkpoint peer {} is gone: replicas now go to '{}'", gone, target);
   }
 
   // Restores in progress are cancelled, and the one the restore thread may be staging is let

@@ -30,6 +30,10 @@ class CheckpointPeers {
   // the handle kept here.
   kj::Promise<rpc::Checkpoint::Client> checkpoint(const std::string& name);
 
+  // Forgets the handle of `name`: the next transfer looks the name up again (an actor that was
+  // killed keeps no name, and a lookup says so at once).
+  void forget(const std::string& name) { handles_.erase(name); }
+
   // Resolves after `delay`. Dropping the promise cancels the timer.
   kj::Promise<void> after(std::chrono::milliseconds delay) { return timer_.afterDelay(delay.count() * kj::MILLISECONDS); }
 

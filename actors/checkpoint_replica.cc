@@ -26,8 +26,28 @@ const std::atomic<bool> kStopped{true};
 
 }  // namespace
 
-ReplicaSender::ReplicaSender(const Options& options, SegmentCache& cache, CheckpointPeers& peers)
-    : options_(options), cache_(cache), peers_(peers), tasks_(std::make_unique<kj::TaskSet>(errorLog_)) {}
+ReplicaSender::ReplicaSender(const Options& options, SegmentCache& cache, CheckpointPeers& peers,
+                             TargetGone targetGone)
+    : options_(options),
+      cache_(cache),
+      peers_(peers),
+      targetGone_(std::move(targetGone)),
+      tasks_(std::make_unique<kj::TaskSet>(errorLog_)) {}
+
+// A target that died for good is looked up again by the next send, which then learns whether
+// its name is gone.
+void ReplicaSender::forgetIfDead(const kj::Exception& e) {
+  if (statusOf(e).code() == StatusCode::kActorDied) peers_.forget(options_.replicaTo);
+}
+
+kj::Promise<rpc::Checkpoint::Client> ReplicaSender::findTarget(const std::string& name,
+                                                               std::chrono::milliseconds limit, const char* what) {
+  return peers_.withTimeout(peers_.checkpoint(name), limit, what)
+      .catch_([this, name](kj::Exception&& e) -> kj::Promise<rpc::Checkpoint::Client> {
+        if (statusOf(e).code() == StatusCode::kNotFound) targetGone_(name);
+        return kj::mv(e);
+      });
+}
 
 ReplicaSender::~ReplicaSender() { tasks_.reset(); }
 
@@ -60,6 +80,7 @@ void ReplicaSender::request(uint32_t rank) {
   uint64_t generation = state.generation;
   tasks_->add(send(rank, generation)
                   .catch_([this, rank, generation](kj::Exception&& e) {
+                    forgetIfDead(e);
                     if (ranks_[rank].generation != generation) return;
                     ranks_[rank].failures++;
                     errors_.add(fmt::format("replica of rank {} to {}: {}", rank, options_.replicaTo,
@@ -95,7 +116,7 @@ kj::Promise<void> ReplicaSender::send(uint32_t rank, uint64_t generation) {
     if (!seg->unchanged(info)) return KJ_EXCEPTION(FAILED, "the snapshot was overwritten while being copied");
     copy = std::move(bytes);
   }
-  return peers_.withTimeout(peers_.checkpoint(options_.replicaTo), kChunkTimeout, "finding the replica target")
+  return findTarget(options_.replicaTo, kChunkTimeout, "finding the replica target")
       .then([this, rank, seg, info, copy, generation](rpc::Checkpoint::Client target) mutable {
         auto begin = target.replicaBeginRequest();
         begin.setRank(rank);
@@ -201,19 +222,19 @@ kj::Promise<Result<PinReply>> ReplicaSender::pinReplica(uint32_t rank, uint64_t 
     RankState& state = ranks_[rank];
     if (state.replicatedId == SnapshotId{(*segment)->fileId(), slot->index, slot->seq}) {
       std::string target = options_.replicaTo;
-      return peers_
-          .withTimeout(peers_.checkpoint(target).then([rank, step = slot->step](rpc::Checkpoint::Client c) {
+      return findTarget(target, kPinCallTimeout, "finding the replica target")
+          .then([this, rank, step = slot->step](rpc::Checkpoint::Client c) {
             auto request = c.replicaPinRequest();
             request.setRank(rank);
             request.setStep(step);
-            return request.send().ignoreResult();
-          }),
-                       kPinCallTimeout, "replicaPin")
+            return peers_.withTimeout(request.send().ignoreResult(), kPinCallTimeout, "replicaPin");
+          })
           .then([step = slot->step, target]() -> kj::Promise<Result<PinReply>> {
             return Result<PinReply>(PinReply{true, step, target});
           }, [this, rank, step, deadline](kj::Exception&& e) -> kj::Promise<Result<PinReply>> {
             // The replica is gone or lacks the step (its actor restarted, its node was lost):
             // send it again.
+            forgetIfDead(e);
             errors_.add(fmt::format("pinning the replica of rank {}: {}", rank, statusOf(e).message()));
             RankState& s = ranks_[rank];
             s.replicatedId = {};

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -33,7 +34,10 @@ struct PinReply {
 class ReplicaSender {
  public:
   // Everything passed outlives this; `options.replicaTo` is read afresh by every send.
-  ReplicaSender(const Options& options, SegmentCache& cache, CheckpointPeers& peers);
+  // `targetGone(name)` runs when the target's name no longer names a live actor (it was killed
+  // with its lost node): the owner picks another target instead of the sends waiting for it.
+  using TargetGone = std::function<void(const std::string& name)>;
+  ReplicaSender(const Options& options, SegmentCache& cache, CheckpointPeers& peers, TargetGone targetGone);
   ~ReplicaSender();
   ReplicaSender(const ReplicaSender&) = delete;
   ReplicaSender& operator=(const ReplicaSender&) = delete;
@@ -74,6 +78,10 @@ class ReplicaSender {
   };
 
   kj::Promise<void> send(uint32_t rank, uint64_t generation);
+  // The target's interface; a name that is gone is reported to targetGone before the rejection.
+  kj::Promise<rpc::Checkpoint::Client> findTarget(const std::string& name, std::chrono::milliseconds limit,
+                                                  const char* what);
+  void forgetIfDead(const kj::Exception& e);
   kj::Promise<void> sendChunks(rpc::Checkpoint::Client target, std::shared_ptr<ck::FlashSegment> seg, ck::SlotInfo info,
                                uint32_t rank, uint32_t peerSlot, uint64_t offset, std::shared_ptr<const std::string> copy);
   kj::Promise<Result<PinReply>> pinReplica(uint32_t rank, uint64_t step, std::chrono::steady_clock::time_point deadline,
@@ -82,6 +90,7 @@ class ReplicaSender {
   const Options& options_;
   SegmentCache& cache_;
   CheckpointPeers& peers_;
+  TargetGone targetGone_;
   std::map<uint32_t, RankState> ranks_;
   std::map<uint32_t, std::shared_ptr<PinJob>> pins_;  // by rank
   std::map<uint64_t, uint64_t> faultTries_;  // sends stopped by the fault seam, by step

@@ -181,6 +181,45 @@ def test_checkpoint_actors_from_python(troupe, shm_dir, tmp_path):
     assert ckpt.steps(disk) == [10]
 
 
+STALE_MEMBERS = """
+import json, sys, time, torch, troupe
+import troupe.checkpoint as ckpt
+from troupe import _typed
+shm = sys.argv[1]
+troupe.init("auto")
+members = ["ck-a", "ck-b", "ck-c"]  # what a restarted actor knows: its spawn's member list
+def actor(name):
+    args = {"group": "stale", "node": name[-1], "self": name, "members": members, "shm_dir": shm}
+    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, num_cpus=0.5)
+a, b, c = actor("ck-a"), actor("ck-b"), actor("ck-c")
+for h in (a, b, c):
+    _typed.get(h, "Checkpoint", "status")
+troupe.kill(b)                                 # ck-a's replica target is gone for good, name and all
+flash = ckpt.FlashCheckpoint(rank=0, world_size=1, actor=a)
+flash.save(7, {"w": torch.arange(1000.0)})
+deadline = time.monotonic() + 60
+while True:
+    r = _typed.get(a, "Checkpoint", "pin", rank=0, step=7)
+    if r["state"] != "running":
+        break
+    assert time.monotonic() < deadline, r
+    time.sleep(0.02)
+held = {e["rank"]: e["step"] for e in _typed.get(c, "Checkpoint", "status")["status"]["replicasHeld"]}
+print("PIN", json.dumps({"state": r["state"], "step": r["step"], "replicaTo": r["replicaTo"], "held": held.get(0)}))
+"""
+
+
+def test_a_replica_target_whose_name_is_gone_is_replaced_not_waited_for(troupe, shm_dir):
+    # A checkpoint actor restarted after its group lost a node starts with its spawn's member
+    # list, naming the lost node's actor (killed since): its pin must go to the next live member,
+    # not wait out the pin timeout for a name no lookup finds.
+    troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "2")
+    done = run_driver(STALE_MEMBERS.replace("sys.argv[1]", repr(str(shm_dir))), env=troupe.env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pin = json.loads(done.stdout.split("PIN ", 1)[1])
+    assert pin == {"state": "done", "step": 7, "replicaTo": "ck-c", "held": 7}, pin
+
+
 def test_typed_params_are_checked_before_they_are_sent():
     from troupe import _actors
 
