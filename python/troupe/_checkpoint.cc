@@ -113,13 +113,14 @@ class Segment {
     s.segment_.emplace(unwrap(std::move(*opened)));
     return s;
   }
-  static Segment openExisting(const std::string& dir, const std::string& name, unsigned copyThreads) {
+  // `writable` maps it for pin/discard_after (without the writer lock).
+  static Segment openExisting(const std::string& dir, const std::string& name, unsigned copyThreads, bool writable) {
     Segment s;
     SegmentOptions o;
     o.dir = dir;
     o.name = name;
     o.copyThreads = copyThreads;
-    s.segment_.emplace(unwrap(FlashSegment::openExisting(o)));
+    s.segment_.emplace(unwrap(FlashSegment::openExisting(o, writable)));
     return s;
   }
 
@@ -196,6 +197,14 @@ class Segment {
     d["step_complete"] = o2.stepComplete;
     return d;
   }
+
+  // Saves leave the snapshot of `step` alone until another is pinned (FlashSegment::pin).
+  void pin(uint64_t step) {
+    Status s = segment().pin(step);
+    if (!s.isOk()) raise(s);
+  }
+  // Empties the snapshots newer than `step`: the state went back to it.
+  void discardAfter(uint64_t step) { segment().discardAfter(step); }
 
   uint64_t imageBytes() const { return layout_.imageBytes(); }
   std::string path() const { return segment().path(); }
@@ -292,7 +301,10 @@ PYBIND11_MODULE(_checkpoint, m) {
   py::class_<Segment>(m, "Segment")
       .def_static("open_for_write", &Segment::openForWrite, py::arg("dir"), py::arg("name"), py::arg("tensors"),
                   py::arg("meta_capacity"), py::arg("copy_threads") = 2)
-      .def_static("open_existing", &Segment::openExisting, py::arg("dir"), py::arg("name"), py::arg("copy_threads") = 2)
+      .def_static("open_existing", &Segment::openExisting, py::arg("dir"), py::arg("name"), py::arg("copy_threads") = 2,
+                  py::arg("writable") = false)
+      .def("pin", &Segment::pin, py::arg("step"))
+      .def("discard_after", &Segment::discardAfter, py::arg("step"))
       .def("save", &Segment::save, py::arg("step"), py::arg("rank"), py::arg("world_size"), py::arg("buffers"),
            py::arg("metadata"))
       .def("slots", &Segment::slots)

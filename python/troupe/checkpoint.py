@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 from . import _checkpoint
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
-           "FlashCheckpoint", "Restored", "load", "load_into", "save", "steps"]
+           "FlashCheckpoint", "Restored", "TensorAt", "load", "load_into", "load_tracked", "pack_tracked", "save",
+           "steps", "unpack_tracked"]
 
 
 class CheckpointError(RuntimeError):
@@ -269,6 +270,86 @@ def load_into(state: Mapping[str, Any], model: Any, optimizer: Any = None) -> No
     optimizer.load_state_dict(saved)
 
 
+# ---- Tracked objects (TorchTrainer's ctx.track) ----
+# A snapshot of tracked objects is one image: every tensor of every object's state_dict() is an
+# image tensor (named "<object>/<key>/<key>...", copied without pickling), and the rest of the
+# state_dicts (dicts, lists, numbers: an optimizer's param_groups, a scheduler's counters) is the
+# image's metadata, pickled with each tensor replaced by a TensorAt naming its image tensor.
+_TRACKED_MAGIC = b"troupe-tracked-1\n"
+
+
+class TensorAt(NamedTuple):
+    """In a tracked snapshot's metadata: the image tensor that stands at this place."""
+
+    name: str
+
+
+def pack_tracked(states: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """(image tensors, metadata) of {name: state_dict}: the tensors are the state's own (no copy
+    is made here; FlashCheckpoint.save copies them into shared memory)."""
+    import pickle
+
+    torch = _torch()
+    tensors: dict[str, Any] = {}
+
+    def walk(value, path):
+        if torch is not None and isinstance(value, torch.Tensor):
+            name = path if len(path) <= 512 and path not in tensors else f"#{len(tensors)}"
+            tensors[name] = value
+            return TensorAt(name)
+        if isinstance(value, dict):
+            out = type(value)() if type(value) in (dict, __import__("collections").OrderedDict) else {}
+            for k, v in value.items():
+                out[k] = walk(v, f"{path}/{k}")
+            if hasattr(value, "_metadata"):  # a module's state_dict carries its modules' versions
+                out._metadata = value._metadata
+            return out
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+        return value
+
+    skeleton = {name: walk(state, name) for name, state in states.items()}
+    return tensors, _TRACKED_MAGIC + pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_tracked(tensors: Mapping[str, Any], metadata: bytes) -> dict[str, Any]:
+    """{name: state_dict} from an image's tensors and metadata written by pack_tracked."""
+    import pickle
+
+    if not bytes(metadata[:len(_TRACKED_MAGIC)]) == _TRACKED_MAGIC:
+        raise CheckpointError("INVALID_ARGUMENT", "this checkpoint does not hold tracked objects (it was not "
+                                                         "written by a TorchTrainer): use troupe.checkpoint.load()")
+    skeleton = pickle.loads(bytes(metadata[len(_TRACKED_MAGIC):]))
+
+    def walk(value):
+        if isinstance(value, TensorAt):
+            if value.name not in tensors:
+                raise CheckpointCorruptError("FAILED_PRECONDITION", f"the metadata names tensor {value.name!r}, which the image "
+                                                          f"does not hold")
+            return tensors[value.name]
+        if isinstance(value, dict):
+            for k in list(value):
+                value[k] = walk(value[k])
+            return value
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return {name: walk(state) for name, state in skeleton.items()}
+
+
+def load_tracked(path: str | os.PathLike[str], *, step: int | None = None, rank: int = 0) -> tuple[dict[str, Any], int]:
+    """({name: state_dict}, step) of the newest complete step (at most `step`) a TorchTrainer
+    persisted in `path`: what ctx.track(name=obj) held, for obj.load_state_dict() in plain torch,
+    without a cluster (docs/checkpoint_format.md).
+
+        states, step = troupe.checkpoint.load_tracked("/ckpt")
+        model.load_state_dict(states["model"]); opt.load_state_dict(states["opt"])
+    """
+    tensors, info = load(path, step=step, rank=rank, with_metadata=True)
+    return unpack_tracked(tensors, info["metadata"]), int(info["step"])
+
+
 def steps(path: str | os.PathLike[str]) -> list[int]:
     """The complete steps in checkpoint directory `path`, newest first."""
     return _call(_checkpoint.complete_steps, str(path))
@@ -308,6 +389,7 @@ class FlashCheckpoint:
         self._reader = None
         self._specs = None
         self._pending = []
+        self.restored_from = ""  # where restore_step found its step: "memory" or staged by the actor
 
     def _actor_call(self, method, **params):
         """A method of the actor's typed interface (rpc::Checkpoint, actors/schema/checkpoint.capnp)."""
@@ -315,10 +397,11 @@ class FlashCheckpoint:
 
         return _typed.get(self.actor, "Checkpoint", method, **params)
 
-    def save(self, step: int, state_dict: Mapping[str, Any], metadata: bytes = b"") -> int:
+    def save(self, step: int, state_dict: Mapping[str, Any], metadata: bytes = b"", *, notify: bool = True) -> int:
         """Snapshots `state_dict` as `step` into shared memory and returns once it is complete there
-        (persisting and replicating continue in the actor). The segment is laid out by the first save
-        and re-laid out only when the tensors' names, dtypes or shapes change."""
+        (persisting and replicating continue in the actor; with notify=False the actor is not told,
+        and a later pin() replicates the step). The segment is laid out by the first save and
+        re-laid out only when the tensors' names, dtypes or shapes change."""
         specs, buffers = _specs_and_buffers(state_dict)
         metadata = bytes(metadata)
         if self._writer is None or specs != self._specs or len(metadata) > self.metadata_capacity:
@@ -328,7 +411,7 @@ class FlashCheckpoint:
                                  self.metadata_capacity, self.copy_threads)
             self._specs = specs
         slot = _call(self._writer.save, int(step), self.rank, self.world_size, buffers, metadata)
-        if self.actor is not None:
+        if self.actor is not None and notify:
             self._reap()
             from . import _typed
 
@@ -380,6 +463,86 @@ class FlashCheckpoint:
             for name, tmp in copies:
                 _copy_back(state_dict, name, tmp)
         return Restored(header["step"], state_dict, header["metadata"])
+
+    def steps(self) -> list[int]:
+        """The steps complete in this rank's segment on this node, oldest first."""
+        try:
+            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
+                                            self.copy_threads)
+        except CheckpointNotFoundError:
+            return []
+        try:
+            return sorted(slot["step"] for slot in segment.slots() if slot["complete"])
+        finally:
+            if segment is not self._writer:
+                segment.close()
+
+    def restore_step(self, step: int, *, as_numpy: bool = False, timeout: float = 600) -> Restored:
+        """Restores exactly `step` into new tensors: from this node's segment when it holds the
+        step, else staged into it by the actor (from a peer's memory or replica, or from disk).
+        CheckpointNotFoundError when no tier holds it."""
+        restored = self._read_exact(step, as_numpy)
+        self.restored_from = "memory"
+        if restored is None and self.actor is not None:
+            self.close()
+            self._restore_through_actor(step, timeout)
+            restored = self._read_exact(step, as_numpy)
+            self.restored_from = "staged by the checkpoint actor"
+        if restored is None:
+            raise CheckpointNotFoundError("NOT_FOUND", f"rank {self.rank}: no complete snapshot of step {step} in "
+                                                       f"{os.path.join(self.shm_dir, self.segment_name)}"
+                                          + ("" if self.actor is None else ", a peer's memory or replica, or disk"))
+        return restored
+
+    def _read_exact(self, step, as_numpy):
+        try:
+            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
+                                            self.copy_threads)
+        except CheckpointNotFoundError:
+            return None
+        try:
+            header = segment.peek(int(step))
+            if header is None:
+                return None
+            targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
+            header = _call(segment.restore_into, int(step), None, targets)
+            state = {name: _from_bytes(t, dtype, shape, as_numpy)
+                     for t, (name, dtype, shape) in zip(targets, header["tensors"])}
+            return Restored(header["step"], state, header["metadata"])
+        finally:
+            if segment is not self._writer:
+                segment.close()
+
+    def pin(self, step: int, *, timeout: float = 60) -> int | None:
+        """Pins the newest complete snapshot at or before `step` in this segment and, through the
+        actor, in its replica on the next node (replicating it first when it is not there yet),
+        after emptying the snapshots newer than `step` (a timeline the state left). Saves then
+        leave it alone until the next pin. Returns the step pinned, or None when there is none."""
+        try:
+            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
+                                            self.copy_threads, True)
+        except CheckpointNotFoundError:
+            return None
+        try:
+            segment.discard_after(int(step))
+            held = [slot["step"] for slot in segment.slots() if slot["complete"] and slot["step"] <= step]
+            if not held:
+                return None
+            newest = max(held)
+            if self.actor is not None:
+                deadline = time.monotonic() + timeout
+                delay = 0.001
+                while self._actor_call("pin", rank=self.rank, step=newest)["state"] == "running":
+                    if time.monotonic() > deadline:
+                        raise CheckpointError("DEADLINE_EXCEEDED", f"pinning step {newest} of rank {self.rank} in its "
+                                                                   f"replica took over {timeout} s")
+                    time.sleep(delay)  # the actor's pin job replicates the step first
+                    delay = min(delay * 2, 0.02)
+            _call(segment.pin, newest)
+            return newest
+        finally:
+            if segment is not self._writer:
+                segment.close()
 
     def _restore_through_actor(self, max_step, timeout):
         request = {"rank": self.rank}

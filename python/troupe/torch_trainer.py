@@ -23,13 +23,16 @@ batches() (or its collective fails: the backend fails every pending one when a p
 unwinds, and the loop is entered again in the same process after the restore: imports, the
 process's objects and torch stay; ctx.track() loads the restored step's state.
 
-Snapshots: every snapshot_every steps (default every step) each rank copies the tensors of every
-tracked object's state_dict (detach().clone(): memory copies, no pickling) and the torch RNG
-state into its process's memory, keeping the newest `keep` steps and the pinned one. A rank
-whose process was restarted (kill -9) says so in its join reply and copies the restored step
-from a live peer's memory (an actor call; the state is data parallel, so any rank's is its).
-Left for checkpoint/'s tiers: the shared-memory segment, the replica on another host, and
-persisting (checkpoint={"dir": ...} is accepted and ignored by this trainer kind).
+Snapshots go through checkpoint/'s tiers, as the C++ trainer's do: every snapshot_every steps
+(default every step) each rank saves every tracked object's state_dict() and the RNG states into
+its bundle's shared-memory segment on the node (troupe.checkpoint.FlashCheckpoint over the node's
+Checkpoint actor: tensors copied without pickling, the rest pickled as the image's metadata,
+troupe.checkpoint.pack_tracked). The actor persists it (checkpoint={"dir": ..., "persist_every":
+N}) and replicates it to the next node's actor in the background; the step each chunk ends on is
+pinned here and in the replica. A rank restarted in place (kill -9) finds its segment on the node;
+one moved to another node, or a new member, is staged the step by its node's actor (a node mate's
+memory, a peer's replica, or disk). A persisted step loads into plain torch objects without a
+cluster: troupe.checkpoint.load_tracked(dir).
 
 Rendezvous: a c10d FileStore per (group, epoch) under the coordinator's work directory, so all
 ranks must share its file system (one host). TODO(correctness): a store over the cluster for
@@ -37,10 +40,10 @@ groups that span hosts.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import os
+import random
 import re
 import signal
 import threading
@@ -50,6 +53,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from . import _api, _typed
+from . import checkpoint as _ckpt
 from ._api import ActorDiedError, ActorError, TroupeError
 from .train import (CheckpointConfig, FailureConfig, GroupCoordinator, ScalingConfig, _configs, _data_spec)
 
@@ -77,23 +81,6 @@ class TrainLoopError(TroupeError):
 
 class _GroupFailure(Exception):
     """A call the loop made to the group's services failed (a dataloader died): recoverable."""
-
-
-def _copy_tree(value: Any) -> Any:
-    """A copy of a state_dict: tensors copied in memory (detach().clone()), containers rebuilt,
-    anything else deep-copied."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return type(value)((k, _copy_tree(v)) for k, v in value.items()) if type(value) is not dict else \
-            {k: _copy_tree(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_tree(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_copy_tree(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def _tensor(wire: Mapping[str, Any]) -> Any:
@@ -149,8 +136,15 @@ class TorchContext:
     def track(self, **objects: Any) -> None:
         """What a snapshot holds: objects with state_dict() and load_state_dict() (models,
         optimizers, schedulers). On re-entry after a recovery, the restored step's state is
-        loaded into them here."""
+        loaded into them here. A model wrapped by prepare() is tracked as the module it wraps,
+        so a persisted step loads into the plain model (troupe.checkpoint.load_tracked)."""
+        import torch
+
+        objects = {name: obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+                   for name, obj in objects.items()}
         for name, obj in objects.items():
+            if name.startswith("__"):
+                raise ValueError(f"ctx.track({name}=...): names starting with '__' are the trainer's own")
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"ctx.track({name}=...): a {type(obj).__module__}.{type(obj).__qualname__} has no "
                                 f"state_dict()/load_state_dict(); track objects that have both (a model, an "
@@ -183,8 +177,12 @@ class _TorchTrainerActor:
         self.rank, self.world, self.epoch = 0, 1, 0
         self.step = 0
         self.snapshot_every = int(spec.get("snapshot_every", 1))
-        self.keep = max(2, int(spec.get("keep", 3)))
-        self.held: dict[int, dict[str, Any]] = {}  # step -> snapshot
+        self.persist_every = int(spec.get("persist_every", 0))
+        self.bundle = int(spec["bundle"])
+        # This bundle's snapshots on the node (its segment, owned by the node's Checkpoint actor).
+        # The lock keeps the coordinator's calls (pin, restore) off a save in progress.
+        self.flash: _ckpt.FlashCheckpoint | None = None
+        self.flash_lock = threading.Lock()
         self.pinned: int | None = None
         self.pending: dict[str, Any] | None = None  # the restored step's state, loaded by track()
         self.tracked: dict[str, Any] | None = None
@@ -196,7 +194,6 @@ class _TorchTrainerActor:
         self.taken: dict[str, Any] | None = None  # the batch of the step in progress
         self.loader = None
         self.doing = ("idle", time.time(), 0)
-        self.last_hash = 0
 
     # ---- The Trainer interface (the coordinator's calls) ----
     def join(self, epoch: int, rank: int, world: int, dataloader: str, checkpoint: str) -> dict[str, Any]:
@@ -214,44 +211,58 @@ class _TorchTrainerActor:
                                 timeout=datetime.timedelta(seconds=float(self.spec.get("timeout", 30.0))))
         self.rank, self.world, self.epoch = rank, world, epoch
         self.loader = _api.ActorHandle(dataloader, "Dataloader")
-        # A process that holds no snapshot (restarted after a kill) restores from a peer.
-        return {"rank": rank, "world": world, "amnesic": not self.held}
-
-    def _held_steps(self) -> list[int]:
-        return sorted(self.held)
+        with self.flash_lock:
+            if checkpoint and (self.flash is None or self.flash.actor.actor_id != checkpoint):
+                if self.flash is not None:
+                    self.flash.close()
+                self.flash = _ckpt.FlashCheckpoint(rank=self.bundle, world_size=world,
+                                                   actor=_api.ActorHandle(checkpoint, "Checkpoint"))
+            if self.flash is None:
+                raise RuntimeError(f"rank {rank}: joined without its node's checkpoint actor")
+            self.flash.world_size = world
+        return {"rank": rank, "world": world}
 
     def snapshots(self) -> dict[str, Any]:
-        return {"steps": self._held_steps()}
+        """The steps this bundle's segment on this node holds (0, the loop's initial state, always)."""
+        with self.flash_lock:
+            return {"steps": sorted({0, *self.flash.steps()})}
 
     def restore(self, step: int, fromBundle: int = -1, fromBundles: Any = None, broadcastFrom: int = -1,  # noqa: N803
                 fromBroadcast: bool = False) -> dict[str, Any]:  # noqa: N803
+        """Restores `step`: 0 is the loop's initial state; else this bundle's snapshot (or bundle
+        `fromBundle`'s, a node mate's), from this node's segment or staged into it by the node's
+        checkpoint actor (a peer's replica or memory, or disk). With `broadcastFrom` every rank
+        then takes that rank's state by a broadcast (`fromBroadcast` ranks skip their own)."""
+        if fromBundles:
+            raise RuntimeError("TorchTrainer's snapshots are not sharded: there is nothing to re-shard")
         self._stop_loop()
-        source = "memory"
-        if step in self.held:
-            state = self.held[step]
-        elif fromBundle >= 0:
-            peer = _api.get_actor(_actor_name(self.spec["group"], fromBundle))
-            state = _api.get(peer.snapshot_state.remote(step), timeout=60)
-            self.held[step] = state
-            source = f"peer (bundle {fromBundle})"
-        elif step == 0:
-            state = None
-            source = "seed"
-        else:
-            raise RuntimeError(f"rank {self.rank}: no snapshot of step {step} in memory (held: "
-                               f"{self._held_steps()}) and no peer to copy it from"
-                               + (" (a broadcast from another host is not built yet)" if fromBroadcast else ""))
-        for s in [s for s in self.held if s > step]:  # the state went back: later steps are void
-            del self.held[s]
+        state, source = None, "seed"
+        if step > 0 and not fromBroadcast:
+            bundle = fromBundle if fromBundle >= 0 else self.bundle
+            with self.flash_lock:
+                flash = self.flash if bundle == self.bundle else _ckpt.FlashCheckpoint(
+                    rank=bundle, world_size=self.world, actor=self.flash.actor)
+                try:
+                    restored = flash.restore_step(step)
+                    source = flash.restored_from
+                except _ckpt.CheckpointNotFoundError as e:
+                    raise RuntimeError(f"rank {self.rank}: {e}") from None
+                finally:
+                    if flash is not self.flash:
+                        flash.close()
+            state = _ckpt.unpack_tracked(restored.state_dict, restored.metadata)
+            if bundle != self.bundle:
+                source = f"snapshot of bundle {bundle} ({source})"
+        if broadcastFrom >= 0:
+            import torch.distributed as dist
+
+            box = [state if self.rank == broadcastFrom else None]
+            dist.broadcast_object_list(box, src=broadcastFrom)
+            if fromBroadcast:
+                state, source = box[0], f"broadcast from rank {broadcastFrom}"
         with self.cv:
             self.step, self.chunk_end, self.pending = step, step, state
-        return {"step": step, "source": source, "hash": _state_hash(state)}
-
-    def snapshot_state(self, step: int) -> dict[str, Any]:
-        """A peer's copy of this rank's snapshot of `step` (a restarted rank restores from it)."""
-        if step not in self.held:
-            raise RuntimeError(f"rank {self.rank}: no snapshot of step {step} (held: {self._held_steps()})")
-        return self.held[step]
+        return {"step": step, "source": source, "hash": 0}  # hash() says it: hashing costs a pass over the state
 
     def run(self, fromStep: int, steps: int = 1) -> dict[str, Any]:  # noqa: N803
         with self.cv:
@@ -276,20 +287,31 @@ class _TorchTrainerActor:
                                    f"returned before the chunk's last step ({fromStep + steps}); it should "
                                    f"iterate ctx.batches() until training ends")
             raise RuntimeError(f"rank {self.rank}: the group changed at step {self.step + 1}: {text}")
-        return {"metrics": rows, "hash": self.last_hash, **self._pin_reply()}
+        return {"metrics": rows, "hash": 0, **self.pin()}
 
     def pin(self, snapshot: bool = False) -> dict[str, Any]:
-        if snapshot and self.tracked is not None and self.step not in self.held:
-            self._snapshot()
-        if self.step in self.held:
-            self.pinned = self.step
+        """Pins this bundle's newest snapshot at or before the current step here and in its
+        replica (snapshots after the step, of a timeline the group left, are dropped); with
+        `snapshot` the current step is snapshotted first unless it is held already."""
+        with self.flash_lock:
+            if snapshot and self.step > 0 and self.step not in self.flash.steps():
+                if self.pending is not None:  # restored, and the loop has not taken it yet
+                    self._save(self.pending)
+                elif self.tracked is not None:
+                    self._save(self._states())
+            self.pinned = self.flash.pin(self.step) if self.step > 0 else None
         return self._pin_reply()
 
     def _pin_reply(self) -> dict[str, Any]:
         return {"hasPinned": self.pinned is not None, "pinned": self.pinned or 0}
 
     def hash(self) -> dict[str, Any]:
-        return {"hash": self.last_hash, "step": self.step}
+        """A hash of the tracked models' tensors (the restored state's until the loop takes it)."""
+        with self.cv:
+            pending, tracked = self.pending, self.tracked
+        state = pending if pending is not None else (
+            {name: obj.state_dict() for name, obj in tracked.items()} if tracked is not None else None)
+        return {"hash": _state_hash(state), "step": self.step}
 
     def configure(self, snapshotEvery: int = -1, threads: int = -1, prefetch: int = -1) -> dict[str, Any]:  # noqa: N803
         import torch
@@ -311,7 +333,12 @@ class _TorchTrainerActor:
         return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "spans": []}
 
     def loadDir(self, dir: str, step: int) -> dict[str, Any]:  # noqa: N802,A002
-        raise RuntimeError("TorchTrainer does not persist or load checkpoint directories yet")
+        """Loads the newest complete step at or below `step` (0: the newest) persisted in `dir`."""
+        self._stop_loop()
+        state, got = _ckpt.load_tracked(dir, step=step or None)
+        with self.cv:
+            self.step, self.chunk_end, self.pending = got, got, state
+        return {"step": got, "source": f"{dir} step {got}", "hash": 0}
 
     # ---- The loop's side ----
     def _loop_main(self) -> None:
@@ -372,24 +399,41 @@ class _TorchTrainerActor:
                                f"{sorted(k for k in pending if not k.startswith('__'))}); track the same names on "
                                f"every entry")
             for name, obj in objects.items():
-                obj.load_state_dict(_copy_tree(pending[name]))
-            if "__rng__" in pending:
-                torch.set_rng_state(pending["__rng__"])
+                obj.load_state_dict(pending[name])
+            rng = pending.get("__rng__") or {}
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+            if "python" in rng:
+                random.setstate(rng["python"])
+            if rng.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         self.tracked = dict(objects)
-        if self.step not in self.held:
-            self._snapshot()
+        if self.step > 0 and pending is None:
+            with self.flash_lock:
+                held = self.step in self.flash.steps()
+            if not held:
+                self._snapshot()
 
-    def _snapshot(self) -> float:
+    def _states(self) -> dict[str, Any]:
+        """What a snapshot holds: every tracked object's state_dict() and the RNG states."""
         import torch
 
+        states = {name: obj.state_dict() for name, obj in self.tracked.items()}
+        states["__rng__"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        return states
+
+    def _save(self, states: Mapping[str, Any]) -> None:
+        """Saves `states` as the current step into this bundle's segment (a memory copy); the
+        checkpoint actor is told (persist, replicate) every persist_every steps."""
+        tensors, metadata = _ckpt.pack_tracked(states)
+        notify = self.persist_every <= 0 or self.step % self.persist_every == 0
+        self.flash.save(self.step, tensors, metadata, notify=notify)
+
+    def _snapshot(self) -> float:
         t0 = time.monotonic()
-        state = {name: _copy_tree(obj.state_dict()) for name, obj in self.tracked.items()}
-        state["__rng__"] = torch.get_rng_state()
-        self.held[self.step] = state
-        self.last_hash = _state_hash(state)
-        old = sorted(s for s in self.held if s != self.pinned)
-        for s in old[:-self.keep]:
-            del self.held[s]
+        with self.flash_lock:
+            self._save(self._states())
         return time.monotonic() - t0
 
     def _wait_for_chunk(self) -> None:
@@ -497,10 +541,10 @@ class _TorchTrainers:
 
     name = "torch"
 
-    def __init__(self, loop: bytes, data: Any, global_batch: int, seed: int, keep: int, fault: Mapping[str, Any],
+    def __init__(self, loop: bytes, data: Any, global_batch: int, seed: int, fault: Mapping[str, Any],
                  timeout: float) -> None:
         self.loop, self.data, self.global_batch, self.seed = loop, data, global_batch, seed
-        self.keep, self.fault, self.timeout = keep, dict(fault or {}), timeout
+        self.fault, self.timeout = dict(fault or {}), timeout
 
     def prepare(self, workdir: str) -> tuple[dict[str, Any], dict[str, str]]:
         if isinstance(self.data, (str, os.PathLike, Mapping)):
@@ -532,7 +576,7 @@ class _TorchTrainers:
     def spawn(self, group: GroupCoordinator, bundle: int) -> Any:
         spec = {"loop": self.loop, "group": group.group_id, "bundle": bundle, "workdir": group._workdir,
                 "global_batch": self.global_batch, "snapshot_every": group._checkpoint["snapshot_every"],
-                "keep": self.keep, "timeout": self.timeout,
+                "persist_every": group._checkpoint["persist_every"], "timeout": self.timeout,
                 "fault": self.fault if self.fault.get("rank") == bundle else {}}
         return _TorchTrainerActor.options(num_cpus=1, max_restarts=-1, max_concurrency=4,
                                           placement_group=group.group_id, bundle_index=bundle,
@@ -545,8 +589,9 @@ class TorchTrainer(GroupCoordinator):
     the module docstring). `data`: a map-style torch Dataset of (features, label) pairs
     (written once as .npy files the group's Dataloader serves), or ElasticTrainer's data specs.
     `global_batch_size` is split over the ranks. `scaling`, `failure`, `checkpoint` and `tuner`
-    as ElasticTrainer's (checkpoint: snapshot_every and keep apply; persisting is not built
-    for this kind yet). fit(steps=N) returns one row per step (its `metrics` are rank 0's
+    as ElasticTrainer's (checkpoint: snapshots every snapshot_every steps into the nodes' shared
+    memory, replicated to the next node; with `dir`, persisted every persist_every steps and
+    resumed from on start). fit(steps=N) returns one row per step (its `metrics` are rank 0's
     report()); `step`, `recoveries`, `members()` and close() as ElasticTrainer's. An exception
     in train_loop is raised by fit() as TrainLoopError with the rank and remote traceback."""
 
@@ -573,7 +618,7 @@ class TorchTrainer(GroupCoordinator):
             except ValueError:
                 pass
         loop = cloudpickle.dumps(train_loop)
-        kind = _TorchTrainers(loop, data, int(global_batch_size), int(seed), ckpt.keep, _fault or {},
+        kind = _TorchTrainers(loop, data, int(global_batch_size), int(seed), _fault or {},
                               failure.recovery_timeout)
         self._start(kind, scaling, failure, ckpt, name=name, detached=False, progress=progress,
                     steps_per_call=steps_per_call, tensorboard_dir=tensorboard_dir, fault=None)

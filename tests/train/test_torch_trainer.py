@@ -162,3 +162,65 @@ def test_an_error_in_the_loop_is_raised_in_the_driver_with_its_rank_and_tracebac
     assert re.search(text, str(e)), str(e)
     if loop is _failing_loop:
         assert e.rank == 1 and "rank 1" in str(e) and "_failing_loop" in e.remote_traceback
+
+
+@pytest.mark.parametrize("member", ["Dataloader", "Checkpoint"])
+def test_a_kill_9_of_a_dataloader_or_checkpoint_actor_keeps_both_trainer_processes(cluster, dataset, member):
+    import signal
+
+    from troupe_testing import eventually
+
+    with _make(dataset) as t:
+        t.fit(steps=5)
+        pids = {m["rank"]: m["pid"] for m in t.members() if m["kind"] == "trainer"}
+        victim = next(m for m in t.members() if m["kind"] == member.lower())
+        os.kill(victim["pid"], signal.SIGKILL)
+        eventually(lambda: any(a["id"] == victim["actor_id"] and a["restarts"] >= 1 for a in troupe.actors()), 10,
+                   f"the {member} to be restarted")
+        t.fit(steps=5)
+        assert t.step == 10 and [r["step"] for r in t.history] == list(range(1, 11))
+        assert {m["rank"]: m["pid"] for m in t.members() if m["kind"] == "trainer"} == pids
+        assert len(set(t.parameter_hash())) == 1
+
+
+def test_shrink_and_grow_keep_every_step_and_the_new_member_takes_the_group_s_state(cluster, dataset):
+    with _make(dataset) as t:
+        t.fit(steps=5)
+        t.resize(1)
+        t.fit(steps=5)
+        t.resize(2)  # the new member is restored from its node mate's snapshot of step 10
+        t.fit(steps=5)
+        assert [r["step"] for r in t.history] == list(range(1, 16))
+        assert [r["world_size"] for r in t.history] == [2] * 5 + [1] * 5 + [2] * 5
+        hashes = t.parameter_hash()
+        assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
+def test_a_persisted_step_loads_into_plain_torch_objects_and_a_new_trainer_resumes_from_it(cluster, dataset,
+                                                                                          tmp_path):
+    from troupe import checkpoint as ckpt
+    from troupe.torch_trainer import _state_hash
+
+    from troupe_testing import eventually
+
+    directory = str(tmp_path / "ck")
+    with _make(dataset, checkpoint={"dir": directory, "persist_every": 5}) as t:
+        t.fit(steps=10)
+        eventually(lambda: 10 in ckpt.steps(directory), 30, "step 10 to be persisted")
+        expected = t.parameter_hash()[0]
+    # No cluster needed: the tracked objects' state_dicts, for the user's plain objects.
+    states, step = ckpt.load_tracked(directory)
+    model = EagerNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
+    model.load_state_dict(states["model"])  # strict: the module's own keys, not DDP's "module."
+    opt.load_state_dict(states["opt"])
+    sched.load_state_dict(states["sched"])
+    assert step == 10 and sched.last_epoch == 10
+    assert all(int(s["step"]) == 10 for s in opt.state_dict()["state"].values())
+    assert f"{_state_hash({'model': model.state_dict()}):016x}" == expected
+    assert sorted(states) == ["__rng__", "model", "opt", "sched"]
+    with _make(dataset, checkpoint={"dir": directory, "persist_every": 5, "resume": True}) as again:
+        assert again.step == 10
+        again.fit(steps=2)
+        assert [r["step"] for r in again.history] == [11, 12]
