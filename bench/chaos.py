@@ -4,8 +4,9 @@ head with no CPUs for trainers, two trainer nodes and a spare), trained for --du
 while a killer SIGKILLs, at random every --min-gap to --max-gap seconds, one of: a trainer, a
 dataloader, a checkpoint actor, a trainer node's agent (a fresh spare node then joins), the
 controller or Redis (the head restarts both), or cuts a trainer node's host off for 10 s (then it
-comes back). The nodes share one machine and its loopback, so a host cut is made through the same
-seam as the kills, signals: the node's agent and every process under it (its workers) are
+comes back). The nodes share one machine and its loopback, but each has a shared-memory directory
+of its own (TROUPE_SHM_DIR), as each host has its own /dev/shm: a cut host's stopped processes
+hold nothing its replacement uses. A host cut is made through the same seam as the kills, signals: the node's agent and every process under it (its workers) are
 SIGSTOPped for 10 s, then SIGCONTinued. As with a link taken down and up, nothing of that host
 answers or resets a connection meanwhile, it is declared DEAD after its heartbeat TTL (its members
 restart on a fresh spare node), and when it comes back its stale agent exits with its workers. It
@@ -24,8 +25,10 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -45,6 +48,21 @@ def make_trainer(name):
     return ElasticTrainer(model="tinylm", data=DATA, optimizer="adamw", global_batch_size=8, max_micro_batch=8,
                           context=32, min_workers=2, max_workers=2, steps_per_call=2, progress=False, seed=0,
                           checkpoint={"snapshot_every": 1}, name=name, replace_timeout=20.0, recovery_timeout=60.0)
+
+
+def add_host(cluster):
+    """A node with a shared-memory directory of its own (its host's /dev/shm)."""
+    shm = tempfile.mkdtemp(prefix="troupe-chaos-shm-", dir="/dev/shm")
+    base = cluster._env
+    cluster._env = dict(base, TROUPE_SHM_DIR=shm)
+    try:
+        cluster.add_node(num_cpus=1)
+    finally:
+        cluster._env = base
+    SHM_DIRS.append(shm)
+
+
+SHM_DIRS = []
 
 
 class Chaos:
@@ -118,7 +136,7 @@ class Chaos:
             self.faults.append({"kind": kind, "pid": pid, "at": at, "step": step})
             print(f"chaos: killed {kind} (pid {pid}) at step {step}", flush=True)
             if kind == "node_agent":
-                self.cluster.add_node(num_cpus=1)  # the spare for the next node fault
+                add_host(self.cluster)  # the spare for the next node fault
 
     def cut_host(self, agent, step, at):
         """The node of `agent` falls silent for CUT_S seconds: it and every process under it stop,
@@ -134,7 +152,7 @@ class Chaos:
                     pass
             self.faults.append({"kind": "host_cut", "pid": agent, "at": at, "step": step})
             print(f"chaos: cut host of node agent {agent} ({len(frozen)} processes) off at step {step}", flush=True)
-            self.cluster.add_node(num_cpus=1)  # the spare its members move to, as for a lost node
+            add_host(self.cluster)  # the spare its members move to, as for a lost node
             time.sleep(max(0.0, at + CUT_S - time.monotonic()))  # the fault's length, not a wait for a condition
         finally:
             for pid in frozen:
@@ -227,7 +245,7 @@ def main():
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0}, temp_dir=args.keep_logs)
     try:
         for _ in range(3):  # two trainer nodes and a spare
-            cluster.add_node(num_cpus=1)
+            add_host(cluster)
         t = make_trainer("chaos")
         t.fit(4)  # warm-up: the first steps compile and fill caches
         chaos = Chaos(cluster, t, rng, args.min_gap, args.max_gap, kinds)
@@ -272,6 +290,8 @@ def main():
     finally:
         troupe.shutdown()
         cluster.shutdown()
+        for shm in SHM_DIRS:
+            shutil.rmtree(shm, ignore_errors=True)
 
     result = {"duration_s": round(wall, 1), "steps": steps, "faults": faults,
               "goodput": round(useful / wall, 3) if wall > 0 else 0.0,
