@@ -1629,6 +1629,116 @@ TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced an
   CHECK(store->getRendezvous("", 1).status().code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE_TEMPLATE("key spaces: set, get, add, compareSet, delete and count, each space apart", Backend,
+                   TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  auto other = backend.open();  // a second client of the same cluster
+  using Values = std::vector<std::optional<std::string>>;
+  CHECK(*store->getKeys("g:1", {"a"}) == Values{std::nullopt});
+  CHECK(*store->countKeys("g:1") == 0);
+
+  const std::string binary("\0nccl\xff\x01id", 9);
+  REQUIRE(store->setKey("g:1", "a", binary, kLongTtl).isOk());
+  REQUIRE(other->setKey("g:1", "", "empty key", kLongTtl).isOk());
+  CHECK(*other->getKeys("g:1", {"a", "missing", ""}) == Values{binary, std::nullopt, "empty key"});
+  CHECK(other->getKeys("g:1", {})->empty());
+
+  // add: an absent key counts from 0 (and exists after an add of 0); the sum is decimal text.
+  CHECK(*store->addToKey("g:1", "n", 0, kLongTtl) == 0);
+  CHECK(*store->getKeys("g:1", {"n"}) == Values{"0"});
+  CHECK(*store->addToKey("g:1", "n", 5, kLongTtl) == 5);
+  CHECK(*other->addToKey("g:1", "n", -7, kLongTtl) == -2);
+  CHECK(*store->addToKey("g:1", "big", int64_t{1} << 60, kLongTtl) == int64_t{1} << 60);
+  CHECK(*store->addToKey("g:1", "big", 1, kLongTtl) == (int64_t{1} << 60) + 1);  // beyond a double's 53 bits
+  auto notInteger = store->addToKey("g:1", "a", 1, kLongTtl);
+  CHECK(notInteger.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(notInteger.status().message().find("key 'a'") != std::string::npos);
+  CHECK(*store->getKeys("g:1", {"a"}) == Values{binary});  // untouched
+
+  // compareSet, as torch's stores: absent and expected empty sets; absent otherwise returns
+  // `expected`; a match sets; a mismatch returns the value.
+  CHECK(*store->compareSetKey("g:1", "c", "x", "y", kLongTtl) == "x");
+  CHECK(*store->getKeys("g:1", {"c"}) == Values{std::nullopt});
+  CHECK(*store->compareSetKey("g:1", "c", "", "first", kLongTtl) == "first");
+  CHECK(*other->compareSetKey("g:1", "c", "wrong", "second", kLongTtl) == "first");
+  CHECK(*other->compareSetKey("g:1", "c", "first", "second", kLongTtl) == "second");
+  CHECK(*store->getKeys("g:1", {"c"}) == Values{"second"});
+
+  // Another space (another epoch, a name that extends this one) sees none of it.
+  CHECK(*store->getKeys("g:2", {"a", "n"}) == Values{std::nullopt, std::nullopt});
+  REQUIRE(store->setKey("g:1:x", "a", "other", kLongTtl).isOk());
+  CHECK(*store->getKeys("g:1", {"a"}) == Values{binary});
+  CHECK(*store->countKeys("g:1") == 5);  // a, "", n, big, c
+  CHECK(*store->countKeys("g:1:x") == 1);
+
+  CHECK(*store->deleteKey("g:1", "n"));
+  CHECK_FALSE(*other->deleteKey("g:1", "n"));
+  CHECK_FALSE(*other->deleteKey("nowhere", "n"));
+  CHECK(*store->countKeys("g:1") == 4);
+  REQUIRE(other->deleteKeySpace("g:1").isOk());
+  REQUIRE(other->deleteKeySpace("g:1").isOk());  // idempotent
+  CHECK(*store->countKeys("g:1") == 0);
+  CHECK(*store->getKeys("g:1", {"a"}) == Values{std::nullopt});
+  CHECK(*store->countKeys("g:1:x") == 1);
+
+  CHECK(store->setKey("", "a", "x", kLongTtl).code() == StatusCode::kInvalidArgument);
+  CHECK(store->setKey("s", "a", "x", 0ms).code() == StatusCode::kInvalidArgument);
+  CHECK(store->addToKey("s", "a", 1, 0ms).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->getKeys("", {"a"}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->countKeys("").status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE_TEMPLATE("key spaces: a space expires ttl after its last write; a group's go with the group",
+                   Backend, TROUPE_STORE_BACKENDS) {
+  Backend backend;
+  auto store = backend.open();
+  REQUIRE(store->setKey("short", "a", "1", kShortTtl).isOk());
+  REQUIRE(store->addToKey("short", "n", 1, kShortTtl).isOk());
+  CHECK(*store->countKeys("short") == 2);
+  const auto deadline = Clock::now() + 5s;
+  bool gone = false;
+  while (!gone && Clock::now() < deadline) {
+    auto count = store->countKeys("short");
+    REQUIRE(count.isOk());
+    gone = *count == 0;
+    if (!gone) std::this_thread::sleep_for(20ms);  // polling the condition (expiry), 5 s deadline
+  }
+  CHECK(gone);
+  CHECK(*store->addToKey("short", "n", 1, kLongTtl) == 1);  // an expired space starts again empty
+
+  REQUIRE(store->putElasticGroup("grp", "{}").isOk());
+  REQUIRE(store->advanceGroupEpoch("grp", 2).isOk());
+  for (int64_t e : {0, 1, 2}) REQUIRE(store->setKey(groupKeySpace("grp", e), "k", "v", kLongTtl).isOk());
+  REQUIRE(store->addToKey(groupKeySpace("grp", 2), "n", 3, kLongTtl).isOk());
+  REQUIRE(store->setKey(groupKeySpace("grp2", 1), "k", "v", kLongTtl).isOk());
+  CHECK(groupKeySpace("grp", 2) == "grp:2");
+  REQUIRE(store->deleteElasticGroup("grp").isOk());
+  for (int64_t e : {0, 1, 2}) CHECK(*store->countKeys(groupKeySpace("grp", e)) == 0);
+  CHECK(*store->countKeys(groupKeySpace("grp2", 1)) == 1);  // another group's is kept
+}
+
+TEST_CASE("redis store: an add retried after a lost reply counts once") {
+  // What RedisConnection::run does after a lost reply: the same script with the same add id.
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  REQUIRE((*store)->addToKey("s", "n", 1, kLongTtl).isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  const std::vector<std::string> add = {"EVAL", redis_scripts::kAddToKeyScript, "2", "troupe:test:kv:s",
+                                        "troupe:test:kv_adds:s", "n", "2", "60000", "retried-add-id"};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    ReplyPtr reply = rawCommand(admin.get(), add);
+    REQUIRE(reply->type == REDIS_REPLY_ARRAY);
+    REQUIRE(reply->elements == 2);
+    CHECK(std::string(reply->element[1]->str, reply->element[1]->len) == "3");  // both times
+  }
+  CHECK(*(*store)->addToKey("s", "n", 0, kLongTtl) == 3);
+  CHECK(*(*store)->addToKey("s", "n", 1, kLongTtl) == 4);  // this store's own adds carry new ids
+  CHECK(*(*store)->addToKey("s", "n", 1, kLongTtl) == 5);
+}
+
 TEST_CASE_TEMPLATE("listLiveActors skips DEAD actors; listActors shows them", Backend, TROUPE_STORE_BACKENDS) {
   Backend backend;
   auto store = backend.open();

@@ -10,12 +10,15 @@
 #include <fmt/format.h>
 
 #include "store_args.h"
+#include "store_records.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 
 namespace troupe {
 
 using store_args::checkGroupArgs;
+using store_args::checkKeySpaceArgs;
+using store_records::parseInteger;
 using store_args::checkNameArgs;
 using store_args::checkRendezvousArgs;
 using store_args::checkNodeArgs;
@@ -69,6 +72,12 @@ struct FakeClusterState {
   std::map<std::string, int64_t> groupEpochs;
   std::map<std::string, std::vector<std::weak_ptr<EpochQueue>>> epochWatchers;
   std::map<std::pair<std::string, int64_t>, Rendezvous> rendezvous;
+  // A key space: key -> value, gone at `expiry` like a PEXPIRE'd hash.
+  struct KeySpace {
+    std::map<std::string, std::string> values;
+    std::chrono::steady_clock::time_point expiry;
+  };
+  std::map<std::string, KeySpace> keySpaces;
   // Elastic groups: id -> (doc, events); listed by (creation ms, id) as Redis's zset does.
   std::set<std::pair<int64_t, std::string>> elasticOrder;
   std::map<std::string, std::pair<std::string, std::vector<std::string>>> elasticGroups;
@@ -635,6 +644,89 @@ class FakeClusterStore final : public ClusterStore {
     return it->second.entries;
   }
 
+  Status setKey(const std::string& space, const std::string& key, const std::string& value,
+                std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    std::lock_guard lock(state_->mutex);
+    writableSpace(space, ttl).values[key] = value;
+    return Status::ok();
+  }
+
+  Result<std::vector<std::optional<std::string>>> getKeys(const std::string& space,
+                                                          const std::vector<std::string>& keys) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    std::lock_guard lock(state_->mutex);
+    const auto* held = liveSpace(space);
+    std::vector<std::optional<std::string>> values;
+    for (const std::string& key : keys) {
+      values.emplace_back();
+      if (!held) continue;
+      if (auto it = held->values.find(key); it != held->values.end()) values.back() = it->second;
+    }
+    return values;
+  }
+
+  Result<int64_t> addToKey(const std::string& space, const std::string& key, int64_t delta,
+                           std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    std::lock_guard lock(state_->mutex);
+    const auto* held = liveSpace(space);
+    int64_t value = 0;
+    if (held) {
+      if (auto it = held->values.find(key); it != held->values.end() && !parseInteger(it->second, value)) {
+        return Status(StatusCode::kFailedPrecondition,
+                      fmt::format("key space '{}': cannot add to key '{}': its value '{}' is not a decimal integer",
+                                  space, key, it->second.substr(0, 64)));
+      }
+    }
+    if (__builtin_add_overflow(value, delta, &value)) {  // as Redis's HINCRBY refuses it
+      return Status(StatusCode::kInternal, fmt::format("key space '{}': adding {} to key '{}' would overflow", space,
+                                                       delta, key));
+    }
+    writableSpace(space, ttl).values[key] = std::to_string(value);
+    return value;
+  }
+
+  Result<std::string> compareSetKey(const std::string& space, const std::string& key, const std::string& expected,
+                                    const std::string& desired, std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    std::lock_guard lock(state_->mutex);
+    const auto* held = liveSpace(space);
+    std::optional<std::string> value;
+    if (held) {
+      if (auto it = held->values.find(key); it != held->values.end()) value = it->second;
+    }
+    if ((!value && expected.empty()) || (value && *value == expected)) {
+      writableSpace(space, ttl).values[key] = desired;
+      return desired;
+    }
+    return value ? *value : expected;
+  }
+
+  Result<bool> deleteKey(const std::string& space, const std::string& key) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    std::lock_guard lock(state_->mutex);
+    if (!liveSpace(space)) return false;
+    auto& values = state_->keySpaces[space].values;
+    bool erased = values.erase(key) > 0;
+    if (values.empty()) state_->keySpaces.erase(space);  // an empty hash does not exist
+    return erased;
+  }
+
+  Result<int64_t> countKeys(const std::string& space) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    std::lock_guard lock(state_->mutex);
+    const auto* held = liveSpace(space);
+    return held ? static_cast<int64_t>(held->values.size()) : int64_t{0};
+  }
+
+  Status deleteKeySpace(const std::string& space) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    std::lock_guard lock(state_->mutex);
+    state_->keySpaces.erase(space);
+    return Status::ok();
+  }
+
   Status putElasticGroup(const std::string& id, const std::string& doc) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
     std::lock_guard lock(state_->mutex);
@@ -678,12 +770,36 @@ class FakeClusterStore final : public ClusterStore {
     std::lock_guard lock(state_->mutex);
     state_->elasticGroups.erase(id);
     std::erase_if(state_->elasticOrder, [&id](const auto& entry) { return entry.second == id; });
+    // The key space of each epoch up to the group's, as the Redis script deletes them.
+    if (auto epoch = state_->groupEpochs.find(id); epoch != state_->groupEpochs.end()) {
+      for (int64_t e = 0; e <= epoch->second; ++e) state_->keySpaces.erase(groupKeySpace(id, e));
+    } else {
+      state_->keySpaces.erase(groupKeySpace(id, 0));
+    }
     state_->groupEpochs.erase(id);
     std::erase_if(state_->rendezvous, [&id](const auto& entry) { return entry.first.first == id; });
     return Status::ok();
   }
 
  private:
+  // Caller holds the state's mutex. The space, or nullptr when it is absent or expired (then
+  // forgotten, as Redis forgets an expired key).
+  const FakeClusterState::KeySpace* liveSpace(const std::string& space) {
+    auto it = state_->keySpaces.find(space);
+    if (it == state_->keySpaces.end()) return nullptr;
+    if (it->second.expiry <= Clock::now()) {
+      state_->keySpaces.erase(it);
+      return nullptr;
+    }
+    return &it->second;
+  }
+  // Caller holds the state's mutex. The space to write into, kept `ttl` more.
+  FakeClusterState::KeySpace& writableSpace(const std::string& space, std::chrono::milliseconds ttl) {
+    liveSpace(space);  // an expired one starts empty
+    auto& held = state_->keySpaces[space];
+    held.expiry = Clock::now() + ttl;
+    return held;
+  }
   // Caller holds the state's mutex.
   std::optional<ElasticGroupRecord> elasticRecord(const std::string& id) const {
     auto it = state_->elasticGroups.find(id);

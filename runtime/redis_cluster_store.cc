@@ -47,6 +47,11 @@
 //   P egroups          zset  elastic group ids scored by created_ms
 //   P egroup:<id>      string: the group's JSON document, written by its driver
 //   P egroup_events:<id> list of event lines, the newest kMaxGroupEvents
+//   P kv:<space>       hash  key -> value: a key space (setKey, ...; a torch.distributed store's
+//                             keys), PEXPIRE'd by every write; a group's epoch has the space
+//                             "<group>:<epoch>" (groupKeySpace), deleted with the elastic group
+//   P kv_adds:<space>  hash  add id -> the sum that add returned, so a retried add counts once;
+//                             PEXPIRE'd with the space's ttl
 //
 // Every membership or claim change runs as one Lua script, so the hashes, the zsets, the
 // heartbeat key and the published event never disagree, even with several controllers at once.
@@ -74,6 +79,7 @@
 namespace troupe {
 
 using store_args::checkGroupArgs;
+using store_args::checkKeySpaceArgs;
 using store_args::checkNameArgs;
 using store_args::checkRendezvousArgs;
 using store_args::checkNodeArgs;
@@ -763,6 +769,93 @@ return 1
     return entries;
   }
 
+  Status setKey(const std::string& space, const std::string& key, const std::string& value,
+                std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    auto reply = connection_.run({"EVAL", kSetKeyScript, "1", keySpaceKey(space), key, value,
+                                  std::to_string(ttl.count())},
+                                 "setKey");
+    return reply ? Status::ok() : reply.status();
+  }
+
+  Result<std::vector<std::optional<std::string>>> getKeys(const std::string& space,
+                                                          const std::vector<std::string>& keys) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    std::vector<std::optional<std::string>> values;
+    if (keys.empty()) return values;
+    std::vector<std::string> args = {"HMGET", keySpaceKey(space)};
+    args.insert(args.end(), keys.begin(), keys.end());
+    auto reply = connection_.run(args, "getKeys");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_ARRAY || (*reply)->elements != keys.size()) return unexpected("getKeys", **reply);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const redisReply& one = *(*reply)->element[i];
+      if (one.type == REDIS_REPLY_NIL) {
+        values.emplace_back();
+      } else {
+        values.emplace_back(replyText(one));
+      }
+    }
+    return values;
+  }
+
+  Result<int64_t> addToKey(const std::string& space, const std::string& key, int64_t delta,
+                           std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    // An id per add, so the retry of one whose reply was lost returns its sum instead of adding
+    // again (a barrier counting arrivals would count one twice).
+    const std::string id = delta == 0 ? std::string() : fmt::format("{}:{}", addIdPrefix_, ++adds_);
+    auto reply = connection_.run({"EVAL", kAddToKeyScript, "2", keySpaceKey(space), keySpaceAddsKey(space), key,
+                                  std::to_string(delta), std::to_string(ttl.count()), id},
+                                 "addToKey");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type != REDIS_REPLY_ARRAY || r.elements != 2 || r.element[0]->type != REDIS_REPLY_INTEGER) {
+      return unexpected("addToKey", r);
+    }
+    const std::string text = replyText(*r.element[1]);
+    int64_t sum = 0;
+    if (r.element[0]->integer == 0 || !parseInteger(text, sum)) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("key space '{}': cannot add to key '{}': its value '{}' is not a decimal integer", space,
+                                key, text.substr(0, 64)));
+    }
+    return sum;
+  }
+
+  Result<std::string> compareSetKey(const std::string& space, const std::string& key, const std::string& expected,
+                                    const std::string& desired, std::chrono::milliseconds ttl) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space, ttl));
+    auto reply = connection_.run({"EVAL", kCompareSetKeyScript, "1", keySpaceKey(space), key, expected, desired,
+                                  std::to_string(ttl.count())},
+                                 "compareSetKey");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_STRING) return unexpected("compareSetKey", **reply);
+    return replyText(**reply);
+  }
+
+  Result<bool> deleteKey(const std::string& space, const std::string& key) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    auto reply = connection_.run({"HDEL", keySpaceKey(space), key}, "deleteKey");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("deleteKey", **reply);
+    return (*reply)->integer > 0;
+  }
+
+  Result<int64_t> countKeys(const std::string& space) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    auto reply = connection_.run({"EVAL", kCountKeysScript, "1", keySpaceKey(space)}, "countKeys");
+    if (!reply) return reply.status();
+    if ((*reply)->type != REDIS_REPLY_INTEGER) return unexpected("countKeys", **reply);
+    return static_cast<int64_t>((*reply)->integer);
+  }
+
+  Status deleteKeySpace(const std::string& space) override {
+    TROUPE_RETURN_IF_ERROR(checkKeySpaceArgs(space));
+    auto reply = connection_.run({"DEL", keySpaceKey(space), keySpaceAddsKey(space)}, "deleteKeySpace");
+    return reply ? Status::ok() : reply.status();
+  }
+
   Status putElasticGroup(const std::string& id, const std::string& doc) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
     auto reply = connection_.run({"EVAL", kPutElasticGroupScript, "2", elasticKey(id), elasticListKey(), id, doc,
@@ -812,7 +905,9 @@ return 1
   Status deleteElasticGroup(const std::string& id) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
     auto reply = connection_.run({"EVAL", kDeleteElasticGroupScript, "4", elasticKey(id), elasticEventsKey(id),
-                                  elasticListKey(), groupEpochKey(id), id, prefix_ + "rendezvous:" + id + ":"},
+                                  elasticListKey(), groupEpochKey(id), id, prefix_ + "rendezvous:" + id + ":",
+                                  // groupKeySpace(id, e) is "<id>:<e>"
+                                  keySpaceKey(id + ":"), keySpaceAddsKey(id + ":")},
                                  "deleteElasticGroup");
     return reply ? Status::ok() : reply.status();
   }
@@ -831,6 +926,8 @@ return 1
   std::string rendezvousKey(const std::string& group, int64_t epoch) const {
     return fmt::format("{}rendezvous:{}:{}", prefix_, group, epoch);
   }
+  std::string keySpaceKey(const std::string& space) const { return prefix_ + "kv:" + space; }
+  std::string keySpaceAddsKey(const std::string& space) const { return prefix_ + "kv_adds:" + space; }
 
 
   // Logs a record a listing skipped, once per distinct message (listings repeat every tick).
@@ -896,6 +993,8 @@ return 1
   RedisOptions options_;
   std::string prefix_;
   RedisConnection connection_;
+  const std::string addIdPrefix_ = randomHex(8);  // this store's adds: "<prefix>:<count>"
+  uint64_t adds_ = 0;
 };
 
 }  // namespace

@@ -641,11 +641,12 @@ redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
 return 1
 )lua";
 
-// KEYS: document, events, groups zset, epoch. ARGV: id, the rendezvous key prefix (the
-// rendezvous of each epoch up to the current one is deleted; they expire anyway).
+// KEYS: document, events, groups zset, epoch. ARGV: id, the rendezvous key prefix, the key
+// space prefixes (values, adds done) of its epochs (the rendezvous and the key space of each
+// epoch up to the current one are deleted; they expire anyway).
 inline constexpr const char* kDeleteElasticGroupScript = R"lua(
 local epoch = tonumber(redis.call('GET', KEYS[4]) or '0')
-for e = 0, epoch do redis.call('DEL', ARGV[2] .. e) end
+for e = 0, epoch do redis.call('DEL', ARGV[2] .. e, ARGV[3] .. e, ARGV[4] .. e) end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
@@ -656,6 +657,53 @@ inline constexpr const char* kPutRendezvousScript = R"lua(
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
+)lua";
+
+// Key spaces. KEYS[1]: the space's hash (key -> value). ARGV: key, value, ttl ms.
+inline constexpr const char* kSetKeyScript = R"lua(
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+)lua";
+
+// KEYS: the space's hash, its adds done (add id -> the sum it returned). ARGV: key, delta, ttl
+// ms, the add's id ("" for a delta of 0, which changes nothing when the key exists). A retried
+// add returns its first sum instead of adding again. Returns {1, sum} or {0, the value} when the
+// value is not a decimal integer; the sum is read back as text (a Lua number holds 53 bits).
+inline constexpr const char* kAddToKeyScript = R"lua(
+if ARGV[4] ~= '' then
+  local done = redis.call('HGET', KEYS[2], ARGV[4])
+  if done then return {1, done} end
+end
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+if value and (not string.match(value, '^%-?%d+$') or string.len(value) > 20) then return {0, value} end
+redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local sum = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[4], sum)
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return {1, sum}
+)lua";
+
+// KEYS: the space's hash. ARGV: key, expected, desired, ttl ms. Repeating it after it set the
+// key returns the same value (the key now holds `desired`).
+inline constexpr const char* kCompareSetKeyScript = R"lua(
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+if (not value and ARGV[2] == '') or value == ARGV[2] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return ARGV[3]
+end
+if not value then return ARGV[2] end
+return value
+)lua";
+
+// KEYS: the space's hash. Its size. HGETALL rather than HLEN: the store gateway relays HGETALL
+// (store_gateway.cc's list) and a space holds a few keys.
+inline constexpr const char* kCountKeysScript = R"lua(
+return #redis.call('HGETALL', KEYS[1]) / 2
 )lua";
 
 inline const std::string& registerScript() {

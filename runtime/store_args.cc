@@ -76,4 +76,13 @@ Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank
   return Status::ok();
 }
 
+Status checkKeySpaceArgs(const std::string& space, std::chrono::milliseconds ttl) {
+  if (space.empty()) return emptyArgument("key space name");
+  if (ttl.count() <= 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("key space '{}': ttl must be positive, got {} ms", space, ttl.count()));
+  }
+  return Status::ok();
+}
+
 }  // namespace troupe::store_args

@@ -23,5 +23,7 @@ Status checkReservations(const std::vector<Reservation>& reservations, bool forR
 Status checkGroupArgs(const std::string& group, int64_t epoch);
 // The same, and a rendezvous rank >= 0 and a positive ttl.
 Status checkRendezvousArgs(const std::string& group, int64_t epoch, int32_t rank, std::chrono::milliseconds ttl);
+// A key space's name present and a positive ttl (a read passes none: 1 ms). Keys may be empty.
+Status checkKeySpaceArgs(const std::string& space, std::chrono::milliseconds ttl = std::chrono::milliseconds(1));
 
 }  // namespace troupe::store_args

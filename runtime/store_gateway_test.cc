@@ -105,6 +105,41 @@ TEST_CASE("store gateway: only the runtime's commands on the cluster's keys are 
   CHECK(after == "b");  // nothing was flushed, and Redis still runs
 }
 
+TEST_CASE("store gateway: a key space's calls (a torch.distributed store's) pass the narrowed relay") {
+  Gateway g;
+  std::vector<Status> failures;
+  int64_t sum = 0, count = 0;
+  std::string swapped;
+  g.whileServing([&]() {
+    auto store = connectRedisStore(g.relayed());
+    REQUIRE(store.isOk());
+    auto& s = **store;
+    constexpr std::chrono::milliseconds ttl{60'000};
+    auto note = [&](const Status& st) {
+      if (!st.isOk()) failures.push_back(st);
+    };
+    note(s.setKey("g:1", "a", "v", ttl));
+    note(s.getKeys("g:1", {"a", "b"}).status());
+    auto added = s.addToKey("g:1", "n", 2, ttl);
+    note(added.status());
+    if (added.isOk()) sum = *added;
+    auto cas = s.compareSetKey("g:1", "c", "", "x", ttl);
+    note(cas.status());
+    if (cas.isOk()) swapped = *cas;
+    note(s.deleteKey("g:1", "a").status());
+    auto counted = s.countKeys("g:1");
+    note(counted.status());
+    if (counted.isOk()) count = *counted;
+    note(s.putElasticGroup("g", "{}"));
+    note(s.deleteElasticGroup("g"));  // deletes the group's key spaces from its script
+    note(s.deleteKeySpace("g:1"));
+  });
+  for (const Status& st : failures) CHECK_MESSAGE(false, st.toString());
+  CHECK(sum == 2);
+  CHECK(swapped == "x");
+  CHECK(count == 2);
+}
+
 TEST_CASE("store gateway: one source holds at most 4096 relayed connections; the next is closed") {
   Gateway g;
   std::vector<ContextPtr> held;

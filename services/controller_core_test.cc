@@ -61,6 +61,13 @@ class ScanRefusingStore final : public ClusterStore {
   Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) override { return inner_->watchGroupEpoch(group); }
   Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank, const std::string& value, std::chrono::milliseconds ttl) override { return inner_->putRendezvousEntry(group, epoch, rank, value, ttl); }
   Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group, int64_t epoch) override { return inner_->getRendezvous(group, epoch); }
+  Status setKey(const std::string& space, const std::string& key, const std::string& value, std::chrono::milliseconds ttl) override { return inner_->setKey(space, key, value, ttl); }
+  Result<std::vector<std::optional<std::string>>> getKeys(const std::string& space, const std::vector<std::string>& keys) override { return inner_->getKeys(space, keys); }
+  Result<int64_t> addToKey(const std::string& space, const std::string& key, int64_t delta, std::chrono::milliseconds ttl) override { return inner_->addToKey(space, key, delta, ttl); }
+  Result<std::string> compareSetKey(const std::string& space, const std::string& key, const std::string& expected, const std::string& desired, std::chrono::milliseconds ttl) override { return inner_->compareSetKey(space, key, expected, desired, ttl); }
+  Result<bool> deleteKey(const std::string& space, const std::string& key) override { return inner_->deleteKey(space, key); }
+  Result<int64_t> countKeys(const std::string& space) override { return inner_->countKeys(space); }
+  Status deleteKeySpace(const std::string& space) override { return inner_->deleteKeySpace(space); }
   Status putElasticGroup(const std::string& id, const std::string& doc) override { return inner_->putElasticGroup(id, doc); }
   Status appendGroupEvent(const std::string& id, const std::string& text) override { return inner_->appendGroupEvent(id, text); }
   Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override { return inner_->getElasticGroup(id); }

@@ -327,6 +327,38 @@ class ClusterStore {
   virtual Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
                                                                int64_t epoch) = 0;
 
+  // ---- Key spaces: small shared dictionaries of opaque bytes (a torch.distributed store,
+  // troupe.dist.ClusterStore, keeps its keys in one) ----
+  // A space is any non-empty name; groupKeySpace(group, epoch) is the space of a collective
+  // group's epoch, deleted with its elastic group (deleteElasticGroup). A write keeps the whole
+  // space `ttl` more, so an abandoned space leaves nothing behind. Every call is safe to retry:
+  // the Redis store retries once on a broken connection, and an add counts once.
+  // kInvalidArgument for an empty space name or a ttl that is not positive (keys may be empty).
+
+  // Sets `key` to `value`.
+  virtual Status setKey(const std::string& space, const std::string& key, const std::string& value,
+                        std::chrono::milliseconds ttl) = 0;
+  // The value of each of `keys`, in order; nullopt for an absent one (or an expired space).
+  virtual Result<std::vector<std::optional<std::string>>> getKeys(const std::string& space,
+                                                                  const std::vector<std::string>& keys) = 0;
+  // Adds `delta` to the key's value (absent: 0, so the key exists after any add, 0 included),
+  // kept as decimal text, and returns the sum. kFailedPrecondition naming the value when it is
+  // not a decimal integer.
+  virtual Result<int64_t> addToKey(const std::string& space, const std::string& key, int64_t delta,
+                                   std::chrono::milliseconds ttl) = 0;
+  // torch's compareSet: sets `key` to `desired` when its value is `expected`, or when it is
+  // absent and `expected` is empty; returns the value after the call, but `expected` when the
+  // key is absent and stays so.
+  virtual Result<std::string> compareSetKey(const std::string& space, const std::string& key,
+                                            const std::string& expected, const std::string& desired,
+                                            std::chrono::milliseconds ttl) = 0;
+  // Deletes the key; true when it was there (a retry after a lost reply may say false).
+  virtual Result<bool> deleteKey(const std::string& space, const std::string& key) = 0;
+  // How many keys the space holds.
+  virtual Result<int64_t> countKeys(const std::string& space) = 0;
+  // Deletes the space and every key in it; an absent space is ignored.
+  virtual Status deleteKeySpace(const std::string& space) = 0;
+
   // ---- Elastic groups (see ElasticGroupRecord) ----
   // Creates or replaces the group's document. kInvalidArgument for an empty id.
   virtual Status putElasticGroup(const std::string& id, const std::string& doc) = 0;
@@ -339,6 +371,11 @@ class ClusterStore {
   // Forgets the group: its document, events, epoch and rendezvous. Unknown ids are ignored.
   virtual Status deleteElasticGroup(const std::string& id) = 0;
 };
+
+// The key space of epoch `epoch` of collective group `group`: "<group>:<epoch>".
+inline std::string groupKeySpace(const std::string& group, int64_t epoch) {
+  return group + ":" + std::to_string(epoch);
+}
 
 struct RedisOptions {
   std::string host = "127.0.0.1";
