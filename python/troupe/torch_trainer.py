@@ -178,6 +178,7 @@ class _TorchTrainerActor:
         self.step = 0
         self.snapshot_every = int(spec.get("snapshot_every", 1))
         self.persist_every = int(spec.get("persist_every", 0))
+        self.notified = 0  # the step of the last snapshot the checkpoint actor was told of
         self.bundle = int(spec["bundle"])
         # This bundle's snapshots on the node (its segment, owned by the node's Checkpoint actor).
         # The lock keeps the coordinator's calls (pin, restore) off a save in progress.
@@ -384,8 +385,13 @@ class _TorchTrainerActor:
                 dist.destroy_process_group()
             thread.join(timeout=float(self.spec.get("timeout", 30.0)))
         if thread.is_alive():
+            import sys
+
+            frame = sys._current_frames().get(thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
             raise RuntimeError(f"rank {self.rank}: train_loop did not stop when the group re-formed (is it "
-                               f"blocked outside ctx.report()/ctx.batches() and the process group?)")
+                               f"blocked outside ctx.report()/ctx.batches() and the process group?); the loop's "
+                               f"thread is at:\n{where}")
 
     def _track(self, objects: dict[str, Any]) -> None:
         import torch
@@ -425,10 +431,15 @@ class _TorchTrainerActor:
 
     def _save(self, states: Mapping[str, Any]) -> None:
         """Saves `states` as the current step into this bundle's segment (a memory copy); the
-        checkpoint actor is told (persist, replicate) every persist_every steps."""
+        checkpoint actor is told (persist, replicate) by the first snapshot at or past each
+        multiple of persist_every (snapshot_every, which the coordinator may raise, need not
+        divide it)."""
         tensors, metadata = _ckpt.pack_tracked(states)
-        notify = self.persist_every <= 0 or self.step % self.persist_every == 0
+        every = self.persist_every
+        notify = every <= 0 or self.step // every != self.notified // every or self.step < self.notified
         self.flash.save(self.step, tensors, metadata, notify=notify)
+        if notify:
+            self.notified = self.step
 
     def _snapshot(self) -> float:
         t0 = time.monotonic()

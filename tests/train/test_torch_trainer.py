@@ -204,7 +204,7 @@ def test_a_persisted_step_loads_into_plain_torch_objects_and_a_new_trainer_resum
     from troupe_testing import eventually
 
     directory = str(tmp_path / "ck")
-    with _make(dataset, checkpoint={"dir": directory, "persist_every": 5}) as t:
+    with _make(dataset, checkpoint={"dir": directory, "persist_every": 5, "snapshot_every": 1}) as t:
         t.fit(steps=10)
         eventually(lambda: 10 in ckpt.steps(directory), 30, "step 10 to be persisted")
         expected = t.parameter_hash()[0]
@@ -224,3 +224,38 @@ def test_a_persisted_step_loads_into_plain_torch_objects_and_a_new_trainer_resum
         assert again.step == 10
         again.fit(steps=2)
         assert [r["step"] for r in again.history] == [11, 12]
+
+
+def _noisy_loop(ctx):
+    """train_loop with input noise: the RNG state a snapshot holds decides the trained bits."""
+    torch.manual_seed(0)
+    model = ctx.prepare(EagerNet())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ctx.track(model=model, opt=opt)
+    for x, y in ctx.batches():
+        loss = torch.nn.functional.cross_entropy(model(x + 0.05 * torch.randn_like(x)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+
+
+def test_a_run_with_a_kill_9_and_a_shrink_ends_bitwise_equal_to_one_that_only_shrank(cluster, dataset):
+    # The killed rank's step is restored from its snapshot (state and RNG), the data rewinds to
+    # it, and the steps are trained again in the same order of additions: the same bits.
+    from troupe.train import ScalingConfig, TorchTrainer
+
+    def run(**fault):
+        with TorchTrainer(_noisy_loop, data=dataset, global_batch_size=32, steps_per_call=5, progress=False,
+                          scaling=ScalingConfig(min_workers=1, max_workers=2), **fault) as t:
+            t.fit(steps=10)
+            t.resize(1)
+            t.fit(steps=5)
+            assert [r["step"] for r in t.history] == list(range(1, 16))
+            assert [r["world_size"] for r in t.history] == [2] * 10 + [1] * 5
+            return t.parameter_hash(), [r["loss"] for r in t.history], [r["step"] for r in t.recoveries]
+
+    killed_hash, killed_losses, recovered_at = run(_fault={"rank": 1, "kill_at_step": 5})  # as it takes step 6
+    clean_hash, clean_losses, _ = run()
+    assert recovered_at == [5]  # from the snapshot of step 5, not from the seed
+    assert killed_hash == clean_hash and killed_losses == clean_losses
