@@ -13,12 +13,19 @@
 // communicator's status (which names the peer); after that the communicator fails every later op
 // with the same status (recreate the process group). Bad arguments (unsupported op, reduce op or
 // dtype, CUDA tensors) raise at the call.
+//
+// ClusterStore (troupe.dist.ClusterStore): a c10d::Store whose keys live in a key space of the
+// cluster store (ClusterStore::setKey, ...), reached as the worker's node agent handed it over
+// (the head's Redis, or the store gateway on a joined node), so ranks on any hosts meet without a
+// shared file system or a TCPStore port, whatever the backend.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/chrono.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -36,6 +43,7 @@
 #include "troupe/collectives/communicator.h"
 #include "troupe/collectives/rendezvous_store.h"
 #include "troupe/collectives/torch_adapter.h"
+#include "troupe/runtime/cluster_store.h"
 
 namespace py = pybind11;
 
@@ -129,6 +137,222 @@ class C10dRendezvousStore final : public RendezvousStore {
   c10::intrusive_ptr<c10d::Store> store_;
   const int worldSize_;
 };
+
+// ---- troupe.dist.ClusterStore ----
+
+// A c10d::Store over one key space of the cluster store. get() and wait() poll the store until
+// the keys exist or the timeout passes (TODO(perf): a pub/sub wake-up instead of polling; the
+// pause grows from 1 to 20 ms, a few round trips per rendezvous). A store of a group's epoch
+// (groupStore) also fails a wait as soon as the group has moved past the epoch: the peers it
+// waits for will not come. Thread-safety: any thread (torch's, Python's); the cluster store is
+// used under `mutex_`, never held across a poll's pause.
+class ClusterC10dStore final : public c10d::Store {
+ public:
+  ClusterC10dStore(std::unique_ptr<ClusterStore> store, std::string space, std::chrono::milliseconds timeout,
+                   std::chrono::milliseconds ttl, std::string group = {}, int64_t epoch = 0)
+      : c10d::Store(timeout),
+        store_(std::move(store)),
+        space_(std::move(space)),
+        ttl_(ttl),
+        group_(std::move(group)),
+        epoch_(epoch) {}
+
+  // The cluster store of this worker process, for the store of `space`. Throws when this
+  // process is no worker of a cluster, or cannot reach its store.
+  static std::unique_ptr<ClusterStore> connect(const std::string& space) {
+    auto options = workerRedisOptions();
+    if (!options.isOk()) {
+      failStore(space, fmt::format("needs the cluster this process is a worker of (create the store in a "
+                                   "Troupe actor): {}",
+                                   options.status().message()));
+    }
+    auto store = connectRedisStore(*options);
+    if (!store.isOk()) failStore(space, fmt::format("cannot reach the cluster store: {}", store.status().message()));
+    return std::move(store).value();
+  }
+
+  // Throws the store's error (a RuntimeError in Python) naming the space.
+  [[noreturn]] static void failStore(const std::string& space, const std::string& message) {
+    C10_THROW_ERROR(Error, fmt::format("troupe.dist.ClusterStore '{}': {}", space, message));
+  }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    std::lock_guard lock(mutex_);
+    check(store_->setKey(space_, key, text(value), ttl_), "set", key);
+  }
+
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    std::lock_guard lock(mutex_);
+    auto value = store_->compareSetKey(space_, key, text(expected), text(desired), ttl_);
+    check(value.status(), "compareSet", key);
+    return bytes(*value);
+  }
+
+  // Waits (the store's timeout) for the key, as torch's stores do.
+  std::vector<uint8_t> get(const std::string& key) override {
+    for (;;) {
+      waitFor({key}, timeout_, "get");
+      std::lock_guard lock(mutex_);
+      auto values = store_->getKeys(space_, {key});
+      check(values.status(), "get", key);
+      if ((*values)[0]) return bytes(*(*values)[0]);
+      // Deleted between the wait and the read: wait again.
+    }
+  }
+
+  int64_t add(const std::string& key, int64_t value) override {
+    std::lock_guard lock(mutex_);
+    auto sum = store_->addToKey(space_, key, value, ttl_);
+    check(sum.status(), "add", key);
+    return *sum;
+  }
+
+  bool deleteKey(const std::string& key) override {
+    std::lock_guard lock(mutex_);
+    auto deleted = store_->deleteKey(space_, key);
+    check(deleted.status(), "deleteKey", key);
+    return *deleted;
+  }
+
+  bool check(const std::vector<std::string>& keys) override { return absent(keys, "check").empty(); }
+
+  int64_t getNumKeys() override {
+    std::lock_guard lock(mutex_);
+    auto count = store_->countKeys(space_);
+    check(count.status(), "getNumKeys", "");
+    return *count;
+  }
+
+  void wait(const std::vector<std::string>& keys) override { waitFor(keys, timeout_, "wait"); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    waitFor(keys, timeout, "wait");
+  }
+
+  // Deletes every key of the space (for a user done with it early; the ttl removes it anyway).
+  void deleteAll() {
+    std::lock_guard lock(mutex_);
+    check(store_->deleteKeySpace(space_), "delete_all", "");
+  }
+
+  const std::string& space() const { return space_; }
+  std::chrono::milliseconds ttl() const { return ttl_; }
+
+ private:
+  [[noreturn]] void fail(const std::string& message) const { failStore(space_, message); }
+  void check(const Status& status, const char* op, const std::string& key) const {
+    if (!status.isOk()) fail(fmt::format("{}('{}') failed: {}", op, key, status.message()));
+  }
+  static std::string text(const std::vector<uint8_t>& value) { return std::string(value.begin(), value.end()); }
+  static std::vector<uint8_t> bytes(const std::string& value) { return std::vector<uint8_t>(value.begin(), value.end()); }
+
+  // The keys of `keys` the space lacks, in order.
+  std::vector<std::string> absent(const std::vector<std::string>& keys, const char* op) {
+    std::lock_guard lock(mutex_);
+    auto values = store_->getKeys(space_, keys);
+    check(values.status(), op, keys.empty() ? "" : keys[0]);
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!(*values)[i]) missing.push_back(keys[i]);
+    }
+    return missing;
+  }
+
+  // Waits until every key exists; `timeout` 0 (kNoTimeout) waits without end.
+  void waitFor(const std::vector<std::string>& keys, std::chrono::milliseconds timeout, const char* op) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const bool bounded = timeout != kNoTimeout;
+    auto pause = std::chrono::milliseconds(1);
+    auto nextEpochCheck = start;
+    for (;;) {
+      std::vector<std::string> missing = absent(keys, op);
+      if (missing.empty()) return;
+      const auto now = Clock::now();
+      if (!group_.empty() && now >= nextEpochCheck) {
+        checkEpochCurrent(missing, op);
+        nextEpochCheck = now + std::chrono::milliseconds(100);
+      }
+      if (bounded && now - start >= timeout) {
+        fail(fmt::format("{} timed out after {:.3f} s; missing {} of {} key(s): {}", op,
+                         std::chrono::duration<double>(timeout).count(), missing.size(), keys.size(),
+                         quoted(missing)));
+      }
+      auto sleepFor = pause;
+      if (bounded) {
+        sleepFor = std::min(sleepFor, std::chrono::duration_cast<std::chrono::milliseconds>(start + timeout - now) +
+                                          std::chrono::milliseconds(1));
+      }
+      std::this_thread::sleep_for(sleepFor);  // polling the store for the keys, with the deadline above
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
+  }
+
+  // A group's epoch store: fails when the group has moved past the epoch.
+  void checkEpochCurrent(const std::vector<std::string>& missing, const char* op) {
+    std::lock_guard lock(mutex_);
+    auto current = store_->groupEpoch(group_);
+    check(current.status(), op, missing[0]);
+    if (*current > epoch_) {
+      fail(fmt::format("{}: group '{}' is already at epoch {}: epoch {} is over, and its ranks will not set "
+                       "the missing key(s) {}",
+                       op, group_, *current, epoch_, quoted(missing)));
+    }
+  }
+
+  static std::string quoted(const std::vector<std::string>& keys) {
+    constexpr size_t kShown = 8;
+    std::string out;
+    for (size_t i = 0; i < keys.size() && i < kShown; ++i) out += fmt::format("{}'{}'", i ? ", " : "", keys[i]);
+    if (keys.size() > kShown) out += fmt::format(" and {} more", keys.size() - kShown);
+    return out;
+  }
+
+  std::mutex mutex_;  // guards store_
+  std::unique_ptr<ClusterStore> store_;
+  const std::string space_;
+  const std::chrono::milliseconds ttl_;
+  const std::string group_;  // empty unless a group's epoch store
+  const int64_t epoch_;
+};
+
+// A space's ttl: at least an hour, and at least twice the timeout (a slow rank may still read it).
+std::chrono::milliseconds ttlFor(std::chrono::milliseconds timeout, std::optional<std::chrono::milliseconds> ttl) {
+  if (ttl) {
+    if (ttl->count() <= 0) throw py::value_error("troupe.dist.ClusterStore: ttl must be positive");
+    return *ttl;
+  }
+  return std::max<std::chrono::milliseconds>(std::chrono::hours(1), 2 * timeout);
+}
+
+c10::intrusive_ptr<ClusterC10dStore> openStore(const std::string& prefix, std::chrono::milliseconds timeout,
+                                               std::optional<std::chrono::milliseconds> ttl) {
+  if (prefix.empty()) throw py::value_error("troupe.dist.ClusterStore: the prefix must not be empty");
+  const auto keep = ttlFor(timeout, ttl);
+  py::gil_scoped_release noGil;
+  return c10::make_intrusive<ClusterC10dStore>(ClusterC10dStore::connect(prefix), prefix, timeout, keep);
+}
+
+// Joins epoch `epoch` of collective group `group` (raising the group's epoch to it, as a
+// communicator's join does: the epochs before it are over) and returns the store of that epoch,
+// in the key space groupKeySpace(group, epoch), deleted with the elastic group.
+c10::intrusive_ptr<ClusterC10dStore> groupStore(const std::string& group, int64_t epoch,
+                                                std::chrono::milliseconds timeout,
+                                                std::chrono::milliseconds ttl) {
+  if (group.empty()) throw py::value_error("troupe.dist.group_store: the group must not be empty");
+  const std::string space = groupKeySpace(group, epoch);
+  std::unique_ptr<ClusterStore> store = ClusterC10dStore::connect(space);
+  auto current = store->advanceGroupEpoch(group, epoch);
+  if (!current.isOk()) {
+    ClusterC10dStore::failStore(space, fmt::format("joining epoch {} of group '{}' failed: {}", epoch, group,
+                                                   current.status().message()));
+  }
+  if (*current > epoch) {
+    ClusterC10dStore::failStore(space, fmt::format("group '{}' is already at epoch {}: epoch {} is over; join epoch {}",
+                                                   group, *current, epoch, *current));
+  }
+  return c10::make_intrusive<ClusterC10dStore>(std::move(store), space, timeout, ttl, group, epoch);
+}
 
 // ---- Work ----
 
@@ -671,6 +895,27 @@ PYBIND11_MODULE(_dist, m) {
         py::arg("size"), py::arg("timeout_seconds"), py::arg("host"), py::arg("tls_token") = "",
         py::arg("shared_memory") = true, py::call_guard<py::gil_scoped_release>(),
         "Joins the ranks through `store` (a torch.distributed Store) and returns the process group.");
+  py::class_<troupe::collectives::ClusterC10dStore, c10::intrusive_ptr<troupe::collectives::ClusterC10dStore>,
+             c10d::Store>(m, "ClusterStore",
+                          "A torch.distributed Store whose keys live in the cluster's store (see troupe.dist).")
+      .def(py::init(&troupe::collectives::openStore), py::arg("prefix"),
+           py::arg("timeout") = std::chrono::milliseconds(c10d::Store::kDefaultTimeout),
+           py::arg("ttl") = std::optional<std::chrono::milliseconds>())
+      .def_property_readonly("prefix", &troupe::collectives::ClusterC10dStore::space)
+      .def_property_readonly("ttl", &troupe::collectives::ClusterC10dStore::ttl)
+      .def("delete_all", &troupe::collectives::ClusterC10dStore::deleteAll, py::call_guard<py::gil_scoped_release>(),
+           "Deletes every key of this store's prefix (the ttl deletes them anyway).");
+  m.def(
+      "group_store",
+      [](const std::string& group, int64_t epoch, std::chrono::milliseconds timeout,
+         std::optional<std::chrono::milliseconds> ttl) {
+        const auto keep = troupe::collectives::ttlFor(timeout, ttl);
+        py::gil_scoped_release noGil;
+        return troupe::collectives::groupStore(group, epoch, timeout, keep);
+      },
+      py::arg("group"), py::arg("epoch"), py::arg("timeout") = std::chrono::milliseconds(c10d::Store::kDefaultTimeout),
+      py::arg("ttl") = std::optional<std::chrono::milliseconds>(),
+      "Joins epoch `epoch` of the cluster's collective group `group` and returns its ClusterStore.");
   m.def(
       "health",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {

@@ -34,9 +34,9 @@ one moved to another node, or a new member, is staged the step by its node's act
 memory, a peer's replica, or disk). A persisted step loads into plain torch objects without a
 cluster: troupe.checkpoint.load_tracked(dir).
 
-Rendezvous: a c10d FileStore per (group, epoch) under the coordinator's work directory, so all
-ranks must share its file system (one host). TODO(correctness): a store over the cluster for
-groups that span hosts.
+Rendezvous: each join goes through the cluster's store (troupe.dist.group_store: a c10d Store in
+the key space of the group's epoch, which the join raises the group to), so the ranks may run on
+any hosts; a rank listens for its peers on its node's address.
 """
 from __future__ import annotations
 
@@ -202,14 +202,16 @@ class _TorchTrainerActor:
 
         import torch.distributed as dist
 
-        from . import dist as _backend  # noqa: F401 (registers the "troupe" backend)
+        from . import dist as _backend  # registers the "troupe" backend
 
         self._stop_loop()
         if dist.is_initialized():
             dist.destroy_process_group()
-        store = dist.FileStore(os.path.join(self.spec["workdir"], f"store-{epoch}"), world)
-        dist.init_process_group("troupe", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=float(self.spec.get("timeout", 30.0))))
+        timeout = datetime.timedelta(seconds=float(self.spec.get("timeout", 30.0)))
+        # The epoch's store in the cluster (joining the epoch ends the earlier ones): ranks on any
+        # hosts meet through it, and each epoch's keys are its own.
+        store = _backend.group_store(self.spec["group"], epoch, timeout)
+        dist.init_process_group("troupe", store=store, rank=rank, world_size=world, timeout=timeout)
         self.rank, self.world, self.epoch = rank, world, epoch
         self.loader = _api.ActorHandle(dataloader, "Dataloader")
         with self.flash_lock:
