@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
 """Your own eager PyTorch training loop in an elastic group of 2 trainers (TorchTrainer), on
-scikit-learn's digits (8x8 images of handwritten digits; python3-sklearn) or, where that is not
-installed, a deterministic synthetic set of the same shape. Midway, one trainer is killed with
+scikit-learn's digits (8x8 images of handwritten digits; python3-sklearn). Midway, one trainer is killed with
 SIGKILL; the group recovers (the survivor keeps its process and re-enters the loop) and finishes.
 Prints the held-out accuracy, which must reach TARGET_ACCURACY.
 
@@ -23,23 +22,15 @@ TARGET_ACCURACY = 0.85  # held-out; chance is 0.10
 
 
 def digits():
-    """(train features, train labels, test features, test labels), 80/20."""
-    try:
-        from sklearn.datasets import load_digits
+    """(train features, train labels, test features, test labels), 80/20, and where they are from."""
+    from sklearn.datasets import load_digits
 
-        d = load_digits()
-        x, y = torch.tensor(d.data, dtype=torch.float32) / 16.0, torch.tensor(d.target)
-        source = "scikit-learn's digits"
-    except ImportError:
-        g = torch.Generator().manual_seed(0)
-        protos = (torch.rand(10, 64, generator=g) > 0.6).float()
-        y = torch.arange(1500) % 10
-        x = (protos[y] + 0.35 * torch.randn(1500, 64, generator=g)).clamp(0, 1)
-        source = "a synthetic digits-like set (python3-sklearn is not installed)"
+    d = load_digits()
+    x, y = torch.tensor(d.data, dtype=torch.float32) / 16.0, torch.tensor(d.target)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))
     x, y = x[perm], y[perm]
     cut = len(y) * 4 // 5
-    return x[:cut], y[:cut], x[cut:], y[cut:], source
+    return x[:cut], y[:cut], x[cut:], y[cut:], "scikit-learn's digits (python3-sklearn)"
 
 
 class Digits(torch.utils.data.Dataset):

@@ -2,6 +2,8 @@
 trainers on a real local cluster), its accuracy, kill -9 of a trainer (the survivor keeps its
 process, every sample trained once per epoch), and its errors."""
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,54 +12,20 @@ from train_testing import needs_trainers, troupe  # noqa: F401 (troupe: the buil
 torch = pytest.importorskip("torch")
 pytestmark = needs_trainers
 
+# The example's data (scikit-learn's digits, its 80% training split) and eager model.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import cloudpickle  # noqa: E402
+import train_torch_loop  # noqa: E402
+from train_torch_loop import Digits, EagerNet, digits as example_split  # noqa: E402
+
+cloudpickle.register_pickle_by_value(train_torch_loop)  # the workers do not import examples/
+
 CLASSES, DIM = 10, 64
 
 
 def digits():
-    """scikit-learn's digits when python3-sklearn is installed, else a deterministic synthetic
-    set of the same shape: 10 classes of 8x8 images, each a fixed prototype plus noise."""
-    try:
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-        return x, torch.tensor(d.target, dtype=torch.int64)
-    except ImportError:
-        g = torch.Generator().manual_seed(0)
-        protos = (torch.rand(CLASSES, DIM, generator=g) > 0.6).float()
-        y = torch.arange(1200) % CLASSES
-        x = (protos[y] + 0.35 * torch.randn(1200, DIM, generator=g)).clamp(0, 1)
-        return x, y
-
-
-class Digits(torch.utils.data.Dataset):
-    """A map-style Dataset of (features, label) pairs."""
-
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], int(self.y[i])
-
-
-class EagerNet(torch.nn.Module):
-    """Python TorchScript cannot compile (a generator expression over the blocks), and
-    data-dependent control flow: how many times the blocks run depends on the batch's values."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(DIM, 64)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
-        self.out = torch.nn.Linear(64, CLASSES)
-
-    def forward(self, x):
-        h = torch.relu(self.inp(x))
-        for _ in range(1 + int(h.mean().item() > 0.4)):
-            h = h + sum(torch.relu(b(h)) for b in self.blocks) / len(self.blocks)
-        return self.out(h)
+    train_x, train_y, _, _, _ = example_split()
+    return train_x, train_y
 
 
 def train_loop(ctx):
@@ -119,11 +87,11 @@ def test_an_eager_loop_trains_to_accuracy_and_survives_a_kill_9_with_every_sampl
         first_epoch = [i for r in history[:steps_per_epoch] for i in r["sample_ids"]]
         assert len(first_epoch) == len(set(first_epoch)) == steps_per_epoch * 32
         # Both ranks hold the same parameters, and the loop learned: training accuracy over the
-        # last 10 steps of at least 90% (chance: 10%).
+        # last 10 steps of at least 80% (chance: 10%; scikit-learn's digits after 64 steps).
         hashes = [t._kind.reply("hash", h)["hash"] for h in troupe.get([t._kind.call(x, "hash") for x in t.trainers])]
         assert len(set(hashes)) == 1 and hashes[0] != 0
         acc = sum(r["metrics"]["acc"] for r in history[-10:]) / 10
-        assert acc >= 0.9, f"accuracy {acc:.2f} after {t.step} steps"
+        assert acc >= 0.8, f"accuracy {acc:.2f} after {t.step} steps"
         assert history[-1]["loss"] < 0.5 * history[0]["loss"]
 
 
