@@ -669,6 +669,12 @@ class ProcessGroupTroupe final : public c10d::ProcessGroup {
     return comm_ ? comm_->health().toString() : "destroyed";
   }
 
+  // For hang reports: the peers the collective in progress waits for ("" when none runs).
+  std::string waitingOn() {
+    std::lock_guard submit(submitMutex_);  // held for the report only: a hang's, not a step's
+    return comm_ ? comm_->waitingOn() : "";
+  }
+
  private:
   struct Pending {
     std::vector<std::shared_ptr<Work>> works;
@@ -924,4 +930,13 @@ PYBIND11_MODULE(_dist, m) {
         return troupe->health();
       },
       py::arg("process_group"), "'OK' or the error that made the group's communicator unusable.");
+  m.def(
+      "waiting_on",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+        auto* troupe = dynamic_cast<troupe::collectives::ProcessGroupTroupe*>(pg.get());
+        if (troupe == nullptr) throw py::type_error("not a troupe process group");
+        py::gil_scoped_release noGil;  // may take up to a second
+        return troupe->waitingOn();
+      },
+      py::arg("process_group"), "The peers the collective in progress waits for, or '' when none runs.");
 }

@@ -88,5 +88,11 @@ def health(group=None):
     return _dist.health(pg)
 
 
+def waiting_on(group=None):
+    """For hang reports: the peers the collective in progress waits for ('' when none runs)."""
+    pg = group if group is not None else _torch_dist.distributed_c10d._get_default_group()
+    return _dist.waiting_on(pg)
+
+
 if not hasattr(_torch_dist.Backend, BACKEND.upper()):
     _torch_dist.Backend.register_backend(BACKEND, _create)

@@ -330,7 +330,19 @@ class _TorchTrainerActor:
         return {"rank": self.rank, "world": self.world, "pid": os.getpid(),
                 "activity": {"name": name, "startUs": int(since * 1e6), "durUs": 0, "step": step, "bucket": -1,
                              "bytes": 0},
-                "forS": time.time() - since, "waitingOn": ""}
+                "forS": time.time() - since, "waitingOn": self._waiting_on()}
+
+    @staticmethod
+    def _waiting_on() -> str:
+        """The peers the loop's collective in progress waits for (the backend says), for hang reports."""
+        try:
+            import torch.distributed as dist
+
+            from . import dist as troupe_dist
+
+            return troupe_dist.waiting_on() if dist.is_initialized() else ""
+        except Exception as e:  # a report must not fail for it
+            return f"(unknown: {e})"
 
     def timeline(self) -> dict[str, Any]:
         return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "spans": []}

@@ -227,3 +227,54 @@ def test_a_run_with_a_kill_9_and_a_shrink_ends_bitwise_equal_to_one_that_only_sh
     clean_hash, clean_losses, _ = run()
     assert recovered_at == [5]  # from the snapshot of step 5, not from the seed
     assert killed_hash == clean_hash and killed_losses == clean_losses
+
+
+def _make_hanging_loop(flag):
+    def loop(ctx):
+        import time
+
+        model = ctx.prepare(torch.nn.Linear(64, CLASSES))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx.track(model=model, opt=opt)
+        for x, y in ctx.batches():
+            if ctx.rank == 1 and ctx.step == 3 and not os.path.exists(flag):  # once: not its restarted process
+                open(flag, "w").close()
+                time.sleep(3600)  # a bug: rank 1 never reaches the step's all-reduce
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ctx.report(loss=loss.item())
+
+    return loop
+
+
+def test_a_hung_rank_is_reported_naming_the_peer_the_others_wait_on(cluster, dataset, tmp_path):
+    import re
+    import signal
+    import threading
+
+    from troupe.train import FailureConfig, ScalingConfig, TorchTrainer
+
+    from troupe_testing import eventually
+
+    with TorchTrainer(_make_hanging_loop(str(tmp_path / "hung")), data=dataset, global_batch_size=32,
+                      scaling=ScalingConfig(min_workers=2, max_workers=2), failure=FailureConfig(hang_timeout=2.0),
+                      steps_per_call=5, progress=False) as t:
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(history=t.fit(steps=8)), daemon=True)
+        runner.start()
+
+        def report():
+            events = troupe._api._runtime().group(t.group_id)["events"]
+            return next((e for e in events if "no progress for" in e), None)
+
+        eventually(report, 60, "the hang to be reported")
+        text = report()
+        # Rank 0 sits in step 4's all-reduce, and its communicator names the peer that never came.
+        assert re.search(r"rank 0 [^;]*waiting on rank 1 \([^)]*\): has not started allreduce #\d+", text), text
+        hung = next(m for m in t.members() if m["kind"] == "trainer" and m["rank"] == 1)
+        os.kill(hung["pid"], signal.SIGKILL)  # the group recovers and the run completes
+        runner.join(timeout=120)
+        assert not runner.is_alive() and result["history"][-1]["step"] == 8
+        assert len(t.recoveries) == 1
