@@ -175,11 +175,14 @@ def note(text):
 
 
 def troupe_loop(ctx):
-    """The user's loop in the TorchTrainer: each report() carries the wall time its step ended
-    and when this entry of the loop had its state (model built and wrapped, state loaded)."""
+    """The user's loop in the TorchTrainer: each report() carries the wall time its step ended,
+    and when this entry of the loop began, had its model wrapped in DDP (every rank built it)
+    and had its state loaded."""
     import torch
+    entered = time.time()
     torch.set_num_threads(1)
     model = ctx.prepare(big_mlp())
+    wrapped = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ctx.track(model=model, opt=opt)
     ready = time.time()
@@ -188,7 +191,7 @@ def troupe_loop(ctx):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        ctx.report(loss=loss.item(), t=time.time(), ready=ready, pid=os.getpid())
+        ctx.report(loss=loss.item(), t=time.time(), entered=entered, wrapped=wrapped, ready=ready, pid=os.getpid())
 
 
 class Samples:
@@ -257,10 +260,12 @@ def serve_troupe_recovery(args):
                    "recovery_s": first["metrics"]["t"] - kill["t"],
                    "killed_after_step": kill["step"], "first_step_after": first["step"],
                    # kill -> the coordinator's failure event (the chunk's calls ended), -> the group
-                   # re-formed and restored, -> rank 0's loop entered again with its state loaded
+                   # re-formed and restored, -> rank 0's loop entered again, -> its model built
+                   # and wrapped in DDP (with rank 1's), -> its state loaded (ctx.track)
                    "breakdown_s": {"failure_seen": since_kill("failure at step"),
                                    "regrouped": since_kill("recovered in"),
-                                   "loop_ready": first["metrics"]["ready"] - kill["t"]},
+                                   **{f"loop_{k}": first["metrics"][k] - kill["t"]
+                                      for k in ("entered", "wrapped", "ready")}},
                    "step_s": statistics.median(r["step_s"] for r in steps[1:]),
                    "rank1_new_process": now.get(1) != victim["pid"],
                    "events": [e["text"] for e in trainer.events if "snapshots every" in e["text"]
@@ -532,8 +537,9 @@ def main():
     print(f"recovery_vs_torchrun (torchrun / troupe): {recovery_ratio:.1f}   (target >= 10; the issue's target "
           f"for troupe: < 2 s at 100M parameters)")
     b = ours["breakdown_s"]
-    print(f"  troupe: failure seen {b['failure_seen']:.2f} s, group re-formed and restored {b['regrouped']:.2f} s, "
-          f"rank 0's loop entered again with its state {b['loop_ready']:.2f} s after the kill")
+    print(f"  troupe: failure seen {b['failure_seen']:.2f} s, group re-formed and restored {b['regrouped']:.2f} s; "
+          f"rank 0's loop entered again {b['loop_entered']:.2f} s, model in DDP {b['loop_wrapped']:.2f} s, state "
+          f"loaded {b['loop_ready']:.2f} s after the kill")
     b = theirs["breakdown_s"]
     print(f"  torchrun: new workers' process group up {b['workers_started']:.2f} s, checkpoint of step "
           f"{theirs['restored_step']} loaded {b['checkpoint_loaded']:.2f} s after the kill (torch.save every "
