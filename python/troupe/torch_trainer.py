@@ -587,7 +587,7 @@ class _TorchTrainers:
         return value
 
     def handle(self, actor_id: str) -> Any:
-        raise TroupeError("a TorchTrainer's group cannot be adopted by another driver yet")
+        return _api.ActorHandle(actor_id, "py:_TorchTrainerActor")
 
     def fatal(self, failure: BaseException) -> TrainLoopError | None:
         text = str(failure)
@@ -618,14 +618,17 @@ class TorchTrainer(GroupCoordinator):
     memory, replicated to the next node; with `dir`, persisted every persist_every steps and
     resumed from on start). fit(steps=N) returns one row per step (its `metrics` are rank 0's
     report()); `step`, `recoveries`, `members()` and close() as ElasticTrainer's. An exception
-    in train_loop is raised by fit() as TrainLoopError with the rank and remote traceback."""
+    in train_loop is raised by fit() as TrainLoopError with the rank and remote traceback.
+    `name` and `detached=True` as ElasticTrainer's: the group outlives its driver, and a driver
+    that makes TorchTrainer(..., name=N, detached=True) again (a job's restart) adopts it: its
+    trainers keep their processes and the loop they run; fit(until=S) goes on."""
 
     def __init__(self, train_loop: Callable[[TorchContext], Any], data: Any = None, global_batch_size: int = 32, *,
                  scaling: ScalingConfig | None = None, failure: FailureConfig | None = None,
                  checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  tuner: bool | Mapping[str, Any] | None = None, seed: int = 0, steps_per_call: int = 10,
-                 progress: bool = True, name: str | None = None, tensorboard_dir: str | None = None,
-                 _fault: Mapping[str, Any] | None = None) -> None:
+                 progress: bool = True, name: str | None = None, detached: bool = False,
+                 tensorboard_dir: str | None = None, _fault: Mapping[str, Any] | None = None) -> None:
         import cloudpickle
 
         if not callable(train_loop):
@@ -645,5 +648,7 @@ class TorchTrainer(GroupCoordinator):
         loop = cloudpickle.dumps(train_loop)
         kind = _TorchTrainers(loop, data, int(global_batch_size), int(seed), _fault or {},
                               failure.recovery_timeout)
-        self._start(kind, scaling, failure, ckpt, name=name, detached=False, progress=progress,
+        if detached and name is None:
+            raise ValueError("detached=True needs a name: a restarted driver adopts the group by it")
+        self._start(kind, scaling, failure, ckpt, name=name, detached=detached, progress=progress,
                     steps_per_call=steps_per_call, tensorboard_dir=tensorboard_dir, fault=None)

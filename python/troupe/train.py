@@ -66,6 +66,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -685,6 +686,11 @@ class GroupCoordinator:
     # ---- Adoption: a new coordinator for a running group ----
     def _adopt(self, record, progress):
         doc = json.loads(record["doc"])
+        kind = "torch" if doc.get("engine", {}).get("kind") == "torch" else "cpp"
+        if kind != self._kind.name:
+            theirs, ours = ("TorchTrainer", "ElasticTrainer") if kind == "torch" else ("ElasticTrainer", "TorchTrainer")
+            raise TroupeError(f"group {self.name} is a {theirs}'s: {ours}(name={self.name!r}) cannot adopt it; use "
+                              f"{theirs}(name={self.name!r}, detached=True), or another name")
 
         def beating(d):
             return time.time() * 1000 - d.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
@@ -1161,6 +1167,10 @@ class GroupCoordinator:
             _api.kill(ckpt)
         self._rt.remove_placement_group(self.group_id)
         self._rt.remove_group(self.group_id)
+        # The driver's work directory (a Dataset written as files the dataloaders read): the
+        # group is over. A detached group whose driver exits without close() keeps it.
+        if getattr(self, "_workdir", None):
+            shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> GroupCoordinator:
         return self

@@ -116,6 +116,84 @@ def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_anot
         api.shutdown()
 
 
+def test_your_own_torch_loop_as_a_detached_job_is_adopted_by_its_restarted_driver(troupe, tmp_path):
+    """TorchTrainer(name=..., detached=True) in a job: a kill -9 of the driver leaves the trainers
+    training nothing (they wait for a chunk), the supervisor restarts the script, whose
+    TorchTrainer adopts the group (the trainers keep their processes) and goes on; another
+    driver watches and stops it as it does an ElasticTrainer's."""
+    pytest.importorskip("torch")
+    cluster = start_head(troupe, 2)
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+        import torch, troupe
+        from troupe.train import ScalingConfig, TorchTrainer
+
+        def train_loop(ctx):
+            torch.manual_seed(0)
+            model = ctx.prepare(torch.nn.Linear(8, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ctx.track(model=model, opt=opt)
+            for x, y in ctx.batches():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ctx.report(loss=loss.item())
+
+        g = torch.Generator().manual_seed(0)
+        xs, ys = torch.randn(256, 8, generator=g), torch.randint(0, 2, (256,), generator=g)
+        data = [(xs[i], int(ys[i])) for i in range(256)]
+        troupe.init()
+        t = TorchTrainer(train_loop, data=data, global_batch_size=16, scaling=ScalingConfig(min_workers=1, max_workers=2),
+                         steps_per_call=2, progress=False, name="loop1", detached=True)
+        print("start step", t.step, flush=True)
+        t.fit(until=1_000_000)  # until another driver stops it
+        print("stopped at", t.step, flush=True)
+        t.close()
+    """))
+    troupe.run("job", "submit", str(script), "--name", "loopjob", "--max-restarts", "1")
+    api = import_troupe()
+    from troupe import job
+    from troupe.train import ElasticTrainer, TorchTrainer
+
+    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    try:
+        def attached():
+            try:
+                return TorchTrainer.attach("loop1")
+            except api.TroupeError:
+                return None
+        eventually(attached, 60, "the job to create its group")
+        group = attached()
+        group.wait(step=4, timeout=60)
+        trainers = {a["id"]: a["pid"] for a in api.actors()
+                    if a["type"] == "py:_TorchTrainerActor" and a["state"] == "ALIVE"}
+        assert len(trainers) == 2, api.actors()
+        with pytest.raises(api.TroupeError, match="TorchTrainer"):  # not an ElasticTrainer's to adopt
+            ElasticTrainer(model="tinylm", data=TEXT, name="loop1", detached=True, progress=False)
+
+        os.kill(job.status("loopjob")["pid"], signal.SIGKILL)
+        eventually(lambda: job.status("loopjob")["restarts"] == 1, 30, "the supervisor to restart the driver")
+        eventually(lambda: any("adopted by a new coordinator" in e for e in group.progress()["events"]), 60,
+                   "the new driver to adopt the group")
+        step = group.progress()["step"]
+        group.wait(step=step + 4, timeout=60)
+        assert group.progress()["world_size"] == 2
+        now = {a["id"]: a["pid"] for a in api.actors()
+               if a["type"] == "py:_TorchTrainerActor" and a["state"] == "ALIVE"}
+        assert now == trainers  # the same processes train on
+
+        group.stop()
+        group.wait(timeout=60)
+        eventually(lambda: job.status("loopjob")["state"] == "SUCCEEDED", 30, "the job to end")
+        out = troupe.run("job", "logs", "loopjob").stdout
+        starts = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("start step")]
+        assert starts[0] == 0 and len(starts) == 2 and starts[1] > 0, out  # the second adopted, not restarted
+        assert "stopped at" in out, out
+    finally:
+        api.shutdown()
+
+
 def test_a_flooding_job_keeps_its_output_within_the_cap_and_stop_removes_it(troupe, tmp_path):
     """Issue 34 finding 7: a job's driver.log had no cap and stayed in /tmp/troupe-job-* after
     `troupe stop`. A driver that floods its output for 3 s keeps at most 2 x TROUPE_LOG_MAX_BYTES
