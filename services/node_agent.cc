@@ -377,6 +377,13 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   if (::mkdir(registry.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TROUPE_SHM_REGISTRY=" + registry);
   spawn.env.push_back("PYTHONUNBUFFERED=1");  // actor output reaches its log file as it is printed
   spawn.env.push_back("TROUPE_JOBS_DIR=" + options_.runDir + "/jobs");  // a job's files (job.py), removed by stop
+  // Temporary files of workers (a dataloader's token file, a user's tempfile) go with the run:
+  // a killed worker cannot remove its own, and `troupe stop` removes this directory. A TMPDIR
+  // the node was started with is kept.
+  if (const char* tmp = std::getenv("TMPDIR"); tmp == nullptr || *tmp == '\0') {
+    std::string workerTmp = options_.runDir + "/tmp";
+    if (::mkdir(workerTmp.c_str(), 0700) == 0 || errno == EEXIST) spawn.env.push_back("TMPDIR=" + workerTmp);
+  }
   std::string counters = metricsPath(actor.id, actor.incarnation);
   ::unlink(counters.c_str());  // left by an agent that died with its worker: the worker makes it anew
   spawn.env.push_back("TROUPE_METRICS_FILE=" + counters);

@@ -117,9 +117,12 @@ int stopRunDir(const std::string& runDir, bool verbose) {
   // The token dies with the cluster; actor logs stay for post-mortems.
   if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);
   removeRecordedSegments(runDir);
-  // Jobs' scripts and driver logs (job.py keeps them in <runDir>/jobs) go with the cluster.
-  fs::path jobs = fs::path(runDir) / "jobs";
-  if (fs::is_directory(fs::symlink_status(jobs, ec))) fs::remove_all(jobs, ec);
+  // Jobs' scripts and driver logs (job.py keeps them in <runDir>/jobs) and workers' temporary
+  // files (TMPDIR, set by the agents) go with the cluster.
+  for (const char* dir : {"jobs", "tmp"}) {
+    fs::path path = fs::path(runDir) / dir;
+    if (fs::is_directory(fs::symlink_status(path, ec))) fs::remove_all(path, ec);
+  }
   return stopped;
 }
 

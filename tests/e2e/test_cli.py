@@ -108,6 +108,31 @@ def test_stop_also_ends_a_daemon_no_pid_file_names(troupe):
             stray.kill()
 
 
+def test_workers_temporary_files_live_in_the_run_and_stop_removes_them(troupe):
+    # A killed worker cannot remove its temporary files (a text dataloader's token file was left
+    # in /tmp by every group): workers get TMPDIR in the run directory, which stop removes.
+    troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "1")
+    code = """
+import os, tempfile, troupe
+troupe.init("auto", log_to_driver=False)
+@troupe.remote(num_cpus=1)
+class Scratch:
+    def make(self):
+        fd, path = tempfile.mkstemp(prefix="scratch-")
+        os.close(fd)
+        return path
+print(troupe.get(Scratch.remote().make.remote()))
+"""
+    p = run_driver(code, env=troupe.env)
+    assert p.returncode == 0, p.stderr
+    path = p.stdout.split()[-1]
+    tmp = troupe.run_dir() / "tmp"
+    assert os.path.dirname(path) == str(tmp) and os.path.exists(path), path
+    assert os.stat(tmp).st_mode & 0o777 == 0o700
+    troupe.run("stop")
+    assert not os.path.exists(tmp)
+
+
 def test_controller_kill9_and_restart_keeps_the_nodes(troupe):
     port = free_port()
     troupe.run("start", "--head", "--port", str(port))
