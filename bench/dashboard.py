@@ -6,20 +6,24 @@ ALIVE and the rest stay PENDING: real records in the real store and controller, 
 processes. While the pages poll, each endpoint is asked 20 times 100 ms apart (so background
 refreshes of the cluster state run meanwhile) and its latency's median and p95 are printed, with
 the controller's status call (what a refresh costs) and `troupe status --json` (all actors, and
-a page of 100) beside them.
+a page of 100) beside them. Requests carry the session cookie of the login URL the start banner
+prints, as a browser's do.
 Target (issue 16, "fast at 10k actors"): every page under 100 ms at p95. Ray's dashboard, which
 has no pagination, is reported at seconds per page at 10k actors (ray-project/ray#35202); it does
 not run on this machine, so there is no same-run peer.
 """
 import argparse
+import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 BUILD = os.environ.get("TROUPE_BIN_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build"))
@@ -40,9 +44,26 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def fetch_ms(url):
+def login(url):
+    """The session cookie the login URL (printed by `troupe start --head`) sets: the dashboard
+    serves nothing without it."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.request("GET", f"{parts.path}?{parts.query}")
+        reply = conn.getresponse()
+        reply.read()
+        cookie = reply.getheader("Set-Cookie")
+    finally:
+        conn.close()
+    if reply.status != 303 or not cookie:
+        raise RuntimeError(f"logging in to the dashboard failed: HTTP {reply.status}")
+    return cookie.split(";")[0]
+
+
+def fetch_ms(url, cookie):
     t0 = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=60) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Cookie": cookie}), timeout=60) as r:
         body = r.read()
     return (time.perf_counter() - t0) * 1e3, body
 
@@ -56,8 +77,9 @@ def main():
     env = dict(os.environ, TROUPE_TEMP_DIR=root)
     cli = os.path.join(BUILD, "troupe")
     port = free_port()
-    subprocess.run([cli, "start", "--head", "--port", str(free_port()), "--dashboard-port", str(port),
-                    "--resources", "slot=1"], env=env, check=True, capture_output=True)
+    started = subprocess.run([cli, "start", "--head", "--port", str(free_port()), "--dashboard-port", str(port),
+                              "--resources", "slot=1"], env=env, check=True, capture_output=True, text=True)
+    cookie = login(re.search(r"dashboard:\s+(\S+)", started.stdout).group(1))
     os.environ["TROUPE_TEMP_DIR"] = root
     url = f"http://127.0.0.1:{port}"
     try:
@@ -110,12 +132,12 @@ def main():
             "metrics": "/metrics",
             "page": "/",
         }
-        fetch_ms(url + "/api/cluster")  # the dashboard's first read of the state
+        fetch_ms(url + "/api/cluster", cookie)  # the dashboard's first read of the state
         rows = []
         for name, path in pages.items():
             times = []
             for _ in range(20):
-                ms, body = fetch_ms(url + path)
+                ms, body = fetch_ms(url + path, cookie)
                 times.append(ms)
                 time.sleep(0.1)
             if path.startswith("/api/actors"):
