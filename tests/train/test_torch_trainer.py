@@ -110,9 +110,17 @@ def _failing_loop(ctx):
         ctx.report(loss=0.0)
 
 
+def _mismatched_loop(ctx):
+    model = ctx.prepare(torch.nn.Linear(DIM, CLASSES + ctx.rank))  # rank 1's model is not rank 0's
+    ctx.track(model=model)
+    for x, y in ctx.batches():
+        ctx.report(loss=0.0)
+
+
 @pytest.mark.parametrize("loop, error, text", [
     (_untracked_loop, "TypeError", r"ctx.track\(lr=...\): a builtins.float has no state_dict\(\)"),
     (_failing_loop, "ValueError", "a bug in the user's loop at step 4"),
+    (_mismatched_loop, "RuntimeError", r"params\[0\] in this process with sizes \[1\d, 64\] appears not to match"),
 ])
 def test_an_error_in_the_loop_is_raised_in_the_driver_with_its_rank_and_traceback(cluster, dataset, loop, error,
                                                                                    text):
