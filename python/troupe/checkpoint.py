@@ -23,6 +23,7 @@ belongs in `metadata` (bytes). Importing this module does not import torch.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
@@ -298,7 +299,7 @@ def pack_tracked(states: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
             tensors[name] = value
             return TensorAt(name)
         if isinstance(value, dict):
-            out = type(value)() if type(value) in (dict, __import__("collections").OrderedDict) else {}
+            out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
             for k, v in value.items():
                 out[k] = walk(v, f"{path}/{k}")
             if hasattr(value, "_metadata"):  # a module's state_dict carries its modules' versions
@@ -316,16 +317,16 @@ def unpack_tracked(tensors: Mapping[str, Any], metadata: bytes) -> dict[str, Any
     """{name: state_dict} from an image's tensors and metadata written by pack_tracked."""
     import pickle
 
-    if not bytes(metadata[:len(_TRACKED_MAGIC)]) == _TRACKED_MAGIC:
-        raise CheckpointError("INVALID_ARGUMENT", "this checkpoint does not hold tracked objects (it was not "
-                                                         "written by a TorchTrainer): use troupe.checkpoint.load()")
+    if bytes(metadata[:len(_TRACKED_MAGIC)]) != _TRACKED_MAGIC:
+        raise CheckpointError("INVALID_ARGUMENT", "this checkpoint does not hold tracked objects (it was not written "
+                                                  "by a TorchTrainer): use troupe.checkpoint.load()")
     skeleton = pickle.loads(bytes(metadata[len(_TRACKED_MAGIC):]))
 
     def walk(value):
         if isinstance(value, TensorAt):
             if value.name not in tensors:
-                raise CheckpointCorruptError("FAILED_PRECONDITION", f"the metadata names tensor {value.name!r}, which the image "
-                                                          f"does not hold")
+                raise CheckpointCorruptError("FAILED_PRECONDITION", f"the metadata names tensor {value.name!r}, which "
+                                                                    f"the image does not hold")
             return tensors[value.name]
         if isinstance(value, dict):
             for k in list(value):

@@ -244,3 +244,27 @@ def test_typed_params_are_checked_before_they_are_sent():
         decode("Checkpoint", "attach", b"\x00" * 12)
     with pytest.raises(ValueError, match="not a results message"):
         decode("Checkpoint", "attach", b"\x00\x00\x00\x00\xff\xff\x00\x00")
+
+
+def test_tracked_objects_round_trip_through_an_image_and_foreign_metadata_is_refused():
+    import collections
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    states = {"model": model.state_dict(), "opt": opt.state_dict(), "n": {"seen": [1, (2, 3)]}}
+    tensors, metadata = ckpt.pack_tracked(states)
+    assert "model/0.weight" in tensors and "opt/state/0/exp_avg" in tensors
+    assert tensors["model/0.weight"] is states["model"]["0.weight"]  # no copy on the way
+    back = ckpt.unpack_tracked({k: v.clone() for k, v in tensors.items()}, metadata)
+    assert isinstance(back["model"], collections.OrderedDict) and back["model"]._metadata == states["model"]._metadata
+    assert back["opt"]["param_groups"][0]["betas"] == (0.8, 0.9) and back["n"] == {"seen": [1, (2, 3)]}
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(back["model"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    torch.optim.AdamW(fresh.parameters()).load_state_dict(back["opt"])
+    with pytest.raises(ckpt.CheckpointError, match="does not hold tracked objects"):
+        ckpt.unpack_tracked(tensors, b"ten")
+    with pytest.raises(ckpt.CheckpointCorruptError, match="names tensor 'model/0.weight'"):
+        ckpt.unpack_tracked({k: v for k, v in tensors.items() if k != "model/0.weight"}, metadata)
