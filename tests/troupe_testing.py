@@ -129,6 +129,17 @@ def one_line_error(p):
     return lines[0]
 
 
+def local_cluster(**init_kwargs):
+    """troupe.init(**init_kwargs) on this machine (log_to_driver on, as a user's driver has it);
+    yields the run root; checks that shutdown() leaves no process behind."""
+    troupe = import_troupe()
+    troupe.init(**init_kwargs)
+    root = troupe._api._session.run_root
+    yield root
+    troupe.shutdown()
+    assert processes_under(root) == [], "shutdown() left processes behind"
+
+
 def cluster_fixture(**init_kwargs):
     """A module-scoped, autouse fixture: one embedded cluster (troupe.init(**init_kwargs)) shared
     by every test of the module. Use as `cluster = cluster_fixture(num_cpus=2)`."""

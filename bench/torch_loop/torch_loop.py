@@ -194,19 +194,6 @@ def troupe_loop(ctx):
         ctx.report(loss=loss.item(), t=time.time(), entered=entered, wrapped=wrapped, ready=ready, pid=os.getpid())
 
 
-class Samples:
-    """A map-style dataset of (features, label) pairs."""
-
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], int(self.y[i])
-
-
 def serve_troupe_recovery(args):
     """A TorchTrainer of 2 trainers on an embedded local cluster of 2 CPUs; rank 1's process is
     SIGKILLed from a thread once the group's step reaches KILL_AT_STEP; prints the time from the
@@ -220,7 +207,7 @@ def serve_troupe_recovery(args):
     t_start = time.monotonic()
     troupe.init(num_cpus=2, log_to_driver=False)
     try:
-        with TorchTrainer(troupe_loop, data=Samples(*recovery_data()), global_batch_size=RECOVERY_BATCH,
+        with TorchTrainer(troupe_loop, data=list(zip(*recovery_data())), global_batch_size=RECOVERY_BATCH,
                           scaling=ScalingConfig(min_workers=2, max_workers=2), steps_per_call=1,
                           progress=False) as trainer:
             victim = next(m for m in trainer.members() if m["kind"] == "trainer" and m["rank"] == 1)

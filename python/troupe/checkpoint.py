@@ -24,6 +24,7 @@ belongs in `metadata` (bytes). Importing this module does not import torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import re
@@ -465,18 +466,28 @@ class FlashCheckpoint:
                 _copy_back(state_dict, name, tmp)
         return Restored(header["step"], state_dict, header["metadata"])
 
+    @contextlib.contextmanager
+    def _segment(self, writable=False):
+        """This rank's segment: the open writer, else the existing one mapped for the call (None
+        when it does not exist); `writable` maps it for pin/discard_after."""
+        if self._writer is not None:
+            yield self._writer
+            return
+        try:
+            segment = _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name, self.copy_threads,
+                            writable)
+        except CheckpointNotFoundError:
+            yield None
+            return
+        try:
+            yield segment
+        finally:
+            segment.close()
+
     def steps(self) -> list[int]:
         """The steps complete in this rank's segment on this node, oldest first."""
-        try:
-            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
-                                            self.copy_threads)
-        except CheckpointNotFoundError:
-            return []
-        try:
-            return sorted(slot["step"] for slot in segment.slots() if slot["complete"])
-        finally:
-            if segment is not self._writer:
-                segment.close()
+        with self._segment() as segment:
+            return [] if segment is None else sorted(s["step"] for s in segment.slots() if s["complete"])
 
     def restore_step(self, step: int, *, as_numpy: bool = False, timeout: float = 600) -> Restored:
         """Restores exactly `step` into new tensors: from this node's segment when it holds the
@@ -496,13 +507,8 @@ class FlashCheckpoint:
         return restored
 
     def _read_exact(self, step, as_numpy):
-        try:
-            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
-                                            self.copy_threads)
-        except CheckpointNotFoundError:
-            return None
-        try:
-            header = segment.peek(int(step))
+        with self._segment() as segment:
+            header = None if segment is None else segment.peek(int(step))
             if header is None:
                 return None
             targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
@@ -510,21 +516,15 @@ class FlashCheckpoint:
             state = {name: _from_bytes(t, dtype, shape, as_numpy)
                      for t, (name, dtype, shape) in zip(targets, header["tensors"])}
             return Restored(header["step"], state, header["metadata"])
-        finally:
-            if segment is not self._writer:
-                segment.close()
 
     def pin(self, step: int, *, timeout: float = 60) -> int | None:
         """Pins the newest complete snapshot at or before `step` in this segment and, through the
         actor, in its replica on the next node (replicating it first when it is not there yet),
         after emptying the snapshots newer than `step` (a timeline the state left). Saves then
         leave it alone until the next pin. Returns the step pinned, or None when there is none."""
-        try:
-            segment = self._writer or _call(_checkpoint.Segment.open_existing, self.shm_dir, self.segment_name,
-                                            self.copy_threads, True)
-        except CheckpointNotFoundError:
-            return None
-        try:
+        with self._segment(writable=True) as segment:
+            if segment is None:
+                return None
             segment.discard_after(int(step))
             held = [slot["step"] for slot in segment.slots() if slot["complete"] and slot["step"] <= step]
             if not held:
@@ -541,9 +541,6 @@ class FlashCheckpoint:
                     delay = min(delay * 2, 0.02)
             _call(segment.pin, newest)
             return newest
-        finally:
-            if segment is not self._writer:
-                segment.close()
 
     def _restore_through_actor(self, max_step, timeout):
         request = {"rank": self.rank}

@@ -499,11 +499,9 @@ class GroupCoordinator:
         fresh = set(fresh) | {t.actor_id for t in self.trainers if t.actor_id in self._fresh}
         self._fresh = set(fresh)  # until they hold the group's state
         # The controller advances the epoch when a member dies; the trainers' join advances it
-        # otherwise (joining an epoch ends every earlier one: collectives/README.md). A trainer
-        # kind whose join does not (Python trainers rendezvous through a c10d store) must still
-        # never join an epoch twice: the store of an epoch is for one world.
-        epoch = max(self._epoch(), getattr(self, "_joined_epoch", 0)) + 1
-        self._joined_epoch = epoch
+        # otherwise (joining an epoch ends every earlier one: collectives/README.md; a Python
+        # trainer's through troupe.dist.group_store), so no two join rounds share an epoch.
+        epoch = self._epoch() + 1
         self._record({"state": GroupState.JOINING})
         world = len(self.trainers)
         nodes = {t.actor_id: self._rt.actor_info(t.actor_id)["node_id"] for t in self.trainers}

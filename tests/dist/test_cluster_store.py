@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from troupe_testing import BUILD, import_troupe, processes_under
+from troupe_testing import BUILD, import_troupe, local_cluster
 
 torch = pytest.importorskip("torch", reason="the store tests need Debian's python3-torch")
 if not list((BUILD / "python" / "troupe").glob("_dist.*.so")):
@@ -20,11 +20,7 @@ troupe = import_troupe()
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
+    yield from local_cluster(num_cpus=2)
 
 
 @troupe.remote(num_cpus=0, max_concurrency=4)

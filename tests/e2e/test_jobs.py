@@ -23,6 +23,29 @@ def job_state(troupe, name):
     return troupe.run("job", "status", name).stdout
 
 
+def attach_when_made(api, trainer, name):
+    """trainer.attach(name) once the job's driver has made its group."""
+    def attached():
+        try:
+            return trainer.attach(name)
+        except api.TroupeError:
+            return None
+    eventually(attached, 60, "the job to create its group")
+    return attached()
+
+
+def kill_the_driver_and_see_it_adopted(job, name, group):
+    """kill -9 the job's driver (the coordinator) mid-training: the supervisor starts it again and
+    the new driver adopts the running group and goes on from where it was."""
+    os.kill(job.status(name)["pid"], signal.SIGKILL)
+    eventually(lambda: job.status(name)["restarts"] == 1, 30, "the supervisor to restart the driver")
+    eventually(lambda: any("adopted by a new coordinator" in e for e in group.progress()["events"]), 60,
+               "the new driver to adopt the group")
+    step = group.progress()["step"]
+    group.wait(step=step + 4, timeout=60)
+    assert group.progress()["world_size"] == 2
+
+
 def test_a_submitted_job_runs_on_the_cluster_and_keeps_its_output(troupe, tmp_path):
     start_head(troupe, 2)
     script = tmp_path / "hello.py"
@@ -79,25 +102,10 @@ def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_anot
 
     api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
     try:
-        def attached():
-            try:
-                return ElasticTrainer.attach("run1")
-            except api.TroupeError:
-                return None
-        eventually(attached, 60, "the job to create its group")
-        group = attached()
+        group = attach_when_made(api, ElasticTrainer, "run1")
         group.wait(step=4, timeout=60)
 
-        # kill -9 the job's driver (the coordinator) mid-training: the supervisor starts it again
-        # and the new driver adopts the running group and goes on from where it was.
-        pid = job.status("trainjob")["pid"]
-        os.kill(pid, signal.SIGKILL)
-        eventually(lambda: job.status("trainjob")["restarts"] == 1, 30, "the supervisor to restart the driver")
-        eventually(lambda: any("adopted by a new coordinator" in e for e in group.progress()["events"]), 60,
-                   "the new driver to adopt the group")
-        step = group.progress()["step"]
-        group.wait(step=step + 4, timeout=60)
-        assert group.progress()["world_size"] == 2
+        kill_the_driver_and_see_it_adopted(job, "trainjob", group)
         assert group.progress()["coordinator_alive"]
 
         group.resize(1)  # carried out by the coordinator at its next chunk
@@ -158,13 +166,7 @@ def test_your_own_torch_loop_as_a_detached_job_is_adopted_by_its_restarted_drive
 
     api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
     try:
-        def attached():
-            try:
-                return TorchTrainer.attach("loop1")
-            except api.TroupeError:
-                return None
-        eventually(attached, 60, "the job to create its group")
-        group = attached()
+        group = attach_when_made(api, TorchTrainer, "loop1")
         group.wait(step=4, timeout=60)
         trainers = {a["id"]: a["pid"] for a in api.actors()
                     if a["type"] == "py:_TorchTrainerActor" and a["state"] == "ALIVE"}
@@ -172,13 +174,7 @@ def test_your_own_torch_loop_as_a_detached_job_is_adopted_by_its_restarted_drive
         with pytest.raises(api.TroupeError, match="TorchTrainer"):  # not an ElasticTrainer's to adopt
             ElasticTrainer(model="tinylm", data=TEXT, name="loop1", detached=True, progress=False)
 
-        os.kill(job.status("loopjob")["pid"], signal.SIGKILL)
-        eventually(lambda: job.status("loopjob")["restarts"] == 1, 30, "the supervisor to restart the driver")
-        eventually(lambda: any("adopted by a new coordinator" in e for e in group.progress()["events"]), 60,
-                   "the new driver to adopt the group")
-        step = group.progress()["step"]
-        group.wait(step=step + 4, timeout=60)
-        assert group.progress()["world_size"] == 2
+        kill_the_driver_and_see_it_adopted(job, "loopjob", group)
         now = {a["id"]: a["pid"] for a in api.actors()
                if a["type"] == "py:_TorchTrainerActor" and a["state"] == "ALIVE"}
         assert now == trainers  # the same processes train on

@@ -56,6 +56,8 @@ def test_flooding_actors_stay_within_the_per_file_and_per_run_caps(troupe, tmp_p
     troupe.env["TROUPE_LOG_MAX_BYTES"] = str(mb)
     troupe.env["TROUPE_LOG_RUN_MAX_BYTES"] = str(4 * mb)
     troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "4")
+    # The driver does not follow the flood: with log_to_driver on it would copy gigabytes into
+    # this test's file; what is measured here is the agent's caps, not a follower.
     code = textwrap.dedent("""
         import os, time, troupe
         troupe.init(address="auto", log_to_driver=False)

@@ -76,7 +76,7 @@ def test_sessions_survive_a_controller_restart_and_dead_drivers_lose_their_actor
 
 SHUTDOWN_WHILE_RESOLVING = textwrap.dedent("""
     import troupe
-    troupe.init(num_cpus=1, log_to_driver=False)
+    troupe.init(num_cpus=1)
     @troupe.remote(num_cpus=1)
     class Slow:
         def __init__(self):

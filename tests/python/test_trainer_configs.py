@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from troupe_testing import BUILD, import_troupe, processes_under
+from troupe_testing import BUILD, import_troupe, local_cluster
 
 troupe = import_troupe()
 
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.skipif(not glob.glob(os.path.join(BUILD, "actors", "lib
 
 @pytest.fixture
 def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
+    yield from local_cluster(num_cpus=2)
 
 
 def test_configs_reach_the_group_and_max_failures_stops_fit(cluster, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from troupe_testing import eventually, free_port, import_troupe, processes_under, run_driver
+from troupe_testing import eventually, free_port, import_troupe, local_cluster, processes_under, run_driver
 
 troupe = import_troupe()
 
@@ -65,11 +65,7 @@ def log_dir():
 
 @pytest.fixture
 def cluster():
-    troupe.init(num_cpus=2, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
+    yield from local_cluster(num_cpus=2)
 
 
 def node():
@@ -162,7 +158,7 @@ def test_a_killed_zygote_leaves_its_workers_running_and_is_replaced(cluster):
 
 def test_without_the_zygote_each_worker_is_a_new_process(monkeypatch):
     monkeypatch.setenv("TROUPE_PYTHON_ZYGOTE", "0")
-    troupe.init(num_cpus=2, log_to_driver=False)
+    troupe.init(num_cpus=2)
     root = troupe._api._session.run_root
     try:
         a = Probe.remote()

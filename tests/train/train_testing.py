@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from troupe_testing import BUILD, import_troupe, processes_under
+import troupe_testing
+from troupe_testing import BUILD, import_troupe
 
 troupe = import_troupe()
 
@@ -38,8 +39,4 @@ def events(trainer):
 
 def local_cluster(num_cpus):
     """troupe.init with `num_cpus` on this machine; yields the run root; checks nothing is left."""
-    troupe.init(num_cpus=num_cpus, log_to_driver=False)
-    root = troupe._api._session.run_root
-    yield root
-    troupe.shutdown()
-    assert processes_under(root) == [], "shutdown() left processes behind"
+    yield from troupe_testing.local_cluster(num_cpus=num_cpus)
