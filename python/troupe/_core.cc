@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <typeinfo>
 
 #include <kj/async-unix.h>
 #include <kj/vector.h>
@@ -836,7 +837,7 @@ PYBIND11_MODULE(_core, m) {
     } catch (const kj::Exception& e) {
       fprintf(stderr, "troupe._core: fatal: %s\n", kj::str(e).cStr());
     } catch (const std::exception& e) {
-      fprintf(stderr, "troupe._core: fatal: %s\n", e.what());
+      fprintf(stderr, "troupe._core: fatal: %s: %s\n", typeid(e).name(), e.what());
     } catch (...) {
     }
     abort();

@@ -706,6 +706,10 @@ class ProcessGroupTroupe final : public c10d::ProcessGroup {
     {
       std::lock_guard submit(submitMutex_);
       if (!comm_) fail(fmt::format("{}: the process group was destroyed", op));
+      // A group whose peer died fails each new op at once, not only its Work: DDP issues its
+      // all-reduces from the backward's hooks, so the backward stops at the next bucket instead
+      // of computing every gradient only to fail when it waits for them.
+      if (Status health = comm_->health(); !health.isOk()) fail(fmt::format("{}: {}", op, health.message()));
       Pending pending{issue(), work, std::move(after), std::move(keepAlive), op};
       for (at::Tensor& t : outputs) pending.keepAlive.push_back(t);
       {

@@ -489,16 +489,18 @@ class FlashCheckpoint:
         with self._segment() as segment:
             return [] if segment is None else sorted(s["step"] for s in segment.slots() if s["complete"])
 
-    def restore_step(self, step: int, *, as_numpy: bool = False, timeout: float = 600) -> Restored:
-        """Restores exactly `step` into new tensors: from this node's segment when it holds the
-        step, else staged into it by the actor (from a peer's memory or replica, or from disk).
-        CheckpointNotFoundError when no tier holds it."""
-        restored = self._read_exact(step, as_numpy)
+    def restore_step(self, step: int, *, into: Mapping[str, Any] | None = None, as_numpy: bool = False,
+                     timeout: float = 600) -> Restored:
+        """Restores exactly `step`: into `into`'s tensors in place when their names, dtypes and
+        shapes are the snapshot's (warm memory: a survivor's own tensors), else into new ones;
+        from this node's segment when it holds the step, else staged into it by the actor (from a
+        peer's memory or replica, or from disk). CheckpointNotFoundError when no tier holds it."""
+        restored = self._read_exact(step, as_numpy, into)
         self.restored_from = "memory"
         if restored is None and self.actor is not None:
             self.close()
             self._restore_through_actor(step, timeout)
-            restored = self._read_exact(step, as_numpy)
+            restored = self._read_exact(step, as_numpy, into)
             self.restored_from = "staged by the checkpoint actor"
         if restored is None:
             raise CheckpointNotFoundError("NOT_FOUND", f"rank {self.rank}: no complete snapshot of step {step} in "
@@ -506,15 +508,27 @@ class FlashCheckpoint:
                                           + ("" if self.actor is None else ", a peer's memory or replica, or disk"))
         return restored
 
-    def _read_exact(self, step, as_numpy):
+    def _read_exact(self, step, as_numpy, into=None):
         with self._segment() as segment:
             header = None if segment is None else segment.peek(int(step))
             if header is None:
                 return None
-            targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
+            copies = None
+            if into is not None and not as_numpy and set(into) == {name for name, _, _ in header["tensors"]}:
+                try:
+                    targets, copies = self._targets(into, header)
+                except ValueError:  # a dtype or shape differs: new tensors
+                    copies = None
+            if copies is None:
+                targets = [_allocate(_nbytes(dtype, shape)) for _, dtype, shape in header["tensors"]]
             header = _call(segment.restore_into, int(step), None, targets)
-            state = {name: _from_bytes(t, dtype, shape, as_numpy)
-                     for t, (name, dtype, shape) in zip(targets, header["tensors"])}
+            if copies is None:
+                state = {name: _from_bytes(t, dtype, shape, as_numpy)
+                         for t, (name, dtype, shape) in zip(targets, header["tensors"])}
+            else:
+                state = dict(into)
+                for name, tmp in copies:
+                    _copy_back(state, name, tmp)
             return Restored(header["step"], state, header["metadata"])
 
     def pin(self, step: int, *, timeout: float = 60) -> int | None:

@@ -46,6 +46,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -97,15 +98,17 @@ class TorchContext:
     """What train_loop(ctx) gets on its rank: prepare(), track(), batches(), report(), and rank,
     world_size, step, device, process_group. Used from the loop's thread only."""
 
-    def __init__(self, actor: _TorchTrainerActor) -> None:
-        self._a = actor
+    def __init__(self, actor: _TorchTrainerActor, gen: int) -> None:
+        self._a, self._gen = actor, gen
 
     @property
     def rank(self) -> int:
+        self._a._await_group(self._gen)
         return self._a.rank
 
     @property
     def world_size(self) -> int:
+        self._a._await_group(self._gen)
         return self._a.world
 
     @property
@@ -125,12 +128,28 @@ class TorchContext:
         "troupe" backend)."""
         import torch.distributed as dist
 
+        self._a._await_group(self._gen)
         return dist.distributed_c10d._get_default_group()
 
     def prepare(self, model: Any) -> Any:
-        """`model` wrapped in DistributedDataParallel over the group's process group."""
+        """`model` wrapped in DistributedDataParallel over the group's process group. `model` is
+        a module, or what makes one (its class, a function of no arguments): then a rank that
+        enters the loop again after a recovery keeps the module it made before (its memory stays
+        warm; ctx.track() loads the restored state into it) instead of making another."""
         import torch
 
+        if not isinstance(model, torch.nn.Module):
+            if not callable(model):
+                raise TypeError(f"ctx.prepare() takes a torch.nn.Module or a function that makes one, not a "
+                                f"{type(model).__name__}")
+            # A lambda written in the loop is a new function on each entry, with the same code.
+            key = getattr(model, "__code__", model)
+            kept = self._a.kept_modules.get(key)
+            model = kept if kept is not None else model()
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"ctx.prepare(factory): the factory made a {type(model).__name__}, not a "
+                                f"torch.nn.Module")
+            self._a.kept_modules[key] = model
         return torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group)
 
     def track(self, **objects: Any) -> None:
@@ -149,24 +168,31 @@ class TorchContext:
                 raise TypeError(f"ctx.track({name}=...): a {type(obj).__module__}.{type(obj).__qualname__} has no "
                                 f"state_dict()/load_state_dict(); track objects that have both (a model, an "
                                 f"optimizer, a scheduler), or wrap the value in one")
-        self._a._track(objects)
+        self._a._track(objects, self._gen)
 
     def batches(self) -> Any:
         """This rank's share of each global batch, as (inputs, targets) tensors, one per step
         until the group stops the loop (GroupChanged) or training ends."""
-        return self._a._batches()
+        return self._a._batches(self._gen)
 
     def report(self, **metrics: Any) -> None:
         """Ends the step: its metrics (numbers; `loss` is the history's loss), a memory snapshot
         when one is due; blocks after the last step of the chunk the coordinator asked for."""
-        self._a._report(metrics)
+        self._a._report(metrics, self._gen)
 
 
 @_api.remote(num_cpus=1)
 class _TorchTrainerActor:
     """One rank of a TorchTrainer's group: the Trainer interface's methods (called by the
     coordinator on a pool of call threads) and the user's loop (on a thread of its own). One
-    condition, `cv`, guards the loop's progress (step, chunk, rows, outcome)."""
+    condition, `cv`, guards the loop's progress (step, chunk, rows, outcome) and its gates.
+
+    The loop runs ahead of the group: a new process starts it at once, and a join starts it
+    again as soon as the old one has unwound, so the user's setup (imports, building the model)
+    overlaps the coordinator's work. What needs the group waits at a gate: the process group
+    (ctx.prepare, rank, world_size) until the join has made it, ctx.track until the restore has
+    said what to load, ctx.batches until run() asks for steps. Each start of the loop is a
+    generation (`gen`); a loop whose generation is not the current one unwinds (GroupChanged)."""
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         import cloudpickle
@@ -188,13 +214,23 @@ class _TorchTrainerActor:
         self.pending: dict[str, Any] | None = None  # the restored step's state, loaded by track()
         self.tracked: dict[str, Any] | None = None
         self.thread: threading.Thread | None = None
+        self.gen = 0  # the loop's current generation
+        self.used_group = False  # the current generation's loop went past the group's gate
+        self.group_ready = False  # this epoch's process group is made (the join's)
+        self.restored = False  # the restore of this epoch is done: `pending` is what to load
+        self.kept_modules: dict[Any, Any] = {}  # ctx.prepare(factory)'s modules, kept across entries
         self.chunk_end = 0
         self.rows: list[dict[str, Any]] = []
         self.outcome: tuple[str, str] | None = None
-        self.changed = False
         self.taken: dict[str, Any] | None = None  # the batch of the step in progress
         self.loader = None
         self.doing = ("idle", time.time(), 0)
+        # Imported here, before the loop's thread starts: a first import of torch in two threads
+        # at once (the loop's and join's) can hand one of them a half-initialised module.
+        import torch.distributed  # noqa: F401
+
+        from . import dist  # noqa: F401 (registers the "troupe" backend)
+        self._start_loop()  # a warm start: the loop's setup runs while the group is being formed
 
     # ---- The Trainer interface (the coordinator's calls) ----
     def join(self, epoch: int, rank: int, world: int, dataloader: str, checkpoint: str) -> dict[str, Any]:
@@ -204,7 +240,12 @@ class _TorchTrainerActor:
 
         from . import dist as _backend  # registers the "troupe" backend
 
-        self._stop_loop()
+        with self.cv:
+            self.group_ready = self.restored = False
+            self.pending = None
+            keep = not self.used_group and self.thread is not None and self.thread.is_alive()
+        if not keep:  # a loop that used the old group unwinds; one still in its setup goes on
+            self._stop_loop()
         if dist.is_initialized():
             dist.destroy_process_group()
         timeout = datetime.timedelta(seconds=float(self.spec.get("timeout", 30.0)))
@@ -223,6 +264,11 @@ class _TorchTrainerActor:
             if self.flash is None:
                 raise RuntimeError(f"rank {rank}: joined without its node's checkpoint actor")
             self.flash.world_size = world
+        with self.cv:
+            self.group_ready = True
+            self.cv.notify_all()
+        if not keep:
+            self._start_loop()
         return {"rank": rank, "world": world}
 
     def snapshots(self) -> dict[str, Any]:
@@ -238,15 +284,18 @@ class _TorchTrainerActor:
         then takes that rank's state by a broadcast (`fromBroadcast` ranks skip their own)."""
         if fromBundles:
             raise RuntimeError("TorchTrainer's snapshots are not sharded: there is nothing to re-shard")
-        self._stop_loop()
+        restart = self._hold_loop()
         state, source = None, "seed"
         if step > 0 and not fromBroadcast:
             bundle = fromBundle if fromBundle >= 0 else self.bundle
+            # Into the tensors of the objects the last entry tracked when they match (a survivor's
+            # warm memory, which the loop gets back through ctx.prepare(factory) and ctx.track).
+            into = _ckpt.pack_tracked(self._states())[0] if self.tracked is not None else None
             with self.flash_lock:
                 flash = self.flash if bundle == self.bundle else _ckpt.FlashCheckpoint(
                     rank=bundle, world_size=self.world, actor=self.flash.actor)
                 try:
-                    restored = flash.restore_step(step)
+                    restored = flash.restore_step(step, into=into)
                     source = flash.restored_from
                 except _ckpt.CheckpointNotFoundError as e:
                     raise RuntimeError(f"rank {self.rank}: {e}") from None
@@ -263,8 +312,7 @@ class _TorchTrainerActor:
             dist.broadcast_object_list(box, src=broadcastFrom)
             if fromBroadcast:
                 state, source = box[0], f"broadcast from rank {broadcastFrom}"
-        with self.cv:
-            self.step, self.chunk_end, self.pending = step, step, state
+        self._restored(step, state, restart)
         return {"step": step, "source": source, "hash": 0}  # hash() says it: hashing costs a pass over the state
 
     def run(self, fromStep: int, steps: int = 1) -> dict[str, Any]:  # noqa: N803
@@ -272,12 +320,14 @@ class _TorchTrainerActor:
             if self.step != fromStep:
                 raise RuntimeError(f"rank {self.rank}: trainer is at step {self.step}, asked to run from step "
                                    f"{fromStep}")
-            self.chunk_end, self.rows, self.outcome = fromStep + steps, [], None
-            if self.thread is None or not self.thread.is_alive():
-                self.changed = False
-                self.thread = threading.Thread(target=self._loop_main, name="troupe-train-loop", daemon=True)
-                self.thread.start()
+            ended = self.thread is None or not self.thread.is_alive()
+            if not (ended and self.outcome is not None and self.outcome[0] == "error"):  # else: say it below
+                self.outcome = None
+            self.chunk_end, self.rows = fromStep + steps, []
             self.cv.notify_all()
+        if ended and self.outcome is None:  # the loop returned earlier: it is entered again
+            self._start_loop()
+        with self.cv:
             while len(self.rows) < steps and self.outcome is None:
                 self.cv.wait()
             rows, outcome = list(self.rows), self.outcome
@@ -349,31 +399,71 @@ class _TorchTrainerActor:
 
     def loadDir(self, dir: str, step: int) -> dict[str, Any]:  # noqa: N802,A002
         """Loads the newest complete step at or below `step` (0: the newest) persisted in `dir`."""
-        self._stop_loop()
+        restart = self._hold_loop()
         state, got = _ckpt.load_tracked(dir, step=step or None)
-        with self.cv:
-            self.step, self.chunk_end, self.pending = got, got, state
+        self._restored(got, state, restart)
         return {"step": got, "source": f"{dir} step {got}", "hash": 0}
 
-    # ---- The loop's side ----
-    def _loop_main(self) -> None:
-        self.taken = None  # a step an earlier entry took and did not finish is taken again
+    # ---- The loop's life: its generations and gates ----
+    def _start_loop(self) -> None:
+        """Enters the loop again in a new thread, a new generation."""
+        with self.cv:
+            self.gen += 1
+            self.used_group = False
+            self.taken = None  # a step an earlier entry took and did not finish is taken again
+            self.thread = threading.Thread(target=self._loop_main, args=(self.gen,), name="troupe-train-loop",
+                                           daemon=True)
+            self.thread.start()
+
+    def _hold_loop(self) -> bool:
+        """Before a restore: a loop that went past the gate (it trains on the tensors the restore
+        writes) unwinds, and is entered again by _restored(); one still before the gate waits
+        there for the restore. Returns whether the loop was stopped."""
+        with self.cv:
+            stop = self.used_group and self.thread is not None and self.thread.is_alive()
+            self.restored = False
+        if stop:
+            self._stop_loop()
+        return stop
+
+    def _restored(self, step: int, state: dict[str, Any] | None, restart: bool) -> None:
+        with self.cv:
+            self.step, self.chunk_end, self.pending = step, step, state
+            self.restored = True
+            self.cv.notify_all()
+        if restart:
+            self._start_loop()
+
+    def _await_group(self, gen: int) -> None:
+        """The gate: the loop of generation `gen` waits until this epoch's process group is made
+        and its step restored (GroupChanged if a newer generation replaced it meanwhile)."""
+        with self.cv:
+            while not (self.group_ready and self.restored) and gen == self.gen:
+                self.doing = ("waiting for the group", time.time(), self.step)
+                self.cv.wait()
+            if gen != self.gen:
+                raise GroupChanged("the group re-forms")
+            self.used_group = True
+
+    def _loop_main(self, gen: int) -> None:
         try:
-            self.loop(TorchContext(self))
+            self.loop(TorchContext(self, gen))
             outcome = ("returned", "")
         except GroupChanged:
             outcome = ("changed", "the coordinator re-formed the group")
         except BaseException as e:  # noqa: B036 (the loop's failure goes to run(), whatever it is)
             text = traceback.format_exc()
-            outcome = ("changed", text) if isinstance(e, _GroupFailure) or self._group_broken() else ("error", text)
+            outcome = (("changed", text) if isinstance(e, _GroupFailure) or self._group_broken(gen)
+                       else ("error", text))
         with self.cv:
-            self.outcome = outcome
-            self.doing = ("loop ended", time.time(), self.step)
+            if gen == self.gen:  # an older generation's end is not this one's outcome
+                self.outcome = outcome
+                self.doing = ("loop ended", time.time(), self.step)
             self.cv.notify_all()
 
-    def _group_broken(self) -> bool:
+    def _group_broken(self, gen: int) -> bool:
         """The group's communicator failed (a peer died) or the coordinator re-forms the group."""
-        if self.changed:
+        if gen != self.gen:
             return True
         try:
             from . import dist as troupe_dist
@@ -385,12 +475,12 @@ class _TorchTrainerActor:
     def _stop_loop(self) -> None:
         """Ends the loop's thread before the group re-forms: GroupChanged out of its wait, or its
         collective fails when the old process group is destroyed."""
-        thread = self.thread
+        with self.cv:
+            thread = self.thread
+            self.gen += 1  # the loop's waits raise GroupChanged
+            self.cv.notify_all()
         if thread is None or not thread.is_alive():
             return
-        with self.cv:
-            self.changed = True
-            self.cv.notify_all()
         thread.join(timeout=5.0)
         if thread.is_alive():  # blocked in a collective of the old group
             import torch.distributed as dist
@@ -399,17 +489,16 @@ class _TorchTrainerActor:
                 dist.destroy_process_group()
             thread.join(timeout=float(self.spec.get("timeout", 30.0)))
         if thread.is_alive():
-            import sys
-
             frame = sys._current_frames().get(thread.ident)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
             raise RuntimeError(f"rank {self.rank}: train_loop did not stop when the group re-formed (is it "
                                f"blocked outside ctx.report()/ctx.batches() and the process group?); the loop's "
                                f"thread is at:\n{where}")
 
-    def _track(self, objects: dict[str, Any]) -> None:
+    def _track(self, objects: dict[str, Any], gen: int) -> None:
         import torch
 
+        self._await_group(gen)
         with self.cv:
             pending, self.pending = self.pending, None
         if pending is not None:
@@ -419,7 +508,7 @@ class _TorchTrainerActor:
                                f"{sorted(k for k in pending if not k.startswith('__'))}); track the same names on "
                                f"every entry")
             for name, obj in objects.items():
-                obj.load_state_dict(pending[name])
+                _load_state(obj, pending[name])
             rng = pending.get("__rng__") or {}
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"])
@@ -461,20 +550,21 @@ class _TorchTrainerActor:
             self._save(self._states())
         return time.monotonic() - t0
 
-    def _wait_for_chunk(self) -> None:
+    def _wait_for_chunk(self, gen: int) -> None:
         with self.cv:
-            while self.step >= self.chunk_end and not self.changed:
+            while self.step >= self.chunk_end and gen == self.gen:
                 self.doing = ("waiting for the next chunk", time.time(), self.step)
                 self.cv.wait()
-            if self.changed:
+            if gen != self.gen:
                 raise GroupChanged(f"the group re-forms at step {self.step}")
 
-    def _batches(self) -> Any:
+    def _batches(self, gen: int) -> Any:
+        self._await_group(gen)
         while True:
             if self.taken is not None:
                 raise RuntimeError(f"rank {self.rank}: step {self.step + 1}'s batch was not reported: call "
                                    f"ctx.report() once per batch")
-            self._wait_for_chunk()
+            self._wait_for_chunk(gen)
             t0 = time.monotonic()
             step = self.step
             self.doing = ("data wait", time.time(), step + 1)
@@ -493,7 +583,7 @@ class _TorchTrainerActor:
             self.doing = ("step", time.time(), step + 1)
             yield _tensor(batch["inputs"]), _tensor(batch["targets"])
 
-    def _report(self, metrics: Mapping[str, Any]) -> None:
+    def _report(self, metrics: Mapping[str, Any], gen: int) -> None:
         taken, self.taken = self.taken, None
         if taken is None:
             raise RuntimeError(f"rank {self.rank}: ctx.report() without a batch: call it once per batch of "
@@ -513,11 +603,44 @@ class _TorchTrainerActor:
         with self.cv:
             self.rows.append(row)
             self.cv.notify_all()
-        self._wait_for_chunk()
+        self._wait_for_chunk(gen)
 
 
 def _actor_name(group: str, bundle: int) -> str:
     return f"torch-trainer-{group}-{bundle}"
+
+
+def _load_state(obj: Any, state: Any) -> None:
+    """obj.load_state_dict(state). An optimizer takes the restored tensors as they are: torch's
+    Optimizer.load_state_dict deep-copies the whole state first (0.4 s for AdamW's 800 MB at
+    100M parameters here), and the restore made these tensors for this load alone."""
+    import copy
+
+    import torch
+
+    optimizer_module = sys.modules.get(torch.optim.Optimizer.__module__)  # torch.optim deletes its name
+    if not (isinstance(obj, torch.optim.Optimizer) and getattr(optimizer_module, "deepcopy", None) is copy.deepcopy):
+        obj.load_state_dict(state)
+        return
+
+    def tensors_kept(value, memo=None):
+        memo = {} if memo is None else memo
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, torch.Tensor):
+                memo[id(v)] = v  # deepcopy hands back what its memo holds
+            elif isinstance(v, Mapping):
+                stack.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                stack.extend(v)
+        return copy.deepcopy(value, memo)
+
+    optimizer_module.deepcopy = tensors_kept
+    try:
+        obj.load_state_dict(state)
+    finally:
+        optimizer_module.deepcopy = copy.deepcopy
 
 
 def _state_hash(state: Mapping[str, Any] | None) -> int:
@@ -565,6 +688,9 @@ class _TorchTrainers:
     (_TorchTrainerActor); their methods take keywords and return dicts."""
 
     name = "torch"
+    # A restarted rank is a new Python process that imports torch and builds the model (seconds):
+    # the group trains on without it and takes it back once its loop waits at the group's gate.
+    heals_in_background = True
 
     def __init__(self, loop: bytes, data: Any, global_batch: int, seed: int, fault: Mapping[str, Any],
                  timeout: float) -> None:
@@ -585,6 +711,12 @@ class _TorchTrainers:
 
     def reply(self, method: str, value: Any) -> dict[str, Any]:
         return value
+
+    def probe(self, handle: Any) -> Any:
+        return handle.activity.remote()
+
+    def warm(self, reply: Mapping[str, Any]) -> bool:
+        return reply["activity"]["name"] == "waiting for the group"
 
     def handle(self, actor_id: str) -> Any:
         return _api.ActorHandle(actor_id, "py:_TorchTrainerActor")

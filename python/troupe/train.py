@@ -308,9 +308,21 @@ class _CppTrainers:
     actors/schema/trainer.capnp. `prepare(workdir)` -> (engine settings, data spec)."""
 
     name = "cpp"
+    # A C++ trainer restarts in milliseconds: the group waits for it rather than shrinking.
+    heals_in_background = False
 
     def __init__(self, prepare):
         self.prepare = prepare
+
+    def probe(self, handle):
+        """A call a live member answers at once (hash runs on the compute thread: it also
+        says the member has finished what it was doing)."""
+        return _typed.call(handle, "Trainer", "hash")
+
+    def warm(self, reply):
+        """Whether a restarted member that answered probe() is ready to join without making
+        the others wait for its setup."""
+        return True
 
     def call(self, handle, method, **params):
         return _typed.call(handle, "Trainer", method, **params)
@@ -398,6 +410,10 @@ class GroupCoordinator:
         self.events: list[dict[str, Any]] = []
         self._resize_to: int | None = None
         self._fresh: set[str] = set()  # members a grow added that do not hold the group's state yet
+        # Members restarting after a failure while the group trains on without them (kinds whose
+        # restart takes seconds): actor id -> {"handle", "bundle", "since"}; taken back, warm,
+        # at a chunk boundary (_take_back_healed).
+        self._healing: dict[str, dict[str, Any]] = {}
         # tests: {"rank": r, "kill_at_step": s, "join_kill_bundle": b, "start_kill_bundle": b, "checkpoint": fault spec}
         self._fault = dict(fault or {})
         self.recoveries: list[dict[str, Any]] = []
@@ -465,7 +481,7 @@ class GroupCoordinator:
     def _drop_idle_services(self):
         """A node with no trainer left loses its dataloader and checkpoint actor (replicas then
         go to the next node that has members)."""
-        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles}
+        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles + [h["bundle"] for h in self._healing.values()]}
         for node, (loader, ckpt) in list(self._node_services.items()):
             if node not in live_nodes:
                 _api.kill(loader)
@@ -626,6 +642,7 @@ class GroupCoordinator:
                # What a new coordinator needs to adopt the group (ElasticTrainer(name=...) after
                # this one died), and how to tell whether this one is alive.
                "bundles": list(getattr(self, "_bundles", [])),
+               "healing": [[aid, h["bundle"]] for aid, h in getattr(self, "_healing", {}).items()],
                "sharded_as": getattr(self, "_sharded_as", None),
                "services": {n: [l.actor_id, c.actor_id] for n, (l, c) in getattr(self, "_node_services", {}).items()},
                "trainer_nodes": dict(getattr(self, "_trainer_nodes", {})),
@@ -721,6 +738,8 @@ class GroupCoordinator:
         self._bundles = list(doc["bundles"])
         self._sharded_as = list(doc.get("sharded_as") or doc["bundles"])
         self.trainers = [self._kind.handle(i) for i in doc["members"]]
+        self._healing = {aid: {"handle": self._kind.handle(aid), "bundle": b, "since": time.monotonic()}
+                         for aid, b in doc.get("healing", [])}
         self._node_services = {n: (_api.ActorHandle(l, "Dataloader"), _api.ActorHandle(c, "Checkpoint"))
                                for n, (l, c) in doc["services"].items()}
         self._trainer_nodes = dict(doc.get("trainer_nodes", {}))
@@ -805,6 +824,8 @@ class GroupCoordinator:
                             self._event(f"failure during the resize from {current} to {resize_to} trainer(s) at "
                                         f"step {self.step}: {str(e).splitlines()[0][:200]}")
                             raise
+                    if self._healing:
+                        self._take_back_healed()
                     chunk = min(self.steps_per_call, target - self.step)
                     t0 = time.monotonic()
                     refs = [self._kind.call(t, "run", fromStep=self.step, steps=chunk) for t in self.trainers]
@@ -912,10 +933,11 @@ class GroupCoordinator:
             if all(self._rt.actor_info(self.trainers[refs.index(r)].actor_id)["state"] != "ALIVE" for r in not_ready):
                 break
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
+        self._heal_in_background(refs)
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
         deadline = time.monotonic() + self.replace_timeout
-        answering = self._answering([(t, lambda h: self._kind.call(h, "hash")) for t in self.trainers], deadline)
+        answering = self._answering([(t, self._kind.probe) for t in self.trainers], deadline)
         survivors = [t for t in self.trainers if t.actor_id in answering]
         for t, bundle in zip(self.trainers, self._bundles):
             if t.actor_id not in answering:
@@ -957,6 +979,83 @@ class GroupCoordinator:
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         self.recoveries.append({"step": self.step, "recovery_s": took})
+
+    def _heal_in_background(self, refs):
+        """With a kind whose restart takes seconds (a Python process that imports torch and
+        builds the model), the members that died leave the group for now and restart in their
+        bundles while the survivors train on, if they are at least min_workers; they are taken
+        back once warm (_take_back_healed), at a chunk boundary."""
+        if not self._kind.heals_in_background or self._seq() != 1:
+            return
+        died = set()
+        for t, ref in zip(self.trainers, refs):
+            try:
+                _api.get(ref, timeout=0)
+            except ActorDiedError:
+                died.add(t.actor_id)
+            except Exception:
+                pass
+        died |= {t.actor_id for t in self.trainers if self._rt.actor_info(t.actor_id)["state"] != "ALIVE"}
+        staying = [(t, b) for t, b in zip(self.trainers, self._bundles) if t.actor_id not in died]
+        if not died or len(staying) < max(1, self.min_workers):
+            return
+        now = time.monotonic()
+        for t, b in zip(self.trainers, self._bundles):
+            if t.actor_id in died:
+                self._healing[t.actor_id] = {"handle": t, "bundle": b, "since": now}
+        self.trainers, self._bundles = [t for t, _ in staying], [b for _, b in staying]
+        self._event(f"trainer(s) {sorted(died)} restarting: the group trains on with {len(staying)} and takes them "
+                    f"back once they are ready")
+
+    def _take_back_healed(self):
+        """Members restarted after a failure rejoin, warm (their loop waits at the group's gate),
+        at this chunk boundary: the group grows by them as by a resize (they restore the current
+        step from a member's memory). One that is not back within replace_timeout leaves."""
+        back = []
+        for aid, h in list(self._healing.items()):
+            info = self._rt.actor_info(aid)
+            waited = time.monotonic() - h["since"]
+            if info["state"] == "ALIVE":
+                try:
+                    reply = _api.get(self._kind.probe(h["handle"]), timeout=2.0)
+                except Exception:
+                    reply = None
+                if reply is not None and (self._kind.warm(reply) or waited > self.replace_timeout):
+                    back.append(h)
+                    continue
+            if info["state"] == "DEAD" or (info["state"] != "ALIVE" and waited > self.replace_timeout):
+                self._event(f"trainer {aid} (bundle {h['bundle']}) is not coming back within "
+                            f"{self.replace_timeout:.0f} s: the group goes on without it")
+                del self._healing[aid]
+                _api.kill(h["handle"])
+                self._pg = self._rt.remove_bundles(self.group_id, [h["bundle"]])
+                self._drop_idle_services()
+                self._tell_members()
+        if not back or len(self.trainers) + len(back) > self.max_workers:
+            return
+        t0, current = time.monotonic(), len(self.trainers)
+        _api.get([self._kind.call(t, "pin", snapshot=True) for t in self.trainers], timeout=self.recovery_timeout)
+        for h in back:
+            del self._healing[h["handle"].actor_id]
+            self.trainers.append(h["handle"])
+            self._bundles.append(h["bundle"])
+        self._ensure_node_services()
+        self._tell_members()
+        self._join_all(restore_step=self.step, fresh={h["handle"].actor_id for h in back})
+        _api.get([self._kind.call(t, "configure", **self._settings, snapshotEvery=self._checkpoint["snapshot_every"])
+                  for t in self.trainers], timeout=self.recovery_timeout)
+        self._event(f"trainer(s) {[h['handle'].actor_id for h in back]} back: grew from {current} to "
+                    f"{len(self.trainers)} at step {self.step} in {time.monotonic() - t0:.2f} s")
+
+    def _abandon_healing(self):
+        """A resize supersedes the members still restarting: they leave with their bundles."""
+        if not self._healing:
+            return
+        for aid, h in list(self._healing.items()):
+            _api.kill(h["handle"])
+        self._pg = self._rt.remove_bundles(self.group_id, [h["bundle"] for h in self._healing.values()])
+        self._event(f"trainer(s) {sorted(self._healing)} were restarting: the resize goes on without them")
+        self._healing = {}
 
     # A rank whose compute time per step is more than STRAGGLER_RATIO times the median of the
     # other ranks' over the last STRAGGLER_WINDOW steps is a straggler (DLRover's rule, from the
@@ -1096,6 +1195,7 @@ class GroupCoordinator:
         """Shrinks (the newest trainers leave and their bundles are freed) or grows (bundles are
         added to the placement group, new trainers start from a member's memory snapshot) at
         a step boundary; no step is lost either way."""
+        self._abandon_healing()
         current = len(self.trainers)
         # Every rank restores the current step after the move, a new member copies a node mate's
         # snapshot of it, and under ZeRO the ranks re-shard from every old rank's (the leaving
@@ -1158,7 +1258,7 @@ class GroupCoordinator:
             _api.get([_typed.call(c, "Checkpoint", "release") for _, c in self._node_services.values()], timeout=30)
         except Exception:
             pass
-        for t in self.trainers:
+        for t in self.trainers + [h["handle"] for h in self._healing.values()]:
             _api.kill(t)
         for loader, ckpt in self._node_services.values():
             _api.kill(loader)
