@@ -2,7 +2,9 @@
 
 Every trainer keeps its newest spans in a ring (TrainerEngine::timeline, 4096 spans, always on):
 forward and backward per micro-batch, each gradient bucket's all-reduce from its launch to its
-finish, the loss all-reduce, the optimizer, the data wait and the snapshot. This collects the
+finish, the loss all-reduce, the optimizer, the data wait and the snapshot. A TorchTrainer's rank
+runs the user's loop, whose insides it does not see: its spans are the data wait, the step (from
+the batch to report()) and the snapshot. This collects the
 rings of the group's ranks (the Trainer's typed `timeline` call, answered at once, also during a
 chunk) and writes the Trace Event Format JSON that https://ui.perfetto.dev and chrome://tracing
 open: a process per rank, a thread for compute, one for communication and one for data and
@@ -17,6 +19,7 @@ from . import _api, _typed
 
 # Which track a span goes on.
 _TRACKS = {"forward": (0, "compute"), "backward": (0, "compute"), "optimizer": (0, "compute"),
+           "step": (0, "compute"),
            "allreduce": (1, "communication"), "allreduce loss": (1, "communication"),
            "data wait": (2, "data and snapshots"), "snapshot": (2, "data and snapshots")}
 
@@ -46,11 +49,14 @@ def collect(group=None, timeout=60):
     rt = _api.runtime()
     name, record, doc = _find(rt, group)
     members = doc.get("members", [])
-    refs = [_typed.call(_api.ActorHandle(m, "Trainer"), "Trainer", "timeline") for m in members]
+    torch_loop = doc.get("engine", {}).get("kind") == "torch"  # TorchTrainer's ranks: Python actors
+    refs = [_api.ActorHandle(m, "py:_TorchTrainerActor").timeline.remote() if torch_loop
+            else _typed.call(_api.ActorHandle(m, "Trainer"), "Trainer", "timeline") for m in members]
     events = []
     for member, ref in zip(members, refs):
         try:
-            ring = _typed.reply("Trainer", "timeline", _api.get(ref, timeout=timeout))
+            ring = _api.get(ref, timeout=timeout)
+            ring = ring if torch_loop else _typed.reply("Trainer", "timeline", ring)
         except _api.TroupeError as e:  # a rank that died meanwhile: the trace says so
             events.append({"name": f"trainer {member} did not answer: {e}", "ph": "i", "s": "g", "ts": 0,
                            "pid": 0, "tid": 0})

@@ -40,6 +40,7 @@ any hosts; a rank listens for its peers on its node's address.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import os
@@ -225,6 +226,7 @@ class _TorchTrainerActor:
         self.taken: dict[str, Any] | None = None  # the batch of the step in progress
         self.loader = None
         self.doing = ("idle", time.time(), 0)
+        self.spans: collections.deque[dict[str, Any]] = collections.deque(maxlen=4096)  # for troupe timeline
         # Imported here, before the loop's thread starts: a first import of torch in two threads
         # at once (the loop's and join's) can hand one of them a half-initialised module.
         import torch.distributed  # noqa: F401
@@ -395,7 +397,13 @@ class _TorchTrainerActor:
             return f"(unknown: {e})"
 
     def timeline(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "spans": []}
+        """The newest spans of the loop's steps (data wait, step, snapshot), as the C++ trainer's."""
+        return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "spans": list(self.spans)}
+
+    def _span(self, name: str, start: float, end: float, step: int) -> None:
+        """`start` and `end` in time.time() seconds."""
+        self.spans.append({"name": name, "startUs": int(start * 1e6), "durUs": int((end - start) * 1e6),
+                           "step": step, "bucket": -1, "bytes": 0})
 
     def loadDir(self, dir: str, step: int) -> dict[str, Any]:  # noqa: N802,A002
         """Loads the newest complete step at or below `step` (0: the newest) persisted in `dir`."""
@@ -579,7 +587,9 @@ class _TorchTrainerActor:
                                    world=self.world)["batch"]
             except (ActorDiedError, ActorError, TroupeError) as e:
                 raise _GroupFailure(f"rank {self.rank}: take of step {step + 1} failed: {e}") from e
-            self.taken = {"ids": list(batch["sampleIds"]), "wait_s": time.monotonic() - t0, "t": time.monotonic()}
+            self.taken = {"ids": list(batch["sampleIds"]), "wait_s": time.monotonic() - t0, "t": time.monotonic(),
+                          "wall": time.time()}
+            self._span("data wait", self.taken["wall"] - self.taken["wait_s"], self.taken["wall"], step + 1)
             self.doing = ("step", time.time(), step + 1)
             yield _tensor(batch["inputs"]), _tensor(batch["targets"])
 
@@ -589,6 +599,7 @@ class _TorchTrainerActor:
             raise RuntimeError(f"rank {self.rank}: ctx.report() without a batch: call it once per batch of "
                                f"ctx.batches()")
         compute = time.monotonic() - taken["t"]
+        self._span("step", taken["wall"], taken["wall"] + compute, self.step + 1)
         try:
             _typed.get(self.loader, "Dataloader", "complete", step=self.step, rank=self.rank)
         except (ActorDiedError, ActorError, TroupeError) as e:
@@ -597,6 +608,8 @@ class _TorchTrainerActor:
         with self.cv:
             self.step += 1
         snapshot_s = self._snapshot() if self.tracked is not None and self.step % self.snapshot_every == 0 else 0.0
+        if snapshot_s:
+            self._span("snapshot", time.time() - snapshot_s, time.time(), self.step)
         row = {"step": self.step, "loss": values.get("loss", math.nan), "computeS": compute, "commS": 0.0,
                "waitS": taken["wait_s"], "snapshotS": snapshot_s, "samples": int(self.spec["global_batch"]),
                "bytesAllreduced": 0, "sampleIds": taken["ids"], "metrics": values}

@@ -315,3 +315,23 @@ def test_a_hung_rank_is_reported_naming_the_peer_the_others_wait_on(cluster, dat
         runner.join(timeout=120)
         assert not runner.is_alive() and result["history"][-1]["step"] == 8
         assert len(t.recoveries) == 1
+
+
+def test_troupe_timeline_shows_each_ranks_steps(cluster, dataset):
+    from troupe import timeline
+
+    with _make(dataset, name="torch-traced") as t:
+        t.fit(steps=5)
+        trace = timeline.collect("torch-traced")
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert trace["otherData"]["world_size"] == 2
+    for rank in (0, 1):
+        for name in ("data wait", "step", "snapshot"):
+            assert {e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == name} == {1, 2, 3, 4, 5}, \
+                (rank, name)
+    # A step's span follows its data wait on the rank's clock.
+    waits = {(e["pid"], e["args"]["step"]): e for e in spans if e["name"] == "data wait"}
+    for e in spans:
+        if e["name"] == "step":
+            wait = waits[(e["pid"], e["args"]["step"])]
+            assert wait["ts"] + wait["dur"] <= e["ts"] + 1000 and e["dur"] > 0
