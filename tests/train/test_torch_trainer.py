@@ -213,9 +213,10 @@ def test_a_persisted_step_loads_into_plain_torch_objects_and_a_new_trainer_resum
 
 
 def _noisy_loop(ctx):
-    """train_loop with input noise: the RNG state a snapshot holds decides the trained bits."""
+    """train_loop with input noise: the RNG state a snapshot holds decides the trained bits. The
+    model is made by ctx.prepare (a survivor keeps its module: the restore writes its tensors)."""
     torch.manual_seed(0)
-    model = ctx.prepare(EagerNet())
+    model = ctx.prepare(EagerNet)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ctx.track(model=model, opt=opt)
     for x, y in ctx.batches():
@@ -223,7 +224,7 @@ def _noisy_loop(ctx):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        ctx.report(loss=loss.item())
+        ctx.report(loss=loss.item(), module=id(model.module), pid=os.getpid())
 
 
 def _worlds(history):
@@ -256,6 +257,8 @@ def test_a_run_with_a_kill_9_and_a_shrink_ends_bitwise_equal_to_one_that_made_th
         worlds = _worlds(t.history)
         assert worlds[0] == [2, 5] and worlds[1][0] == 1 and worlds[-1][0] == 1, worlds  # shrank at the kill
         assert [r["step"] for r in t.recoveries] == [5]  # from the snapshot of step 5, not from the seed
+        # Rank 0 survived in its process with the module it made on its first entry.
+        assert len({(r["metrics"]["pid"], r["metrics"]["module"]) for r in t.history}) == 1
         killed = t.parameter_hash(), [r["loss"] for r in t.history]
     with make() as t:
         for world, steps in worlds:
