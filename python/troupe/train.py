@@ -481,7 +481,8 @@ class GroupCoordinator:
     def _drop_idle_services(self):
         """A node with no trainer left loses its dataloader and checkpoint actor (replicas then
         go to the next node that has members)."""
-        live_nodes = {self._pg["bundle_nodes"][b] for b in self._bundles + [h["bundle"] for h in self._healing.values()]}
+        bundles = self._bundles + [h["bundle"] for h in self._healing.values()]  # healing: coming back
+        live_nodes = {self._pg["bundle_nodes"][b] for b in bundles}
         for node, (loader, ckpt) in list(self._node_services.items()):
             if node not in live_nodes:
                 _api.kill(loader)
@@ -824,8 +825,8 @@ class GroupCoordinator:
                             self._event(f"failure during the resize from {current} to {resize_to} trainer(s) at "
                                         f"step {self.step}: {str(e).splitlines()[0][:200]}")
                             raise
-                    if self._healing:
-                        self._take_back_healed()
+                    if self._healing and self._take_back_healed() and bar is not None:
+                        bar.write(f"(troupe.train) {self.events[-1]['text']}")
                     chunk = min(self.steps_per_call, target - self.step)
                     t0 = time.monotonic()
                     refs = [self._kind.call(t, "run", fromStep=self.step, steps=chunk) for t in self.trainers]
@@ -1010,7 +1011,8 @@ class GroupCoordinator:
     def _take_back_healed(self):
         """Members restarted after a failure rejoin, warm (their loop waits at the group's gate),
         at this chunk boundary: the group grows by them as by a resize (they restore the current
-        step from a member's memory). One that is not back within replace_timeout leaves."""
+        step from a member's memory). One that is not back within replace_timeout leaves.
+        Returns whether the group grew."""
         back = []
         for aid, h in list(self._healing.items()):
             info = self._rt.actor_info(aid)
@@ -1032,7 +1034,7 @@ class GroupCoordinator:
                 self._drop_idle_services()
                 self._tell_members()
         if not back or len(self.trainers) + len(back) > self.max_workers:
-            return
+            return False
         t0, current = time.monotonic(), len(self.trainers)
         _api.get([self._kind.call(t, "pin", snapshot=True) for t in self.trainers], timeout=self.recovery_timeout)
         for h in back:
@@ -1046,6 +1048,7 @@ class GroupCoordinator:
                   for t in self.trainers], timeout=self.recovery_timeout)
         self._event(f"trainer(s) {[h['handle'].actor_id for h in back]} back: grew from {current} to "
                     f"{len(self.trainers)} at step {self.step} in {time.monotonic() - t0:.2f} s")
+        return True
 
     def _abandon_healing(self):
         """A resize supersedes the members still restarting: they leave with their bundles."""
