@@ -433,7 +433,7 @@ def _check_name(value, what="actor name"):
     printable UTF-8 of at most 256 bytes, no control or bidi characters, no '/' (which separates
     a namespace from a name). InvalidArgumentError (a ValueError) saying what is wrong."""
     if not isinstance(value, str):
-        raise ValueError(f"{what} must be a string, not {value!r}")
+        raise TypeError(f"{what} must be a string, not {value!r}")  # Ray's TypeError for init(namespace=123)
     from . import _core
 
     # surrogateescape: a lone surrogate becomes bytes that are not UTF-8, which the check names.
@@ -686,9 +686,18 @@ def remote(*args: Any, **options: Any) -> Any:
     num_returns, max_retries, retry_exceptions, name, placement_group, scheduling_strategy."""
     from . import _tasks
 
+    def task(target, options):
+        import inspect
+
+        if inspect.iscoroutinefunction(target):  # Ray refuses it too: a task's result is a value
+            raise ValueError(f"@troupe.remote cannot make a task of the async function {target.__qualname__}: "
+                             f"a task returns a value, not a coroutine; wrap it in a plain function that "
+                             f"runs it (asyncio.run(...)), or make it a method of an async actor")
+        return _tasks.RemoteFunction(target, options)
+
     if len(args) == 1 and not options and (isinstance(args[0], type) or callable(args[0])):
         target = args[0]
-        return ActorClass(target, {}) if isinstance(target, type) else _tasks.RemoteFunction(target, {})
+        return ActorClass(target, {}) if isinstance(target, type) else task(target, {})
     if args or not options:
         raise TypeError("@troupe.remote decorates a class or function directly (@troupe.remote), or takes "
                         "keyword options (@troupe.remote(num_cpus=1)); not @troupe.remote() or positional arguments")
@@ -697,7 +706,7 @@ def remote(*args: Any, **options: Any) -> Any:
         if isinstance(target, type):
             return ActorClass(target, options)
         if callable(target):
-            return _tasks.RemoteFunction(target, options)
+            return task(target, options)
         raise TypeError(f"@troupe.remote decorates a class or a function, not {type(target).__name__}")
 
     return wrap

@@ -101,6 +101,17 @@ def test_init_refuses_what_it_cannot_honour():
         troupe.init(runtime_env={"working_dir": "s3://bucket/code.zip"})
     with pytest.raises(ValueError, match="namespace"):
         troupe.init(namespace="a/b")
+    with pytest.raises(TypeError, match="namespace must be a string, not 123"):  # Ray's TypeError
+        troupe.init(namespace=123)
+
+
+def test_remote_refuses_an_async_function_at_decoration():
+    async def fetch():
+        return 1
+
+    for decorate in (troupe.remote, troupe.remote(num_cpus=1)):
+        with pytest.raises(ValueError, match="cannot make a task of the async function .*fetch"):
+            decorate(fetch)
 
 
 def test_runtime_env_reaches_actors_and_tasks(tmp_path):
