@@ -16,12 +16,17 @@ GroupCoordinator with Python trainer actors instead of C++ ones).
 
 Each rank is one Python worker process (_TorchTrainerActor) that answers the methods of the
 Trainer interface the coordinator calls on C++ trainers (join, snapshots, restore, run, pin,
-hash, configure, activity, timeline) and runs `train_loop(ctx)` in a thread of its own. run()
+hash, configure, activity, timeline) and runs `train_loop(ctx)` in a thread of its own, started
+as soon as the process is: what needs the group (ctx.prepare, rank, track, batches) waits until
+the group is formed and its step restored, so a new process builds its model meanwhile. run()
 lets the loop go on until the chunk's last report(); report() then blocks until the next run().
 When the group re-forms (join), the loop's thread gets GroupChanged out of report() or
-batches() (or its collective fails: the backend fails every pending one when a peer dies),
-unwinds, and the loop is entered again in the same process after the restore: imports, the
-process's objects and torch stay; ctx.track() loads the restored step's state.
+batches() (or its collective fails: the backend fails every pending one, and every new one, when
+a peer dies), unwinds, and the loop is entered again in the same process: imports, the process's
+objects and torch stay; a model made by ctx.prepare(factory) is kept, the restore writes the
+tracked objects' own tensors, and ctx.track() loads the restored step's state. After a failure
+the survivors train on while a killed rank's new process starts; it joins once its loop is
+ready (troupe.train's GroupCoordinator: heals_in_background).
 
 Snapshots go through checkpoint/'s tiers, as the C++ trainer's do: every snapshot_every steps
 (default every step) each rank saves every tracked object's state_dict() and the RNG states into
@@ -51,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -151,7 +157,13 @@ class TorchContext:
                 raise TypeError(f"ctx.prepare(factory): the factory made a {type(model).__name__}, not a "
                                 f"torch.nn.Module")
             self._a.kept_modules[key] = model
-        return torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group)
+        return self._a._prepared(torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group))
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current batch ends its step: always, unless max_micro_batch splits this
+        rank's share into micro-batches (then only at the last; clip gradients only then)."""
+        return self._a.sync_gradients
 
     def track(self, **objects: Any) -> None:
         """What a snapshot holds: objects with state_dict() and load_state_dict() (models,
@@ -220,6 +232,14 @@ class _TorchTrainerActor:
         self.group_ready = False  # this epoch's process group is made (the join's)
         self.restored = False  # the restore of this epoch is done: `pending` is what to load
         self.kept_modules: dict[Any, Any] = {}  # ctx.prepare(factory)'s modules, kept across entries
+        # Gradient accumulation (max_micro_batch): the micro-batch in progress ends its step
+        # (sync_gradients), its gradients' weight (grad_scale), whether a backward ran since the
+        # optimizers last stepped (accumulated), and this generation's prepared DDP models.
+        self.max_micro = int(spec.get("max_micro_batch") or 0)
+        self.sync_gradients, self.grad_scale, self.accumulated = True, 1.0, False
+        self.ddps: list[Any] = []
+        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters whose gradients grad_scale weighs
+        self.micro_metrics: list[tuple[float, dict[str, float]]] = []
         self.chunk_end = 0
         self.rows: list[dict[str, Any]] = []
         self.outcome: tuple[str, str] | None = None
@@ -419,6 +439,8 @@ class _TorchTrainerActor:
             self.gen += 1
             self.used_group = False
             self.taken = None  # a step an earlier entry took and did not finish is taken again
+            self.ddps, self.micro_metrics = [], []
+            self.sync_gradients, self.grad_scale, self.accumulated = True, 1.0, False
             self.thread = threading.Thread(target=self._loop_main, args=(self.gen,), name="troupe-train-loop",
                                            daemon=True)
             self.thread.start()
@@ -503,10 +525,64 @@ class _TorchTrainerActor:
                                f"blocked outside ctx.report()/ctx.batches() and the process group?); the loop's "
                                f"thread is at:\n{where}")
 
+    # ---- Gradient accumulation (max_micro_batch) ----
+    def _prepared(self, ddp: Any) -> Any:
+        """A model ctx.prepare() wrapped: with max_micro_batch, its all-reduce follows the
+        micro-batches and its gradients are weighed by each micro-batch's share of the rows."""
+        if self.max_micro:
+            self.ddps.append(ddp)
+            for p in ddp.module.parameters():
+                if p.requires_grad and p not in self.hooked:  # once, though a kept module comes back
+                    self.hooked.add(p)
+                    p.register_hook(self._weigh_gradient)
+        return ddp
+
+    def _weigh_gradient(self, grad: Any) -> Any:
+        self.accumulated = True
+        return grad if self.grad_scale == 1.0 else grad * self.grad_scale
+
+    def _set_micro(self, sync: bool, scale: float) -> None:
+        self.sync_gradients, self.grad_scale = sync, scale
+        for ddp in self.ddps:
+            ddp.require_backward_grad_sync = sync  # what DDP.no_sync() sets: read by its forward
+
+    def _hold_steps(self, obj: Any) -> None:
+        """A tracked optimizer steps only at a step's last micro-batch, and its zero_grad acts
+        only when no gradient was accumulated since it last stepped (before the first micro-batch's
+        backward, or after the step: either order of a loop works); a scheduler steps only at the
+        last micro-batch."""
+        import torch
+
+        if getattr(obj, "_troupe_accumulates", False):
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            step, zero_grad = obj.step, obj.zero_grad
+
+            def held_step(*args: Any, **kwargs: Any) -> Any:
+                if not self.sync_gradients:
+                    return None
+                self.accumulated = False
+                return step(*args, **kwargs)
+
+            def held_zero_grad(*args: Any, **kwargs: Any) -> Any:
+                return None if self.accumulated else zero_grad(*args, **kwargs)
+
+            obj.step, obj.zero_grad = held_step, held_zero_grad
+            obj._troupe_accumulates = True  # an optimizer's state_dict() holds no attributes
+        elif type(obj).__module__.startswith("torch.optim.lr_scheduler") and callable(getattr(obj, "step", None)):
+            # A scheduler's state_dict() is its __dict__: its class changes instead.
+            obj.__class__ = _held_scheduler(type(obj), self)
+
     def _track(self, objects: dict[str, Any], gen: int) -> None:
         import torch
 
         self._await_group(gen)
+        if self.max_micro:
+            if not self.ddps:
+                raise RuntimeError("ctx.track: with max_micro_batch, pass the model through ctx.prepare() first (its "
+                                   "all-reduce and gradients follow the micro-batches)")
+            for obj in objects.values():
+                self._hold_steps(obj)
         with self.cv:
             pending, self.pending = self.pending, None
         if pending is not None:
@@ -588,16 +664,38 @@ class _TorchTrainerActor:
             except (ActorDiedError, ActorError, TroupeError) as e:
                 raise _GroupFailure(f"rank {self.rank}: take of step {step + 1} failed: {e}") from e
             self.taken = {"ids": list(batch["sampleIds"]), "wait_s": time.monotonic() - t0, "t": time.monotonic(),
-                          "wall": time.time()}
+                          "wall": time.time(), "reported": 0}
             self._span("data wait", self.taken["wall"] - self.taken["wait_s"], self.taken["wall"], step + 1)
             self.doing = ("step", time.time(), step + 1)
-            yield _tensor(batch["inputs"]), _tensor(batch["targets"])
+            inputs, targets = _tensor(batch["inputs"]), _tensor(batch["targets"])
+            parts = -(-len(inputs) // self.max_micro) if self.max_micro and len(inputs) else 1
+            if parts <= 1:
+                self._set_micro(True, 1.0)
+                yield inputs, targets
+                continue
+            import torch
+
+            # Contiguous near-equal parts, as the ranks' shares of a global batch are: a rank
+            # training the shares of two ranks in two micro-batches adds the same gradients.
+            for i, (x, y) in enumerate(zip(torch.tensor_split(inputs, parts), torch.tensor_split(targets, parts))):
+                if self.taken is not None and self.taken["reported"] < i:
+                    raise RuntimeError(f"rank {self.rank}: micro-batch {i} of step {step + 1} was not reported: "
+                                       f"call ctx.report() once per batch")
+                self._set_micro(i == parts - 1, len(x) / len(inputs))
+                yield x, y
 
     def _report(self, metrics: Mapping[str, Any], gen: int) -> None:
+        if self.taken is not None and not self.sync_gradients:  # a micro-batch before the step's last
+            self.taken["reported"] += 1
+            self.micro_metrics.append((self.grad_scale, {k: float(v) for k, v in metrics.items()}))
+            return
         taken, self.taken = self.taken, None
         if taken is None:
             raise RuntimeError(f"rank {self.rank}: ctx.report() without a batch: call it once per batch of "
                                f"ctx.batches()")
+        if self.micro_metrics:  # the step's metrics: each micro-batch's, weighed by its rows
+            parts, self.micro_metrics = self.micro_metrics + [(self.grad_scale, dict(metrics))], []
+            metrics = {k: sum(w * float(m.get(k, 0.0)) for w, m in parts) for k in parts[-1][1]}
         compute = time.monotonic() - taken["t"]
         self._span("step", taken["wall"], taken["wall"] + compute, self.step + 1)
         try:
@@ -621,6 +719,22 @@ class _TorchTrainerActor:
 
 def _actor_name(group: str, bundle: int) -> str:
     return f"torch-trainer-{group}-{bundle}"
+
+
+_HELD_SCHEDULERS: dict[type, type] = {}
+
+
+def _held_scheduler(cls: type, actor: _TorchTrainerActor) -> type:
+    """A subclass of the scheduler class `cls` whose step() acts only at a step's last
+    micro-batch (the actor's sync_gradients)."""
+    held = _HELD_SCHEDULERS.get(cls)
+    if held is None:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return cls.step(self, *args, **kwargs) if type(self).actor.sync_gradients else None
+
+        held = _HELD_SCHEDULERS[cls] = type(f"Held{cls.__name__}", (cls,), {"step": step})
+    held.actor = actor
+    return held
 
 
 def _load_state(obj: Any, state: Any) -> None:
@@ -706,8 +820,9 @@ class _TorchTrainers:
     heals_in_background = True
 
     def __init__(self, loop: bytes, data: Any, global_batch: int, seed: int, fault: Mapping[str, Any],
-                 timeout: float) -> None:
+                 timeout: float, max_micro_batch: int = 0) -> None:
         self.loop, self.data, self.global_batch, self.seed = loop, data, global_batch, seed
+        self.max_micro_batch = max_micro_batch
         self.fault, self.timeout = dict(fault or {}), timeout
 
     def prepare(self, workdir: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -716,6 +831,7 @@ class _TorchTrainers:
         else:
             spec = _materialize(self.data, workdir)
         engine = {"kind": "torch", "seed": self.seed, "global_batch": self.global_batch, "context": 1,
+                  "max_micro_batch": self.max_micro_batch,
                   "sequence_parallel": 1, "zero": 0}
         return engine, spec
 
@@ -745,7 +861,8 @@ class _TorchTrainers:
 
     def spawn(self, group: GroupCoordinator, bundle: int) -> Any:
         spec = {"loop": self.loop, "group": group.group_id, "bundle": bundle, "workdir": group._workdir,
-                "global_batch": self.global_batch, "snapshot_every": group._checkpoint["snapshot_every"],
+                "global_batch": self.global_batch, "max_micro_batch": int(group._engine.get("max_micro_batch", 0)),
+                "snapshot_every": group._checkpoint["snapshot_every"],
                 "persist_every": group._checkpoint["persist_every"], "timeout": self.timeout,
                 "fault": self.fault if self.fault.get("rank") == bundle else {}}
         return _TorchTrainerActor.options(num_cpus=1, max_restarts=-1, max_concurrency=4,
@@ -758,7 +875,13 @@ class TorchTrainer(GroupCoordinator):
     """The user's own PyTorch loop, `train_loop(ctx)`, on every rank of an elastic group (see
     the module docstring). `data`: a map-style torch Dataset of (features, label) pairs
     (written once as .npy files the group's Dataloader serves), or ElasticTrainer's data specs.
-    `global_batch_size` is split over the ranks. `scaling`, `failure`, `checkpoint` and `tuner`
+    `global_batch_size` is split over the ranks, and stays fixed when the world changes. With
+    `max_micro_batch` (as ElasticTrainer's), a rank whose share is larger trains it as several
+    micro-batches with gradient accumulation, so a shrink does not grow what a rank holds at once:
+    ctx.batches() yields each micro-batch, the tracked optimizers and schedulers step (and
+    zero_grad acts) only at the step's last, where ctx.sync_gradients is True (clip gradients
+    there), the prepared model all-reduces only then, and each micro-batch's gradient is weighted
+    by its share of the rank's rows. `scaling`, `failure`, `checkpoint` and `tuner`
     as ElasticTrainer's (checkpoint: snapshots every snapshot_every steps into the nodes' shared
     memory, replicated to the next node; with `dir`, persisted every persist_every steps and
     resumed from on start). fit(steps=N) returns one row per step (its `metrics` are rank 0's
@@ -773,7 +896,8 @@ class TorchTrainer(GroupCoordinator):
                  checkpoint: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  tuner: bool | Mapping[str, Any] | None = None, seed: int = 0, steps_per_call: int = 10,
                  progress: bool = True, name: str | None = None, detached: bool = False,
-                 tensorboard_dir: str | None = None, _fault: Mapping[str, Any] | None = None) -> None:
+                 tensorboard_dir: str | None = None, max_micro_batch: int | None = None,
+                 _fault: Mapping[str, Any] | None = None) -> None:
         import cloudpickle
 
         if not callable(train_loop):
@@ -783,6 +907,9 @@ class TorchTrainer(GroupCoordinator):
         scaling, failure, ckpt = _configs(scaling, failure, checkpoint, {"tuner": tuner})
         if global_batch_size < scaling.max_workers:
             raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
+        if max_micro_batch is not None and (isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int)
+                                            or max_micro_batch < 1):
+            raise ValueError(f"max_micro_batch must be an integer >= 1, not {max_micro_batch!r}")
         module = getattr(train_loop, "__module__", "__main__")
         loaded = __import__("sys").modules.get(module)
         if loaded is not None and module != "__main__" and not module.startswith("troupe"):
@@ -792,7 +919,7 @@ class TorchTrainer(GroupCoordinator):
                 pass
         loop = cloudpickle.dumps(train_loop)
         kind = _TorchTrainers(loop, data, int(global_batch_size), int(seed), _fault or {},
-                              failure.recovery_timeout)
+                              failure.recovery_timeout, int(max_micro_batch or 0))
         if detached and name is None:
             raise ValueError("detached=True needs a name: a restarted driver adopts the group by it")
         self._start(kind, scaling, failure, ckpt, name=name, detached=detached, progress=progress,

@@ -338,3 +338,50 @@ def test_troupe_timeline_shows_each_ranks_steps(cluster, dataset):
         if e["name"] == "step":
             wait = waits[(e["pid"], e["args"]["step"])]
             assert wait["ts"] + wait["dur"] <= e["ts"] + 1000 and e["dur"] > 0
+
+
+def _accumulating_loop(ctx):
+    torch.manual_seed(0)
+    model = ctx.prepare(EagerNet)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ctx.track(model=model, opt=opt, sched=sched)
+    for x, y in ctx.batches():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if ctx.sync_gradients:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        ctx.report(loss=loss.item(), rows=len(x))
+
+
+def test_gradient_accumulation_keeps_the_global_batch_one_rank_trains_the_bits_of_two(cluster, dataset):
+    # Global batch 32 in micro-batches of at most 16: one rank trains its share as two
+    # micro-batches, the two ranks' shares, and adds the same gradients in the same order as
+    # DDP over two ranks does (each weighed by half, then summed): the same bits. The scheduler
+    # and optimizer step once per step, and the gradient is clipped once, at the last.
+    from troupe.train import ScalingConfig, TorchTrainer
+
+    def run(workers):
+        with TorchTrainer(_accumulating_loop, data=dataset, global_batch_size=32, steps_per_call=4,
+                          progress=False, max_micro_batch=16,
+                          scaling=ScalingConfig(min_workers=workers, max_workers=workers)) as t:
+            t.fit(steps=8)
+            return (t.parameter_hash()[0], [r["sample_ids"] for r in t.history],
+                    [r["metrics"]["rows"] for r in t.history])
+
+    one, two = run(1), run(2)
+    assert one[2] == two[2] == [16.0] * 8  # micro-batches of 16 rows on one rank, shares of 16 on two
+    assert one[1] == two[1]  # the same samples each step
+    assert one[0] == two[0]
+
+
+def test_max_micro_batch_is_checked():
+    from troupe.train import TorchTrainer
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_micro_batch must be an integer >= 1"):
+            TorchTrainer(_accumulating_loop, data=[(torch.zeros(DIM), 0)] * 4, global_batch_size=4,
+                         max_micro_batch=bad)
