@@ -211,9 +211,10 @@ def wait_until(condition, timeout):
 
 def exactly_once(history, steps, plan):
     """Every sample trained on exactly once per epoch, over steps 1..steps. A step that the ranks
-    finished inside a chunk that then failed has no row in the history (its replies were lost)
-    but counts (the group restores it); its samples are the plan's (`plan(step)`), checked
-    against the history wherever it has the step. Returns (verdict, steps taken from the plan)."""
+    finished inside a chunk that then failed has no row in the history of C++ trainers (their
+    replies were lost; TorchTrainer's survivors give theirs) but counts (the group restores it);
+    its samples are the plan's (`plan(step)`), checked against the history wherever it has the
+    step. Returns (verdict, steps taken from the plan)."""
     rows = {r["step"]: sorted(r["sample_ids"]) for r in history}
     if not rows:
         return False, 0

@@ -364,6 +364,12 @@ class _TorchTrainerActor:
             raise RuntimeError(f"rank {self.rank}: the group changed at step {self.step + 1}: {text}")
         return {"metrics": rows, "hash": 0, **self.pin()}
 
+    def finished(self, after: int) -> dict[str, Any]:
+        """This rank's rows of the steps after `after` in its last chunk (one that failed: the
+        coordinator lost the run() reply, not the steps)."""
+        with self.cv:
+            return {"metrics": [r for r in self.rows if r["step"] > after]}
+
     def pin(self, snapshot: bool = False) -> dict[str, Any]:
         """Pins this bundle's newest snapshot at or before the current step here and in its
         replica (snapshots after the step, of a timeline the group left, are dropped); with
@@ -843,6 +849,10 @@ class _TorchTrainers:
 
     def probe(self, handle: Any) -> Any:
         return handle.activity.remote()
+
+    def finished(self, handle: Any, after: int) -> Any:
+        """The rank's rows of the steps after `after` that its last chunk finished."""
+        return handle.finished.remote(after)
 
     def warm(self, reply: Mapping[str, Any]) -> bool:
         return reply["activity"]["name"] == "waiting for the group"

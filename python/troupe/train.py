@@ -924,6 +924,7 @@ class GroupCoordinator:
 
     def _recover(self, failure, refs):
         t0 = time.monotonic()
+        absorbed, world_before = self.step, (self.history[-1]["world_size"] if self.history else len(self.trainers))
         self._record({"state": GroupState.RECOVERING})
         # Every live rank's run() must have ended (the others' collectives failed) before they
         # join a new epoch. A call to a member that died before it arrived waits for the member's
@@ -973,6 +974,8 @@ class GroupCoordinator:
             raise TroupeError(f"group {self.name}: a dataloader or checkpoint actor did not come back") from failure
         self._tell_members()
         self._join_all()
+        if self.step > absorbed and hasattr(self._kind, "finished"):
+            self._history_of_lost_chunk(absorbed, world_before)
         # A restarted member starts with its spawn's settings, and one a failed grow added missed
         # the resize's configure: every member gets the group's current ones.
         _api.get([self._kind.call(t, "configure", **self._settings, snapshotEvery=self._checkpoint["snapshot_every"])
@@ -980,6 +983,43 @@ class GroupCoordinator:
         took = time.monotonic() - t0
         self._event(f"recovered in {took:.2f} s: world size {len(self.trainers)}, resuming at step {self.step}")
         self.recoveries.append({"step": self.step, "recovery_s": took})
+
+    def _history_of_lost_chunk(self, absorbed, world):
+        """The rows of steps (absorbed, self.step]: a chunk that failed had finished them on every
+        rank (every rank restored a snapshot of self.step) but its run() replies were lost. The
+        trainers of kinds that keep their last chunk's rows (Python trainers: `finished`) give
+        them (a step no survivor kept gets a row whose metrics say they were lost); the samples
+        are what the queue planned for the step. C++ trainers keep none: their history skips
+        such steps (bench/chaos.py counts them from the plan)."""
+        rows = {}
+        for ref in [self._kind.finished(t, absorbed) for t in self.trainers]:
+            try:
+                for m in _api.get(ref, timeout=self.recovery_timeout)["metrics"]:
+                    rows.setdefault(int(m["step"]), []).append(_step_row(m))
+            except Exception:  # a member that kept nothing (a new process) or does not answer
+                pass
+        loader = next(iter(self._node_services.values()))[0]
+        for step in range(absorbed + 1, self.step + 1):
+            ranks = rows.get(step)
+            planned = sorted(_typed.get(loader, "Dataloader", "stepSamples", step=step - 1)["ids"])
+            if ranks:
+                straggler = max(ranks, key=lambda r: r["compute_s"])
+                row = {"step": step, "loss": ranks[0]["loss"], "world_size": world,
+                       **{k: straggler[k] for k in ("compute_s", "comm_s")},
+                       **{k: max(r[k] for r in ranks) for k in ("wait_s", "snapshot_s", "bytes_allreduced")},
+                       "samples": ranks[0]["samples"], "sample_ids": planned}
+                if "metrics" in ranks[0]:
+                    row["metrics"] = ranks[0]["metrics"]
+                row["step_s"] = row["compute_s"] + row["comm_s"] + row["wait_s"] + row["snapshot_s"]
+            else:
+                row = {"step": step, "loss": math.nan, "world_size": world, "compute_s": 0.0, "comm_s": 0.0,
+                       "wait_s": 0.0, "snapshot_s": 0.0, "bytes_allreduced": 0, "samples": len(planned),
+                       "sample_ids": planned, "step_s": 0.0, "metrics_lost": True}
+            row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
+            row["from_failed_chunk"] = True
+            self.history.append(row)
+        self._event(f"steps {absorbed + 1}..{self.step} were done when the chunk failed: their rows come "
+                    f"{'from the survivors' if rows else 'without metrics'}")
 
     def _heal_in_background(self, refs):
         """With a kind whose restart takes seconds (a Python process that imports torch and

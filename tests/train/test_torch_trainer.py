@@ -385,3 +385,22 @@ def test_max_micro_batch_is_checked():
         with pytest.raises(ValueError, match="max_micro_batch must be an integer >= 1"):
             TorchTrainer(_accumulating_loop, data=[(torch.zeros(DIM), 0)] * 4, global_batch_size=4,
                          max_micro_batch=bad)
+
+
+def test_a_kill_in_the_middle_of_a_chunk_keeps_one_row_per_step(cluster, dataset):
+    # Rank 1 dies taking step 8, in the chunk of steps 6..10: steps 6 and 7 were done on both
+    # ranks (snapshots of each), so the group restores step 7, and their rows come from the
+    # survivor, though the chunk's run() replies were lost.
+    from troupe import _typed
+
+    with _make(dataset, checkpoint={"snapshot_every": 1}, _fault={"rank": 1, "kill_at_step": 7}) as t:
+        history = t.fit(steps=15)
+        loader = next(iter(t._node_services.values()))[0]
+        assert [r["step"] for r in history] == list(range(1, t.step + 1))
+        assert [r["step"] for r in t.recoveries] == [7]
+        lost = [r for r in history if r.get("from_failed_chunk")]
+        assert [r["step"] for r in lost] == [6, 7]
+        assert all(r["loss"] == r["loss"] and r["world_size"] == 2 and "metrics" in r for r in lost), lost
+        for row in history:
+            planned = _typed.get(loader, "Dataloader", "stepSamples", step=row["step"] - 1)["ids"]
+            assert row["sample_ids"] == sorted(planned)
