@@ -138,13 +138,17 @@ class TorchContext:
         self._a._await_group(self._gen)
         return dist.distributed_c10d._get_default_group()
 
-    def prepare(self, model: Any) -> Any:
-        """`model` wrapped in DistributedDataParallel over the group's process group. `model` is
-        a module, or what makes one (its class, a function of no arguments): then a rank that
-        enters the loop again after a recovery keeps the module it made before (its memory stays
-        warm; ctx.track() loads the restored state into it) instead of making another."""
+    def prepare(self, model: Any, **ddp_options: Any) -> Any:
+        """`model` wrapped in DistributedDataParallel over the group's process group, with
+        `ddp_options` (find_unused_parameters, gradient_as_bucket_view, static_graph, ...).
+        `model` is a module, or what makes one (its class, a function of no arguments): then a
+        rank that enters the loop again after a recovery keeps the module it made before (its
+        memory stays warm; ctx.track() loads the restored state into it) instead of making
+        another."""
         import torch
 
+        if {"process_group", "module"} & set(ddp_options):
+            raise TypeError("ctx.prepare: the process group is the group's; pass DDP's other options")
         if not isinstance(model, torch.nn.Module):
             if not callable(model):
                 raise TypeError(f"ctx.prepare() takes a torch.nn.Module or a function that makes one, not a "
@@ -157,7 +161,8 @@ class TorchContext:
                 raise TypeError(f"ctx.prepare(factory): the factory made a {type(model).__name__}, not a "
                                 f"torch.nn.Module")
             self._a.kept_modules[key] = model
-        return self._a._prepared(torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group))
+        return self._a._prepared(torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group,
+                                                                           **ddp_options))
 
     @property
     def sync_gradients(self) -> bool:

@@ -342,7 +342,8 @@ def test_troupe_timeline_shows_each_ranks_steps(cluster, dataset):
 
 def _accumulating_loop(ctx):
     torch.manual_seed(0)
-    model = ctx.prepare(EagerNet)
+    model = ctx.prepare(EagerNet, gradient_as_bucket_view=True)  # DDP's options pass through
+    assert model.gradient_as_bucket_view
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     ctx.track(model=model, opt=opt, sched=sched)
