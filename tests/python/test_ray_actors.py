@@ -179,6 +179,52 @@ def test_namespace_of_a_driver_scopes_its_names():
     troupe.kill(troupe.get_actor("ns-probe", namespace="alpha"))
 
 
+def test_list_named_actors_in_this_namespace_or_all():
+    here = Counter.options(name="listed-here").remote(1)
+    there = Counter.options(name="listed-there", namespace="elsewhere").remote(1)
+    unnamed = Counter.remote(1)
+    troupe.get([here.add.remote(), there.add.remote(), unnamed.add.remote()])
+    names = troupe.util.list_named_actors()
+    assert "listed-here" in names and "listed-there" not in names
+    everywhere = troupe.util.list_named_actors(all_namespaces=True)
+    assert {"name": "listed-here", "namespace": "default"} in everywhere
+    assert {"name": "listed-there", "namespace": "elsewhere"} in everywhere
+    troupe.kill(here)
+    eventually(lambda: "listed-here" not in troupe.util.list_named_actors(), 30, "a killed actor to leave the list")
+    troupe.kill(there)
+    troupe.kill(unnamed)
+
+
+def test_get_placement_group_by_name_and_the_runtime_context():
+    pg = troupe.util.placement_group([{"CPU": 0.5}], name="found-by-name")
+    assert troupe.util.get_placement_group("found-by-name") == pg
+    assert troupe.util.get_placement_group("found-by-name").bundle_count == 1
+    with pytest.raises(ValueError, match="Failed to look up placement group with name: nope"):
+        troupe.util.get_placement_group("nope")
+    troupe.util.remove_placement_group(pg)
+    eventually(lambda: _no_group_named("found-by-name"), 30, "the removed group to be gone by name")
+
+    @troupe.remote
+    class Where:
+        def context(self):
+            return troupe.get_runtime_context().get()
+
+    w = Where.remote()
+    ctx = troupe.get(w.context.remote())
+    assert ctx["actor_id"] == w.actor_id and ctx["namespace"] == "default"
+    assert ctx["node_id"] in {n["id"] for n in troupe.nodes()}
+    assert troupe.get_runtime_context().get()["node_id"] is None  # a driver is no node's process
+    troupe.kill(w)
+
+
+def _no_group_named(name):
+    try:
+        troupe.util.get_placement_group(name)
+    except ValueError:
+        return True
+    return False
+
+
 @troupe.remote
 class Parent:
     def __init__(self):
