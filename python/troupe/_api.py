@@ -1302,6 +1302,15 @@ class _RuntimeContext:
     def get_actor_id(self) -> str | None:
         return os.environ.get("TROUPE_ACTOR_ID")
 
+    def get_node_id(self) -> str | None:
+        """The node this worker runs on (None in a driver, which is not a node's process)."""
+        return os.environ.get("TROUPE_NODE_ID")
+
+    def get(self) -> dict[str, Any]:
+        """Ray's RuntimeContext.get(): the context as a dict."""
+        return {"job_id": self.get_job_id(), "node_id": self.get_node_id(), "namespace": self.namespace,
+                "actor_id": self.get_actor_id()}
+
 
 def nodes() -> list[dict[str, Any]]:
     """The cluster's nodes as dicts (id, address, state, resources, used, ...)."""
