@@ -821,6 +821,90 @@ def _materialize(dataset: Any, workdir: str) -> dict[str, str]:
     return {"kind": "npy", "features": features, "labels": labels}
 
 
+_STAGE_CHUNK = 8 << 20  # bytes per write() of a staged file (far below what one call may carry)
+_STAGE_IN_FLIGHT = 8
+
+
+@_api.remote(num_cpus=0)
+class _DataStager:
+    """A TorchTrainer's Dataset on one node: the .npy files the node's Dataloader reads. The
+    driver's own files when this node sees them (same file: device, inode, size and mtime; one
+    host, or a shared file system), else a copy sent through the cluster in chunks (each write's
+    place checked against the size the driver declared, each file's CRC32 checked once whole) into
+    a 0700 directory under the node's run directory, removed with the group (or by troupe stop)."""
+
+    def __init__(self, group: str) -> None:
+        self.group, self.dir, self.files, self.sealed = group, None, {}, False
+
+    def stage(self, files: Mapping[str, Mapping[str, Any]], copy: bool = False) -> dict[str, Any]:
+        """`files`: {name: {"path", "size", "dev", "ino", "mtime_ns"}} of the driver's."""
+        def visible(meta: Mapping[str, Any]) -> bool:
+            try:
+                st = os.stat(meta["path"])
+            except OSError:
+                return False
+            return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (meta["dev"], meta["ino"], meta["size"],
+                                                                           meta["mtime_ns"])
+
+        if not copy and all(visible(m) for m in files.values()):
+            return {"paths": {name: m["path"] for name, m in files.items()}, "copy": False}
+        if self.sealed:  # staged already (the node's services were made again)
+            return {"paths": {name: f["path"] for name, f in self.files.items()}, "copy": False}
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix=f"troupe-data-{self.group}-")
+        for name, meta in files.items():
+            if os.path.basename(name) != name or name.startswith("."):
+                raise ValueError(f"staged file name {name!r} is not a plain file name")
+            path = os.path.join(self.dir, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, int(meta["size"]))
+            finally:
+                os.close(fd)
+            self.files[name] = {"path": path, "size": int(meta["size"])}
+        return {"paths": {name: f["path"] for name, f in self.files.items()}, "copy": True}
+
+    def write(self, name: str, offset: int, data: bytes) -> int:
+        f = self.files.get(name)
+        if f is None:
+            raise ValueError(f"no staged file {name!r}")
+        if offset < 0 or offset + len(data) > f["size"]:
+            raise ValueError(f"{name}: a write of {len(data)} bytes at {offset} runs past its {f['size']} bytes")
+        fd = os.open(f["path"], os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        return len(data)
+
+    def seal(self, crcs: Mapping[str, int]) -> dict[str, Any]:
+        """Checks every staged file whole against the CRC32 of the driver's (`crcs`, by name)."""
+        import zlib
+
+        for name, f in self.files.items():
+            crc = 0
+            with open(f["path"], "rb") as fh:
+                while chunk := fh.read(_STAGE_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            if crc != crcs.get(name):
+                raise ValueError(f"staged {name} does not match the driver's file (CRC32 {crc:08x}, the driver's "
+                                 f"{crcs.get(name, 0):08x})")
+        self.sealed = True
+        return {"files": len(self.files)}
+
+    def remove(self) -> None:
+        import shutil
+
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _file_meta(path: str) -> dict[str, Any]:
+    st = os.stat(path)
+    return {"path": path, "size": st.st_size, "dev": st.st_dev, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+
+
 class _TorchTrainers:
     """The coordinator's trainers are Python processes running the user's loop
     (_TorchTrainerActor); their methods take keywords and return dicts."""
@@ -834,6 +918,8 @@ class _TorchTrainers:
                  timeout: float, max_micro_batch: int = 0) -> None:
         self.loop, self.data, self.global_batch, self.seed = loop, data, global_batch, seed
         self.max_micro_batch = max_micro_batch
+        self.files: dict[str, dict[str, Any]] = {}  # a materialized Dataset's files, staged on each node
+        self.stagers: dict[str, Any] = {}
         self.fault, self.timeout = dict(fault or {}), timeout
 
     def prepare(self, workdir: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -841,6 +927,7 @@ class _TorchTrainers:
             spec = _data_spec(self.data)
         else:
             spec = _materialize(self.data, workdir)
+            self.files = {os.path.basename(spec[k]): _file_meta(spec[k]) for k in ("features", "labels")}
         engine = {"kind": "torch", "seed": self.seed, "global_batch": self.global_batch, "context": 1,
                   "max_micro_batch": self.max_micro_batch,
                   "sequence_parallel": 1, "zero": 0}
@@ -854,6 +941,48 @@ class _TorchTrainers:
 
     def probe(self, handle: Any) -> Any:
         return handle.activity.remote()
+
+    def data_for(self, group: GroupCoordinator, node: str, bundle: int) -> dict[str, Any]:
+        """The data spec of `node`'s Dataloader: a Dataset the driver materialized is staged on
+        the node first (a node on another host without a shared file system gets a copy)."""
+        if not self.files:  # the user's files (every host has them), or an adopted group's spec
+            return group._data
+        stager = self.stagers.get(node)
+        if stager is None:
+            stager = self.stagers[node] = _DataStager.options(
+                num_cpus=0, max_restarts=0, placement_group=group.group_id, bundle_index=bundle,
+                lifetime=group._lifetime).remote(group.group_id)
+        reply = _api.get(stager.stage.remote(self.files, copy=bool(self.fault.get("copy_data"))),
+                         timeout=self.timeout)
+        if reply["copy"]:
+            import zlib
+
+            pending: list[Any] = []
+            crcs = {}
+            for name, meta in self.files.items():
+                with open(meta["path"], "rb") as fh:
+                    offset, crc = 0, 0
+                    while chunk := fh.read(_STAGE_CHUNK):
+                        if len(pending) >= _STAGE_IN_FLIGHT:
+                            _api.get(pending.pop(0), timeout=self.timeout)
+                        pending.append(stager.write.remote(name, offset, chunk))
+                        offset, crc = offset + len(chunk), zlib.crc32(chunk, crc)
+                crcs[name] = crc
+            _api.get(pending, timeout=self.timeout)
+            _api.get(stager.seal.remote(crcs), timeout=self.timeout)
+            group._event(f"data: staged {sum(m['size'] for m in self.files.values())} bytes on node {node}")
+        paths = reply["paths"]
+        return {**group._data, "features": paths["features.npy"], "labels": paths["labels.npy"]}
+
+    def close(self) -> None:
+        """The staged copies go with the group."""
+        try:
+            _api.get([s.remove.remote() for s in self.stagers.values()], timeout=30)
+        except Exception:
+            pass
+        for stager in self.stagers.values():
+            _api.kill(stager)
+        self.stagers = {}
 
     def finished(self, handle: Any, after: int) -> Any:
         """The rank's rows of the steps after `after` that its last chunk finished."""

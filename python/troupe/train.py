@@ -465,7 +465,8 @@ class GroupCoordinator:
             if node in self._node_services or not node:
                 continue
             common = {"group": self.group_id, "node": node}
-            loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": self._data, "seed": self._engine["seed"],
+            data = self._kind.data_for(self, node, index) if hasattr(self._kind, "data_for") else self._data
+            loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": data, "seed": self._engine["seed"],
                                                               "global_batch": self._engine["global_batch"],
                                                               "context": self._engine["context"]}).encode(),
                                     num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
@@ -1301,6 +1302,8 @@ class GroupCoordinator:
             _api.get([_typed.call(c, "Checkpoint", "release") for _, c in self._node_services.values()], timeout=30)
         except Exception:
             pass
+        if hasattr(self._kind, "close"):
+            self._kind.close()
         for t in self.trainers + [h["handle"] for h in self._healing.values()]:
             _api.kill(t)
         for loader, ckpt in self._node_services.values():

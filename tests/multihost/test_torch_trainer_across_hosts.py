@@ -3,7 +3,8 @@ address and loopback), training a few steps, then again after a kill -9 of the t
 not on the head's host. The ranks meet through the cluster's store (troupe.dist.group_store,
 reached through the head's store gateway from the other host), not a FileStore: the hosts of the
 bed share one file system, so the test checks that each join raised the group's epoch in the
-cluster, and the ranks reach each other on their nodes' addresses (about 4 s)."""
+cluster, and the ranks reach each other on their nodes' addresses, and each node is sent the
+Dataset's files through the cluster (about 4 s)."""
 import json
 import sys
 from pathlib import Path
@@ -44,8 +45,10 @@ def where(t):
     nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
     return [nodes.get(rt.actor_info(x._id)["node_id"]) for x in t.trainers]
 
+# copy_data: each node is sent the Dataset's files, as a host that does not share the driver's
+# file system is (the bed's hosts share one).
 with TorchTrainer(loop, data=data, global_batch_size=16, steps_per_call=3, progress=False,
-                  scaling=ScalingConfig(min_workers=2, max_workers=2)) as t:
+                  scaling=ScalingConfig(min_workers=2, max_workers=2), _fault={"copy_data": True}) as t:
     t.fit(steps=3)
     first = {"where": where(t), "hashes": t.parameter_hash(), "epoch": rt.group(t.group_id)["epoch"]}
     remote = [x for x, ip in zip(t.trainers, first["where"]) if ip != %(head)r][0]
@@ -54,7 +57,8 @@ with TorchTrainer(loop, data=data, global_batch_size=16, steps_per_call=3, progr
     print("RESULT", json.dumps({"first": first, "where": where(t), "hashes": t.parameter_hash(),
                                 "steps": [r["step"] for r in t.history],
                                 "worlds": [r["world_size"] for r in t.history],
-                                "recoveries": len(t.recoveries), "epoch": rt.group(t.group_id)["epoch"]}))
+                                "recoveries": len(t.recoveries), "epoch": rt.group(t.group_id)["epoch"],
+                                "staged": [e["text"] for e in t.events if e["text"].startswith("data: staged")]}))
 """
 
 
@@ -74,3 +78,4 @@ def test_a_torch_trainer_group_trains_with_its_two_ranks_on_two_hosts(make_testb
     assert sorted(result["where"]) == sorted([head.address, other.address]), result
     assert result["steps"] == list(range(1, 7)) and result["worlds"] == [2] * 6, result
     assert len(set(result["hashes"])) == 1, result
+    assert len(result["staged"]) == 2, result  # the Dataset's files went to each host's node

@@ -405,3 +405,27 @@ def test_a_kill_in_the_middle_of_a_chunk_keeps_one_row_per_step(cluster, dataset
         for row in history:
             planned = _typed.get(loader, "Dataloader", "stepSamples", step=row["step"] - 1)["ids"]
             assert row["sample_ids"] == sorted(planned)
+
+
+def test_a_dataset_reaches_a_node_that_does_not_see_the_drivers_files(cluster, dataset):
+    # A node on another host without a shared file system does not see the files the driver
+    # wrote the Dataset to: the group sends them to it through the cluster. (copy_data makes
+    # this node act so: the test bed's hosts share one file system.)
+    import shutil
+    import signal
+
+    from troupe import _typed
+
+    with _make(dataset, _fault={"copy_data": True}) as t:
+        t.fit(steps=5)
+        assert any(e["text"].startswith("data: staged ") for e in t.events), [e["text"] for e in t.events]
+        # The driver's copy goes; a dataloader killed now starts again from the node's copy.
+        shutil.rmtree(t._workdir)
+        loader = next(m for m in t.members() if m["kind"] == "dataloader")
+        os.kill(loader["pid"], signal.SIGKILL)
+        t.fit(steps=5)
+        assert [r["step"] for r in t.history] == list(range(1, t.step + 1)) and t.step >= 10
+        handle = next(iter(t._node_services.values()))[0]
+        for row in t.history:
+            planned = _typed.get(handle, "Dataloader", "stepSamples", step=row["step"] - 1)["ids"]
+            assert row["sample_ids"] == sorted(planned)
