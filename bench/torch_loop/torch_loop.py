@@ -275,6 +275,13 @@ def serve_troupe_recovery(args):
     print(json.dumps(out), flush=True)
 
 
+def emit(record):
+    """One JSON line in one write: the workers share torchrun's stdout, and a print() of the text
+    and then its newline could interleave with another worker's."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 def serve_torchrun_worker(args):
     """One worker under torchrun: gloo DDP of the same model on the same data; loads
     args.ckpt if it exists (the step, model and optimizer), torch.save's it every
@@ -285,7 +292,7 @@ def serve_torchrun_worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    print(json.dumps({"event": "start", "rank": rank, "pid": os.getpid(), "t": time.time()}), flush=True)
+    emit({"event": "start", "rank": rank, "pid": os.getpid(), "t": time.time()})
     model = torch.nn.parallel.DistributedDataParallel(big_mlp())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     start = 0
@@ -295,7 +302,7 @@ def serve_torchrun_worker(args):
         opt.load_state_dict(state["opt"])
         start = state["step"]
     if rank == 0:
-        print(json.dumps({"event": "loaded", "step": start, "t": time.time()}), flush=True)
+        emit({"event": "loaded", "step": start, "t": time.time()})
     x, y = recovery_data()
     per_rank = RECOVERY_BATCH // world
     for step in range(start, args.steps):
@@ -306,8 +313,7 @@ def serve_torchrun_worker(args):
         loss.backward()
         opt.step()
         if rank == 0:
-            print(json.dumps({"event": "step", "step": step + 1, "t": time.time(), "pid": os.getpid(),
-                              "from": start}), flush=True)
+            emit({"event": "step", "step": step + 1, "t": time.time(), "pid": os.getpid(), "from": start})
             if (step + 1) % TORCHRUN_SAVE_EVERY == 0:
                 tmp = args.ckpt + ".tmp"
                 with open(tmp, "wb") as f:
@@ -316,6 +322,16 @@ def serve_torchrun_worker(args):
                     os.fsync(f.fileno())
                 os.replace(tmp, args.ckpt)
     dist.destroy_process_group()
+
+
+def _records(decoder, line):
+    """The JSON objects on a line (more than one if two workers' writes still met)."""
+    line, at = line.strip(), 0
+    while at < len(line):
+        record, at = decoder.raw_decode(line, at)
+        yield record
+        while at < len(line) and line[at] in " \t":
+            at += 1
 
 
 def torchrun_recovery():
@@ -343,10 +359,8 @@ def torchrun_recovery():
     timer.start()
     try:
         pids = {}
-        for line in proc.stdout:
-            if not line.startswith("{"):
-                continue
-            row = json.loads(line)
+        decoder = json.JSONDecoder()
+        for row in (r for line in proc.stdout if line.startswith("{") for r in _records(decoder, line)):
             lines.append(row)
             if row["event"] == "start":
                 pids[row["rank"]] = row["pid"]
