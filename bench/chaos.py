@@ -22,6 +22,7 @@ to the next step completed), goodput (time in steps that count / wall time), and
 """
 import argparse
 import collections
+import glob
 import json
 import os
 import random
@@ -50,9 +51,28 @@ def make_trainer(name):
                           checkpoint={"snapshot_every": 1}, name=name, replace_timeout=20.0, recovery_timeout=60.0)
 
 
+def sweep_stale_hosts():
+    """Removes the shared-memory directories of chaos runs that were killed (their `owner` pid is
+    gone): a run that ends removes its own, one killed midway cannot."""
+    for path in glob.glob("/dev/shm/troupe-chaos-shm-*"):
+        try:
+            with open(os.path.join(path, "owner")) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue  # not one this bench marked: not ours to judge
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def add_host(cluster):
     """A node with a shared-memory directory of its own (its host's /dev/shm)."""
     shm = tempfile.mkdtemp(prefix="troupe-chaos-shm-", dir="/dev/shm")
+    with open(os.path.join(shm, "owner"), "w") as f:
+        f.write(str(os.getpid()))
     base = cluster._env
     cluster._env = dict(base, TROUPE_SHM_DIR=shm)
     try:
@@ -239,6 +259,7 @@ def main():
     parser.add_argument("--keep-logs", metavar="DIR", help="run the cluster in DIR and keep its logs afterwards")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    sweep_stale_hosts()
     kinds = args.kinds.split(",")
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds: choose among {KINDS}")
