@@ -947,13 +947,20 @@ class _TorchTrainers:
         the node first (a node on another host without a shared file system gets a copy)."""
         if not self.files:  # the user's files (every host has them), or an adopted group's spec
             return group._data
-        stager = self.stagers.get(node)
-        if stager is None:
-            stager = self.stagers[node] = _DataStager.options(
-                num_cpus=0, max_restarts=0, placement_group=group.group_id, bundle_index=bundle,
-                lifetime=group._lifetime).remote(group.group_id)
-        reply = _api.get(stager.stage.remote(self.files, copy=bool(self.fault.get("copy_data"))),
-                         timeout=self.timeout)
+        for attempt in (1, 2):  # a stager that ended (its node's worker processes did) is made again
+            stager = self.stagers.get(node)
+            if stager is None:
+                stager = self.stagers[node] = _DataStager.options(
+                    num_cpus=0, max_restarts=0, placement_group=group.group_id, bundle_index=bundle,
+                    lifetime=group._lifetime).remote(group.group_id)
+            try:
+                reply = _api.get(stager.stage.remote(self.files, copy=bool(self.fault.get("copy_data"))),
+                                 timeout=self.timeout)
+                break
+            except ActorDiedError:
+                del self.stagers[node]
+                if attempt == 2:
+                    raise
         if reply["copy"]:
             import zlib
 

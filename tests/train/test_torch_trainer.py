@@ -419,6 +419,16 @@ def test_a_dataset_reaches_a_node_that_does_not_see_the_drivers_files(cluster, d
     with _make(dataset, _fault={"copy_data": True}) as t:
         t.fit(steps=5)
         assert any(e["text"].startswith("data: staged ") for e in t.events), [e["text"] for e in t.events]
+        # A node whose services are made again after its stager ended gets the files from a new one.
+        rt = troupe._api._runtime()
+        node, stager = next(iter(t._kind.stagers.items()))
+        os.kill(rt.actor_info(stager.actor_id)["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while rt.actor_info(stager.actor_id)["state"] != "DEAD" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spec = t._kind.data_for(t, node, 0)
+        assert t._kind.stagers[node].actor_id != stager.actor_id
+        assert os.path.getsize(spec["features"]) == os.path.getsize(os.path.join(t._workdir, "features.npy"))
         # The driver's copy goes; a dataloader killed now starts again from the node's copy.
         shutil.rmtree(t._workdir)
         loader = next(m for m in t.members() if m["kind"] == "dataloader")
