@@ -147,7 +147,7 @@ class TorchContext:
         another."""
         import torch
 
-        if {"process_group", "module"} & set(ddp_options):
+        if "process_group" in ddp_options:
             raise TypeError("ctx.prepare: the process group is the group's; pass DDP's other options")
         if not isinstance(model, torch.nn.Module):
             if not callable(model):
@@ -996,6 +996,8 @@ class _TorchTrainers:
         return handle.finished.remote(after)
 
     def warm(self, reply: Mapping[str, Any]) -> bool:
+        """Whether a restarted rank that answered probe() can join without making the others
+        wait for its setup: its loop waits at the group's gate."""
         return reply["activity"]["name"] == "waiting for the group"
 
     def handle(self, actor_id: str) -> Any:

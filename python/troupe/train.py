@@ -253,6 +253,21 @@ def _step_row(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {re.sub(r"[A-Z]", lambda c: "_" + c.group(0).lower(), k): v for k, v in metrics.items()}
 
 
+def _merged_row(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """One history row of a step from its ranks' rows (_step_row's): the split is the straggler's
+    (the rank that computed longest): its comm_s is what communicating costs; the others' also
+    holds their wait for it, which does not shrink with fewer ranks (the tuner read that as ring
+    latency and over-predicted every shrink by 5-10%). Loss and metrics are rank 0's."""
+    straggler = max(ranks, key=lambda r: r["compute_s"])
+    row = {"step": ranks[0]["step"], "loss": ranks[0]["loss"], "world_size": world,
+           "compute_s": straggler["compute_s"], "comm_s": straggler["comm_s"],
+           **{k: max(r[k] for r in ranks) for k in ("wait_s", "snapshot_s", "bytes_allreduced")},
+           "samples": ranks[0]["samples"]}
+    if "metrics" in ranks[0]:  # what a user's loop reported
+        row["metrics"] = ranks[0]["metrics"]
+    return row
+
+
 def _model_path(model: str | os.PathLike[str] | torch.nn.Module, workdir: str) -> str:
     """A model name the trainer knows ("tinylm", "mlp"), a TorchScript file, or a torch.nn.Module
     (scripted into `workdir`)."""
@@ -318,11 +333,6 @@ class _CppTrainers:
         """A call a live member answers at once (hash runs on the compute thread: it also
         says the member has finished what it was doing)."""
         return _typed.call(handle, "Trainer", "hash")
-
-    def warm(self, reply):
-        """Whether a restarted member that answered probe() is ready to join without making
-        the others wait for its setup."""
-        return True
 
     def call(self, handle, method, **params):
         return _typed.call(handle, "Trainer", method, **params)
@@ -867,23 +877,10 @@ class GroupCoordinator:
 
     def _absorb(self, replies, wall):
         per_rank = [[_step_row(m) for m in r["metrics"]] for r in replies]
-        for i, m in enumerate(per_rank[0]):
-            # The step's split is the straggler's (the rank that computed longest): its comm_s is
-            # what communicating costs. The others' comm_s also holds their wait for it, which
-            # does not shrink with fewer ranks; the tuner read that as ring latency and
-            # over-predicted every shrink by 5-10%.
-            straggler = max(per_rank, key=lambda r: r[i]["compute_s"])[i]
-            row = {"step": m["step"], "loss": m["loss"], "world_size": len(self.trainers),
-                   "compute_s": straggler["compute_s"],
-                   "comm_s": straggler["comm_s"],
-                   "wait_s": max(r[i]["wait_s"] for r in per_rank),
-                   "snapshot_s": max(r[i]["snapshot_s"] for r in per_rank),
-                   "bytes_allreduced": max(r[i]["bytes_allreduced"] for r in per_rank),
-                   "samples": m["samples"],
-                   # the members of a ring share their rows: each row once
-                   "sample_ids": sorted(x for r in per_rank[::self._seq()] for x in r[i]["sample_ids"])}
-            if "metrics" in m:  # what a user's loop reported (rank 0's)
-                row["metrics"] = m["metrics"]
+        for i in range(len(per_rank[0])):
+            row = _merged_row([r[i] for r in per_rank], len(self.trainers))
+            # the members of a ring share their rows: each row once
+            row["sample_ids"] = sorted(x for r in per_rank[::self._seq()] for x in r[i]["sample_ids"])
             row["step_s"] = wall / len(per_rank[0])
             row["samples_per_s"] = row["samples"] / row["step_s"] if row["step_s"] > 0 else 0.0
             self.history.append(row)
@@ -1004,13 +1001,7 @@ class GroupCoordinator:
             ranks = rows.get(step)
             planned = sorted(_typed.get(loader, "Dataloader", "stepSamples", step=step - 1)["ids"])
             if ranks:
-                straggler = max(ranks, key=lambda r: r["compute_s"])
-                row = {"step": step, "loss": ranks[0]["loss"], "world_size": world,
-                       **{k: straggler[k] for k in ("compute_s", "comm_s")},
-                       **{k: max(r[k] for r in ranks) for k in ("wait_s", "snapshot_s", "bytes_allreduced")},
-                       "samples": ranks[0]["samples"], "sample_ids": planned}
-                if "metrics" in ranks[0]:
-                    row["metrics"] = ranks[0]["metrics"]
+                row = {**_merged_row(ranks, world), "sample_ids": planned}
                 row["step_s"] = row["compute_s"] + row["comm_s"] + row["wait_s"] + row["snapshot_s"]
             else:
                 row = {"step": step, "loss": math.nan, "world_size": world, "compute_s": 0.0, "comm_s": 0.0,

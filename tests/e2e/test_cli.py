@@ -54,7 +54,7 @@ def test_status_pages_and_filters_actors_in_the_store(troupe):
     troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "2", "--resources", "slot=1")
     code = """
 import troupe
-troupe.init("auto", log_to_driver=False)
+troupe.init("auto")
 @troupe.remote(resources={"slot": 1})
 class Holder:
     def ping(self):
@@ -114,7 +114,7 @@ def test_workers_temporary_files_live_in_the_run_and_stop_removes_them(troupe):
     troupe.run("start", "--head", "--port", str(free_port()), "--num-cpus", "1")
     code = """
 import os, tempfile, troupe
-troupe.init("auto", log_to_driver=False)
+troupe.init("auto")
 @troupe.remote(num_cpus=1)
 class Scratch:
     def make(self):

@@ -34,6 +34,26 @@ def attach_when_made(api, trainer, name):
     return attached()
 
 
+# What a detached training job's script does after it made its group `t`: train until another
+# driver stops it, saying where it started (0, or the step of the group it adopted).
+DETACHED_FIT = """
+print("start step", t.step, flush=True)
+t.fit(until=1_000_000)  # until another driver stops it
+print("stopped at", t.step, flush=True)
+t.close()
+"""
+
+
+def stop_and_read_the_starts(troupe, job, name, group):
+    """Stops the group from this driver, waits for job `name` to succeed; its log, and the steps
+    each run of its script started from."""
+    group.stop()
+    group.wait(timeout=60)  # the script closes its group after fit returns
+    eventually(lambda: job.status(name)["state"] == "SUCCEEDED", 30, "the job to end")
+    out = troupe.run("job", "logs", name).stdout
+    return out, [int(line.split()[-1]) for line in out.splitlines() if line.startswith("start step")]
+
+
 def kill_the_driver_and_see_it_adopted(job, name, group):
     """kill -9 the job's driver (the coordinator) mid-training: the supervisor starts it again and
     the new driver adopts the running group and goes on from where it was."""
@@ -89,18 +109,14 @@ def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_anot
         t = ElasticTrainer(model="tinylm", data={TEXT!r}, optimizer="adamw", global_batch_size=8, context=32,
                            min_workers=1, max_workers=2, steps_per_call=2, progress=False, seed=3,
                            checkpoint={{"snapshot_every": 1}}, name="run1", detached=True)
-        print("start step", t.step, flush=True)
-        t.fit(until=1_000_000)  # until another driver stops it
-        print("stopped at", t.step, flush=True)
-        t.close()
-    """))
+    """) + DETACHED_FIT)
     # The submitting command returns at once: nothing of the job depends on it.
     troupe.run("job", "submit", str(script), "--name", "trainjob", "--max-restarts", "1")
     api = import_troupe()
     from troupe import job
     from troupe.train import ElasticTrainer
 
-    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    api.init(cluster["controller_address"], token=cluster["token"])
     try:
         group = attach_when_made(api, ElasticTrainer, "run1")
         group.wait(step=4, timeout=60)
@@ -113,11 +129,7 @@ def test_a_training_job_survives_its_driver_and_is_watched_and_stopped_from_anot
         step = group.progress()["step"]
         group.wait(step=step + 2, timeout=60)
 
-        group.stop()
-        group.wait(timeout=60)  # the script closes its group after fit returns
-        eventually(lambda: job.status("trainjob")["state"] == "SUCCEEDED", 30, "the job to end")
-        out = troupe.run("job", "logs", "trainjob").stdout
-        starts = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("start step")]
+        out, starts = stop_and_read_the_starts(troupe, job, "trainjob", group)
         assert starts[0] == 0 and len(starts) == 2 and starts[1] > 0, out  # the second adopted, not restarted
         assert "stopped at" in out and "incarnation 1" in out, out
     finally:
@@ -154,17 +166,13 @@ def test_your_own_torch_loop_as_a_detached_job_is_adopted_by_its_restarted_drive
         troupe.init()
         t = TorchTrainer(train_loop, data=data, global_batch_size=16, scaling=ScalingConfig(min_workers=1, max_workers=2),
                          steps_per_call=2, progress=False, name="loop1", detached=True)
-        print("start step", t.step, flush=True)
-        t.fit(until=1_000_000)  # until another driver stops it
-        print("stopped at", t.step, flush=True)
-        t.close()
-    """))
+    """) + DETACHED_FIT)
     troupe.run("job", "submit", str(script), "--name", "loopjob", "--max-restarts", "1")
     api = import_troupe()
     from troupe import job
     from troupe.train import ElasticTrainer, TorchTrainer
 
-    api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    api.init(cluster["controller_address"], token=cluster["token"])
     try:
         group = attach_when_made(api, TorchTrainer, "loop1")
         group.wait(step=4, timeout=60)
@@ -179,11 +187,7 @@ def test_your_own_torch_loop_as_a_detached_job_is_adopted_by_its_restarted_drive
                if a["type"] == "py:_TorchTrainerActor" and a["state"] == "ALIVE"}
         assert now == trainers  # the same processes train on
 
-        group.stop()
-        group.wait(timeout=60)
-        eventually(lambda: job.status("loopjob")["state"] == "SUCCEEDED", 30, "the job to end")
-        out = troupe.run("job", "logs", "loopjob").stdout
-        starts = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("start step")]
+        out, starts = stop_and_read_the_starts(troupe, job, "loopjob", group)
         assert starts[0] == 0 and len(starts) == 2 and starts[1] > 0, out  # the second adopted, not restarted
         assert "stopped at" in out, out
     finally:

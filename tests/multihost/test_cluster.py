@@ -202,7 +202,7 @@ sys.path.insert(0, %(pkg)r)
 import troupe
 from troupe import _api
 from troupe.train import ElasticTrainer
-troupe.init(%(controller)r, token=%(token)r, log_to_driver=False)
+troupe.init(%(controller)r, token=%(token)r)
 t = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3", optimizer={"name": "adamw", "lr": 3e-3},
                    global_batch_size=12, max_micro_batch=4, min_workers=1, max_workers=3, context=32,
                    steps_per_call=2, progress=False, seed=7, checkpoint={"snapshot_every": 1}, recovery_timeout=60.0)

@@ -24,7 +24,7 @@ def attach_to_two_nodes(troupe):  # noqa: F811 (the CLI fixture)
     troupe.run("start", "--head", "--port", str(port), "--num-cpus", "1")
     troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
     cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
-    troupe_api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    troupe_api.init(cluster["controller_address"], token=cluster["token"])
     return port
 
 
@@ -286,7 +286,7 @@ def _throughput_at(history, world):
 
 
 def test_the_tuner_shrinks_four_trainers_on_two_cores_and_throughput_improves():
-    troupe.init(num_cpus=4, log_to_driver=False)  # 4 CPUs declared, 2 cores really there
+    troupe.init(num_cpus=4)  # 4 CPUs declared, 2 cores really there
     try:
         with make(workers=4, max_workers=4, global_batch_size=32, max_micro_batch=8, context=64, steps_per_call=5,
                   tuner=True) as t:

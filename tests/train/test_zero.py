@@ -81,7 +81,7 @@ def test_zero2_losing_a_node_shrinks_four_ranks_to_three_as_a_resize_would(troup
     troupe.run("start", "--head", "--port", str(port), "--num-cpus", "3")
     troupe.run("start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1")
     cluster = json.loads((troupe.run_dir() / "cluster.json").read_text())
-    troupe_api.init(cluster["controller_address"], token=cluster["token"], log_to_driver=False)
+    troupe_api.init(cluster["controller_address"], token=cluster["token"])
     options = dict(zero=2, min_workers=3, max_workers=4, global_batch_size=12, max_micro_batch=3,
                    replace_timeout=6.0)
     try:
