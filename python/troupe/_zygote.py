@@ -98,9 +98,9 @@ class _Request:
 
 
 def _read_at_start(name):
-    """Variables the interpreter reads when it starts, or troupe._core when it is loaded: a forked
+    """Variables the interpreter (or ld.so) reads when it starts, or troupe._core when it is loaded: a forked
     worker has the zygote's values, so they must be the ones the worker asks for."""
-    return name.startswith("PYTHON") or name == "TROUPE_TLS"
+    return name.startswith("PYTHON") or name in ("TROUPE_TLS", "GLIBC_TUNABLES")
 
 
 def _threads():

@@ -244,6 +244,10 @@ class _TorchTrainerActor:
         self.sync_gradients, self.grad_scale, self.accumulated = True, 1.0, False
         self.ddps: list[Any] = []
         self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # parameters whose gradients grad_scale weighs
+        # Modules whose forward first checks the group (_check_group), and the loop thread's generation.
+        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.local = threading.local()
+        self.next_check = 0.0
         self.micro_metrics: list[tuple[float, dict[str, float]]] = []
         self.chunk_end = 0
         self.rows: list[dict[str, Any]] = []
@@ -402,6 +406,9 @@ class _TorchTrainerActor:
     def configure(self, snapshotEvery: int = -1, threads: int = -1, prefetch: int = -1) -> dict[str, Any]:  # noqa: N803
         import torch
 
+        if threads > 0 and (self.spec.get("fault") or {}).get("kill_when_threads_set_to") == threads:
+            self._killed_once()
+
         if snapshotEvery > 0:
             self.snapshot_every = int(snapshotEvery)
         if threads > 0:
@@ -442,6 +449,14 @@ class _TorchTrainerActor:
         state, got = _ckpt.load_tracked(dir, step=step or None)
         self._restored(got, state, restart)
         return {"step": got, "source": f"{dir} step {got}", "hash": 0}
+
+    def _killed_once(self) -> None:
+        """Tests' fault injection: SIGKILL of this process, the first time only (a flag file in
+        the group's workdir remembers it across the restart)."""
+        flag = os.path.join(self.spec["workdir"], f"fault-killed-{self.spec['bundle']}")
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- The loop's life: its generations and gates ----
     def _start_loop(self) -> None:
@@ -487,11 +502,12 @@ class _TorchTrainerActor:
             self.used_group = True
 
     def _loop_main(self, gen: int) -> None:
+        self.local.gen = gen
         try:
             self.loop(TorchContext(self, gen))
             outcome = ("returned", "")
-        except GroupChanged:
-            outcome = ("changed", "the coordinator re-formed the group")
+        except GroupChanged as e:
+            outcome = ("changed", str(e) or "the coordinator re-formed the group")
         except BaseException as e:  # noqa: B036 (the loop's failure goes to run(), whatever it is)
             text = traceback.format_exc()
             outcome = (("changed", text) if isinstance(e, _GroupFailure) or self._group_broken(gen)
@@ -538,8 +554,15 @@ class _TorchTrainerActor:
 
     # ---- Gradient accumulation (max_micro_batch) ----
     def _prepared(self, ddp: Any) -> Any:
-        """A model ctx.prepare() wrapped: with max_micro_batch, its all-reduce follows the
-        micro-batches and its gradients are weighed by each micro-batch's share of the rows."""
+        """A model ctx.prepare() wrapped. Its modules that hold parameters check the group before
+        their forward, so a survivor stops a step the group lost within a layer of the peer's
+        death (the backward stops at its next all-reduce anyway). With max_micro_batch, its
+        all-reduce follows the micro-batches and its gradients are weighed by each micro-batch's
+        share of the rows."""
+        for module in ddp.module.modules():
+            if module not in self.watched and next(module.parameters(recurse=False), None) is not None:
+                self.watched.add(module)
+                module.register_forward_pre_hook(self._check_group)
         if self.max_micro:
             self.ddps.append(ddp)
             for p in ddp.module.parameters():
@@ -547,6 +570,25 @@ class _TorchTrainerActor:
                     self.hooked.add(p)
                     p.register_hook(self._weigh_gradient)
         return ddp
+
+    def _check_group(self, *_: Any) -> None:
+        """GroupChanged in a loop's thread once its generation is over or the communicator failed
+        (a peer died: its collectives would fail). Checked at most every 2 ms."""
+        gen = getattr(self.local, "gen", None)
+        now = time.monotonic()
+        if gen is None or now < self.next_check:
+            return
+        self.next_check = now + 0.002
+        if gen != self.gen:
+            raise GroupChanged("the group re-forms")
+        try:
+            from . import dist as troupe_dist
+
+            health = troupe_dist.health()
+        except Exception as e:  # no process group: it was destroyed to re-form the group
+            health = str(e)
+        if health != "OK":
+            raise GroupChanged(f"rank {self.rank}: the group's communicator failed: {health}")
 
     def _weigh_gradient(self, grad: Any) -> Any:
         self.accumulated = True
@@ -663,12 +705,8 @@ class _TorchTrainerActor:
             t0 = time.monotonic()
             step = self.step
             self.doing = ("data wait", time.time(), step + 1)
-            fault = self.spec.get("fault") or {}
-            if fault.get("kill_at_step") == step:
-                flag = os.path.join(self.spec["workdir"], f"fault-killed-{self.spec['bundle']}")
-                if not os.path.exists(flag):  # once: the restarted process trains the step
-                    open(flag, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
+            if (self.spec.get("fault") or {}).get("kill_at_step") == step:
+                self._killed_once()  # the restarted process trains the step
             try:
                 batch = _typed.get(self.loader, "Dataloader", "take", step=step, rank=self.rank,
                                    world=self.world)["batch"]

@@ -914,11 +914,23 @@ class GroupCoordinator:
         cost = sum(r["snapshot_s"] for r in recent) / 3
         every = max(1, int(-(-cost // (0.05 * step_s)))) if step_s > 0 else 1
         every = min(every, 100)
-        if every != self._checkpoint["snapshot_every"]:
-            _api.get([self._kind.call(t, "configure", snapshotEvery=every) for t in self.trainers])
+        if every != self._checkpoint["snapshot_every"] and self._configure_between_chunks(snapshotEvery=every):
             self._event(f"memory snapshots every {every} step(s): a snapshot takes {cost * 1e3:.1f} ms, "
                         f"a step {step_s * 1e3:.1f} ms")
             self._checkpoint["snapshot_every"] = every
+
+    def _configure_between_chunks(self, **settings):
+        """Applies settings to every trainer between chunks. A member that died since the chunk
+        ended (or is restarting) makes the next chunk fail and be recovered, and the recovery
+        configures every member again: its failure here is not the caller's. Returns whether
+        every member took them."""
+        try:
+            _api.get([self._kind.call(t, "configure", **settings) for t in self.trainers])
+            return True
+        except (ActorDiedError, ActorError) as e:
+            self._event(f"settings {settings} not applied at step {self.step} (a member failed: "
+                        f"{str(e).splitlines()[0][:120]}); the next chunk recovers it")
+            return False
 
     def _recover(self, failure, refs):
         t0 = time.monotonic()
@@ -1190,7 +1202,7 @@ class GroupCoordinator:
             self._settings = settings
             self._engine["threads"] = settings["threads"]
             if decision["action"] == "keep":
-                _api.get([self._kind.call(t, "configure", **settings) for t in self.trainers])
+                self._configure_between_chunks(**settings)
             self._event(f"tuner: {settings['threads']} intra-op thread(s) per trainer, prefetch depth "
                         f"{settings['prefetch']}")
         # The outcome of the previous change is measured now: its decision record is on the tuner.

@@ -407,6 +407,18 @@ def test_a_kill_in_the_middle_of_a_chunk_keeps_one_row_per_step(cluster, dataset
             assert row["sample_ids"] == sorted(planned)
 
 
+def test_a_trainer_that_dies_between_chunks_while_the_group_is_configured_is_recovered(cluster, dataset):
+    # Between chunks the coordinator sets the members' snapshot interval and threads; rank 1
+    # dies in that call. The driver does not see the failure: the next chunk recovers it.
+    with _make(dataset, _fault={"rank": 1, "kill_when_threads_set_to": 7}) as t:
+        t.fit(steps=5)
+        assert t._configure_between_chunks(threads=7) is False
+        assert "not applied at step 5" in t.events[-1]["text"]
+        t.fit(steps=5)
+        assert [r["step"] for r in t.history] == list(range(1, 11))
+        assert [r["step"] for r in t.recoveries] == [5]
+
+
 def test_a_dataset_reaches_a_node_that_does_not_see_the_drivers_files(cluster, dataset):
     # A node on another host without a shared file system does not see the files the driver
     # wrote the Dataset to: the group sends them to it through the cluster. (copy_data makes
