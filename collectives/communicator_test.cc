@@ -340,6 +340,40 @@ TEST_CASE("kill -9 of a rank mid-allreduce: the others fail within 2 s naming it
   }
 }
 
+TEST_CASE("kill -9 of a rank with 1 GB of memory: its host mates learn of it from its life lock, before its "
+          "sockets close, and name it among the dead") {
+  // Its 1 GB in 4 KiB pages takes the kernel tens of milliseconds to tear down, and its sockets
+  // close only after that; its robust life lock is released as its threads begin to exit.
+  testing::RedisServerProcess redis;
+  TempDir dir;
+  auto ranks = spawnRanks(redis, dir.path(), 3,
+                          {"--mode", "idle", "--group", "life", "--count", "1000", "--victim", "1", "--ballast-mb",
+                           "1024"});
+  for (auto& rank : ranks) {
+    const std::string ready = rank->waitForLine("READY", 30s);
+    REQUIRE_MESSAGE(!ready.empty(), rank->errors());
+    CHECK(ready == "READY shm=1");
+  }
+  const int64_t killedAt = monotonicNs();
+  ranks[1]->kill9();
+  for (int r : {0, 2}) {
+    CAPTURE(r);
+    const std::string line = ranks[r]->waitForLine("ERROR", 10s);
+    REQUIRE_MESSAGE(!line.empty(), ranks[r]->errors());
+    const ErrorLine error = parseError(line);
+    INFO(line);
+    CHECK(error.ns - killedAt < 2'000'000'000);
+    CHECK(error.code == "UNAVAILABLE");
+    CHECK(error.message.find(fmt::format("rank 1 (pid {}", ranks[1]->pid())) != std::string::npos);
+    CHECK(error.message.find("released its life lock") != std::string::npos);
+    CHECK(ranks[r]->waitForLine("DEAD", 10s) == "DEAD 1");
+    auto exit = ranks[r]->wait(10s);
+    REQUIRE(exit.has_value());
+    CHECK(exit->exitCode == 0);
+  }
+  CHECK(shmLeftovers("life").empty());
+}
+
 TEST_CASE("an epoch advance in Redis aborts blocked operations within 2 s") {
   testing::RedisServerProcess redis;
   TempDir dir;

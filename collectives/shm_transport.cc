@@ -34,7 +34,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kSegmentMagic = 0x314d485343525454;  // "TTRCSHM1"
-constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kSegmentVersion = 2;  // 2: life locks
 constexpr size_t kPage = 4096;
 constexpr size_t kPublishBytes = 256 << 10;  // a producer publishes at least this often
 constexpr int kMaxLocalRanks = 1024;
@@ -56,7 +56,16 @@ struct alignas(64) DoorbellSlot {
 
 uint64_t alignPage(uint64_t bytes) { return (bytes + kPage - 1) & ~uint64_t{kPage - 1}; }
 uint64_t pairsOf(int localCount) { return uint64_t(localCount) * uint64_t(localCount - 1); }
-uint64_t controlsOffset(int localCount) { return alignPage(64 + 64 * uint64_t(localCount)); }
+struct alignas(64) LifeLockSlot {
+  pthread_mutex_t lock;
+  std::atomic<uint32_t> died;  // 1 once a watcher found the owner dead (life_locks.cc)
+};
+static_assert(sizeof(LifeLockSlot) == 64);
+
+// The header, a doorbell slot per rank, a life lock slot per rank, then (page-aligned) the pipes'
+// controls and their data.
+uint64_t lifeLocksOffset(int localCount) { return 64 + 64 * uint64_t(localCount); }
+uint64_t controlsOffset(int localCount) { return alignPage(64 + 128 * uint64_t(localCount)); }
 uint64_t dataOffset(int localCount) {
   return controlsOffset(localCount) + alignPage(sizeof(PipeControl) * pairsOf(localCount));
 }
@@ -166,6 +175,12 @@ Status createSegment(const std::string& name, int localCount, size_t pipeBytes, 
   header->pipeBytes = pipeBytes;
   header->totalBytes = total;
   std::memcpy(header->nonce, nonce.data(), sizeof(header->nonce));
+  for (int local = 0; local < localCount; ++local) {
+    auto* slot = reinterpret_cast<LifeLockSlot*>(static_cast<char*>(mapping.base) + lifeLocksOffset(localCount) +
+                                                 64 * uint64_t(local));
+    TROUPE_RETURN_IF_ERROR(initLifeLock(&slot->lock));
+    slot->died.store(0);
+  }
   return Status::ok();
 }
 
@@ -401,6 +416,14 @@ std::atomic<uint32_t>& ShmSegment::doorbell(int local) const {
   return reinterpret_cast<DoorbellSlot*>(base_ + 64 + 64 * size_t(local))->seq;
 }
 
+pthread_mutex_t* ShmSegment::lifeLock(int local) const {
+  return &reinterpret_cast<LifeLockSlot*>(base_ + lifeLocksOffset(localCount_) + 64 * size_t(local))->lock;
+}
+
+std::atomic<uint32_t>* ShmSegment::lifeDied(int local) const {
+  return &reinterpret_cast<LifeLockSlot*>(base_ + lifeLocksOffset(localCount_) + 64 * size_t(local))->died;
+}
+
 int ShmLink::localOf(int rank) const {
   auto it = std::find(localRanks.begin(), localRanks.end(), rank);
   return it == localRanks.end() ? -1 : static_cast<int>(it - localRanks.begin());
@@ -423,6 +446,16 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
   const std::string where = fmt::format("group '{}' epoch {} rank {}", options.group, options.epoch, options.rank);
   Mapping mapping;
   size_t pipeBytes = 0;
+  // Once this rank has mapped the segment: it holds its life lock from then on, so by the end of
+  // the setup every rank of the host holds its own.
+  auto holdLife = [&]() -> Status {
+    const size_t bytes = mapping.bytes;
+    link.segment = std::make_shared<ShmSegment>(mapping.release(), bytes, localCount, pipeBytes);
+    auto life = LifeLocks::hold(link.segment, link.segment->lifeLock(link.myLocal));
+    if (!life.isOk()) return life.status();
+    link.life = std::move(*life);
+    return Status::ok();
+  };
 
   if (link.myLocal == 0) {
     // The host's lowest rank: create, offer, collect the answers, send the verdict, unlink.
@@ -445,6 +478,7 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
       bool exists = false;
       Status created = createSegment(name, localCount, pipeBytes, total, nonce, mapping, exists);
       if (exists) unlink.name = name;
+      if (created.isOk()) created = holdLife();
       if (created.isOk()) {
         offer.ok = 1;
         offer.pipeBytes = pipeBytes;
@@ -500,8 +534,13 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
         TROUPE_LOG(kWarning, "{}: cannot map the shared memory {} offered, using TCP: {}", where, leader.name,
                    opened.message());
       } else {
-        answer.ok = 1;
         pipeBytes = offer->pipeBytes;
+        if (Status held = holdLife(); held.isOk()) {
+          answer.ok = 1;
+        } else {
+          TROUPE_LOG(kWarning, "{}: the shared memory {} offered is unusable, using TCP: {}", where, leader.name,
+                     held.message());
+        }
       }
     }
     TROUPE_RETURN_IF_ERROR(sendHello(leader, answer, deadline));
@@ -509,8 +548,6 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
     if (!verdict) return verdict.status();
     if (verdict->ok != 1 || answer.ok != 1) return std::optional<ShmLink>();
   }
-  const size_t bytes = mapping.bytes;
-  link.segment = std::make_shared<ShmSegment>(mapping.release(), bytes, localCount, pipeBytes);
   return std::optional<ShmLink>(std::move(link));
 }
 

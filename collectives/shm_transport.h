@@ -14,7 +14,7 @@
 // waits for; the producer that reaches it bumps the consumer's doorbell and FUTEX_WAKEs it. A
 // producer that finds the pipe full waits on the pipe's own futex word the same way. Every futex
 // wait has a timeout, and waiters also watch a local stop flag, so an aborted communicator never
-// hangs on a peer that died (the TCP control connections notice the death).
+// hangs on a peer that died (its life lock, then its TCP control connection, says so).
 //
 // Counters read from the segment are the peer's and are checked before use (a position that
 // goes backwards or past the capacity is reported as corruption).
@@ -24,6 +24,7 @@
 // happens-before edge).
 #pragma once
 
+#include <pthread.h>
 #include <sys/uio.h>
 
 #include <atomic>
@@ -35,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "life_locks.h"
 #include "rendezvous.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/status.h"
@@ -135,6 +137,9 @@ class ShmSegment {
   ShmPipe pipe(int from, int to) const;
   // Local rank `local`'s doorbell: producers bump and wake it when they reach its wait.
   std::atomic<uint32_t>& doorbell(int local) const;
+  // Local rank `local`'s life lock (life_locks.h): held by that rank while it lives.
+  pthread_mutex_t* lifeLock(int local) const;
+  std::atomic<uint32_t>* lifeDied(int local) const;  // its death mark, beside it
 
  private:
   char* base_;
@@ -160,6 +165,7 @@ size_t pipeBytesFor(int localCount, size_t chunkBytes);
 // The setup's outcome for this rank.
 struct ShmLink {
   std::shared_ptr<ShmSegment> segment;
+  std::unique_ptr<LifeLocks> life;  // this rank's life lock, held; its peers' to watch
   std::vector<int> localRanks;  // the host's ranks, ascending; local index = position
   int myLocal = -1;
   int localOf(int rank) const;  // -1 when `rank` is on another host

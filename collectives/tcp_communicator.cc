@@ -31,6 +31,7 @@
 #include <sched.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <future>
 
 #include <asio/post.hpp>
@@ -118,10 +119,23 @@ TcpCommunicator::TcpCommunicator(const CommunicatorOptions& options, RendezvousR
         });
       });
   if (shm_) shmWaiter_ = std::thread([this, bellBefore] { shmWaitLoop(bellBefore); });
+  if (shm_ && shm_->life) {
+    std::vector<LifeLocks::Peer> mates;
+    for (int local = 0; local < static_cast<int>(shm_->localRanks.size()); ++local) {
+      if (local != shm_->myLocal) {
+        mates.push_back({shm_->localRanks[local], shm_->segment->lifeLock(local), shm_->segment->lifeDied(local)});
+      }
+    }
+    shm_->life->watch(mates, [this](int rank) {
+      noteDeath(rank);
+      asio::post(io_, [this, rank] { onLifeLockReleased(*peers_[rank]); });
+    });
+  }
 }
 
 TcpCommunicator::~TcpCommunicator() {
   epochWatcher_.reset();  // joins its thread, which may post to io_
+  if (shm_) shm_->life.reset();  // its watchers may post to io_ until then
   if (shmWaiter_.joinable()) {
     shmWaiterStop_.store(true);
     std::atomic<uint32_t>& bell = shm_->segment->doorbell(shm_->myLocal);
@@ -143,6 +157,28 @@ TcpCommunicator::~TcpCommunicator() {
 Status TcpCommunicator::health() const {
   std::lock_guard lock(healthMutex_);
   return health_;
+}
+
+void TcpCommunicator::onLifeLockReleased(const Peer& peer) {
+  if (!broken_.isOk() || shuttingDown_) return;
+  // At once, as when its control connection ends: an operation in progress may need the peer
+  // through others (a ring), which this rank cannot see. As a lost connection, an ABORT the peer
+  // sent before it ended says why, and wins.
+  fail(Status(StatusCode::kUnavailable,
+              fmt::format("{} died or was killed (the kernel released its life lock in this host's shared memory){}; {}",
+                          peer.name, active_ ? fmt::format(" (during {})", describeRequest(current_, opNumber_)) : "",
+                          recreateAdvice(options_))),
+       FailureCause::kConnectionLost);
+}
+
+std::vector<int> TcpCommunicator::deadPeers() const {
+  std::lock_guard lock(healthMutex_);
+  return deadPeers_;
+}
+
+void TcpCommunicator::noteDeath(int rank) {
+  std::lock_guard lock(healthMutex_);
+  if (std::find(deadPeers_.begin(), deadPeers_.end(), rank) == deadPeers_.end()) deadPeers_.push_back(rank);
 }
 
 std::string TcpCommunicator::waitingOn() const {
@@ -409,6 +445,7 @@ std::optional<Failure> TcpCommunicator::drainControl(Peer& peer) {
       return Failure{Status(event.code, fmt::format("{} stopped: {}", peer.name, event.text)),
                      FailureCause::kPeerAborted};
     case ControlChannel::Event::Kind::kDied:
+      noteDeath(peer.rank);
       break;
   }
   return Failure{Status(StatusCode::kUnavailable,

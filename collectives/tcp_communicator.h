@@ -52,6 +52,7 @@ class TcpCommunicator final : public Communicator {
 
   // Asked on the I/O thread, which never blocks on a peer, so it answers even mid-hang.
   std::string waitingOn() const override;
+  std::vector<int> deadPeers() const override;
 
   std::shared_ptr<Work> allreduceAsync(const void* send, void* recv, size_t count, DataType type,
                                        ReduceOp op) override;
@@ -184,6 +185,9 @@ class TcpCommunicator final : public Communicator {
   // error names the rank that died or the root cause a peer reported.
   void fail(Failure failure) { fail(std::move(failure.status), failure.cause); }
   void fail(Status status, FailureCause cause = FailureCause::kOther);
+  void noteDeath(int rank);  // any thread
+  // A pipe peer's life lock was released (life_locks.h): it died.
+  void onLifeLockReleased(const Peer& peer);
 
   // Ends a write the sender thread may be blocked in on a full pipe.
   void stopShmWriters();
@@ -223,6 +227,7 @@ class TcpCommunicator final : public Communicator {
 
   mutable std::mutex healthMutex_;
   Status health_;  // a copy of broken_ for other threads
+  std::vector<int> deadPeers_;  // under healthMutex_
 
   std::thread ioThread_;
   std::unique_ptr<EpochWatcher> epochWatcher_;

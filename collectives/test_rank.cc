@@ -3,6 +3,7 @@
 // the password never travels in argv). Reports on stdout, one line each, flushed:
 //   READY                      the first operation succeeded (loop mode)
 //   BLOCKING                   an operation that cannot finish was submitted (block mode)
+//   DEAD <ranks>               the peers the communicator saw die, comma-separated (idle mode)
 //   ERROR <monotonic ns> <CODE> <message>   an operation failed, and when
 //   REJOINED OK                the rank re-formed epoch + 1 without the victim and checked it
 //   MATRIX OK <operations> shm=<0|1>   every operation of the matrix matched the reference;
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -43,6 +45,7 @@ struct Args {
   int world = 1;
   int victim = -1;
   size_t count = 1 << 20;
+  size_t ballastMb = 0;
   size_t chunkBytes = 256 * 1024;
   size_t smallBytes = 64 * 1024;
   bool sharedMemory = true;
@@ -533,6 +536,42 @@ int runBlock(RendezvousStore& store, const Args& args) {
   return 0;
 }
 
+// One all-reduce, then the victim fills `ballastMb` of memory (4 KiB pages: slow to tear down)
+// and every rank reports READY; the others wait, idle, until the communicator fails (the test
+// kills the victim) and report how, and which peers it saw die.
+int runIdle(RendezvousStore& store, const Args& args) {
+  auto comm = connectCpuCommunicator(store, communicatorOptions(args, args.epoch, args.rank, args.world));
+  if (!comm) {
+    reportError(comm.status());
+    return 1;
+  }
+  std::vector<float> buffer(args.count);
+  if (Status status = checkedAllreduce(**comm, buffer); !status.isOk()) {
+    reportError(status);
+    return 1;
+  }
+  std::vector<char> ballast;
+  if (args.rank == args.victim) {
+    ballast.resize(args.ballastMb << 20);
+    for (size_t i = 0; i < ballast.size(); i += 4096) ballast[i] = 1;  // every page, faulted in
+  }
+  report(fmt::format("READY shm={}", sharedMemoryMapped(args.group) ? 1 : 0));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  Status health;
+  while ((health = (*comm)->health()).isOk() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));  // polls the condition, with the deadline
+  }
+  if (health.isOk()) {
+    std::fprintf(stderr, "rank %d: the communicator stayed healthy\n", args.rank);
+    return 1;
+  }
+  reportError(health);
+  std::string dead;
+  for (int rank : (*comm)->deadPeers()) dead += (dead.empty() ? "" : ",") + std::to_string(rank);
+  report("DEAD " + dead);
+  return 0;
+}
+
 }  // namespace
 }  // namespace troupe::collectives
 
@@ -540,7 +579,7 @@ int main(int argc, char** argv) {
   using namespace troupe::collectives;
   Args args;
   CLI::App app("One rank of a Troupe collectives test");
-  app.add_option("--mode", args.mode)->check(CLI::IsMember({"matrix", "loop", "block", "compare"}));
+  app.add_option("--mode", args.mode)->check(CLI::IsMember({"matrix", "loop", "block", "compare", "idle"}));
   app.add_option("--cluster", args.cluster);
   app.add_option("--group", args.group);
   app.add_option("--epoch", args.epoch);
@@ -548,6 +587,7 @@ int main(int argc, char** argv) {
   app.add_option("--world", args.world);
   app.add_option("--victim", args.victim);
   app.add_option("--count", args.count);
+  app.add_option("--ballast-mb", args.ballastMb, "idle mode: the victim's memory before READY");
   app.add_option("--chunk-bytes", args.chunkBytes);
   app.add_option("--small-bytes", args.smallBytes);
   app.add_option("--shm", args.sharedMemory, "use shared memory between the ranks of this host (1) or not (0)");
@@ -562,5 +602,6 @@ int main(int argc, char** argv) {
   if (args.mode == "matrix") return runMatrix(rendezvousStore, args);
   if (args.mode == "loop") return runLoop(rendezvousStore, args);
   if (args.mode == "compare") return runCompare(rendezvousStore, args);
+  if (args.mode == "idle") return runIdle(rendezvousStore, args);
   return runBlock(rendezvousStore, args);
 }

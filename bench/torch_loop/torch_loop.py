@@ -225,7 +225,7 @@ def serve_troupe_recovery(args):
                 if not done.is_set():
                     kill["step"], kill["t"] = trainer.step, time.time()
                     os.kill(victim["pid"], signal.SIGKILL)
-                    note(f"troupe: SIGKILL of rank 1 (pid {victim['pid']}) after step {kill['step']}")
+                    note(f"troupe: SIGKILL of rank 1 (pid {victim['pid']}) after step {kill['step']} at {kill['t']:.3f}")
 
             thread = threading.Thread(target=killer, daemon=True)
             thread.start()

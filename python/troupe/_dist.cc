@@ -669,6 +669,12 @@ class ProcessGroupTroupe final : public c10d::ProcessGroup {
     return comm_ ? comm_->health().toString() : "destroyed";
   }
 
+  // The ranks the communicator saw die (a recovery need not wait for the cluster to say so).
+  std::vector<int> deadPeers() {
+    std::lock_guard submit(submitMutex_);
+    return comm_ ? comm_->deadPeers() : std::vector<int>{};
+  }
+
   // For hang reports: the peers the collective in progress waits for ("" when none runs).
   std::string waitingOn() {
     std::lock_guard submit(submitMutex_);  // held for the report only: a hang's, not a step's
@@ -934,6 +940,14 @@ PYBIND11_MODULE(_dist, m) {
         return troupe->health();
       },
       py::arg("process_group"), "'OK' or the error that made the group's communicator unusable.");
+  m.def(
+      "dead_peers",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+        auto* troupe = dynamic_cast<troupe::collectives::ProcessGroupTroupe*>(pg.get());
+        if (troupe == nullptr) throw py::type_error("not a troupe process group");
+        return troupe->deadPeers();
+      },
+      py::arg("process_group"), "The ranks whose death the group's communicator saw (their process ended).");
   m.def(
       "waiting_on",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {

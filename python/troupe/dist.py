@@ -51,7 +51,7 @@ BACKEND = "troupe"
 
 ClusterStore = _dist.ClusterStore
 
-__all__ = ["BACKEND", "ClusterStore", "group_store", "health"]
+__all__ = ["BACKEND", "ClusterStore", "dead_peers", "group_store", "health"]
 
 
 def group_store(group: str, epoch: int, timeout: datetime.timedelta = datetime.timedelta(seconds=300),
@@ -86,6 +86,13 @@ def health(group=None):
     """'OK', or the error that made the group's communicator unusable (group: default group)."""
     pg = group if group is not None else _torch_dist.distributed_c10d._get_default_group()
     return _dist.health(pg)
+
+
+def dead_peers(group=None):
+    """The ranks whose death the group's communicator saw: their process ended, as the kernel
+    said (a rank on this host) or their connection did (group: default group)."""
+    pg = group if group is not None else _torch_dist.distributed_c10d._get_default_group()
+    return _dist.dead_peers(pg)
 
 
 def waiting_on(group=None):

@@ -248,6 +248,7 @@ class _TorchTrainerActor:
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
         self.local = threading.local()
         self.next_check = 0.0
+        self.lost_ranks: list[int] = []  # the ranks whose death this epoch's communicator saw
         self.micro_metrics: list[tuple[float, dict[str, float]]] = []
         self.chunk_end = 0
         self.rows: list[dict[str, Any]] = []
@@ -285,6 +286,7 @@ class _TorchTrainerActor:
         store = _backend.group_store(self.spec["group"], epoch, timeout)
         dist.init_process_group("troupe", store=store, rank=rank, world_size=world, timeout=timeout)
         self.rank, self.world, self.epoch = rank, world, epoch
+        self.lost_ranks = []
         self.loader = _api.ActorHandle(dataloader, "Dataloader")
         with self.flash_lock:
             if checkpoint and (self.flash is None or self.flash.actor.actor_id != checkpoint):
@@ -372,6 +374,13 @@ class _TorchTrainerActor:
                                    f"iterate ctx.batches() until training ends")
             raise RuntimeError(f"rank {self.rank}: the group changed at step {self.step + 1}: {text}")
         return {"metrics": rows, "hash": 0, **self.pin()}
+
+    def lostPeers(self) -> dict[str, Any]:  # noqa: N802
+        """The ranks of this epoch whose death this rank's communicator saw (the kernel released
+        their life lock, or their connection ended without a goodbye): the coordinator need not
+        wait for the cluster to learn of it before it re-forms the group without them."""
+        self._note_lost_ranks()
+        return {"epoch": self.epoch, "ranks": list(self.lost_ranks)}
 
     def finished(self, after: int) -> dict[str, Any]:
         """This rank's rows of the steps after `after` in its last chunk (one that failed: the
@@ -512,11 +521,24 @@ class _TorchTrainerActor:
             text = traceback.format_exc()
             outcome = (("changed", text) if isinstance(e, _GroupFailure) or self._group_broken(gen)
                        else ("error", text))
+        if outcome[0] == "changed":
+            self._note_lost_ranks()
         with self.cv:
             if gen == self.gen:  # an older generation's end is not this one's outcome
                 self.outcome = outcome
                 self.doing = ("loop ended", time.time(), self.step)
             self.cv.notify_all()
+
+    def _note_lost_ranks(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            from . import dist as troupe_dist
+
+            if dist.is_initialized():
+                self.lost_ranks = list(troupe_dist.dead_peers())
+        except Exception:  # the group is being re-formed: it says nothing more
+            pass
 
     def _group_broken(self, gen: int) -> bool:
         """The group's communicator failed (a peer died) or the coordinator re-forms the group."""
@@ -1028,6 +1050,9 @@ class _TorchTrainers:
         for stager in self.stagers.values():
             _api.kill(stager)
         self.stagers = {}
+
+    def lost_peers(self, handle: Any) -> Any:
+        return handle.lostPeers.remote()
 
     def finished(self, handle: Any, after: int) -> Any:
         """The rank's rows of the steps after `after` that its last chunk finished."""

@@ -939,13 +939,18 @@ class GroupCoordinator:
         # Every live rank's run() must have ended (the others' collectives failed) before they
         # join a new epoch. A call to a member that died before it arrived waits for the member's
         # restart, which may never come: such calls are not waited for.
+        # Checked every 20 ms: the survivors' calls end within milliseconds of a death on their
+        # host (life locks), and the dead member's state changes soon after.
         deadline = time.monotonic() + self.recovery_timeout
+        lost, asked = set(), set()  # members a survivor saw die; survivors asked
         while refs and time.monotonic() < deadline:
-            _, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.25)
-            if all(self._rt.actor_info(self.trainers[refs.index(r)].actor_id)["state"] != "ALIVE" for r in not_ready):
+            ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.02)
+            lost |= self._seen_dead([self.trainers[refs.index(r)] for r in ready], asked)
+            if all(self.trainers[refs.index(r)].actor_id in lost
+                   or self._rt.actor_info(self.trainers[refs.index(r)].actor_id)["state"] != "ALIVE" for r in not_ready):
                 break
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
-        self._heal_in_background(refs)
+        self._heal_in_background(refs, lost)
         # Members come back as new incarnations of the same actors; one that does not answer
         # by the deadline (its node is gone and there is no room elsewhere) leaves the group.
         deadline = time.monotonic() + self.replace_timeout
@@ -1025,7 +1030,25 @@ class GroupCoordinator:
         self._event(f"steps {absorbed + 1}..{self.step} were done when the chunk failed: their rows come "
                     f"{'from the survivors' if rows else 'without metrics'}")
 
-    def _heal_in_background(self, refs):
+    def _seen_dead(self, members, asked):
+        """The actor ids of trainers that `members` (whose calls ended) saw die, for kinds whose
+        trainers can say (lost_peers): a peer's death on their host is known to them from the
+        kernel at once, to the cluster only once the process has been torn down (a tenth of a
+        second or more for gigabytes of memory)."""
+        if not hasattr(self._kind, "lost_peers"):
+            return set()
+        refs = [(t, self._kind.lost_peers(t)) for t in members if t.actor_id not in asked]
+        seen = set()
+        for t, ref in refs:
+            asked.add(t.actor_id)
+            try:
+                reply = _api.get(ref, timeout=2.0)
+            except Exception:  # it cannot say: the cluster's word is waited for
+                continue
+            seen |= {self.trainers[r].actor_id for r in reply["ranks"] if 0 <= r < len(self.trainers)}
+        return seen
+
+    def _heal_in_background(self, refs, lost=()):
         """With a kind whose restart takes seconds (a Python process that imports torch and
         builds the model), the members that died leave the group for now and restart in their
         bundles while the survivors train on, if they are at least min_workers; they are taken
@@ -1040,7 +1063,7 @@ class GroupCoordinator:
                 died.add(t.actor_id)
             except Exception:
                 pass
-        died |= {t.actor_id for t in self.trainers if self._rt.actor_info(t.actor_id)["state"] != "ALIVE"}
+        died |= set(lost) | {t.actor_id for t in self.trainers if self._rt.actor_info(t.actor_id)["state"] != "ALIVE"}
         staying = [(t, b) for t, b in zip(self.trainers, self._bundles) if t.actor_id not in died]
         if not died or len(staying) < max(1, self.min_workers):
             return
@@ -1144,11 +1167,12 @@ class GroupCoordinator:
         member that is gone may never end, while its peers' calls fail at once). With watch,
         a chunk with no progress for hang_timeout seconds is reported (see _report_hang)."""
         started = reported = time.monotonic()
+        pending = list(refs)
         while True:
-            ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.5)
+            ready, pending = _api.wait(pending, num_returns=1, timeout=0.5)  # each as it ends
             for r in ready:
                 _api.get(r)  # a ready ref: its value at once, or its failure raised
-            if not not_ready:
+            if not pending:
                 return _api.get(refs)
             if watch and time.monotonic() - reported >= self.hang_timeout:
                 reported = time.monotonic()

@@ -233,6 +233,9 @@ def ddp(rank, world, gloo):
 def kill(rank, world, gloo):
     """Rank 1 is SIGKILLed while the others wait in an all_reduce it never joins."""
     dist.all_reduce(torch.ones(4))  # everyone connected and working
+    # Every rank has finished that all_reduce before rank 1 dies (its death is seen within a
+    # millisecond: it would fail one still finishing).
+    dist.barrier(group=gloo)
     if rank == 1:
         os.kill(os.getpid(), 9)
     start = time.monotonic()
@@ -248,7 +251,12 @@ def kill(rank, world, gloo):
         later = None
     except RuntimeError as e2:
         later = str(e2)
-    return {"error": error, "failed_after_s": failed_after, "later": later, "health": troupe.dist.health()}
+    # The survivor that failed through the other's ABORT sees the death itself a moment later.
+    deadline = time.monotonic() + 10
+    while not troupe.dist.dead_peers() and time.monotonic() < deadline:
+        time.sleep(0.001)  # polls the condition, with the deadline
+    return {"error": error, "failed_after_s": failed_after, "later": later, "health": troupe.dist.health(),
+            "dead_peers": troupe.dist.dead_peers()}
 
 
 def destroy(rank, world, gloo):

@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "troupe/collectives/rendezvous_store.h"
 #include "troupe/runtime/status.h"
@@ -75,6 +76,9 @@ class Communicator {
   // ("rank 1 (pid 42 on h2, 10.0.0.2:4100): has not started allreduce #8 (...)"); empty when
   // none runs or the backend cannot say. Any thread; may take up to a second.
   virtual std::string waitingOn() const { return ""; }
+  // The peers this communicator saw die (their process ended, as the kernel or their connection
+  // told), in the order seen; empty where the backend cannot tell. Any thread.
+  virtual std::vector<int> deadPeers() const { return {}; }
 
   // ---- Asynchronous operations: each returns at once; its Work reports the outcome ----
   // recv[i] = op over ranks of send[i], for i < count. send == recv is allowed (in place).
