@@ -292,17 +292,23 @@ class _TorchTrainerActor:
             if checkpoint and (self.flash is None or self.flash.actor.actor_id != checkpoint):
                 if self.flash is not None:
                     self.flash.close()
-                self.flash = _ckpt.FlashCheckpoint(rank=self.bundle, world_size=world,
+                self.flash = _ckpt.FlashCheckpoint(rank=self.bundle, world_size=self._images_world(),
                                                    actor=_api.ActorHandle(checkpoint, "Checkpoint"))
             if self.flash is None:
                 raise RuntimeError(f"rank {rank}: joined without its node's checkpoint actor")
-            self.flash.world_size = world
+            self.flash.world_size = self._images_world()
         with self.cv:
             self.group_ready = True
             self.cv.notify_all()
         if not keep:
             self._start_loop()
         return {"rank": rank, "world": world}
+
+    def _images_world(self) -> int:
+        """The world size a snapshot's image says. Its rank is the bundle's (each bundle keeps its
+        own snapshots), which a shrink that drops a lower bundle leaves at or past the world
+        size: an image whose rank is not below its world size is refused as corrupt."""
+        return max(self.world, self.bundle + 1)
 
     def snapshots(self) -> dict[str, Any]:
         """The steps this bundle's segment on this node holds (0, the loop's initial state, always)."""
@@ -326,7 +332,7 @@ class _TorchTrainerActor:
             into = _ckpt.pack_tracked(self._states())[0] if self.tracked is not None else None
             with self.flash_lock:
                 flash = self.flash if bundle == self.bundle else _ckpt.FlashCheckpoint(
-                    rank=bundle, world_size=self.world, actor=self.flash.actor)
+                    rank=bundle, world_size=max(self._images_world(), bundle + 1), actor=self.flash.actor)
                 try:
                     restored = flash.restore_step(step, into=into)
                     source = flash.restored_from

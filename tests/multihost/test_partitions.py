@@ -249,6 +249,75 @@ def test_an_elastic_group_recovers_from_a_cut_host_and_the_driver_shuts_down(tes
     assert victim.is_cut
 
 
+# The user's own PyTorch loop (TorchTrainer), one rank per host; host 2 is cut while it trains.
+# Each step sleeps 0.1 s (its compute), so the cut lands in the middle of the run.
+TORCH_TRAIN_DURING_CUT = """
+import torch
+from troupe import _api
+from troupe.train import ScalingConfig, TorchTrainer
+
+def loop(ctx):
+    torch.manual_seed(0)
+    model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.track(model=model, opt=opt)
+    for x, y in ctx.batches():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.1)
+        ctx.report(loss=loss.item(), pid=os.getpid())
+
+g = torch.Generator().manual_seed(1)
+xs, ys = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g)
+data = [(xs[i], int(ys[i])) for i in range(240)]
+t = TorchTrainer(loop, data=data, global_batch_size=12, steps_per_call=2, progress=False,
+                 scaling=ScalingConfig(min_workers=1, max_workers=3))
+rt = _api._runtime()
+
+def where():
+    nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
+    return {nodes.get(rt.actor_info(x._id)["node_id"]): m["pid"]
+            for x, m in zip(t.trainers, [m for m in t.members() if m["kind"] == "trainer"])}
+
+t.fit(4)
+say(where=where(), step=t.step)
+hear()
+t.fit(60)  # the cut comes while this runs
+say(world=len(t.trainers), where=where(), step=t.step, hashes=t.parameter_hash(), recoveries=t.recoveries,
+    steps=[r["step"] for r in t.history])
+hear()
+t.close()
+troupe.shutdown()
+"""
+
+
+@pytest.mark.skipif(not list((BUILD / "python" / "troupe").glob("_dist.*.so")), reason="built without troupe._dist")
+def test_a_torch_trainer_loop_goes_on_without_a_cut_host_and_its_survivors_keep_their_processes(testbed3):
+    bed = testbed3
+    controller, token = start_cluster(bed.hosts)
+    victim = bed.hosts[2]
+    d = Driver(bed.hosts[0], controller, token, TORCH_TRAIN_DURING_CUT)
+    r = d.hear(240)
+    before = r["where"]
+    assert sorted(before) == sorted(h.address for h in bed.hosts), r  # one rank per host
+    step_before = r["step"]
+    d.tell(go=True)
+    eventually(lambda: any(g["step"] >= step_before + 4 for g in status(bed.hosts[0], controller, token)["groups"]),
+               120, "training to be under way")
+    victim.cut()
+    r = d.hear(300)
+    print("after the cut:", r)
+    # The group re-formed without the cut host (its node is declared dead after the TTL: no
+    # collective waited on it longer), the survivors in the processes they had, every step once.
+    assert r["world"] == 2 and victim.address not in r["where"], r
+    assert all(before[ip] == pid for ip, pid in r["where"].items()), (before, r)
+    assert len(r["recoveries"]) >= 1 and len(set(r["hashes"])) == 1, r
+    assert r["step"] == step_before + 60 and r["steps"] == list(range(1, r["step"] + 1)), r
+    d.tell(go=True)
+    assert d.exit_code(60) == 0
+    assert victim.is_cut
+
+
 # An actor on host 1 that calls one on host 2: calls that never touch the head.
 ASKER_AND_ECHO = """
 @troupe.remote(num_cpus=0, resources={"host1": 1})
