@@ -1,7 +1,9 @@
 """The driver API: init/shutdown, @remote actors, get/wait/kill, named actors, cluster views."""
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import json
 import math
 import os
@@ -989,6 +991,32 @@ class ObjectRef:
     def __reduce__(self):
         # A ref passed inside a container: its value goes to this machine's object store.
         return _StoredRef._from_value, (get(self),)
+
+    def future(self) -> concurrent.futures.Future:
+        """A concurrent.futures.Future of the value (or the call's error), as Ray's
+        ObjectRef.future(). A thread of its own waits for it: nothing else blocks."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle():
+            try:
+                fut.set_result(get(self))
+            except BaseException as e:  # noqa: B036 (the call's failure, whatever it is, is the future's)
+                fut.set_exception(e)
+
+        if self._ready():
+            settle()
+        else:
+            threading.Thread(target=settle, name="troupe-ref-future", daemon=True).start()
+        return fut
+
+    def as_future(self) -> asyncio.Future:
+        """An asyncio future of the value in the running event loop, as Ray's as_future(): `await
+        ref.as_future()`, or `await ref`, waits without blocking the loop (an async actor's
+        other calls go on meanwhile)."""
+        return asyncio.wrap_future(self.future())
+
+    def __await__(self):
+        return self.as_future().__await__()
 
     def __repr__(self):
         return f"ObjectRef({self._where()}#{self._ref})"

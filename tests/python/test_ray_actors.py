@@ -350,6 +350,70 @@ def test_async_actor_runs_coroutines_concurrently():
     assert troupe.get(a.plain.remote()) == "plain"
 
 
+@troupe.remote
+class Gate:
+    """A call that returns once open() was called: its ref is not ready until then."""
+
+    def __init__(self):
+        import threading
+
+        self.opened = threading.Event()
+
+    def wait_open(self):
+        self.opened.wait(60)
+        return "opened"
+
+    def open(self):
+        self.opened.set()
+
+    def fail(self):
+        raise KeyError("from the gate")
+
+
+Gate = Gate.options(max_concurrency=2)
+
+
+@troupe.remote
+class Awaiter:
+    async def await_gate(self, gate):
+        return await gate.wait_open.remote()
+
+    async def ping(self):
+        return "pong"
+
+
+def test_await_ref_in_an_async_actor_leaves_its_loop_free_for_other_calls():
+    gate, awaiter = Gate.remote(), Awaiter.remote()
+    waiting = awaiter.await_gate.remote(gate)
+    # Its loop answers while the await is pending (a blocking get would hold the loop).
+    assert troupe.get(awaiter.ping.remote(), timeout=30) == "pong"
+    assert troupe.wait([waiting], timeout=0.2)[0] == []
+    gate.open.remote()
+    assert troupe.get(waiting, timeout=60) == "opened"
+
+
+def test_await_ref_and_as_future_in_an_asyncio_driver_and_future():
+    import asyncio
+
+    gate = Gate.remote()
+
+    async def main():
+        slow = gate.wait_open.remote()
+        pending = asyncio.ensure_future(slow.as_future())
+        await asyncio.sleep(0)  # the driver's loop runs on while the call is pending
+        assert not pending.done()
+        gate.open.remote()
+        assert await pending == "opened"
+        assert await gate.wait_open.remote() == "opened"
+        with pytest.raises(troupe.ActorError, match="from the gate"):
+            await gate.fail.remote()
+
+    asyncio.run(main())
+    assert gate.wait_open.remote().future().result(timeout=30) == "opened"
+    with pytest.raises(troupe.ActorError, match="from the gate"):
+        gate.fail.remote().future().result(timeout=30)
+
+
 @troupe.remote(max_restarts=-1)
 class Ender:
     def __init__(self, path):
