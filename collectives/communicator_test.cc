@@ -374,6 +374,23 @@ TEST_CASE("kill -9 of a rank with 1 GB of memory: its host mates learn of it fro
   CHECK(shmLeftovers("life").empty());
 }
 
+TEST_CASE("a rank that exits without closing its communicator is not a crash: its peers learn of it from its "
+          "connections, after what it sent") {
+  testing::RedisServerProcess redis;
+  TempDir dir;
+  auto ranks = spawnRanks(redis, dir.path(), 2,
+                          {"--mode", "idle", "--group", "exits", "--count", "1000", "--victim", "1",
+                           "--victim-exits"});
+  const std::string line = ranks[0]->waitForLine("ERROR", 30s);
+  REQUIRE_MESSAGE(!line.empty(), ranks[0]->errors());
+  INFO(line);
+  CHECK(line.find("closed its connection without a goodbye") != std::string::npos);
+  CHECK(line.find("life lock") == std::string::npos);
+  auto exit = ranks[1]->wait(10s);
+  REQUIRE(exit.has_value());
+  CHECK(exit->exitCode == 0);
+}
+
 TEST_CASE("an epoch advance in Redis aborts blocked operations within 2 s") {
   testing::RedisServerProcess redis;
   TempDir dir;

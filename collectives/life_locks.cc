@@ -1,11 +1,13 @@
 #include "life_locks.h"
 
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <mutex>
+#include <vector>
 #include <thread>
 
 #include <fmt/format.h>
@@ -27,11 +29,51 @@ struct LifeLocks::State {
   bool holding = false;  // the holder has locked `mine`
   bool held = false;     // ... or failed to (then `error`)
   bool release = false;  // the holder unlocks `mine` and ends
+  bool released = false;  // ... and has
   bool stopped = false;  // no more onDeath calls
   std::string error;
   std::function<void(int)> onDeath;
   std::thread holder;
 };
+
+// A process that exits (exit(), the end of main, Python's end) without closing its communicators
+// is not a crash: its locks are released as a clean close, and its peers learn of its end from
+// its control connections, after what it sent them, as before life locks. Without this, a rank
+// that finished its last collective and exited would fail the peers still finishing theirs.
+// Only a process killed or crashed leaves its locks to the kernel.
+namespace {
+std::mutex registryMutex;
+std::vector<std::weak_ptr<LifeLocks::State>>* registry = nullptr;
+
+void releaseAtExit() {
+  std::vector<std::shared_ptr<LifeLocks::State>> live;
+  {
+    std::lock_guard guard(registryMutex);
+    if (registry == nullptr) return;
+    for (auto& weak : *registry) {
+      if (auto state = weak.lock()) live.push_back(std::move(state));
+    }
+  }
+  for (auto& state : live) {
+    std::unique_lock guard(state->mutex);
+    state->stopped = true;
+    state->onDeath = nullptr;
+    state->release = true;
+    state->changed.notify_all();
+    state->changed.wait_for(guard, std::chrono::seconds(1), [&] { return state->released || !state->holding; });
+  }
+}
+
+void enroll(const std::shared_ptr<LifeLocks::State>& state) {
+  std::lock_guard guard(registryMutex);
+  if (registry == nullptr) {
+    registry = new std::vector<std::weak_ptr<LifeLocks::State>>();  // lives to the end: read at exit
+    std::atexit(releaseAtExit);
+  }
+  std::erase_if(*registry, [](const auto& weak) { return weak.expired(); });
+  registry->push_back(state);
+}
+}  // namespace
 
 Status initLifeLock(pthread_mutex_t* lock) {
   pthread_mutexattr_t attr;
@@ -60,6 +102,8 @@ Result<std::unique_ptr<LifeLocks>> LifeLocks::hold(std::shared_ptr<ShmSegment> s
     if (rc != 0) return;
     state->changed.wait(guard, [&] { return state->release; });
     pthread_mutex_unlock(state->mine);
+    state->released = true;
+    state->changed.notify_all();
   });
   std::unique_lock guard(state->mutex);
   state->changed.wait(guard, [&] { return state->held; });
@@ -70,6 +114,7 @@ Result<std::unique_ptr<LifeLocks>> LifeLocks::hold(std::shared_ptr<ShmSegment> s
     return Status(StatusCode::kInternal, fmt::format("cannot hold this rank's life lock: {}", error));
   }
   guard.unlock();
+  enroll(state);
   return std::unique_ptr<LifeLocks>(new LifeLocks(std::move(state)));
 }
 

@@ -4,7 +4,9 @@
 // mutexes as soon as the thread starts to exit, before it tears down the address space and
 // closes the files. A killed process with gigabytes of memory can take a tenth of a second or
 // more to close its sockets, so this notice comes first: a peer learns of the death within a
-// millisecond of the kill, while the TCP control connection stays the notice across hosts.
+// millisecond of the kill, while the TCP control connection stays the notice across hosts. A
+// process that exits normally releases its locks as a clean close (atexit): its peers learn of
+// its end from its connections, after the bytes it sent.
 #pragma once
 
 #include <pthread.h>
@@ -46,8 +48,10 @@ class LifeLocks {
   };
   void watch(const std::vector<Peer>& peers, std::function<void(int rank)> onDeath);
 
+ public:
+  struct State;  // shared with the threads (and the release at exit)
+
  private:
-  struct State;
   explicit LifeLocks(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };

@@ -46,6 +46,7 @@ struct Args {
   int victim = -1;
   size_t count = 1 << 20;
   size_t ballastMb = 0;
+  bool victimExits = false;
   size_t chunkBytes = 256 * 1024;
   size_t smallBytes = 64 * 1024;
   bool sharedMemory = true;
@@ -556,6 +557,7 @@ int runIdle(RendezvousStore& store, const Args& args) {
     for (size_t i = 0; i < ballast.size(); i += 4096) ballast[i] = 1;  // every page, faulted in
   }
   report(fmt::format("READY shm={}", sharedMemoryMapped(args.group) ? 1 : 0));
+  if (args.rank == args.victim && args.victimExits) std::exit(0);  // its communicator still open
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   Status health;
   while ((health = (*comm)->health()).isOk() && std::chrono::steady_clock::now() < deadline) {
@@ -588,6 +590,7 @@ int main(int argc, char** argv) {
   app.add_option("--victim", args.victim);
   app.add_option("--count", args.count);
   app.add_option("--ballast-mb", args.ballastMb, "idle mode: the victim's memory before READY");
+  app.add_flag("--victim-exits", args.victimExits, "idle mode: the victim exits after READY instead of waiting");
   app.add_option("--chunk-bytes", args.chunkBytes);
   app.add_option("--small-bytes", args.smallBytes);
   app.add_option("--shm", args.sharedMemory, "use shared memory between the ranks of this host (1) or not (0)");
