@@ -146,6 +146,9 @@ def serve(args):
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()
+    # Closed before the hard exit: a rank's os._exit with its group open is a crash to its peers
+    # (host mates see it at once through its life lock), which would fail those still in the barrier.
+    dist.destroy_process_group()
     os._exit(0)
 
 
