@@ -146,9 +146,9 @@ def serve(args):
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()
-    # Closed before the hard exit: a rank's os._exit with its group open is a crash to its peers
-    # (host mates see it at once through its life lock), which would fail those still in the barrier.
-    dist.destroy_process_group()
+    # A rank's os._exit with its troupe group open is a crash to its host mates, seen at once
+    # through its life lock: no rank leaves before every rank is through the troupe barrier.
+    dist.barrier(group=groups["gloo"])
     os._exit(0)
 
 
