@@ -182,6 +182,29 @@ ErrorLine parseError(const std::string& line) {
   return error;
 }
 
+// Every rank reported READY with the host's shared-memory segment mapped.
+void requireReadyWithSharedMemory(const std::vector<std::unique_ptr<RankProcess>>& ranks) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    CAPTURE(r);
+    const std::string ready = ranks[r]->waitForLine("READY", 30s);
+    REQUIRE_MESSAGE(!ready.empty(), ranks[r]->errors());
+    CHECK(ready == "READY shm=1");
+  }
+}
+
+// A survivor's ERROR line after rank `victim` was killed at `killedAt`: within 2 s, UNAVAILABLE,
+// naming the victim and its pid.
+ErrorLine requireDeathReported(RankProcess& survivor, const RankProcess& killed, int victim, int64_t killedAt) {
+  const std::string line = survivor.waitForLine("ERROR", 10s);
+  REQUIRE_MESSAGE(!line.empty(), survivor.errors());
+  const ErrorLine error = parseError(line);
+  INFO(line);
+  CHECK(error.ns - killedAt < 2'000'000'000);
+  CHECK(error.code == "UNAVAILABLE");
+  CHECK(error.message.find(fmt::format("rank {} (pid {}", victim, killed.pid())) != std::string::npos);
+  return error;
+}
+
 // ---- Processes, real Redis ----
 
 TEST_CASE("every operation, type and reduction matches the reference for 1 to 5 ranks") {
@@ -307,25 +330,14 @@ TEST_CASE("kill -9 of a rank mid-allreduce: the others fail within 2 s naming it
     auto ranks = spawnRanks(redis, dir.path(), world,
                             {"--mode", "loop", "--group", group, "--epoch", "5", "--count", c.count, "--victim",
                              std::to_string(victim)});
-    for (int r = 0; r < world; ++r) {
-      CAPTURE(r);
-      const std::string ready = ranks[r]->waitForLine("READY", 30s);
-      REQUIRE_MESSAGE(!ready.empty(), ranks[r]->errors());
-      CHECK(ready == "READY shm=1");
-    }
+    requireReadyWithSharedMemory(ranks);
     const int64_t killedAt = monotonicNs();
     ranks[victim]->kill9();
     for (int r = 0; r < world; ++r) {
       if (r == victim) continue;
       CAPTURE(r);
-      const std::string line = ranks[r]->waitForLine("ERROR", 10s);
-      REQUIRE_MESSAGE(!line.empty(), ranks[r]->errors());
-      const ErrorLine error = parseError(line);
-      INFO(line);
-      CHECK(error.ns - killedAt < 2'000'000'000);
-      CHECK(error.code == "UNAVAILABLE");
-      CHECK(error.message.find(fmt::format("rank {} (pid {}", victim, ranks[victim]->pid())) !=
-            std::string::npos);
+      const ErrorLine error = requireDeathReported(*ranks[r], *ranks[victim], victim, killedAt);
+      INFO(error.message);
       CHECK(error.message.find("recreate it at epoch 6") != std::string::npos);
     }
     for (int r = 0; r < world; ++r) {
@@ -349,22 +361,13 @@ TEST_CASE("kill -9 of a rank with 1 GB of memory: its host mates learn of it fro
   auto ranks = spawnRanks(redis, dir.path(), 3,
                           {"--mode", "idle", "--group", "life", "--count", "1000", "--victim", "1", "--ballast-mb",
                            "1024"});
-  for (auto& rank : ranks) {
-    const std::string ready = rank->waitForLine("READY", 30s);
-    REQUIRE_MESSAGE(!ready.empty(), rank->errors());
-    CHECK(ready == "READY shm=1");
-  }
+  requireReadyWithSharedMemory(ranks);
   const int64_t killedAt = monotonicNs();
   ranks[1]->kill9();
   for (int r : {0, 2}) {
     CAPTURE(r);
-    const std::string line = ranks[r]->waitForLine("ERROR", 10s);
-    REQUIRE_MESSAGE(!line.empty(), ranks[r]->errors());
-    const ErrorLine error = parseError(line);
-    INFO(line);
-    CHECK(error.ns - killedAt < 2'000'000'000);
-    CHECK(error.code == "UNAVAILABLE");
-    CHECK(error.message.find(fmt::format("rank 1 (pid {}", ranks[1]->pid())) != std::string::npos);
+    const ErrorLine error = requireDeathReported(*ranks[r], *ranks[1], 1, killedAt);
+    INFO(error.message);
     CHECK(error.message.find("released its life lock") != std::string::npos);
     CHECK(ranks[r]->waitForLine("DEAD", 10s) == "DEAD 1");
     auto exit = ranks[r]->wait(10s);

@@ -943,11 +943,12 @@ class GroupCoordinator:
         # host (life locks), and the dead member's state changes soon after.
         deadline = time.monotonic() + self.recovery_timeout
         lost, asked = set(), set()  # members a survivor saw die; survivors asked
+        member = {id(r): t for t, r in zip(self.trainers, refs)}
         while refs and time.monotonic() < deadline:
             ready, not_ready = _api.wait(refs, num_returns=len(refs), timeout=0.02)
-            lost |= self._seen_dead([self.trainers[refs.index(r)] for r in ready], asked)
-            if all(self.trainers[refs.index(r)].actor_id in lost
-                   or self._rt.actor_info(self.trainers[refs.index(r)].actor_id)["state"] != "ALIVE" for r in not_ready):
+            lost |= self._seen_dead([member[id(r)] for r in ready], asked)
+            if all(member[id(r)].actor_id in lost or self._rt.actor_info(member[id(r)].actor_id)["state"] != "ALIVE"
+                   for r in not_ready):
                 break
         self._event(f"failure at step {self.step}: {str(failure).splitlines()[0][:200]}")
         self._heal_in_background(refs, lost)

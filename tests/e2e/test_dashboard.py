@@ -156,7 +156,7 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
     code = textwrap.dedent(f"""
         import os, troupe
         from troupe.train import ElasticTrainer
-        troupe.init("auto", log_to_driver=False)
+        troupe.init("auto")  # log_to_driver on, as a user's: the trainers' output goes to the driver's log
         t = ElasticTrainer(model="tinylm", data={TEXT!r}, optimizer={{"name": "adamw", "lr": 3e-3}},
                            global_batch_size=8, max_micro_batch=4, min_workers=1, max_workers=2, context=32,
                            steps_per_call=3, progress=False, seed=7,
@@ -166,8 +166,11 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
             t.fit(3)
         t.close()
     """)
+    # Its output goes to a file, read at the end: a pipe nobody reads meanwhile would fill with the
+    # trainers' followed output and block the driver.
+    log = open(tmp_path / "driver.log", "w+")
     driver = subprocess.Popen(["/usr/bin/python3", "-c", code], env=dict(troupe.env, PYTHONPATH=str(PYTHON_PACKAGE)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         def group():
             groups = json.loads(dash.fetch("/api/groups"))["groups"]
@@ -209,11 +212,14 @@ def test_a_training_group_is_shown_live_with_its_recovery(head, tmp_path):
     finally:
         stop.touch()
         try:
-            out, err = driver.communicate(timeout=120)
+            driver.wait(timeout=120)
         except subprocess.TimeoutExpired:
             driver.kill()
-            out, err = driver.communicate()
-    assert driver.returncode == 0, err[-3000:]
+            driver.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert driver.returncode == 0, output[-3000:]
 
 
 def test_metrics_text_parses_and_escapes_labels():
@@ -315,7 +321,7 @@ def test_label_text_a_worker_forges_never_reaches_the_scrape(head):
     troupe, dash, _ = head
     code = textwrap.dedent("""
         import mmap, os, struct, sys, troupe
-        troupe.init("auto", log_to_driver=False)
+        troupe.init("auto")
         @troupe.remote
         class Forger:
             def ping(self):  # the first call's counters make the worker's file

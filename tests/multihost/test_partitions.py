@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from torch_driver import TORCH_LOOP  # noqa: E402
 from troupe_testing import BUILD, eventually  # noqa: E402
 
 TTL_S = 3.0  # the controller's default (--heartbeat-ttl-ms 3000): the tests start no other
@@ -251,28 +252,9 @@ def test_an_elastic_group_recovers_from_a_cut_host_and_the_driver_shuts_down(tes
 
 # The user's own PyTorch loop (TorchTrainer), one rank per host; host 2 is cut while it trains.
 # Each step sleeps 0.1 s (its compute), so the cut lands in the middle of the run.
-TORCH_TRAIN_DURING_CUT = """
-import torch
-from troupe import _api
-from troupe.train import ScalingConfig, TorchTrainer
-
-def loop(ctx):
-    torch.manual_seed(0)
-    model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx.track(model=model, opt=opt)
-    for x, y in ctx.batches():
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(); loss.backward(); opt.step()
-        time.sleep(0.1)
-        ctx.report(loss=loss.item(), pid=os.getpid())
-
-g = torch.Generator().manual_seed(1)
-xs, ys = torch.randn(240, 8, generator=g), torch.randint(0, 4, (240,), generator=g)
-data = [(xs[i], int(ys[i])) for i in range(240)]
+TORCH_TRAIN_DURING_CUT = "STEP_PAUSE = 0.1\n" + TORCH_LOOP + """
 t = TorchTrainer(loop, data=data, global_batch_size=12, steps_per_call=2, progress=False,
                  scaling=ScalingConfig(min_workers=1, max_workers=3))
-rt = _api._runtime()
 
 def where():
     nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}

@@ -14,32 +14,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_cluster import driver, start_cluster  # noqa: E402
+from torch_driver import TORCH_LOOP  # noqa: E402
 from troupe_testing import BUILD  # noqa: E402
 
 pytest.importorskip("torch", reason="TorchTrainer needs Debian's python3-torch")
 if not list((BUILD / "python" / "troupe").glob("_dist.*.so")):
     pytest.skip(f"troupe._dist is not built under {BUILD / 'python'}; run `make build`", allow_module_level=True)
 
-DRIVER = """
-import json, os, signal
-import torch
-from troupe import _api
-from troupe.train import ScalingConfig, TorchTrainer
-
-def loop(ctx):
-    torch.manual_seed(0)
-    model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx.track(model=model, opt=opt)
-    for x, y in ctx.batches():
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(); loss.backward(); opt.step()
-        ctx.report(loss=loss.item())
-
-g = torch.Generator().manual_seed(1)
-xs, ys = torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g)
-data = [(xs[i], int(ys[i])) for i in range(256)]
-rt = _api._runtime()
+DRIVER = "import json, signal\nSTEP_PAUSE = 0\n" + TORCH_LOOP.replace("%", "%%") + """
 
 def where(t):
     nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
