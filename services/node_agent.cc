@@ -114,6 +114,37 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> objectStore(ObjectStoreContext context) override {
+    auto usage = agent_.objects().usage();
+    auto results = context.getResults();
+    results.setDirectory(agent_.objects().directory());
+    results.setObjects(usage.objects);
+    results.setBytes(usage.bytes);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> readObject(ReadObjectContext context) override {
+    auto p = context.getParams();
+    auto results = context.getResults();
+    // The reply's buffer is the read's destination: one copy, from the page cache.
+    auto data = results.initData(std::min(p.getLength(), NodeObjects::kMaxChunk));
+    auto read = agent_.objects().read(p.getName().cStr(), p.getOffset(), data);
+    if (!read.isOk()) throwStatus(read.status());
+    if (read->length < data.size()) {
+      auto orphan = results.disownData();
+      orphan.truncate(read->length);
+      results.adoptData(kj::mv(orphan));
+    }
+    results.setSize(read->size);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> dropObject(DropObjectContext context) override {
+    auto dropped = agent_.objects().drop(context.getParams().getName().cStr());
+    if (!dropped.isOk()) throwStatus(dropped);
+    return kj::READY_NOW;
+  }
+
  private:
   NodeAgent& agent_;
 };
@@ -218,6 +249,9 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
                                   rpc::NodeAgent::Client(kj::heap<NodeAgentService>(*agent)));
   if (!server.isOk()) throwStatus(server.status());
   agent->server_ = kj::mv(*server);
+  auto objects = NodeObjects::open(agent->options_.id, agent->options_.runDir);
+  if (!objects.isOk()) throwStatus(objects.status());
+  agent->objects_ = kj::mv(*objects);
 
   auto& a = *agent;
   // Store first, then registration: a node that cannot reach the store never shows as ALIVE.
@@ -386,6 +420,8 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   if (tls::required()) spawn.env.push_back("TROUPE_TLS=1");
   spawn.env.push_back("TROUPE_CLUSTER=" + workerCluster_);
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
+  // Its put() objects go to this node's directory, which this agent serves to other nodes.
+  spawn.env.push_back("TROUPE_OBJECT_DIR=" + objects_.directory());
   spawn.env.push_back(fmt::format("TROUPE_HEARTBEAT_TTL_MS={}", state_->ttl.count()));
   // Checkpoint segments the worker makes are recorded here, for `troupe stop` to remove.
   std::string registry = options_.runDir + "/shm";

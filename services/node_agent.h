@@ -22,6 +22,7 @@
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 #include "log_pump.h"
+#include "node_objects.h"
 #include "python_zygote.h"
 #include "troupe.capnp.h"
 
@@ -72,6 +73,8 @@ class NodeAgent {
   // The counters of the running workers (their TROUPE_METRICS_FILE), labelled with this node,
   // the actor and its class. A file a worker has not made yet is skipped.
   std::vector<metrics::Sample> metrics() const;
+  // This node's object directory (node_objects.h), made when the agent starts.
+  const NodeObjects& objects() const { return objects_; }
 
   struct IoState;
 
@@ -114,6 +117,7 @@ class NodeAgent {
   // Writes the workers' output (pipes) to their logs within TROUPE_LOG_MAX_BYTES per file and
   // TROUPE_LOG_RUN_MAX_BYTES per run, on a thread of its own; made once registered.
   std::unique_ptr<LogPump> logPump_;
+  NodeObjects objects_;
 };
 
 }  // namespace troupe

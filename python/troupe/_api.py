@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable, NoReturn, TypeVar, overload
 
 from . import _objects, _serialization
-from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, InvalidArgumentError, NotFoundError, TaskError,
+from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, InvalidArgumentError, NotFoundError, ObjectLostError, TaskError,
                          TroupeError, UnauthenticatedError, UnavailableError, WorkerCrashedError)
 
 _lock = threading.RLock()
@@ -319,6 +319,70 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
                             namespace or ctx.get("namespace"),
                             runtime_env if runtime_env is not None else ctx.get("runtime_env"))
         _session.cluster_tag = _tag_of(token)
+        _use_local_node(rt, address)
+
+
+def _use_local_node(rt, address):
+    """A driver's put() objects go to the directory of the node on its machine (the alive node at
+    the address this process reaches the controller from; the head first), which that node's
+    agent serves to other nodes. Workers have their node's in their environment."""
+    if os.environ.get("TROUPE_OBJECT_DIR") and os.environ.get("TROUPE_NODE_ID"):
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # routes only: a datagram socket sends nothing on connect
+            local = probe.getsockname()[0]
+        here = [n for n in rt.nodes() if n["state"] == "ALIVE" and n["address"].rpartition(":")[0].strip("[]") == local]
+        if not here:
+            return
+        node = min(here, key=lambda n: (not n["is_head"], n["id"]))
+        directory = rt.object_store(node["address"])[0]
+    except (OSError, TroupeError, RuntimeError):
+        return  # objects stay in this machine's directory, as a process of no node's
+    _objects.use_node(directory, node["id"])
+
+
+class _Nodes:
+    """Other nodes' agents, as this process reaches them to pull objects (troupe._objects.nodes)."""
+
+    def __init__(self):
+        self._addresses = {}
+        self._lock = threading.Lock()
+
+    def _address(self, node_id):
+        with self._lock:
+            address = self._addresses.get(node_id)
+        if address is not None:
+            return address
+        why = "is no node of this cluster"
+        for n in runtime_call(runtime().nodes):
+            if n["id"] == node_id and n["state"] != "ALIVE":
+                why = f"is {n['state']}" + (f" ({n['death_reason']})" if n["death_reason"] else "")
+            elif n["id"] == node_id:
+                with self._lock:
+                    self._addresses[node_id] = n["address"]
+                return n["address"]
+        raise ObjectLostError(f"its node {node_id} {why}, and the objects there with it")
+
+    def pull(self, node_id, name, path):
+        address = self._address(node_id)
+        try:
+            return runtime_call(runtime().pull_object, address, name, path)
+        except NotFoundError as e:
+            raise ObjectLostError(str(e)) from None
+        except UnavailableError:
+            with self._lock:
+                self._addresses.pop(node_id, None)
+            self._address(node_id)  # says so if the node is gone
+            raise
+
+    def drop(self, node_id, name):
+        runtime_call(runtime().drop_object, self._address(node_id), name)
+
+
+_objects.nodes = _Nodes()
 
 
 def shutdown() -> None:

@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
@@ -323,6 +324,104 @@ class Runtime {
     py::list out;
     for (const auto& n : nodes) out.append(toDict(n));
     return out;
+  }
+
+  // One object pull in progress (pullObject).
+  struct Pull {
+    Pull(rpc::NodeAgent::Client agent, std::string name, std::string path)
+        : agent(kj::mv(agent)), name(std::move(name)), path(std::move(path)) {}
+    ~Pull() {
+      if (fd >= 0) ::close(fd);
+    }
+    rpc::NodeAgent::Client agent;
+    std::string name, path;
+    int fd = -1;
+    uint64_t size = 0, next = 0;  // the object's size; the first byte no lane has asked for yet
+  };
+
+  // One chunk at `offset`, written where it belongs; checks that the object is the size it was.
+  kj::Promise<void> pullChunk(std::shared_ptr<Pull> pull, uint64_t offset) {
+    auto request = pull->agent.readObjectRequest();
+    request.setName(pull->name);
+    request.setOffset(offset);
+    request.setLength(kPullChunk);
+    return io_->provider->getTimer().timeoutAfter(kPullChunkDeadline, request.send())
+        .then([pull, offset](capnp::Response<rpc::NodeAgent::ReadObjectResults> r) {
+          auto data = r.getData();
+          if (offset == 0) pull->size = r.getSize();
+          uint64_t want = std::min<uint64_t>(kPullChunk, pull->size - offset);
+          if (r.getSize() != pull->size || data.size() != want) {
+            throwStatus(Status(StatusCode::kInternal, fmt::format("object {} changed while it was pulled", pull->name)));
+          }
+          for (size_t done = 0; done < data.size();) {
+            ssize_t wrote = ::pwrite(pull->fd, data.begin() + done, data.size() - done, static_cast<off_t>(offset + done));
+            if (wrote < 0 && errno == EINTR) continue;
+            if (wrote <= 0) {
+              throwStatus(Status(StatusCode::kResourceExhausted,
+                                 fmt::format("cannot write a pulled object to {}: {}", pull->path,
+                                             wrote < 0 ? std::strerror(errno) : "no space left")));
+            }
+            done += static_cast<size_t>(wrote);
+          }
+        });
+  }
+
+  // A lane asks for the next chunk nobody has asked for, until none is left.
+  kj::Promise<void> pullLane(std::shared_ptr<Pull> pull) {
+    if (pull->next >= pull->size) return kj::READY_NOW;
+    uint64_t offset = pull->next;
+    pull->next += kPullChunk;
+    return pullChunk(pull, offset).then([this, pull]() { return pullLane(pull); });
+  }
+
+  // Pulls object `name` from the node agent at `address` into a new file `path` (0600; nothing
+  // may be there): chunks of kPullChunk, kPullLanes of them in flight, each written where it
+  // belongs as it arrives. Returns the object's size. A failed pull leaves no file.
+  uint64_t pullObject(const std::string& address, const std::string& name, const std::string& path) {
+    return onLoop([this, address, name, path]() {
+      return nodeAgent(address).then([this, name, path](rpc::NodeAgent::Client agent) {
+        auto pull = std::make_shared<Pull>(kj::mv(agent), name, path);
+        pull->fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+        if (pull->fd < 0) {
+          throwStatus(Status(StatusCode::kUnavailable, fmt::format("cannot make {}: {}", path, std::strerror(errno))));
+        }
+        return pullChunk(pull, 0)
+            .then([this, pull]() {
+              pull->next = kPullChunk;
+              kj::Vector<kj::Promise<void>> lanes;
+              for (int i = 0; i < kPullLanes; ++i) lanes.add(pullLane(pull));
+              return kj::joinPromises(lanes.releaseAsArray());
+            })
+            .then([pull]() { return pull->size; },
+                  [pull](kj::Exception&& e) -> uint64_t {
+                    ::unlink(pull->path.c_str());
+                    kj::throwFatalException(kj::mv(e));
+                  });
+      });
+    });
+  }
+
+  // Deletes a result handed over from another node once it was pulled (best effort: the
+  // callee's exit deletes it too).
+  void dropObject(const std::string& address, const std::string& name) {
+    onLoop([this, address, name]() {
+      return nodeAgent(address).then([name](rpc::NodeAgent::Client agent) {
+        auto request = agent.dropObjectRequest();
+        request.setName(name);
+        return request.send().ignoreResult();
+      });
+    });
+  }
+
+  // (directory, objects, bytes) of the node agent at `address`: its object directory.
+  std::tuple<std::string, uint64_t, uint64_t> objectStore(const std::string& address) {
+    return onLoop([this, address]() {
+      return nodeAgent(address).then([this](rpc::NodeAgent::Client agent) {
+        return io_->provider->getTimer().timeoutAfter(kReadLogsDeadline, agent.objectStoreRequest().send());
+      }).then([](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
+        return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes());
+      });
+    });
   }
 
   // The last `maxBytes` of an actor's stdout and stderr, read from its node's agent (any node).
@@ -715,6 +814,11 @@ class Runtime {
   // Deadlines of reads from node agents: the follower's are asked again next round.
   static constexpr kj::Duration kFollowReadDeadline = 2 * kj::SECONDS;
   static constexpr kj::Duration kReadLogsDeadline = 10 * kj::SECONDS;
+  // Object pulls: chunk size and how many are in flight (the window covers a link's delay), and
+  // how long one chunk may take before the pull fails.
+  static constexpr uint32_t kPullChunk = 8u << 20;
+  static constexpr int kPullLanes = 4;
+  static constexpr kj::Duration kPullChunkDeadline = 60 * kj::SECONDS;
   std::map<std::string, AgentConnection> nodeAgents_;       // loop
   std::vector<std::tuple<std::string, std::string, std::string>> output_;  // guarded by mutex_
   bool closing_ = false;                                    // guarded by mutex_
@@ -856,6 +960,9 @@ PYBIND11_MODULE(_core, m) {
       .def("status", &Runtime::status)
       .def("snapshot", &Runtime::snapshot)
       .def("read_logs", &Runtime::readLogs)
+      .def("pull_object", &Runtime::pullObject)
+      .def("drop_object", &Runtime::dropObject)
+      .def("object_store", &Runtime::objectStore)
       .def("node_metrics", &Runtime::nodeMetrics)
       .def("nodes", &Runtime::nodes)
       .def("poll_output", &Runtime::pollOutput)

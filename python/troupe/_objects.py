@@ -43,6 +43,7 @@ import struct
 import sys
 import tempfile
 import threading
+import weakref
 
 import cloudpickle
 
@@ -56,24 +57,49 @@ RECYCLE_MIN_BYTES = 1 << 20
 RECYCLE_MAX_BYTES = 1 << 30
 
 
-_HOST = None
+_MACHINE = None
+# (directory, node id) of the node a driver found it runs on (use_node); workers have theirs in
+# their environment, from their node agent.
+_node = None
+# How to reach other nodes' agents (set by _api): nodes.pull(node, name, path), .drop(node, name).
+nodes = None
 
 
 def host_id():
-    """This machine (hostname and boot id): processes with the same one share /dev/shm."""
-    global _HOST
-    if _HOST is None:
-        _HOST = _host_id()
-    return _HOST
+    """Where this process's objects live: its node's id, or (a process of no node) this machine
+    (hostname and boot id). Processes with the same one share an object directory."""
+    if _node is not None:
+        return _node[1]
+    node = os.environ.get("TROUPE_NODE_ID")
+    if node and os.environ.get("TROUPE_OBJECT_DIR"):
+        return node
+    global _MACHINE
+    if _MACHINE is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        _MACHINE = f"{socket.gethostname()}/{boot}"
+    return _MACHINE
 
 
-def _host_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+def _is_node(host):
+    """Whether a host id names a node (whose agent serves its objects), not a bare machine."""
+    return "/" not in host
+
+
+def use_node(directory, node_id):
+    """A driver's objects go to the directory of the node it runs on, which that node's agent
+    serves to other nodes. Keeps the store as it is if it already owns objects."""
+    global _node, _store
+    if _node == (directory, node_id) or _private_dir_problem(directory) is not None:
+        return  # a node of another user (its directory is closed to this one): objects stay here
+    with _store_lock:
+        if _store is not None and _store.pid == os.getpid() and _store.owned:
+            return
+        _node = (directory, node_id)
+        _store = None
 
 
 def _private_dir_problem(path):
@@ -96,7 +122,8 @@ class _Store:
     """This process's view of the machine's object directory."""
 
     def __init__(self):
-        root = os.environ.get("TROUPE_OBJECT_DIR") or f"/dev/shm/troupe-objects-{os.getuid()}"
+        root = (_node[0] if _node is not None else os.environ.get("TROUPE_OBJECT_DIR")) or \
+            f"/dev/shm/troupe-objects-{os.getuid()}"
         if not os.path.isdir(os.path.dirname(root) or "/"):
             root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"troupe-objects-{os.getuid()}")
         self.parent, self.name = os.path.split(root)
@@ -121,6 +148,7 @@ class _Store:
         self.maps = {}  # owned object id -> the mappings this process made of it (see recycle)
         self.free = []  # files of freed objects kept for reuse: (size, path)
         self.free_bytes = 0
+        self.pulled = weakref.WeakValueDictionary()  # object id -> the mapping of its pulled copy
         self.sweep()
 
     def sweep(self):
@@ -152,8 +180,9 @@ class _Store:
             raise ObjectLostError(f"object {object_id!r} is in a directory that is not this user's")
         return os.path.join(self.parent, directory, name)
 
-    def new_id(self):
-        name = f"{self.pid}-{next(self.counter)}-{secrets.token_hex(4)}"
+    def new_id(self, kind=""):
+        """kind "h": a result handed over to its caller, "p": a pulled copy (node_objects.h)."""
+        name = f"{self.pid}-{kind}{next(self.counter)}-{secrets.token_hex(4)}"
         return f"{os.path.basename(self.root)}/{name}" if self.fallback else name
 
     def put(self, value):
@@ -163,7 +192,7 @@ class _Store:
             self.owned[object_id] = [0, False]
         return object_id, size
 
-    def write(self, main, raws):
+    def write(self, main, raws, kind=""):
         """Writes one object file (not owned: put() and handoffs decide who deletes it)."""
         header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
         parts, offset = [header, main], len(header) + len(main)
@@ -173,7 +202,7 @@ class _Store:
                 parts.append(b"\0" * pad)
             parts.append(raw)
             offset += pad + raw.nbytes
-        object_id = self.new_id()
+        object_id = self.new_id(kind)
         path = self.path(object_id)
         for attempt in range(2):
             fd = self.reuse(offset, path)
@@ -253,6 +282,48 @@ class _Store:
                     pass
         _unlink(path)
 
+    def pull(self, object_id, host, take=False):
+        """The value of an object that lives on another node: its bytes are pulled from that
+        node's agent into a file here, which is mapped and unlinked at once (the mapping lives
+        as long as the value's arrays, and a later get() while it lives maps it again). take:
+        a result handed over to this process, deleted there once pulled."""
+        if not _is_node(host):
+            raise ObjectLostError(f"object {object_id} lives on {host}, a machine where no Troupe node runs (it was "
+                                  "put() by a process there): nothing can serve it to this one")
+        if "/" in object_id:
+            raise ObjectLostError(f"object {object_id} lives in a private directory of its owner on node {host}, "
+                                  "which that node's agent does not serve")
+        mm = self.pulled.get(object_id)
+        if mm is None:
+            if nodes is None:
+                raise ObjectLostError(f"object {object_id} lives on node {host}, and this process is not connected "
+                                      "to its cluster")
+            path = self.path(self.new_id("p"))
+            try:
+                size = nodes.pull(host, object_id, path)
+            except ObjectLostError:
+                raise
+            except TroupeError as e:
+                raise ObjectLostError(f"object {object_id} cannot be pulled from node {host}: {e}") from None
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if size < len(_MAGIC) + 12:
+                        raise ObjectLostError(f"object {object_id} is corrupt: {size} bytes")
+                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+            finally:
+                _unlink(path)
+            if take:
+                try:
+                    nodes.drop(host, object_id)
+                except TroupeError:
+                    pass  # its writer deletes it when it exits
+            else:
+                self.pulled[object_id] = mm
+        return _decode(memoryview(mm), object_id)
+
     def map(self, object_id):
         """The value of a file another process of this host wrote for this one (call arguments)."""
         try:
@@ -290,9 +361,7 @@ class _Store:
 
     def get(self, object_id, host, owner):
         if host != self.host:
-            raise ObjectLostError(f"object {object_id} lives in the shared memory of another host ({host}); "
-                                  "Troupe does not move put() objects between hosts yet: pass the value, or a ref "
-                                  "as a top-level argument from a process on that host")
+            return self.pull(object_id, host)
         if owner != self.pid and not _alive(owner):  # its file may be left (kill -9): it is lost all the same
             try:
                 os.unlink(self.path(object_id))
@@ -429,5 +498,7 @@ def store():
 
 
 def close():
+    global _node
     if _store is not None and _store.pid == os.getpid():
         _store.close()
+    _node = None

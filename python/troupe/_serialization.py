@@ -55,52 +55,60 @@ def loads(data: bytes):
     return pickle.loads(main, buffers=buffers)
 
 
-# A result whose out-of-band buffers (arrays, tensors) are at least this large goes to a caller
-# on the same host through a shared-memory file that the caller maps (no copy on the way, and
-# no limit from the RPC's message size); smaller ones travel in the reply.
+# A result whose out-of-band buffers (arrays, tensors) are at least this large goes to its
+# caller through a file in this node's object directory: a caller on the same node maps it (no
+# copy on the way), one on another node pulls it from this node's agent in chunks (no limit from
+# the RPC's message size either way). Smaller ones travel in the reply.
 HANDOFF_MIN_BYTES = 1 << 20
 
 
 class _SharedFile:
-    """Stands for a value written to a shared-memory file of this host; unpickles to the value.
-    take=True (a result handed to its caller): the file is unlinked once mapped. take=False (a
-    call's arguments): the caller deletes it when the call is over, as a retry sends it again."""
+    """Stands for a value written to a file of the object directory of node `host`; unpickles to
+    the value, mapped on that node and pulled anywhere else. take=True (a result handed to its
+    caller): the file is deleted once mapped or pulled. take=False (a call's arguments): the
+    caller deletes it when the call is over, as a retry sends it again."""
 
-    __slots__ = ("object_id", "take")
+    __slots__ = ("object_id", "take", "host")
 
-    def __init__(self, object_id, take):
+    def __init__(self, object_id, take, host):
         self.object_id = object_id
         self.take = take
+        self.host = host
 
     def __reduce__(self):
-        return _open_shared, (self.object_id, self.take)
+        return _open_shared, (self.object_id, self.take, self.host)
 
 
-def _open_shared(object_id, take):
+def _open_shared(object_id, take, host=None):
     from . import _objects
 
     store = _objects.store()
+    if host is not None and host != store.host:
+        return store.pull(object_id, host, take)
     return store.take(object_id) if take else store.map(object_id)
 
 
-# A call whose arguments' buffers total at least this much could not fit one RPC message (64 MB):
-# its arguments go through a shared-memory file that the callee maps, and that the caller deletes
-# once the call is over (a retry sends the same file again).
+# A call whose arguments' buffers total at least this much goes through a file of the caller's
+# node that the callee maps or pulls (a message this large would hold the connection, and one
+# over 1 GiB cannot be sent), and that the caller deletes once the call is over (a retry sends the
+# same file again).
 ARG_HANDOFF_MIN_BYTES = 48 << 20
 
 
 def dumps_call(obj, plain, files) -> bytes:
-    """A call's payload; a large one is written to shared memory and its file id appended to
-    `files` (the caller deletes them when the call is over)."""
+    """A call's payload; a large one is written to the object directory and its file id appended
+    to `files` (the caller deletes them when the call is over)."""
     buffers = []
     main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if sum(r.nbytes for r in raws) >= ARG_HANDOFF_MIN_BYTES:
         from . import _objects
 
-        object_id, _ = _objects.store().write(main, raws)
-        files.append(object_id)
-        return dumps(_SharedFile(object_id, False))
+        store = _objects.store()
+        if _objects._is_node(store.host):  # else no agent could serve it to another node
+            object_id, _ = store.write(main, raws)
+            files.append(object_id)
+            return dumps(_SharedFile(object_id, False, store.host))
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([header, main, *raws])
 
@@ -114,9 +122,9 @@ def dump_reply(value, caller_host=None) -> bytes:
         from . import _objects
 
         store = _objects.store()
-        if caller_host == store.host:
-            object_id, _ = store.write(main, raws)
-            return dumps(_SharedFile(object_id, True), b"\x00")
+        if caller_host == store.host or _objects._is_node(store.host):
+            object_id, _ = store.write(main, raws, "h")
+            return dumps(_SharedFile(object_id, True, store.host), b"\x00")
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([b"\x00", header, main, *raws])
 

@@ -186,6 +186,13 @@ interface NodeAgent {
   # The counters of this node's running workers (troupe/runtime/metrics.h), each labelled with
   # its node, actor and class, read live for the head's /metrics.
   metrics @4 () -> (samples :List(MetricSample));
+  # This node's object directory (where its processes put() objects) and what it holds now.
+  objectStore @5 () -> (directory :Text, objects :UInt64, bytes :UInt64);
+  # Up to `length` bytes (at most 16 MiB) of object `name` in this node's directory from
+  # `offset`, and the object's whole size: another node pulls an object in such chunks.
+  readObject @6 (name :Text, offset :UInt64, length :UInt32) -> (data :Data, size :UInt64);
+  # Deletes a result handed over to a caller on another node, once that caller has pulled it.
+  dropObject @7 (name :Text) -> ();
 }
 
 struct StateCount {

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "../head_supervisor.h"
+#include "../node_objects.h"
 #include "troupe/runtime/safe_open.h"
 
 namespace troupe::cli {
@@ -117,6 +118,7 @@ int stopRunDir(const std::string& runDir, bool verbose) {
   // The token dies with the cluster; actor logs stay for post-mortems.
   if (stopped > 0) fs::remove(fs::path(runDir) / "cluster.json", ec);
   removeRecordedSegments(runDir);
+  removeRecordedObjectDirectories(runDir);
   // Jobs' scripts and driver logs (job.py keeps them in <runDir>/jobs) and workers' temporary
   // files (TMPDIR, set by the agents) go with the cluster.
   for (const char* dir : {"jobs", "tmp"}) {

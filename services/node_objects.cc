@@ -1,0 +1,185 @@
+#include "node_objects.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "troupe/runtime/safe_open.h"
+
+namespace troupe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Whether `path` is a directory of this user closed to others, checked on an open descriptor.
+bool privateDirectory(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  bool ok = ::fstat(fd, &st) == 0 && st.st_uid == ::geteuid() && (st.st_mode & 077) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// The pid an object's name starts with ("<pid>-..."), 0 if none.
+pid_t ownerOf(std::string_view name) {
+  pid_t pid = 0;
+  size_t i = 0;
+  for (; i < name.size() && i < 10 && name[i] >= '0' && name[i] <= '9'; ++i) pid = pid * 10 + (name[i] - '0');
+  return i < name.size() && name[i] == '-' ? pid : 0;
+}
+
+void removeTree(const std::string& directory) {
+  std::error_code ec;
+  fs::remove_all(directory, ec);
+}
+
+}  // namespace
+
+bool NodeObjects::validName(std::string_view name) {
+  if (name.empty() || name.size() > 200 || name[0] == '.') return false;
+  for (char c : name) {
+    bool ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '-' || c == '_' ||
+              c == '.';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& runDir) {
+  std::string parent = "/dev/shm";
+  struct stat st {};
+  if (::stat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    const char* tmp = std::getenv("TMPDIR");
+    parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  }
+  NodeObjects objects;
+  std::string wanted = fmt::format("{}/troupe-node-{}", parent, node.hex());
+  if (::mkdir(wanted.c_str(), 0700) == 0 || (errno == EEXIST && privateDirectory(wanted))) {
+    objects.directory_ = wanted;
+  } else {
+    // Another user made the name first (node ids are public in the cluster's records).
+    std::string pattern = wanted + ".XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Status(StatusCode::kResourceExhausted,
+                    fmt::format("cannot make this node's object directory beside {}: {}", wanted, std::strerror(errno)));
+    }
+    objects.directory_ = pattern;
+  }
+  std::string records = runDir + "/objects";
+  if (::mkdir(records.c_str(), 0700) != 0 && errno != EEXIST) {
+    return Status(StatusCode::kResourceExhausted, fmt::format("cannot make {}: {}", records, std::strerror(errno)));
+  }
+  objects.record_ = records + "/" + node.hex();
+  auto out = openRegularFile(objects.record_, O_WRONLY | O_CREAT | O_TRUNC);
+  if (!out.isOk()) return out.status();
+  std::string line = objects.directory_ + "\n";
+  if (::write(out->get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    return Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}: {}", objects.record_, std::strerror(errno)));
+  }
+  return objects;
+}
+
+NodeObjects::NodeObjects(NodeObjects&& other) noexcept
+    : directory_(std::exchange(other.directory_, {})), record_(std::exchange(other.record_, {})) {}
+
+NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
+  if (this != &other) {
+    this->~NodeObjects();
+    new (this) NodeObjects(std::move(other));
+  }
+  return *this;
+}
+
+NodeObjects::~NodeObjects() {
+  if (directory_.empty()) return;
+  removeTree(directory_);
+  ::unlink(record_.c_str());
+}
+
+NodeObjects::Usage NodeObjects::usage() const {
+  Usage usage;
+  DIR* dir = ::opendir(directory_.c_str());
+  if (dir == nullptr) return usage;
+  while (struct dirent* entry = ::readdir(dir)) {
+    struct stat st {};
+    if (entry->d_name[0] == '.' || ::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    usage.objects += 1;
+    usage.bytes += static_cast<uint64_t>(st.st_blocks) * 512;  // what it holds, not its length
+  }
+  ::closedir(dir);
+  return usage;
+}
+
+Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const {
+  if (!validName(name)) return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no object", name));
+  const std::string path = directory_ + "/" + std::string(name);
+  const pid_t owner = ownerOf(name);
+  const bool handedOver = name.substr(name.find('-') + 1).rfind("h", 0) == 0;  // outlives its writer
+  if (!handedOver && owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH) {
+    ::unlink(path.c_str());  // a put() object of an owner killed before it could delete it
+    return Status(StatusCode::kNotFound,
+                  fmt::format("object {} is lost: its owner (pid {}) died, and its objects with it", name, owner));
+  }
+  auto fd = openRegularFile(path, O_RDONLY);
+  if (!fd.isOk()) {
+    if (fd.status().code() != StatusCode::kNotFound) return fd.status();
+    return Status(StatusCode::kNotFound,
+                  fmt::format("object {} was freed by its owner (pid {}): no ref to it was left there", name, owner));
+  }
+  struct stat st {};
+  if (::fstat(fd->get(), &st) != 0) return Status(StatusCode::kUnavailable, std::strerror(errno));
+  Read out;
+  out.size = static_cast<uint64_t>(st.st_size);
+  if (offset > out.size) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("offset {} is past the end of object {} ({} bytes)", offset, name, out.size));
+  }
+  size_t want = static_cast<size_t>(std::min<uint64_t>(into.size(), out.size - offset));
+  while (out.length < want) {
+    ssize_t got = ::pread(fd->get(), into.begin() + out.length, want - out.length, static_cast<off_t>(offset + out.length));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return Status(StatusCode::kUnavailable, fmt::format("cannot read object {}: {}", name, std::strerror(errno)));
+    if (got == 0) break;  // shorter than it said: the reader sees the size mismatch
+    out.length += static_cast<size_t>(got);
+  }
+  return out;
+}
+
+Status NodeObjects::drop(std::string_view name) const {
+  pid_t owner = ownerOf(name);
+  std::string_view rest = owner > 0 ? name.substr(name.find('-') + 1) : std::string_view();
+  if (!validName(name) || rest.rfind("h", 0) != 0) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no handed-over result", name));
+  }
+  std::string path = directory_ + "/" + std::string(name);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return Status(StatusCode::kUnavailable, fmt::format("cannot delete {}: {}", path, std::strerror(errno)));
+  }
+  return Status::ok();
+}
+
+void removeRecordedObjectDirectories(const std::string& runDir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(runDir) / "objects", ec)) {
+    auto recorded = readRegularFile(entry.path().string(), 4096);
+    std::string path = recorded.isOk() ? recorded->substr(0, recorded->find('\n')) : "";
+    if (fs::path(path).filename().string().rfind("troupe-node-", 0) == 0 && privateDirectory(path)) removeTree(path);
+    fs::remove(entry.path(), ec);
+  }
+}
+
+}  // namespace troupe

@@ -1,0 +1,64 @@
+// A node's object directory: the Python processes of the node put() their objects there (one
+// file each, python/troupe/_objects.py), and the node agent serves them in chunks to processes
+// of other nodes that pull them (NodeAgent.readObject). The agent makes the directory when it
+// starts and removes it when it ends; `troupe stop` removes one a killed agent left.
+// Thread-safety: a value the agent's KJ thread owns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <kj/common.h>
+
+#include "troupe/runtime/ids.h"
+#include "troupe/runtime/status.h"
+
+namespace troupe {
+
+class NodeObjects {
+ public:
+  // Largest chunk one readObject answers: several are in flight, each one RPC message.
+  static constexpr uint32_t kMaxChunk = 16u << 20;
+
+  // Makes this node's directory, /dev/shm/troupe-node-<id> (or under $TMPDIR without /dev/shm),
+  // 0700. Someone else's directory at that name is left alone and a fresh one made beside it.
+  // The path is recorded in <runDir>/objects/<id> for `troupe stop`.
+  static Result<NodeObjects> open(const NodeId& node, const std::string& runDir);
+  NodeObjects() = default;
+  NodeObjects(NodeObjects&&) noexcept;
+  NodeObjects& operator=(NodeObjects&&) noexcept;
+  ~NodeObjects();
+
+  const std::string& directory() const { return directory_; }
+
+  struct Usage {
+    uint64_t objects = 0;
+    uint64_t bytes = 0;
+  };
+  Usage usage() const;
+
+  // Copies up to into.size() bytes of object `name` from `offset` into `into`; returns how many
+  // and the object's size. kNotFound names why the object is gone (freed, or its owner died),
+  // kInvalidArgument a name that is no object's.
+  struct Read {
+    size_t length = 0;
+    uint64_t size = 0;
+  };
+  Result<Read> read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const;
+  // Deletes a handed-over result (only those: names "<pid>-h-...") once its caller pulled it.
+  Status drop(std::string_view name) const;
+
+  // Whether `name` could name an object file: what a peer may ask for (no path, no dot file).
+  static bool validName(std::string_view name);
+
+ private:
+  std::string directory_;
+  std::string record_;  // <runDir>/objects/<id>
+};
+
+// Removes the object directory a run's node recorded in <runDir>/objects (`troupe stop`, after
+// the agents): only a directory of this user named troupe-node-*, with the files in it.
+void removeRecordedObjectDirectories(const std::string& runDir);
+
+}  // namespace troupe
