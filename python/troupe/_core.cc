@@ -348,7 +348,13 @@ class Runtime {
     return io_->provider->getTimer().timeoutAfter(kPullChunkDeadline, request.send())
         .then([pull, offset](capnp::Response<rpc::NodeAgent::ReadObjectResults> r) {
           auto data = r.getData();
-          if (offset == 0) pull->size = r.getSize();
+          if (offset == 0) {
+            pull->size = r.getSize();
+            if (::ftruncate(pull->fd, static_cast<off_t>(pull->size)) != 0) {
+              throwStatus(Status(StatusCode::kResourceExhausted,
+                                 fmt::format("cannot size {} for a pulled object: {}", pull->path, std::strerror(errno))));
+            }
+          }
           uint64_t want = std::min<uint64_t>(kPullChunk, pull->size - offset);
           if (r.getSize() != pull->size || data.size() != want) {
             throwStatus(Status(StatusCode::kInternal, fmt::format("object {} changed while it was pulled", pull->name)));

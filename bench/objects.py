@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""bench/run objects: Troupe's objects across hosts (network namespaces on a bridge,
+tests/multihost/testbed.py; needs root), each figure beside its peer from the same run:
+- pull_vs_tcp: a 1 GiB object put on host 0 and got by a driver on host 1 (pulled from host 0's node
+  agent into host 1's object directory, then mapped), bytes/s against one raw TCP stream of 1 GiB
+  between the same hosts; slices alternate, the ratio is the median's;
+- broadcast_4_vs_single: drivers on 4 hosts get one 512 MB object of host 0 at once, the slowest
+  one's time against one host's pull alone.
+With --json the last line is one JSON object with those figures (and their parts).
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BUILD = Path(os.environ.get("TROUPE_BIN_DIR", HERE.parent / "build")).resolve()
+sys.path.insert(0, str(HERE.parent / "tests" / "multihost"))
+sys.path.insert(0, str(HERE))
+from testbed import Testbed  # noqa: E402
+from multihost import STREAM, start_cluster, stop_cluster  # noqa: E402
+
+PORT = 6380
+GIB = 1 << 30
+SLICES = 3
+
+
+def log(text):
+    print(f"objects: {text}", file=sys.stderr, flush=True)
+
+
+# A driver that, per line on stdin naming an object size, has an actor on host 0 put a fresh object of
+# that size and times its own get() of it (the pull and the mapping), in seconds.
+PULLER = textwrap.dedent("""
+    import gc, sys, time
+    sys.path.insert(0, %(pkg)r)
+    import numpy as np
+    import troupe
+    troupe.init(%(controller)r, token=%(token)r, log_to_driver=False)
+
+    @troupe.remote(num_cpus=0, resources={"h0": 0.01})
+    class Owner:
+        def __init__(self):
+            self.refs = []
+        def put(self, n):
+            self.refs = [troupe.put(np.full(n, 7, dtype=np.uint8))]
+            return self.refs
+        def drop(self):
+            self.refs = []
+
+    owner = Owner.remote()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        size = int(line)
+        [ref] = troupe.get(owner.put.remote(size))
+        print("made", flush=True)
+        sys.stdin.readline()  # go
+        start = time.perf_counter()
+        value = troupe.get(ref)
+        took = time.perf_counter() - start
+        assert value.nbytes == size and value[0] == 7 and value[-1] == 7
+        del value, ref
+        gc.collect()
+        troupe.get(owner.drop.remote())
+        print(took, flush=True)
+    troupe.shutdown()
+""")
+
+# A driver that gets the object whose ref a file holds (put by an actor on host 0) when told to.
+GETTER = textwrap.dedent("""
+    import pickle, sys, time
+    sys.path.insert(0, %(pkg)r)
+    import troupe
+    troupe.init(%(controller)r, token=%(token)r, log_to_driver=False)
+    ref = troupe.get_actor("bcast-owner").ref.remote()
+    [ref] = troupe.get(ref)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.perf_counter()
+    value = troupe.get(ref)
+    print(time.perf_counter() - start, flush=True)
+    assert value.nbytes == %(size)d
+    sys.stdin.readline()
+    troupe.shutdown()
+""")
+
+OWNER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, %(pkg)r)
+    import numpy as np
+    import troupe
+    troupe.init(%(controller)r, token=%(token)r, log_to_driver=False)
+
+    @troupe.remote(num_cpus=0, resources={"h0": 0.01})
+    class Owner:
+        def __init__(self, n):
+            self.refs = [troupe.put(np.full(n, 7, dtype=np.uint8))]
+        def ref(self):
+            return self.refs
+
+    owner = Owner.options(name="bcast-owner", lifetime="detached").remote(%(size)d)
+    troupe.get(owner.ref.remote())
+    print("ready", flush=True)
+""")
+
+
+def stream_seconds(sender, receiver, size, rounds, port):
+    """Seconds per round of a raw TCP stream of `size` bytes, sender -> receiver."""
+    server = receiver.popen(["/usr/bin/python3", "-c", STREAM, "serve", receiver.address, str(port), str(size),
+                             str(rounds)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "ready"
+    client = sender.popen(["/usr/bin/python3", "-c", STREAM, "client", receiver.address, str(port), str(size),
+                           str(rounds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    return server, client
+
+
+def pull_vs_tcp(bed, controller, token):
+    a, b = bed.hosts[0], bed.hosts[1]
+    code = PULLER % {"pkg": str(BUILD / "python"), "controller": controller, "token": token}
+    puller = b.popen(["/usr/bin/python3", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                     bufsize=1)
+    assert puller.stdout.readline().strip() == "ready", "the pulling driver did not start"
+    server, client = stream_seconds(a, b, GIB, SLICES + 1, PORT + 3)
+    pulls, streams = [], []
+    for i in range(SLICES + 1):  # the first of each warms up
+        puller.stdin.write(f"{GIB}\n")
+        puller.stdin.flush()
+        assert puller.stdout.readline().strip() == "made"
+        puller.stdin.write("\n")
+        puller.stdin.flush()
+        pull = float(puller.stdout.readline())
+        client.stdin.write("\n")
+        client.stdin.flush()
+        stream = float(client.stdout.readline()) / 1e3
+        log(f"slice {i}: pull {GIB / pull / 1e9:.2f} GB/s, raw TCP {GIB / stream / 1e9:.2f} GB/s")
+        if i:
+            pulls.append(pull)
+            streams.append(stream)
+    for p in (puller, client):
+        p.stdin.close()
+        p.wait(60)
+    server.wait(60)
+    ratios = [s / p for s, p in zip(streams, pulls)]
+    return {"pull_gb_s": GIB / statistics.median(pulls) / 1e9, "tcp_gb_s": GIB / statistics.median(streams) / 1e9,
+            "ratio": statistics.median(ratios)}
+
+
+def broadcast(bed, controller, token, size=512 << 20):
+    """(seconds of one host's pull alone, seconds of the slowest of 4 hosts pulling at once)."""
+    fill = {"pkg": str(BUILD / "python"), "controller": controller, "token": token, "size": size}
+    owner = bed.hosts[0].run(["/usr/bin/python3", "-c", OWNER % fill], timeout=120)
+    assert "ready" in owner.stdout, owner.stderr
+
+    def together(hosts):
+        getters = [h.popen(["/usr/bin/python3", "-c", GETTER % fill], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True, bufsize=1) for h in hosts]
+        for g in getters:
+            assert g.stdout.readline().strip() == "ready", "a getter did not start"
+        for g in getters:
+            g.stdin.write("\n")
+            g.stdin.flush()
+        took = [float(g.stdout.readline()) for g in getters]
+        for g in getters:
+            g.stdin.write("\n")
+            g.stdin.close()
+            g.wait(60)
+        return max(took)
+
+    single = together(bed.hosts[1:2])
+    four = together(bed.hosts[1:5])
+    return single, four
+
+
+def main():
+    as_json = "--json" in sys.argv
+    ok, why = Testbed.available()
+    if not ok:
+        log(f"skipped: {why}")
+        if as_json:
+            print(json.dumps({"skipped": why}))
+        return 0
+    with Testbed(5) as bed:
+        controller, token = start_cluster(bed.hosts, tls=False)
+        try:
+            pull = pull_vs_tcp(bed, controller, token)
+            single, four = broadcast(bed, controller, token)
+        finally:
+            stop_cluster(bed.hosts)
+    rows = [("pull 1 GiB across hosts", f"{pull['pull_gb_s']:.2f} GB/s",
+             f"raw TCP {pull['tcp_gb_s']:.2f} GB/s", f"{pull['ratio']:.2f} (target >= 0.8)"),
+            ("512 MB to 4 hosts at once", f"{four:.2f} s", f"1 host alone {single:.2f} s",
+             f"{four / single:.2f} (target <= 1.5)")]
+    print(f"{'figure':<28} {'troupe':>12} {'peer':>22} {'ratio':>22}")
+    for row in rows:
+        print(f"{row[0]:<28} {row[1]:>12} {row[2]:>22} {row[3]:>22}")
+    if as_json:
+        print(json.dumps({"pull_vs_tcp": pull["ratio"], "pull": pull, "broadcast_4_vs_single": four / single,
+                          "broadcast_single_s": single, "broadcast_4_s": four}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
