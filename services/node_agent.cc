@@ -562,6 +562,9 @@ std::string NodeAgent::metricsPath(const ActorId& id, uint32_t incarnation) cons
 std::vector<metrics::Sample> NodeAgent::metrics() const {
   std::vector<metrics::Sample> out;
   const std::string node = options_.id.hex();
+  auto store = objects_.usage();
+  out.push_back({"troupe_object_store_objects", fmt::format("node=\"{}\"", node), static_cast<double>(store.objects)});
+  out.push_back({"troupe_object_store_bytes", fmt::format("node=\"{}\"", node), static_cast<double>(store.bytes)});
   for (const auto& [id, worker] : workers_) {
     if (worker.pid <= 0) continue;
     auto samples = metrics::read(metricsPath(id, worker.incarnation));

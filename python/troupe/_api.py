@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import json
 import math
@@ -901,23 +902,29 @@ class ActorMethod:
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         h = self._handle
         _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
-        files = []
-        if h._is_python:
-            args, kwargs = _top_level_args(args, kwargs)
-            plain = _serialization._plain(args) and _serialization._plain(kwargs)
-            payload = _serialization.dumps_call((args, kwargs, _objects.host_id()), plain, files)
-        else:
-            if kwargs or len(args) > 1:
-                raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
-            payload = args[0] if args else b""
-            if isinstance(payload, str):
-                payload = payload.encode()
-        rt = runtime()
-        ref = ObjectRef(runtime_call(rt.submit, h._id, self._name, payload), h, self._name)
-        ref._files = files or None
-        if self._retry_exceptions and h._max_task_retries != 0:
-            ref._retry = _ExceptionRetry(lambda: runtime_call(rt.submit, h._id, self._name, payload), ref,
-                                         h._max_task_retries, self._retry_exceptions)
+        if not h._is_python and (kwargs or len(args) > 1):
+            raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
+        name, retry_exceptions = self._name, self._retry_exceptions
+        ref = ObjectRef(None, h, name)
+
+        def send():
+            files = []
+            if h._is_python:
+                a, k = _top_level_args(args, kwargs)
+                plain = _serialization._plain(a) and _serialization._plain(k)
+                payload = _serialization.dumps_call((a, k, _objects.host_id()), plain, files)
+            else:
+                payload = args[0] if args else b""
+                if isinstance(payload, str):
+                    payload = payload.encode()
+            rt = runtime()
+            ref._ref = runtime_call(rt.submit, h._id, name, payload)
+            ref._files = files or None
+            if retry_exceptions and h._max_task_retries != 0:
+                ref._retry = _ExceptionRetry(lambda: runtime_call(rt.submit, h._id, name, payload), ref,
+                                             h._max_task_retries, retry_exceptions)
+
+        _submit(h._id, ref, send)
         return _split(ref, self._num_returns)
 
     def __call__(self, *args, **kwargs):
@@ -959,7 +966,11 @@ def _top_level_args(args, kwargs):
     """ObjectRef arguments (positional or keyword): results of calls made here travel as their
     values (the callee gets the value, as Ray's); put() objects travel as refs the callee maps."""
     def resolved(a):
-        return a if not isinstance(a, ObjectRef) or isinstance(a, _StoredRef) else _ArgValue(get(a))
+        if not isinstance(a, ObjectRef) or isinstance(a, _StoredRef):
+            return a
+        if not a._ready() and getattr(_deferring, "on", False):
+            raise _Pending(a)
+        return _ArgValue(get(a))
 
     if any(isinstance(a, ObjectRef) for a in args):
         args = tuple(resolved(a) for a in args)
@@ -990,6 +1001,93 @@ def _split(ref, num_returns):
     if num_returns == 0:
         return None
     return [_ItemRef(ref, i, num_returns) for i in range(num_returns)]
+
+
+# ---- Calls whose arguments are not ready yet ----
+
+class _Pending(Exception):
+    """Raised while .remote() pickles a call's arguments: `ref` among them is not ready yet."""
+
+    def __init__(self, ref):
+        super().__init__()
+        self.ref = ref
+
+
+_deferring = threading.local()  # .on: this thread's .remote() defers on a pending ref
+
+
+def _submit(key, ref, send):
+    """Sends a call now (send() sets ref._ref), unless an ObjectRef among its arguments is not
+    ready yet, or calls with the same key (an actor's) wait already: then the call waits in
+    _deferred, .remote() returns at once, and the calls of one key go in the order they were made
+    (Ray's rule). Errors other than a pending argument are the caller's, at once."""
+    if not _deferred.queues.get(key):
+        _deferring.on = True
+        try:
+            send()
+            return
+        except _Pending as pending:
+            dep = pending.ref
+        finally:
+            _deferring.on = False
+    else:
+        dep = None
+    _deferred.add(key, ref, dep, send)
+
+
+class _Deferred:
+    """Calls waiting for their arguments: one thread sends each queue's first call once the ref it
+    waits on is ready (pickling it again, which may find the next pending ref), then the next.
+    A call is popped only once sent, so a .remote() that finds its key's queue empty comes after
+    every call queued before it."""
+
+    def __init__(self):
+        self.queues = {}  # key -> deque of [ref, the ref it waits on (None: ready to try), send]
+        self.cond = threading.Condition()
+        self.thread = None
+        self.pid = None
+
+    def add(self, key, ref, dep, send):
+        with self.cond:
+            if self.pid != os.getpid():  # a fork's child has none of its parent's threads
+                self.queues, self.thread, self.pid = {}, None, os.getpid()
+            self.queues.setdefault(key, collections.deque()).append([ref, dep, send])
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="troupe-deferred-calls", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _run(self):
+        while True:
+            waiting = []
+            with self.cond:
+                while not self.queues:
+                    self.cond.wait()
+                for key in list(self.queues):
+                    queue = self.queues[key]
+                    while queue:
+                        head = queue[0]
+                        if head[1] is not None and not head[1]._ready():
+                            waiting.append(head[1])
+                            break
+                        _deferring.on = True
+                        try:
+                            head[2]()
+                        except _Pending as pending:
+                            head[1] = pending.ref
+                            continue
+                        except BaseException as e:  # noqa: B036 (the call's failure is its ref's value)
+                            head[0]._value, head[0]._done = e, True
+                        finally:
+                            _deferring.on = False
+                        queue.popleft()
+                    if not queue:
+                        del self.queues[key]
+            if waiting:
+                _settle(waiting, 1, 0.05, hook=False)
+
+
+_deferred = _Deferred()
 
 
 # ---- Object refs ----
@@ -1053,7 +1151,9 @@ class ObjectRef:
         return self._value
 
     def __reduce__(self):
-        # A ref passed inside a container: its value goes to this machine's object store.
+        # A ref passed inside a container: its value goes to this node's object store.
+        if not self._ready() and getattr(_deferring, "on", False):
+            raise _Pending(self)
         return _StoredRef._from_value, (get(self),)
 
     def future(self) -> concurrent.futures.Future:
@@ -1220,11 +1320,23 @@ _SLOW_GET_NOTICE = 10.0
 _blocking_hook = None
 
 
-def _settle(refs, need, timeout):
-    """Waits until `need` of refs are ready, or the timeout passes (returns False then)."""
+_take_lock = threading.RLock()
+
+
+def _collect(rt, root):
+    """Takes a finished call's result into its ref, once: threads that wait on the same ref (a
+    future's, the deferred calls', the caller's) may all see it done."""
+    with _take_lock:
+        if not root._done and root._ref is not None:
+            root._resolve(*rt.take(root._ref))
+
+
+def _settle(refs, need, timeout, hook=True):
+    """Waits until `need` of refs are ready, or the timeout passes (returns False then). hook:
+    this thread may run a task (a worker's queue goes to another thread while it waits)."""
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-    started, noticed = time.monotonic(), False
-    hooked = False
+    started, noticed = time.monotonic(), not hook
+    hooked = not hook
     while True:
         ready = sum(1 for r in refs if r._ready())
         if ready >= need:
@@ -1251,7 +1363,7 @@ def _settle(refs, need, timeout):
             rt = runtime()
             ids = list(roots)
             for done in rt.wait(ids, min(len(ids), need - ready), left):
-                roots[done]._resolve(*rt.take(done))
+                _collect(rt, roots[done])
         else:
             time.sleep(left)
         if not noticed and timeout is None and time.monotonic() - started > _SLOW_GET_NOTICE:
@@ -1295,13 +1407,13 @@ def get(refs: Iterable[ObjectRef], timeout: float | None = None) -> list[Any]: .
 def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> Any:
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
     _check_timeout(timeout, "get()")
-    if type(refs) is ObjectRef and refs._retry is None:  # the common synchronous case
+    if type(refs) is ObjectRef and refs._retry is None and refs._ref is not None:  # the common synchronous case
         if not refs._done:
             rt = runtime()
             if _blocking_hook is not None:
                 _blocking_hook()
             if rt.wait([refs._ref], 1, _WAIT_SLICE if timeout is None else min(float(timeout), _WAIT_SLICE)):
-                refs._resolve(*rt.take(refs._ref))
+                _collect(rt, refs)
             elif not _settle([refs], 1, None if timeout is None else max(0.0, float(timeout) - _WAIT_SLICE)):
                 raise _timeout_error(timeout, [refs], 1)
         if isinstance(refs._value, BaseException):

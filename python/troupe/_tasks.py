@@ -232,27 +232,32 @@ def submit(rf, args, kwargs):
         pool = _pool_for(options)
         rf._pool_cache = (_generation, pool)
     key, blob = rf._pickled()
-    args, kwargs = _api._top_level_args(args, kwargs)
-    plain = _serialization._plain(args) and _serialization._plain(kwargs)
-    files = []
-    payload = _serialization.dumps_call(((key, blob, args, kwargs), {}, _objects.host_id()), plain, files)
-    runtime = _api.runtime()
-
-    def send(i):
-        return _api.runtime_call(runtime.submit, pool.handle(i)._id, "run", payload)
-
-    index = pool.pick()
-    try:
-        first = send(index)
-    except BaseException:
-        pool.done(index)
-        raise
     retries = options.get("max_retries")
-    retry = _Retry(send, pool, index, DEFAULT_MAX_RETRIES if retries is None else retries,
+    retry = _Retry(None, pool, None, DEFAULT_MAX_RETRIES if retries is None else retries,
                    options.get("retry_exceptions"))
-    ref = _api.ObjectRef(first, None, options.get("name") or rf.__name__, retry)
-    ref._files = files or None
+    ref = _api.ObjectRef(None, None, options.get("name") or rf.__name__, retry)
     retry.ref = ref
+
+    def send():
+        a, k = _api._top_level_args(args, kwargs)
+        plain = _serialization._plain(a) and _serialization._plain(k)
+        files = []
+        payload = _serialization.dumps_call(((key, blob, a, k), {}, _objects.host_id()), plain, files)
+        runtime = _api.runtime()
+
+        def to(i):
+            return _api.runtime_call(runtime.submit, pool.handle(i)._id, "run", payload)
+
+        index = pool.pick()
+        try:
+            ref._ref = to(index)
+        except BaseException:
+            pool.done(index)
+            raise
+        retry.send, retry.index = to, index
+        ref._files = files or None
+
+    _api._submit(("task", id(ref)), ref, send)  # tasks keep no order among themselves
     num_returns = options.get("num_returns")
     return _api._split(ref, 1 if num_returns is None else num_returns)
 

@@ -240,13 +240,13 @@ def metrics_text(state, node_samples=()):
              "1 for a rank computing more than 2x the other ranks' median over the last steps.", flagged)
     for name, lines in _node_families(node_samples):
         m.lines.append(f"# HELP {name} {NODE_COUNTERS.get(name, 'A worker counter.')}")
-        m.lines.append(f"# TYPE {name} counter")
+        m.lines.append(f"# TYPE {name} {'gauge' if name in NODE_GAUGES else 'counter'}")
         m.lines += lines
     return m.text()
 
 
 # The counters workers keep (troupe/runtime/metrics.h), read live from each node's agent; every
-# sample is labelled with its node, actor and class.
+# sample is labelled with its node, actor and class. The agent adds its object store's gauges.
 NODE_COUNTERS = {
     "troupe_actor_calls_total": "Calls the actor answered.",
     "troupe_actor_call_errors_total": "Calls that raised (or returned an error) in the actor.",
@@ -260,7 +260,11 @@ NODE_COUNTERS = {
     "troupe_checkpoint_persists_total": "Snapshots a checkpoint actor persisted to the directory.",
     "troupe_checkpoint_persist_bytes_total": "Bytes persisted.",
     "troupe_checkpoint_persist_seconds_total": "Time persisting took (in the background).",
+    "troupe_object_store_objects": "Objects (files) in the node's object directory.",
+    "troupe_object_store_bytes": "Bytes the node's object directory holds.",
 }
+# Of those, the node's own gauges (labelled with the node only).
+NODE_GAUGES = frozenset(["troupe_object_store_objects", "troupe_object_store_bytes"])
 
 
 def _node_families(samples):

@@ -3,10 +3,13 @@
 #include <cstdint>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
 #include "troupe/runtime/names.h"
+#include "troupe/runtime/rpc.h"
+#include "troupe.capnp.h"
 #include "troupe/runtime/resources.h"
 
 namespace troupe::cli {
@@ -106,6 +109,32 @@ std::string dashboardUrl(const std::string& runDir) {
   return url;
 }
 
+// Each alive node's object store (NodeAgent.objectStore), asked of all at once; a node that
+// does not answer within 2 s is left out.
+struct StoreUsage {
+  uint64_t objects = 0;
+  uint64_t bytes = 0;
+};
+std::map<std::string, StoreUsage> objectStores(kj::AsyncIoContext& io, const ClusterTarget& target,
+                                               const std::vector<NodeRecord>& nodes) {
+  std::map<std::string, StoreUsage> out;
+  kj::Vector<kj::Promise<void>> asks;
+  for (const auto& n : nodes) {
+    auto hp = parseHostPort(n.address);
+    if (n.state != NodeState::kAlive || !hp.isOk()) continue;
+    auto ask = RpcClient::connect(io, *hp, target.token, 2 * kj::SECONDS)
+                   .then([](kj::Own<RpcClient> client) {
+                     return client->bootstrap<rpc::NodeAgent>().objectStoreRequest().send().attach(kj::mv(client));
+                   })
+                   .then([&out, id = n.id.hex()](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
+                     out[id] = StoreUsage{r.getObjects(), r.getBytes()};
+                   });
+    asks.add(io.provider->getTimer().timeoutAfter(2 * kj::SECONDS, kj::mv(ask)).catch_([](kj::Exception&&) {}));
+  }
+  kj::joinPromises(asks.releaseAsArray()).wait(io.waitScope);
+  return out;
+}
+
 }  // namespace
 
 int statusCommand(const StatusFlags& flags) {
@@ -124,6 +153,7 @@ int statusCommand(const StatusFlags& flags) {
   auto snapshot = fetchStatus(io, *target, 10 * kj::SECONDS, query);
   if (!snapshot.isOk()) return fail(snapshot.status());
   auto* nodes = &snapshot->nodes;
+  auto stores = objectStores(io, *target, *nodes);
   uint64_t totalActors = 0;
   for (const auto& [state, n] : snapshot->actorCounts) totalActors += n;
 
@@ -137,7 +167,13 @@ int statusCommand(const StatusFlags& flags) {
                           {"actor_counts", snapshot->actorCounts},
                           {"placement_groups", nlohmann::json::array()},
                           {"groups", nlohmann::json::array()}};
-    for (const auto& n : *nodes) out["nodes"].push_back(toJson(n));
+    for (const auto& n : *nodes) {
+      auto node = toJson(n);
+      if (auto it = stores.find(n.id.hex()); it != stores.end()) {
+        node["object_store"] = {{"objects", it->second.objects}, {"bytes", it->second.bytes}};
+      }
+      out["nodes"].push_back(node);
+    }
     for (const auto& a : snapshot->actors) out["actors"].push_back(toJson(a));
     for (const auto& g : snapshot->placementGroups) out["placement_groups"].push_back(toJson(g));
     for (const auto& g : snapshot->groups) out["groups"].push_back(toJson(g));
@@ -164,6 +200,10 @@ int statusCommand(const StatusFlags& flags) {
     std::cout << fmt::format("{:<18}{:<6}{:<22}{:<8}{:<9}{:<12}{}\n", n.id.hex(), n.isHead ? "yes" : "", n.address,
                              n.pid, nodeStateName(n.state), ago(n.lastHeartbeatMs), res);
     if (n.state == NodeState::kDead) std::cout << "    died: " << displayText(n.deathReason) << "\n";
+    if (auto it = stores.find(n.id.hex()); it != stores.end()) {
+      std::cout << fmt::format("    objects: {} in {:.1f} MiB\n", it->second.objects,
+                               static_cast<double>(it->second.bytes) / (1 << 20));
+    }
   }
   std::string counts;
   for (const auto& [state, n] : snapshot->actorCounts) counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", n, state);

@@ -234,9 +234,12 @@ def test_metrics_text_parses_and_escapes_labels():
            "ranks": [{"rank": 0, "compute_s": 0.1}, {"rank": 1, "compute_s": 0.5}], "stragglers": [{"rank": 1}]}
     state = {"nodes": [], "actors": [], "placement_groups": [],
              "groups": [{"id": "g", "doc": json.dumps(doc), "events": [], "epoch": 3}]}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(metrics_text(state)) for s in f.samples}
+    node_samples = [("troupe_object_store_bytes", 'node="n1"', 4096.0), ("troupe_object_store_objects", 'node="n1"', 1.0)]
+    families = list(text_string_to_metric_families(metrics_text(state, node_samples)))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
     group = ("group", 'odd "name"\nhere')
+    assert samples[("troupe_object_store_bytes", (("node", "n1"),))] == 4096  # a node's store, as a gauge
+    assert {f.name: f.type for f in families}["troupe_object_store_objects"] == "gauge"
     assert samples[("troupe_train_step", (group,))] == 9
     assert samples[("troupe_train_epoch", (group,))] == 3
     assert samples[("troupe_train_straggler", (group, ("rank", "1")))] == 1

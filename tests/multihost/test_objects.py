@@ -6,7 +6,9 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_cluster import driver, start_cluster  # noqa: E402
+from troupe_testing import BUILD  # noqa: E402
 
 # Shared by the drivers below: an actor pinned to host i (its custom resource), which reports
 # where its objects live and what it got.
@@ -42,7 +44,8 @@ ACTORS = textwrap.dedent("""
 
 def test_objects_cross_hosts(testbed3):
     controller, token = start_cluster(testbed3)
-    out = driver(testbed3.hosts[0], controller, token, ACTORS + textwrap.dedent("""
+    setting = f"import json, subprocess\nTROUPE, CONTROLLER, TOKEN = {str(BUILD / 'troupe')!r}, {controller!r}, {token!r}\n"
+    out = driver(testbed3.hosts[0], controller, token, setting + ACTORS + textwrap.dedent("""
         b, c = on(1), on(2)
         here = (_objects.host_id(), _objects.store().root)
         nodes = troupe.get([b.node.remote(), c.node.remote()])
@@ -55,6 +58,12 @@ def test_objects_cross_hosts(testbed3):
         x = np.random.default_rng(1).integers(0, 1 << 40, size=(40 << 20) // 8)
         ref = troupe.put(x)
         assert troupe.get([b.digest.remote([ref]), c.digest.remote([ref])]) == [digest(x)] * 2
+        # troupe status shows each node's store: this host's holds the object.
+        status = json.loads(subprocess.run([TROUPE, "status", "--json", "--address", CONTROLLER], check=True,
+                                           env={**os.environ, "TROUPE_TOKEN": TOKEN}, capture_output=True,
+                                           text=True).stdout)
+        stores = {n["id"]: n["object_store"] for n in status["nodes"]}
+        assert stores[here[0]]["objects"] >= 1 and stores[here[0]]["bytes"] >= x.nbytes, stores
 
         # An object put on B, got here (the ref came back in a list: its owner stays B).
         [on_b] = troupe.get(b.put.remote(5 << 20))

@@ -77,6 +77,67 @@ def test_refs_as_arguments_top_level_resolved_nested_kept():
 
 
 @troupe.remote
+class Gate:
+    """A call that ends only once the test opens the gate: its result is pending until then."""
+
+    def __init__(self):
+        import threading
+
+        self.open = threading.Event()
+
+    def wait(self, value):
+        assert self.open.wait(60)
+        return value
+
+    def release(self):
+        self.open.set()
+
+
+@troupe.remote
+class Journal:
+    def __init__(self):
+        self.seen = []
+
+    def add(self, x):
+        self.seen.append(x)
+        return x
+
+    def entries(self):
+        return self.seen
+
+
+def test_a_pending_ref_argument_does_not_block_remote_and_calls_keep_their_order():
+    gate = Gate.options(max_concurrency=4).remote()
+    pending = gate.wait.remote("first")
+    nested = gate.wait.remote("nested")
+    journal = Journal.remote()
+    # Each .remote() returns while its argument is still pending (the gate is shut: get() would hang).
+    a = journal.add.remote(pending)
+    b = journal.add.remote("second")  # ready, but after `a` from this caller
+    c = journal.add.remote([nested])  # a pending ref inside a container
+    d = total.remote(pending)  # a task waits the same way
+    ready, waiting = troupe.wait([a, b, c], num_returns=1, timeout=0.2)
+    assert ready == [] and len(waiting) == 3
+    troupe.get(gate.release.remote())
+    assert troupe.get([a, b]) == ["first", "second"]
+    assert troupe.get(troupe.get(c)[0]) == "nested"
+    assert troupe.get(journal.entries.remote())[:2] == ["first", "second"]
+    with pytest.raises(troupe.TaskError):
+        troupe.get(d)  # total("first") fails in the task, after its argument came
+
+
+def test_a_failed_argument_fails_the_call_waiting_for_it():
+    failed = fails.remote()
+    with pytest.raises(troupe.TaskError, match="on purpose"):
+        troupe.get(total.remote(failed))
+
+
+@troupe.remote
+def fails():
+    raise ValueError("on purpose")
+
+
+@troupe.remote
 def keyword_total(*, x):
     return float(np.asarray(x).sum())
 
