@@ -223,10 +223,10 @@ def _check_runtime_env(runtime_env):
         return None
     if not isinstance(runtime_env, dict):
         raise TypeError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")
-    unknown = set(runtime_env) - {"env_vars", "working_dir"}
+    unknown = set(runtime_env) - {"env_vars", "working_dir", "py_modules"}
     if unknown:
-        raise ValueError(f"runtime_env keys {sorted(unknown)} are not supported: Troupe honours env_vars and a "
-                         "local working_dir (a directory on the machines of the cluster)")
+        raise ValueError(f"runtime_env keys {sorted(unknown)} are not supported: Troupe honours env_vars, a "
+                         "local working_dir (a directory on the machines of the cluster) and py_modules")
     env_vars = runtime_env.get("env_vars") or {}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
         raise TypeError("runtime_env['env_vars'] must map str to str")
@@ -235,7 +235,71 @@ def _check_runtime_env(runtime_env):
         if not isinstance(wd, str) or "://" in wd or not os.path.isdir(wd):
             raise ValueError(f"runtime_env['working_dir'] must be a local directory, not {wd!r}")
         wd = os.path.abspath(wd)
-    return {"env_vars": dict(env_vars), **({"working_dir": wd} if wd else {})}
+    modules = runtime_env.get("py_modules")
+    if modules is not None:
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"runtime_env['py_modules'] must be a list, not {type(modules).__name__}")
+        modules = [_module_path(m) for m in modules]
+    return {"env_vars": dict(env_vars), **({"working_dir": wd} if wd else {}),
+            **({"py_modules": modules} if modules else {})}
+
+
+def _module_path(module):
+    """A py_modules entry as a local path: a package's directory, a module's .py file, or one of
+    them given as a path (a packed entry from a worker's own context stays as it is)."""
+    if isinstance(module, tuple) and len(module) == 3:
+        return module
+    if inspect.ismodule(module):
+        path = getattr(module, "__file__", None)
+        if path is None:
+            raise ValueError(f"runtime_env['py_modules']: module {module.__name__} has no file to ship")
+        module = os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
+    if not isinstance(module, str) or "://" in module:
+        raise ValueError(f"runtime_env['py_modules'] entries are local packages, .py files or modules, not {module!r}")
+    path = os.path.abspath(module)
+    if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".py"))):
+        raise ValueError(f"runtime_env['py_modules']: {module!r} is neither a directory nor a .py file")
+    return path
+
+
+_shipped = {}  # local path -> (name, digest, ref) of its packed copy in the object store
+_SHIP_MAX_BYTES = 256 << 20
+
+
+def _ship_modules(env):
+    """The runtime_env as workers get it: each py_modules path packed once per driver (a zip of
+    the package or file, without __pycache__) into the object store, so a worker on any node
+    pulls it (troupe._worker unpacks it into its node's temporary directory)."""
+    if not env or not env.get("py_modules"):
+        return env
+    import hashlib
+    import io
+    import zipfile
+
+    packed = []
+    for path in env["py_modules"]:
+        if isinstance(path, tuple):
+            packed.append(path)
+            continue
+        if path not in _shipped:
+            buffer = io.BytesIO()
+            with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+                if os.path.isfile(path):
+                    z.write(path, os.path.basename(path))
+                else:
+                    root = os.path.dirname(path)
+                    for folder, dirs, files in os.walk(path):
+                        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                        for f in sorted(files):
+                            full = os.path.join(folder, f)
+                            z.write(full, os.path.relpath(full, root))
+            data = buffer.getvalue()
+            if len(data) > _SHIP_MAX_BYTES:
+                raise ValueError(f"runtime_env['py_modules']: {path} packs to {len(data)} bytes, over the "
+                                 f"{_SHIP_MAX_BYTES >> 20} MiB a module may take")
+            _shipped[path] = (os.path.basename(path), hashlib.sha256(data).hexdigest()[:32], put(data))
+        packed.append(_shipped[path])
+    return {**env, "py_modules": packed}
 
 
 def init(address: str | None = None, *, token: str | None = None, num_cpus: float | None = None,
@@ -261,7 +325,7 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
     unknown = set(unsupported) - _INIT_NOOPS
     if unknown:
         raise TypeError(f"init() does not support {sorted(unknown)}; it takes address, token, num_cpus, num_gpus, "
-                        "resources, namespace, runtime_env (env_vars, working_dir), ignore_reinit_error, "
+                        "resources, namespace, runtime_env (env_vars, working_dir, py_modules), ignore_reinit_error, "
                         "log_to_driver, logging_level")
     if include_dashboard:
         raise ValueError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
@@ -397,6 +461,7 @@ def shutdown() -> None:
         from . import _objects, _tasks
 
         _tasks.reset()
+        _shipped.clear()
         _objects.close()
 
 
@@ -696,7 +761,7 @@ class ActorClass:
         context = {
             "job_id": _job_id(),
             "namespace": options.get("namespace") or _current_namespace(),
-            "runtime_env": options.get("runtime_env") or session_env,
+            "runtime_env": _ship_modules(options.get("runtime_env") or session_env),
             "max_concurrency": options.get("max_concurrency"),
             "task_worker": bool(options.get("_task_worker")),
         }

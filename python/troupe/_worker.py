@@ -53,7 +53,41 @@ def _serve_context(context):
     if env.get("working_dir"):
         os.chdir(env["working_dir"])
         sys.path.insert(0, env["working_dir"])
+    for name, digest, ref in env.get("py_modules") or ():
+        sys.path.insert(0, _unpack_module(name, digest, ref))
     _api._worker_context.update(context)
+
+
+def _unpack_module(name, digest, ref):
+    """A py_modules entry unpacked once per node (the worker's TMPDIR, which its node agent makes
+    per run); returns the directory that goes on sys.path."""
+    import hashlib
+    import io
+    import tempfile
+    import zipfile
+
+    from . import _api
+
+    where = os.path.join(tempfile.gettempdir(), f"troupe-py-modules-{digest}")
+    if os.path.isdir(where):
+        return where
+    data = _api.get(ref)
+    if hashlib.sha256(data).hexdigest()[:32] != digest:
+        raise RuntimeError(f"runtime_env py_modules {name!r}: the packed copy does not match its digest")
+    part = tempfile.mkdtemp(prefix=f"troupe-py-modules-{digest}.", dir=tempfile.gettempdir())
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for member in z.namelist():
+            target = os.path.realpath(os.path.join(part, member))
+            if not target.startswith(os.path.realpath(part) + os.sep):
+                raise RuntimeError(f"runtime_env py_modules {name!r}: {member!r} would land outside its directory")
+        z.extractall(part)
+    try:
+        os.rename(part, where)
+    except OSError:  # another worker of this node unpacked it first
+        import shutil
+
+        shutil.rmtree(part, ignore_errors=True)
+    return where
 
 
 def main(argv=None):

@@ -143,6 +143,37 @@ def test_runtime_env_reaches_actors_and_tasks(tmp_path):
     assert (flag, value, cwd, task_flag, top) == ("on", "from working_dir", str(tmp_path), "on", "imported at the top")
 
 
+def test_py_modules_are_shipped_to_the_workers(tmp_path):
+    """runtime_env py_modules: a local package and a .py file, which the workers' sys.path does not
+    reach, travel through the object store and are imported from the copy unpacked on the node."""
+    (tmp_path / "shipped_pkg").mkdir()
+    (tmp_path / "shipped_pkg" / "__init__.py").write_text("from .inner import WORD\n")
+    (tmp_path / "shipped_pkg" / "inner.py").write_text("WORD = 'packaged'\n")
+    (tmp_path / "shipped_one.py").write_text("WORD = 'single file'\n")
+    modules = [str(tmp_path / "shipped_pkg"), str(tmp_path / "shipped_one.py")]
+    code = (
+        "import troupe, json\n"
+        f"troupe.init(num_cpus=1, runtime_env={{'py_modules': {modules!r}}})\n"
+        "@troupe.remote\n"
+        "class Probe:\n"
+        "    def look(self):\n"
+        "        import shipped_pkg, shipped_one\n"
+        "        return shipped_pkg.WORD, shipped_one.WORD, shipped_pkg.__file__\n"
+        "@troupe.remote\n"
+        "def task():\n"
+        "    import shipped_pkg\n"
+        "    return shipped_pkg.WORD\n"
+        "print(json.dumps([troupe.get(Probe.remote().look.remote()), troupe.get(task.remote())]))\n"
+    )
+    p = run_driver(code, timeout=90)
+    assert p.returncode == 0, p.stderr
+    (word, one, where), task_word = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (word, one, task_word) == ("packaged", "single file", "packaged")
+    assert "troupe-py-modules-" in where and str(tmp_path) not in where  # the shipped copy, not the source
+    with pytest.raises(ValueError, match="neither a directory nor a .py file"):
+        troupe.init(runtime_env={"py_modules": [str(tmp_path / "missing")]})
+
+
 def test_workers_import_from_the_drivers_pythonpath_after_troupe(tmp_path):
     (tmp_path / "user_mod.py").write_text("def hello():\n    return 'hello from PYTHONPATH'\n")
     code = (
