@@ -48,13 +48,13 @@ PULLER = textwrap.dedent("""
         def put(self, n):
             self.refs = [troupe.put(np.full(n, 7, dtype=np.uint8))]
             return self.refs
-        def drop(self):
-            self.refs = []
 
-    owner = Owner.remote()
     print("ready", flush=True)
     for line in sys.stdin:
         size = int(line)
+        # A fresh owner per round, killed after it: an object whose ref was lent lives until its
+        # owner exits (borrowers do not report back yet), and the next owner's store sweeps it.
+        owner = Owner.remote()
         [ref] = troupe.get(owner.put.remote(size))
         print("made", flush=True)
         sys.stdin.readline()  # go
@@ -64,7 +64,7 @@ PULLER = textwrap.dedent("""
         assert value.nbytes == size and value[0] == 7 and value[-1] == 7
         del value, ref
         gc.collect()
-        troupe.get(owner.drop.remote())
+        troupe.kill(owner)
         print(took, flush=True)
     troupe.shutdown()
 """)

@@ -40,7 +40,7 @@ void setNoDelay(kj::AsyncIoStream& stream);
 // The peer's address without its port ("?" if unknown), as per-source limits count it.
 std::string peerHost(kj::AsyncIoStream& stream);
 
-enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S' };
+enum class Purpose : uint8_t { kRpc = 'R', kStore = 'S', kBulk = 'B' };
 // Whether the handshake runs inside TLS, as this side sees it; bound into both proofs.
 enum class Transport : uint8_t { kPlain = 'P', kTls = 'T' };
 

@@ -335,16 +335,17 @@ namespace {
 
 // One attempt: TCP, then TLS when `secure`, then the token handshake.
 kj::Promise<kj::Own<kj::AsyncIoStream>> connectOnce(kj::AsyncIoContext& io, const HostPort& address,
-                                                    std::shared_ptr<const std::string> token, bool secure) {
+                                                    std::shared_ptr<const std::string> token, bool secure,
+                                                    handshake::Purpose purpose) {
   return io.provider->getNetwork()
       .parseAddress(address.host, address.port)
       .then([](kj::Own<kj::NetworkAddress> addr) { return addr->connect().attach(kj::mv(addr)); })
-      .then([token, secure](kj::Own<kj::AsyncIoStream> stream) {
+      .then([token, secure, purpose](kj::Own<kj::AsyncIoStream> stream) {
         handshake::setNoDelay(*stream);
         detectSilentPeer(*stream);
         auto streams = secure ? kj::heap<tls::Streams>(*token) : kj::Own<tls::Streams>();
         auto* tls = streams.get();
-        return handshake::connectStream(kj::mv(stream), *token, handshake::Purpose::kRpc, tls)
+        return handshake::connectStream(kj::mv(stream), *token, purpose, tls)
             .then([streams = kj::mv(streams), token](kj::Own<kj::AsyncIoStream> ready) mutable {
               return ready.attach(kj::mv(streams));
             });
@@ -356,42 +357,41 @@ kj::Promise<kj::Own<kj::AsyncIoStream>> connectOnce(kj::AsyncIoContext& io, cons
 // caller's deadline bounds it.
 kj::Promise<kj::Own<kj::AsyncIoStream>> connectPatiently(kj::AsyncIoContext& io, const HostPort& address,
                                                          std::shared_ptr<const std::string> token, bool secure,
+                                                         handshake::Purpose purpose,
                                                          kj::Duration delay = 5 * kj::MILLISECONDS) {
-  return connectOnce(io, address, token, secure)
-      .catch_([&io, address, token, secure, delay](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
+  return connectOnce(io, address, token, secure, purpose)
+      .catch_([&io, address, token, secure, purpose, delay](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
         if (statusFromException(e, "").code() != StatusCode::kResourceExhausted) return kj::mv(e);
-        return io.provider->getTimer().afterDelay(delay).then([&io, address, token, secure, delay]() {
-          return connectPatiently(io, address, token, secure, kj::min(delay * 2, 200 * kj::MILLISECONDS));
+        return io.provider->getTimer().afterDelay(delay).then([&io, address, token, secure, purpose, delay]() {
+          return connectPatiently(io, address, token, secure, purpose, kj::min(delay * 2, 200 * kj::MILLISECONDS));
         });
       });
 }
 
-}  // namespace
-
-kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
-                                                  std::string token, kj::Duration timeout, PeerWait wait) {
+// The whole client path of an authenticated stream with `purpose`: TLS when the cluster asks
+// for it, the deadline, and an error that names the address and says why.
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectAuthenticated(kj::AsyncIoContext& io, const HostPort& address,
+                                                             std::string token, kj::Duration timeout,
+                                                             handshake::Purpose purpose) {
   std::string where = address.toString();
   auto shared = std::make_shared<const std::string>(kj::mv(token));
   auto connected =
-      connectPatiently(io, address, shared, tls::required())
-          .catch_([&io, address, shared](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
+      connectPatiently(io, address, shared, tls::required(), purpose)
+          .catch_([&io, address, shared, purpose](kj::Exception&& e) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
             // A --tls cluster said so (the handshake's only FAILED_PRECONDITION): speak TLS from
             // now on in this process.
             if (tls::required() || statusFromException(e, "").code() != StatusCode::kFailedPrecondition) {
               return kj::mv(e);
             }
             tls::require();
-            return connectPatiently(io, address, shared, true);
-          })
-          .then([spinScope = wait == PeerWait::kSpinFirst ? &io.waitScope : nullptr](kj::Own<kj::AsyncIoStream> stream) {
-            return kj::heap<RpcClient>(kj::mv(stream), spinScope);
+            return connectPatiently(io, address, shared, true, purpose);
           });
-  auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<RpcClient> {
+  auto expired = io.provider->getTimer().afterDelay(timeout).then([]() -> kj::Own<kj::AsyncIoStream> {
     kj::throwFatalException(exceptionFromStatus(Status(StatusCode::kDeadlineExceeded, "no answer in time"),
                                                 kj::Exception::Type::DISCONNECTED));
   });
   return connected.exclusiveJoin(kj::mv(expired))
-      .catch_([where](kj::Exception&& e) -> kj::Own<RpcClient> {
+      .catch_([where](kj::Exception&& e) -> kj::Own<kj::AsyncIoStream> {
         // Ours (the handshake's refusals, the deadline) carry their code; KJ's socket and TLS
         // errors have only an OS or OpenSSL text, read here for a shorter reason and no more.
         Status s = statusFromException(e, "");
@@ -409,6 +409,51 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
         kj::throwFatalException(exceptionFromStatus(Status(code, fmt::format("cannot connect to {}: {}", where, reason)),
                                                     kj::Exception::Type::DISCONNECTED));
       });
+}
+
+class BulkServerImpl final : public BulkServer, private kj::TaskSet::ErrorHandler {
+ public:
+  BulkServerImpl(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, std::string token, std::string what,
+                 Serve serve)
+      : serve_(kj::mv(serve)), what_(what), connections_(*this),
+        acceptor_(io, kj::mv(listener), kj::mv(token), handshake::Purpose::kBulk, what,
+                  [this](kj::Own<kj::AsyncIoStream> stream) {
+                    connections_.add(serve_(kj::mv(stream)));
+                    return kj::READY_NOW;
+                  }) {}
+  int port() const override { return acceptor_.port(); }
+
+ private:
+  void taskFailed(kj::Exception&& e) override {
+    TROUPE_LOG(kDebug, "{} connection ended: {}", what_, e.getDescription().cStr());
+  }
+  Serve serve_;
+  std::string what_;
+  kj::TaskSet connections_;  // one task per connection, served until it ends
+  handshake::Acceptor acceptor_;
+};
+
+}  // namespace
+
+kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const HostPort& address,
+                                                  std::string token, kj::Duration timeout, PeerWait wait) {
+  return connectAuthenticated(io, address, kj::mv(token), timeout, handshake::Purpose::kRpc)
+      .then([spinScope = wait == PeerWait::kSpinFirst ? &io.waitScope : nullptr](kj::Own<kj::AsyncIoStream> stream) {
+        return kj::heap<RpcClient>(kj::mv(stream), spinScope);
+      });
+}
+
+Result<kj::Own<BulkServer>> BulkServer::listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
+                                               std::string what, Serve serve) {
+  auto listener = handshake::listen(io, bind);
+  if (!listener.isOk()) return listener.status();
+  kj::Own<BulkServer> server = kj::heap<BulkServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(what), kj::mv(serve));
+  return server;
+}
+
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectBulk(kj::AsyncIoContext& io, const HostPort& address, std::string token,
+                                                    kj::Duration timeout) {
+  return connectAuthenticated(io, address, kj::mv(token), timeout, handshake::Purpose::kBulk);
 }
 
 }  // namespace troupe

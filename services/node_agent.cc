@@ -136,6 +136,7 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
       results.adoptData(kj::mv(orphan));
     }
     results.setSize(read->size);
+    results.setBulkPort(static_cast<uint16_t>(agent_.bulkPort()));
     return kj::READY_NOW;
   }
 
@@ -252,6 +253,12 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
   auto objects = NodeObjects::open(agent->options_.id, agent->options_.runDir);
   if (!objects.isOk()) throwStatus(objects.status());
   agent->objects_ = kj::mv(*objects);
+  auto bulk = BulkServer::listen(io, HostPort{agent->options_.ip, 0}, agent->options_.token, "object server",
+                                 [&objects = agent->objects_](kj::Own<kj::AsyncIoStream> stream) {
+                                   return objects.serve(kj::mv(stream));
+                                 });
+  if (!bulk.isOk()) throwStatus(bulk.status());
+  agent->bulk_ = kj::mv(*bulk);
 
   auto& a = *agent;
   // Store first, then registration: a node that cannot reach the store never shows as ALIVE.

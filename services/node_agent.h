@@ -75,6 +75,8 @@ class NodeAgent {
   std::vector<metrics::Sample> metrics() const;
   // This node's object directory (node_objects.h), made when the agent starts.
   const NodeObjects& objects() const { return objects_; }
+  // The port of the bulk server that streams this node's objects (NodeObjects::serve).
+  int bulkPort() const { return bulk_ ? bulk_->port() : 0; }
 
   struct IoState;
 
@@ -118,6 +120,7 @@ class NodeAgent {
   // TROUPE_LOG_RUN_MAX_BYTES per run, on a thread of its own; made once registered.
   std::unique_ptr<LogPump> logPump_;
   NodeObjects objects_;
+  kj::Own<BulkServer> bulk_;  // declared after objects_: it serves them, so it goes first
 };
 
 }  // namespace troupe

@@ -3,16 +3,19 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <filesystem>
 #include <utility>
 
 #include <fmt/format.h>
+#include <kj/debug.h>
 
 #include "troupe/runtime/safe_open.h"
 
@@ -125,7 +128,7 @@ NodeObjects::Usage NodeObjects::usage() const {
   return usage;
 }
 
-Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const {
+Result<NodeObjects::Opened> NodeObjects::openObject(std::string_view name) const {
   if (!validName(name)) return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no object", name));
   const std::string path = directory_ + "/" + std::string(name);
   const pid_t owner = ownerOf(name);
@@ -143,20 +146,98 @@ Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offs
   }
   struct stat st {};
   if (::fstat(fd->get(), &st) != 0) return Status(StatusCode::kUnavailable, std::strerror(errno));
+  return Opened{std::move(*fd), static_cast<uint64_t>(st.st_size)};
+}
+
+Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const {
+  auto opened = openObject(name);
+  if (!opened.isOk()) return opened.status();
   Read out;
-  out.size = static_cast<uint64_t>(st.st_size);
+  out.size = opened->size;
   if (offset > out.size) {
     return Status(StatusCode::kInvalidArgument, fmt::format("offset {} is past the end of object {} ({} bytes)", offset, name, out.size));
   }
   size_t want = static_cast<size_t>(std::min<uint64_t>(into.size(), out.size - offset));
   while (out.length < want) {
-    ssize_t got = ::pread(fd->get(), into.begin() + out.length, want - out.length, static_cast<off_t>(offset + out.length));
+    ssize_t got = ::pread(opened->fd.get(), into.begin() + out.length, want - out.length,
+                          static_cast<off_t>(offset + out.length));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) return Status(StatusCode::kUnavailable, fmt::format("cannot read object {}: {}", name, std::strerror(errno)));
     if (got == 0) break;  // shorter than it said: the reader sees the size mismatch
     out.length += static_cast<size_t>(got);
   }
   return out;
+}
+
+namespace {
+
+// A read-only mapping of an object's file, unmapped when the write that sends it is done.
+struct Mapping {
+  Mapping(void* at, size_t size) : at(at), size(size) {}
+  ~Mapping() {
+    if (at != MAP_FAILED && size > 0) ::munmap(at, size);
+  }
+  KJ_DISALLOW_COPY(Mapping);
+  void* at;
+  size_t size;
+};
+
+kj::Array<kj::byte> answerHeader(StatusCode code, uint64_t size, const std::string& message) {
+  std::string text = message.substr(0, 4096);
+  auto out = kj::heapArray<kj::byte>(1 + 8 + 4 + text.size());
+  out[0] = static_cast<kj::byte>(code);
+  uint32_t length = static_cast<uint32_t>(text.size());
+  memcpy(out.begin() + 1, &size, 8);
+  memcpy(out.begin() + 9, &length, 4);
+  memcpy(out.begin() + 13, text.data(), text.size());
+  return out;
+}
+
+}  // namespace
+
+kj::Promise<void> NodeObjects::serve(kj::Own<kj::AsyncIoStream> stream) const {
+  auto& s = *stream;
+  auto head = kj::heapArray<kj::byte>(4);
+  auto* h = head.begin();
+  return s.tryRead(h, 4, 4).then([this, &s, head = kj::mv(head)](size_t got) mutable -> kj::Promise<void> {
+        if (got == 0) return kj::READY_NOW;  // the peer is done
+        if (got < 4) return KJ_EXCEPTION(DISCONNECTED, "bulk request cut short");
+        uint32_t nameLength = 0;
+        memcpy(&nameLength, head.begin(), 4);
+        if (nameLength == 0 || nameLength > 200) return KJ_EXCEPTION(FAILED, "bulk request: bad name length");
+        auto rest = kj::heapArray<kj::byte>(nameLength + 16);
+        auto* r = rest.begin();
+        return s.read(r, rest.size()).then([this, &s, nameLength, rest = kj::mv(rest)]() -> kj::Promise<void> {
+          std::string name(reinterpret_cast<const char*>(rest.begin()), nameLength);
+          uint64_t offset = 0, length = 0;
+          memcpy(&offset, rest.begin() + nameLength, 8);
+          memcpy(&length, rest.begin() + nameLength + 8, 8);
+          auto opened = openObject(name);
+          Status problem = opened.status();
+          if (problem.isOk() && (offset > opened->size || length > opened->size - offset)) {
+            problem = Status(StatusCode::kInvalidArgument,
+                             fmt::format("bytes {}..{} are past the end of object {} ({} bytes)", offset, offset + length,
+                                         name, opened->size));
+          }
+          kj::Own<Mapping> mapping;
+          if (problem.isOk() && length > 0) {
+            void* at = ::mmap(nullptr, opened->size, PROT_READ, MAP_SHARED, opened->fd.get(), 0);
+            mapping = kj::heap<Mapping>(at, at == MAP_FAILED ? 0 : opened->size);
+            if (at == MAP_FAILED) {
+              problem = Status(StatusCode::kUnavailable, fmt::format("cannot map object {}: {}", name, std::strerror(errno)));
+            }
+          }
+          auto header = answerHeader(problem.code(), problem.isOk() ? opened->size : 0, problem.message());
+          auto* hp = header.begin();
+          auto sent = s.write(hp, header.size()).attach(kj::mv(header));
+          if (!problem.isOk()) return sent;  // the peer reads the error and closes
+          return sent.then([&s, mapping = kj::mv(mapping), offset, length]() mutable -> kj::Promise<void> {
+            if (length == 0) return kj::READY_NOW;
+            auto* from = static_cast<const kj::byte*>(mapping->at) + offset;
+            return s.write(from, length).attach(kj::mv(mapping));
+          });
+        }).then([this, &s]() { return serve(kj::Own<kj::AsyncIoStream>(&s, kj::NullDisposer::instance)); });
+      }).attach(kj::mv(stream));
 }
 
 Status NodeObjects::drop(std::string_view name) const {

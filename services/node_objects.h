@@ -9,9 +9,11 @@
 #include <string>
 #include <string_view>
 
+#include <kj/async-io.h>
 #include <kj/common.h>
 
 #include "troupe/runtime/ids.h"
+#include "troupe/runtime/safe_open.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe {
@@ -46,6 +48,18 @@ class NodeObjects {
     uint64_t size = 0;
   };
   Result<Read> read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const;
+  // The object's file, open for reading, and its size (errors as read()'s).
+  struct Opened {
+    FileDescriptor fd;
+    uint64_t size = 0;
+  };
+  Result<Opened> openObject(std::string_view name) const;
+
+  // Serves one connection of the agent's bulk port: requests, each answered in turn until the
+  // peer closes. Request: u32 name length (<= 200) | name | u64 offset | u64 length. Answer:
+  // u8 status code (0: OK) | u64 object size | u32 message length (<= 4096) | message, then, when
+  // OK, the `length` bytes from `offset`, written straight from a mapping of the file.
+  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) const;
   // Deletes a handed-over result (only those: names "<pid>-h-...") once its caller pulled it.
   Status drop(std::string_view name) const;
 

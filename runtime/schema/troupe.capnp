@@ -189,8 +189,9 @@ interface NodeAgent {
   # This node's object directory (where its processes put() objects) and what it holds now.
   objectStore @5 () -> (directory :Text, objects :UInt64, bytes :UInt64);
   # Up to `length` bytes (at most 16 MiB) of object `name` in this node's directory from
-  # `offset`, and the object's whole size: another node pulls an object in such chunks.
-  readObject @6 (name :Text, offset :UInt64, length :UInt32) -> (data :Data, size :UInt64);
+  # `offset`, and the object's whole size: another node pulls an object in such chunks, or takes
+  # the rest of a larger one in one stream from the agent's bulk port (node_objects.h).
+  readObject @6 (name :Text, offset :UInt64, length :UInt32) -> (data :Data, size :UInt64, bulkPort :UInt16);
   # Deletes a result handed over to a caller on another node, once that caller has pulled it.
   dropObject @7 (name :Text) -> ();
 }

@@ -378,10 +378,18 @@ def test_a_tls_cluster_encrypts_every_connection_across_hosts(testbed3):
                 def echo(self, text):
                     return text + "!"
 
+                def count(self, refs):
+                    return troupe.get(refs[0]).count({marker!r}.encode())
+
             actors = [Echo.options(placement_group=pg["id"], bundle_index=i).remote() for i in range(3)]
             print("ECHO", troupe.get([a.echo.remote({marker!r}) for a in actors], timeout=60))
+            # An object pulled across hosts (chunks, then the bulk stream past 8 MiB) is encrypted too.
+            blob = troupe.put({marker!r}.encode() * ((12 << 20) // len({marker!r})))
+            print("PULLED", troupe.get([a.count.remote([blob]) for a in actors], timeout=60))
         """)
         assert out.count(marker + "!") == 3, out
+        pulled = eval(out.split("PULLED", 1)[1].strip().splitlines()[0])
+        assert pulled == [(12 << 20) // len(marker)] * 3, out
     finally:
         wire = capture.stop()
     # Calls, replies, registrations and the store traffic through the gateway crossed the bridge,

@@ -96,6 +96,23 @@ class RpcClient {
   kj::Promise<void> watch_;
 };
 
+// Bulk byte streams beside RPC (a node's object pulls): the same token handshake and TLS as RPC
+// connections, under a purpose of their own, so neither service accepts the other's proof; what
+// flows after it is the service's own framing.
+class BulkServer {
+ public:
+  using Serve = kj::Function<kj::Promise<void>(kj::Own<kj::AsyncIoStream>)>;
+  // Binds host:port (0: a free one); `serve` gets each authenticated connection, for as long as
+  // the promise it returns runs. `what` names the server in log lines.
+  static Result<kj::Own<BulkServer>> listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
+                                            std::string what, Serve serve);
+  virtual ~BulkServer() noexcept(false) = default;
+  virtual int port() const = 0;
+};
+// Connects to a BulkServer as RpcClient::connect does (same errors and deadline).
+kj::Promise<kj::Own<kj::AsyncIoStream>> connectBulk(kj::AsyncIoContext& io, const HostPort& address, std::string token,
+                                                    kj::Duration timeout);
+
 // The controller's default heartbeat TTL (--heartbeat-ttl-ms): a node silent this long is DEAD.
 inline constexpr int kDefaultHeartbeatTtlMs = 3000;
 // How long a connection may go without a sign of its peer before it ends: the heartbeat TTL
