@@ -483,6 +483,18 @@ def runtime() -> Any:
     return _session.runtime
 
 
+def _auto_init():
+    """Ray's rule: the first remote(), get(), wait() or put() before init() initialises, with an
+    embedded local cluster (or the cluster TROUPE_ADDRESS names, as init() would)."""
+    if _session is not None or (os.environ.get("TROUPE_ACTOR_ID") and os.environ.get("TROUPE_ADDRESS")):
+        return
+    with _lock:
+        if _session is None:
+            print("(troupe) init() was not called: starting it now, as init() with no arguments would",
+                  file=sys.stderr, flush=True)
+            init()
+
+
 def _connect_worker():
     """Inside an actor or task worker, the first cluster call connects it to its cluster."""
     if os.environ.get("TROUPE_ACTOR_ID") and os.environ.get("TROUPE_ADDRESS"):
@@ -754,6 +766,7 @@ class ActorClass:
         return ActorClass(self._cls, merged)
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
+        _auto_init()
         _check_call(self._init_signature, args, kwargs, f"{self.__name__}.remote()")
         _by_value(self._cls)
         options = self._options
@@ -1372,6 +1385,7 @@ def put(value: Any) -> ObjectRef:
     tasks (by ref, without copying it again) or to get()."""
     if isinstance(value, ObjectRef):
         raise TypeError("put() of an ObjectRef is not allowed: pass the ref itself")
+    _auto_init()  # before the store is chosen: the node's directory, once connected
     return _StoredRef._from_value(value)
 
 
@@ -1472,6 +1486,8 @@ def get(refs: Iterable[ObjectRef], timeout: float | None = None) -> list[Any]: .
 def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> Any:
     """The value of an ObjectRef (or a list of them), raising the call's error if it failed."""
     _check_timeout(timeout, "get()")
+    if _session is None:
+        _auto_init()
     if type(refs) is ObjectRef and refs._retry is None and refs._ref is not None:  # the common synchronous case
         if not refs._done:
             rt = runtime()
@@ -1506,6 +1522,8 @@ def wait(refs: Iterable[ObjectRef], num_returns: int = 1, timeout: float | None 
          fetch_local: bool = True) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """(ready, not_ready): returns once num_returns refs are done or timeout passes."""
     _check_timeout(timeout, "wait()")
+    if _session is None:
+        _auto_init()
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)

@@ -70,6 +70,7 @@ class RemoteFunction:
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Submits a call; its ObjectRef (a list of them with num_returns > 1)."""
         _api._check_call(self._signature, args, kwargs, f"{self.__name__}.remote()")
+        _api._auto_init()
         return submit(self, args, kwargs)
 
     def bind(self, *args: Any, **kwargs: Any) -> NoReturn:

@@ -143,6 +143,20 @@ def test_runtime_env_reaches_actors_and_tasks(tmp_path):
     assert (flag, value, cwd, task_flag, top) == ("on", "from working_dir", str(tmp_path), "on", "imported at the top")
 
 
+def test_a_first_remote_before_init_initialises_as_rays_does():
+    code = (
+        "import troupe\n"
+        "@troupe.remote\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "print('RESULT', troupe.get(square.remote(7)), troupe.is_initialized())\n"
+    )
+    p = run_driver(code, timeout=90)
+    assert p.returncode == 0, p.stderr
+    assert "RESULT 49 True" in p.stdout
+    assert "init() was not called" in p.stderr  # said once, not silently
+
+
 def test_py_modules_are_shipped_to_the_workers(tmp_path):
     """runtime_env py_modules: a local package and a .py file, which the workers' sys.path does not
     reach, travel through the object store and are imported from the copy unpacked on the node."""
