@@ -120,6 +120,7 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     results.setDirectory(agent_.objects().directory());
     results.setObjects(usage.objects);
     results.setBytes(usage.bytes);
+    results.setBulkPort(static_cast<uint16_t>(agent_.bulkPort()));
     return kj::READY_NOW;
   }
 

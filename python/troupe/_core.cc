@@ -494,13 +494,13 @@ class Runtime {
     });
   }
 
-  // (directory, objects, bytes) of the node agent at `address`: its object directory.
-  std::tuple<std::string, uint64_t, uint64_t> objectStore(const std::string& address) {
+  // (directory, objects, bytes, bulk port) of the node agent at `address`: its object directory.
+  std::tuple<std::string, uint64_t, uint64_t, uint16_t> objectStore(const std::string& address) {
     return onLoop([this, address]() {
       return nodeAgent(address).then([this](rpc::NodeAgent::Client agent) {
         return io_->provider->getTimer().timeoutAfter(kReadLogsDeadline, agent.objectStoreRequest().send());
       }).then([](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
-        return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes());
+        return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes(), r.getBulkPort());
       });
     });
   }

@@ -117,3 +117,53 @@ def test_an_actor_that_puts_fifos_at_its_files_cannot_wedge_its_node_agent(troup
     logs = troupe.run("logs", "hostile", timeout=20, check=False)
     assert logs.returncode in (0, 1), logs.stderr
     assert troupe.run("status", timeout=20, check=False).returncode == 0
+
+
+def test_the_object_bulk_port_serves_nobody_without_the_token():
+    """A node agent's bulk port (object pulls) is a listener beside its RPC port: a client that
+    cannot prove the token gets the refusal byte and nothing of any object; one speaking for
+    another service (the RPC purpose) is refused at its first bytes; the agent serves on."""
+    code = textwrap.dedent("""
+        import os, socket, troupe
+        troupe.init(num_cpus=1)
+        from troupe import _api
+        rt = _api.runtime()
+        ref = troupe.put(b"secret-object-bytes" * 100_000)
+        head = [n for n in troupe.nodes() if n["is_head"]][0]
+        host = head["address"].rpartition(":")[0]
+        directory, objects, size, port = rt.object_store(head["address"])
+        assert port > 0 and objects >= 1
+
+        def talk(hello, then=b""):
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(hello)
+                got = b""
+                try:
+                    while len(got) < 1 << 20:
+                        chunk = s.recv(65536)
+                        if not chunk:
+                            break
+                        got += chunk
+                        if then and len(got) >= 64:  # the server's nonce and proof: answer with a wrong one
+                            s.sendall(then)
+                            then = b""
+                except (ConnectionResetError, socket.timeout):
+                    pass
+                return got
+
+        # The right purpose, then a proof made without the token: 'N' after the server's own proof.
+        wrong = talk(b"TRPE\x03B" + os.urandom(32), then=os.urandom(32))
+        assert len(wrong) == 65 and wrong[-1:] == b"N", wrong
+        # Another service's hello on this port: refused at once.
+        assert talk(b"TRPE\x03R" + os.urandom(32)) == b"N"
+        # A request framed as the bulk protocol, with no handshake at all: nothing comes back.
+        request = (8).to_bytes(4, "little") + b"anything" + (0).to_bytes(8, "little") + (1 << 20).to_bytes(8, "little")
+        assert b"secret" not in talk(request)
+        # The agent still serves its directory.
+        assert rt.object_store(head["address"])[1] >= 1
+        assert troupe.get(ref)[:6] == b"secret"
+        print("BULK OK")
+    """)
+    p = run_driver(code, timeout=90)
+    assert p.returncode == 0 and "BULK OK" in p.stdout, p.stderr
+
