@@ -43,6 +43,12 @@ pid_t ownerOf(std::string_view name) {
   return i < name.size() && name[i] == '-' ? pid : 0;
 }
 
+// Whether `name` is a result handed over to its caller ("<pid>-h..."): it outlives its writer,
+// and only it may be dropped by a peer.
+bool handedOver(std::string_view name) {
+  return ownerOf(name) > 0 && name.substr(name.find('-') + 1).rfind("h", 0) == 0;
+}
+
 void removeTree(const std::string& directory) {
   std::error_code ec;
   fs::remove_all(directory, ec);
@@ -98,10 +104,9 @@ NodeObjects::NodeObjects(NodeObjects&& other) noexcept
     : directory_(std::exchange(other.directory_, {})), record_(std::exchange(other.record_, {})) {}
 
 NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
-  if (this != &other) {
-    this->~NodeObjects();
-    new (this) NodeObjects(std::move(other));
-  }
+  // What this held goes with `other` (its destructor removes it); only an empty one is assigned to.
+  std::swap(directory_, other.directory_);
+  std::swap(record_, other.record_);
   return *this;
 }
 
@@ -132,8 +137,7 @@ Result<NodeObjects::Opened> NodeObjects::openObject(std::string_view name) const
   if (!validName(name)) return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no object", name));
   const std::string path = directory_ + "/" + std::string(name);
   const pid_t owner = ownerOf(name);
-  const bool handedOver = name.substr(name.find('-') + 1).rfind("h", 0) == 0;  // outlives its writer
-  if (!handedOver && owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH) {
+  if (!handedOver(name) && owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH) {
     ::unlink(path.c_str());  // a put() object of an owner killed before it could delete it
     return Status(StatusCode::kNotFound,
                   fmt::format("object {} is lost: its owner (pid {}) died, and its objects with it", name, owner));
@@ -241,9 +245,7 @@ kj::Promise<void> NodeObjects::serve(kj::Own<kj::AsyncIoStream> stream) const {
 }
 
 Status NodeObjects::drop(std::string_view name) const {
-  pid_t owner = ownerOf(name);
-  std::string_view rest = owner > 0 ? name.substr(name.find('-') + 1) : std::string_view();
-  if (!validName(name) || rest.rfind("h", 0) != 0) {
+  if (!validName(name) || !handedOver(name)) {
     return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no handed-over result", name));
   }
   std::string path = directory_ + "/" + std::string(name);

@@ -57,7 +57,7 @@ RECYCLE_MIN_BYTES = 1 << 20
 RECYCLE_MAX_BYTES = 1 << 30
 
 
-_MACHINE = None
+_HOST = None  # (pid, host id of a process of no node given by use_node): forks read it again
 # (directory, node id) of the node a driver found it runs on (use_node); workers have theirs in
 # their environment, from their node agent.
 _node = None
@@ -70,18 +70,20 @@ def host_id():
     (hostname and boot id). Processes with the same one share an object directory."""
     if _node is not None:
         return _node[1]
-    node = os.environ.get("TROUPE_NODE_ID")
-    if node and os.environ.get("TROUPE_OBJECT_DIR"):
-        return node
-    global _MACHINE
-    if _MACHINE is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-        except OSError:
-            boot = ""
-        _MACHINE = f"{socket.gethostname()}/{boot}"
-    return _MACHINE
+    global _HOST
+    if _HOST is None or _HOST[0] != os.getpid():  # every call carries it: read the environment once
+        node = os.environ.get("TROUPE_NODE_ID")
+        _HOST = (os.getpid(), node if node and os.environ.get("TROUPE_OBJECT_DIR") else _machine())
+    return _HOST[1]
+
+
+def _machine():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _is_node(host):
