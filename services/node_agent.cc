@@ -121,6 +121,10 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     results.setObjects(usage.objects);
     results.setBytes(usage.bytes);
     results.setBulkPort(static_cast<uint16_t>(agent_.bulkPort()));
+    results.setLimit(agent_.objects().limit());
+    results.setSpillDirectory(agent_.objects().spillDirectory());
+    results.setSpilledObjects(usage.spilledObjects);
+    results.setSpilledBytes(usage.spilledBytes);
     return kj::READY_NOW;
   }
 
@@ -251,7 +255,7 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
                                   rpc::NodeAgent::Client(kj::heap<NodeAgentService>(*agent)));
   if (!server.isOk()) throwStatus(server.status());
   agent->server_ = kj::mv(*server);
-  auto objects = NodeObjects::open(agent->options_.id, agent->options_.runDir);
+  auto objects = NodeObjects::open(agent->options_.id, agent->options_.runDir, agent->options_.objectStoreMemory);
   if (!objects.isOk()) throwStatus(objects.status());
   agent->objects_ = kj::mv(*objects);
   auto bulk = BulkServer::listen(io, HostPort{agent->options_.ip, 0}, agent->options_.token, "object server",
@@ -430,6 +434,8 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
   spawn.env.push_back("TROUPE_NODE_ID=" + options_.id.hex());
   // Its put() objects go to this node's directory, which this agent serves to other nodes.
   spawn.env.push_back("TROUPE_OBJECT_DIR=" + objects_.directory());
+  spawn.env.push_back("TROUPE_OBJECT_SPILL_DIR=" + objects_.spillDirectory());
+  spawn.env.push_back(fmt::format("TROUPE_OBJECT_STORE_MEMORY={}", objects_.limit()));
   spawn.env.push_back(fmt::format("TROUPE_HEARTBEAT_TTL_MS={}", state_->ttl.count()));
   // Checkpoint segments the worker makes are recorded here, for `troupe stop` to remove.
   std::string registry = options_.runDir + "/shm";
@@ -573,6 +579,11 @@ std::vector<metrics::Sample> NodeAgent::metrics() const {
   auto store = objects_.usage();
   out.push_back({"troupe_object_store_objects", fmt::format("node=\"{}\"", node), static_cast<double>(store.objects)});
   out.push_back({"troupe_object_store_bytes", fmt::format("node=\"{}\"", node), static_cast<double>(store.bytes)});
+  out.push_back({"troupe_object_store_limit_bytes", fmt::format("node=\"{}\"", node), static_cast<double>(objects_.limit())});
+  out.push_back({"troupe_object_store_spilled_objects", fmt::format("node=\"{}\"", node),
+                 static_cast<double>(store.spilledObjects)});
+  out.push_back({"troupe_object_store_spilled_bytes", fmt::format("node=\"{}\"", node),
+                 static_cast<double>(store.spilledBytes)});
   for (const auto& [id, worker] : workers_) {
     if (worker.pid <= 0) continue;
     auto samples = metrics::read(metricsPath(id, worker.incarnation));

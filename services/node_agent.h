@@ -38,6 +38,7 @@ struct NodeAgentOptions {
   bool isHead = false;
   std::string redisPassword;  // the head's only (from its run directory's cluster.json)
   std::string runDir;        // actors' logs go to <runDir>/logs/actor-<id>.{out,err}
+  uint64_t objectStoreMemory = 0;  // the object store's limit in bytes (0: NodeObjects' default)
   std::string workerBinary;  // troupe-worker: no LibTorch, starts in milliseconds
   std::set<std::string> workerTypes;  // what workerBinary hosts (troupe-worker --list-types)
   std::string torchWorkerBinary;  // troupe-worker-torch: every other C++ type ("" if not built)

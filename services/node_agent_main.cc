@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Troupe node agent (started by `troupe start`)"};
   std::string runDir, address, nodeId, token, ip = "127.0.0.1", resourcesText, logLevelName = "info";
   double numCpus = -1;
+  uint64_t objectStoreMemory = 0;
   bool head = false;
   app.add_option("--run-dir", runDir, "Run directory for logs and the pid file")->required();
   app.add_option("--address", address, "Controller HOST:PORT")->required();
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
   app.add_option("--node-ip-address", ip, "Address this node's RPC server binds");
   app.add_option("--num-cpus", numCpus, "CPUs to offer (default: detected)");
   app.add_option("--resources", resourcesText, "Custom resources NAME=QTY,...");
+  app.add_option("--object-store-memory", objectStoreMemory, "Object store limit in bytes (default: 30% of RAM)");
   app.add_flag("--head", head, "This is the head node");
   app.add_option("--log-level", logLevelName)->envname("TROUPE_LOG_LEVEL");
   CLI11_PARSE(app, argc, argv);
@@ -106,6 +108,7 @@ int main(int argc, char** argv) {
   options.ip = ip;
   options.isHead = head;
   options.runDir = runDir;
+  options.objectStoreMemory = objectStoreMemory;
   options.workerBinary = executableDir() + "/troupe-worker";
   // Python workers import the troupe package from TROUPE_PYTHONPATH (set by an embedding
   // driver), else from the build tree next to this binary.

@@ -5,13 +5,16 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <filesystem>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -54,6 +57,42 @@ void removeTree(const std::string& directory) {
   fs::remove_all(directory, ec);
 }
 
+Status makePrivateDirectory(const std::string& path) {
+  if (::mkdir(path.c_str(), 0700) != 0 && (errno != EEXIST || !privateDirectory(path))) {
+    return Status(StatusCode::kResourceExhausted,
+                  fmt::format("cannot make {} (a directory of this user, mode 0700): {}", path,
+                              errno == EEXIST ? "it exists and is not one" : std::strerror(errno)));
+  }
+  return Status::ok();
+}
+
+// Ray's default: 30% of the machine's memory, and no more than the shared-memory file system holds.
+uint64_t defaultLimit(const std::string& parent) {
+  uint64_t memory = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t limit = memory / 10 * 3;
+  struct statvfs vfs {};
+  if (::statvfs(parent.c_str(), &vfs) == 0) limit = std::min<uint64_t>(limit, uint64_t{vfs.f_blocks} * vfs.f_frsize);
+  return std::max<uint64_t>(limit, NodeObjects::kMinLimit);
+}
+
+// Regular files in `directory` not starting with a dot: how many, and the bytes they hold.
+std::pair<uint64_t, uint64_t> countFiles(const std::string& directory) {
+  std::pair<uint64_t, uint64_t> out{0, 0};
+  DIR* dir = ::opendir(directory.c_str());
+  if (dir == nullptr) return out;
+  while (struct dirent* entry = ::readdir(dir)) {
+    struct stat st {};
+    if (entry->d_name[0] == '.' || ::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    out.first += 1;
+    out.second += static_cast<uint64_t>(st.st_blocks) * 512;  // what it holds, not its length
+  }
+  ::closedir(dir);
+  return out;
+}
+
 }  // namespace
 
 bool NodeObjects::validName(std::string_view name) {
@@ -66,7 +105,11 @@ bool NodeObjects::validName(std::string_view name) {
   return true;
 }
 
-Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& runDir) {
+Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& runDir, uint64_t limit) {
+  if (limit != 0 && limit < kMinLimit) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("an object store of {} bytes is below the smallest, {} bytes", limit, kMinLimit));
+  }
   std::string parent = "/dev/shm";
   struct stat st {};
   if (::stat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
@@ -86,11 +129,12 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
     }
     objects.directory_ = pattern;
   }
-  std::string records = runDir + "/objects";
-  if (::mkdir(records.c_str(), 0700) != 0 && errno != EEXIST) {
-    return Status(StatusCode::kResourceExhausted, fmt::format("cannot make {}: {}", records, std::strerror(errno)));
+  objects.limit_ = limit != 0 ? limit : defaultLimit(parent);
+  for (const std::string& dir : {runDir + "/objects", runDir + "/spill", runDir + "/spill/" + node.hex()}) {
+    TROUPE_RETURN_IF_ERROR(makePrivateDirectory(dir));
   }
-  objects.record_ = records + "/" + node.hex();
+  objects.spill_ = runDir + "/spill/" + node.hex();
+  objects.record_ = runDir + "/objects/" + node.hex();
   auto out = openRegularFile(objects.record_, O_WRONLY | O_CREAT | O_TRUNC);
   if (!out.isOk()) return out.status();
   std::string line = objects.directory_ + "\n";
@@ -101,11 +145,16 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
 }
 
 NodeObjects::NodeObjects(NodeObjects&& other) noexcept
-    : directory_(std::exchange(other.directory_, {})), record_(std::exchange(other.record_, {})) {}
+    : directory_(std::exchange(other.directory_, {})),
+      spill_(std::exchange(other.spill_, {})),
+      limit_(other.limit_),
+      record_(std::exchange(other.record_, {})) {}
 
 NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
   // What this held goes with `other` (its destructor removes it); only an empty one is assigned to.
   std::swap(directory_, other.directory_);
+  std::swap(spill_, other.spill_);
+  std::swap(limit_, other.limit_);
   std::swap(record_, other.record_);
   return *this;
 }
@@ -113,36 +162,31 @@ NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
 NodeObjects::~NodeObjects() {
   if (directory_.empty()) return;
   removeTree(directory_);
+  removeTree(spill_);
   ::unlink(record_.c_str());
 }
 
 NodeObjects::Usage NodeObjects::usage() const {
   Usage usage;
-  DIR* dir = ::opendir(directory_.c_str());
-  if (dir == nullptr) return usage;
-  while (struct dirent* entry = ::readdir(dir)) {
-    struct stat st {};
-    if (entry->d_name[0] == '.' || ::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-        !S_ISREG(st.st_mode)) {
-      continue;
-    }
-    usage.objects += 1;
-    usage.bytes += static_cast<uint64_t>(st.st_blocks) * 512;  // what it holds, not its length
-  }
-  ::closedir(dir);
+  std::tie(usage.objects, usage.bytes) = countFiles(directory_);
+  std::tie(usage.spilledObjects, usage.spilledBytes) = countFiles(spill_);
   return usage;
 }
 
 Result<NodeObjects::Opened> NodeObjects::openObject(std::string_view name) const {
   if (!validName(name)) return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no object", name));
   const std::string path = directory_ + "/" + std::string(name);
+  const std::string spilled = spill_ + "/" + std::string(name);
   const pid_t owner = ownerOf(name);
   if (!handedOver(name) && owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH) {
     ::unlink(path.c_str());  // a put() object of an owner killed before it could delete it
+    ::unlink(spilled.c_str());
     return Status(StatusCode::kNotFound,
                   fmt::format("object {} is lost: its owner (pid {}) died, and its objects with it", name, owner));
   }
+  // A spiller writes the spilled copy before it deletes the one in memory: one of them is there.
   auto fd = openRegularFile(path, O_RDONLY);
+  if (!fd.isOk() && fd.status().code() == StatusCode::kNotFound && !spill_.empty()) fd = openRegularFile(spilled, O_RDONLY);
   if (!fd.isOk()) {
     if (fd.status().code() != StatusCode::kNotFound) return fd.status();
     return Status(StatusCode::kNotFound,
@@ -248,9 +292,11 @@ Status NodeObjects::drop(std::string_view name) const {
   if (!validName(name) || !handedOver(name)) {
     return Status(StatusCode::kInvalidArgument, fmt::format("'{}' names no handed-over result", name));
   }
-  std::string path = directory_ + "/" + std::string(name);
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-    return Status(StatusCode::kUnavailable, fmt::format("cannot delete {}: {}", path, std::strerror(errno)));
+  for (const std::string& dir : {directory_, spill_}) {
+    std::string path = dir + "/" + std::string(name);
+    if (!dir.empty() && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return Status(StatusCode::kUnavailable, fmt::format("cannot delete {}: {}", path, std::strerror(errno)));
+    }
   }
   return Status::ok();
 }
@@ -263,6 +309,7 @@ void removeRecordedObjectDirectories(const std::string& runDir) {
     if (fs::path(path).filename().string().rfind("troupe-node-", 0) == 0 && privateDirectory(path)) removeTree(path);
     fs::remove(entry.path(), ec);
   }
+  removeTree((fs::path(runDir) / "spill").string());
 }
 
 }  // namespace troupe

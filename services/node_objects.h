@@ -1,7 +1,10 @@
 // A node's object directory: the Python processes of the node put() their objects there (one
 // file each, python/troupe/_objects.py), and the node agent serves them in chunks to processes
-// of other nodes that pull them (NodeAgent.readObject). The agent makes the directory when it
-// starts and removes it when it ends; `troupe stop` removes one a killed agent left.
+// of other nodes that pull them (NodeAgent.readObject). Past the store's limit, the processes
+// move objects to the node's spill directory on disk, from where they are read back on get();
+// the agent serves an object from whichever of the two holds it. The agent makes both
+// directories when it starts and removes them when it ends; `troupe stop` removes what a killed
+// agent left.
 // Thread-safety: a value the agent's KJ thread owns.
 #pragma once
 
@@ -22,21 +25,29 @@ class NodeObjects {
  public:
   // Largest chunk one readObject answers: several are in flight, each one RPC message.
   static constexpr uint32_t kMaxChunk = 16u << 20;
+  // The smallest limit a store may be given.
+  static constexpr uint64_t kMinLimit = 8u << 20;
 
   // Makes this node's directory, /dev/shm/troupe-node-<id> (or under $TMPDIR without /dev/shm),
   // 0700. Someone else's directory at that name is left alone and a fresh one made beside it.
-  // The path is recorded in <runDir>/objects/<id> for `troupe stop`.
-  static Result<NodeObjects> open(const NodeId& node, const std::string& runDir);
+  // The path is recorded in <runDir>/objects/<id> for `troupe stop`. The spill directory is
+  // <runDir>/spill/<id> (0700). limit: bytes of shared memory the objects may hold (0: 30% of
+  // RAM, at most the shared-memory file system's size).
+  static Result<NodeObjects> open(const NodeId& node, const std::string& runDir, uint64_t limit = 0);
   NodeObjects() = default;
   NodeObjects(NodeObjects&&) noexcept;
   NodeObjects& operator=(NodeObjects&&) noexcept;
   ~NodeObjects();
 
   const std::string& directory() const { return directory_; }
+  const std::string& spillDirectory() const { return spill_; }
+  uint64_t limit() const { return limit_; }
 
   struct Usage {
     uint64_t objects = 0;
     uint64_t bytes = 0;
+    uint64_t spilledObjects = 0;
+    uint64_t spilledBytes = 0;
   };
   Usage usage() const;
 
@@ -60,7 +71,7 @@ class NodeObjects {
   // u8 status code (0: OK) | u64 object size | u32 message length (<= 4096) | message, then, when
   // OK, the `length` bytes from `offset`, written straight from a mapping of the file.
   kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) const;
-  // Deletes a handed-over result (only those: names "<pid>-h-...") once its caller pulled it.
+  // Deletes a handed-over result (only those: names "<pid>-h...") once its caller pulled it.
   Status drop(std::string_view name) const;
 
   // Whether `name` could name an object file: what a peer may ask for (no path, no dot file).
@@ -68,11 +79,14 @@ class NodeObjects {
 
  private:
   std::string directory_;
+  std::string spill_;
+  uint64_t limit_ = 0;
   std::string record_;  // <runDir>/objects/<id>
 };
 
 // Removes the object directory a run's node recorded in <runDir>/objects (`troupe stop`, after
-// the agents): only a directory of this user named troupe-node-*, with the files in it.
+// the agents): only a directory of this user named troupe-node-*, with the files in it; and the
+// run's spill directories.
 void removeRecordedObjectDirectories(const std::string& runDir);
 
 }  // namespace troupe

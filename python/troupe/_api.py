@@ -176,7 +176,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _start_embedded(num_cpus, resources):
+def _start_embedded(num_cpus, resources, object_store_memory=None):
     run_root = tempfile.mkdtemp(prefix="troupe-driver-")
     env = dict(os.environ, TROUPE_TEMP_DIR=run_root,
                TROUPE_PYTHONPATH=os.path.dirname(_package_dir()))
@@ -187,6 +187,8 @@ def _start_embedded(num_cpus, resources):
         args += ["--num-cpus", str(num_cpus)]
     if resources:
         args += ["--resources", ",".join(f"{k}={v}" for k, v in resources.items())]
+    if object_store_memory is not None:
+        args += ["--object-store-memory", str(object_store_memory)]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lines = []
@@ -305,7 +307,8 @@ def _ship_modules(env):
 def init(address: str | None = None, *, token: str | None = None, num_cpus: float | None = None,
          num_gpus: float | None = None, resources: Mapping[str, float] | None = None, namespace: str | None = None,
          runtime_env: Mapping[str, Any] | None = None, ignore_reinit_error: bool = False, log_to_driver: bool = True,
-         logging_level: Any = None, include_dashboard: bool | None = None, **unsupported: Any) -> None:
+         logging_level: Any = None, include_dashboard: bool | None = None, object_store_memory: int | None = None,
+         **unsupported: Any) -> None:
     """Connects this driver to a cluster.
 
     address=None starts an embedded local cluster owned by this driver (stopped by shutdown()
@@ -317,7 +320,9 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
 
     Also from ray.init(): namespace= (where actor names live; default "default"),
     runtime_env={"env_vars": {...}, "working_dir": DIR} (applied in every worker of this job),
-    num_gpus=, logging_level= (the runtime's log level). Other keywords raise TypeError.
+    num_gpus=, logging_level= (the runtime's log level), object_store_memory= (bytes of shared memory
+    the local cluster's objects may hold before they spill to disk; default 30% of RAM). Other
+    keywords raise TypeError.
     """
     global _session
     from . import _core
@@ -326,11 +331,14 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
     if unknown:
         raise TypeError(f"init() does not support {sorted(unknown)}; it takes address, token, num_cpus, num_gpus, "
                         "resources, namespace, runtime_env (env_vars, working_dir, py_modules), ignore_reinit_error, "
-                        "log_to_driver, logging_level")
+                        "log_to_driver, logging_level, object_store_memory")
     if include_dashboard:
         raise ValueError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
     if namespace is not None:
         _check_name(namespace, "namespace")
+    if object_store_memory is not None and (isinstance(object_store_memory, bool) or
+                                            not isinstance(object_store_memory, int) or object_store_memory < 8 << 20):
+        raise ValueError(f"object_store_memory={object_store_memory!r}: a whole number of bytes, at least 8 MiB")
     runtime_env = _check_runtime_env(runtime_env)
     if num_gpus is not None:
         resources = dict(resources or {}, GPU=float(num_gpus))
@@ -345,10 +353,13 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
         if address is None and os.environ.get("TROUPE_ADDRESS"):
             address = os.environ["TROUPE_ADDRESS"]  # a job's driver, or a user's choice, as RAY_ADDRESS
         if address is None:
-            proc, run_root = _start_embedded(num_cpus, resources)
+            proc, run_root = _start_embedded(num_cpus, resources, object_store_memory)
             cluster = _read_cluster_file(run_root)
             address, token = cluster["controller_address"], cluster["token"]
         else:
+            if object_store_memory is not None:  # as Ray's: the cluster's nodes were started with theirs
+                raise ValueError("object_store_memory= applies to a cluster init() starts; when connecting to an "
+                                 "existing cluster, give it to `troupe start --object-store-memory` instead")
             root = default_run_root()
             local = local_error = None
             try:
@@ -403,10 +414,10 @@ def _use_local_node(rt, address):
         if not here:
             return
         node = min(here, key=lambda n: (not n["is_head"], n["id"]))
-        directory = rt.object_store(node["address"])[0]
+        store = rt.object_store(node["address"])
     except (OSError, TroupeError, RuntimeError):
         return  # objects stay in this machine's directory, as a process of no node's
-    _objects.use_node(directory, node["id"])
+    _objects.use_node(store["directory"], node["id"], store["spill_directory"], store["limit"])
 
 
 class _Nodes:

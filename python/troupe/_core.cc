@@ -494,15 +494,29 @@ class Runtime {
     });
   }
 
-  // (directory, objects, bytes, bulk port) of the node agent at `address`: its object directory.
-  std::tuple<std::string, uint64_t, uint64_t, uint16_t> objectStore(const std::string& address) {
-    return onLoop([this, address]() {
+  // The object store of the node agent at `address`: {directory, objects, bytes, bulk_port, limit,
+  // spill_directory, spilled_objects, spilled_bytes}.
+  py::dict objectStore(const std::string& address) {
+    auto store = onLoop([this, address]() {
       return nodeAgent(address).then([this](rpc::NodeAgent::Client agent) {
         return io_->provider->getTimer().timeoutAfter(kReadLogsDeadline, agent.objectStoreRequest().send());
       }).then([](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
-        return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes(), r.getBulkPort());
+        return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes(), r.getBulkPort(),
+                               r.getLimit(), std::string(r.getSpillDirectory().cStr()), r.getSpilledObjects(),
+                               r.getSpilledBytes());
       });
     });
+    auto& [directory, objects, bytes, bulkPort, limit, spillDirectory, spilledObjects, spilledBytes] = store;
+    py::dict out;
+    out["directory"] = directory;
+    out["objects"] = objects;
+    out["bytes"] = bytes;
+    out["bulk_port"] = bulkPort;
+    out["limit"] = limit;
+    out["spill_directory"] = spillDirectory;
+    out["spilled_objects"] = spilledObjects;
+    out["spilled_bytes"] = spilledBytes;
+    return out;
   }
 
   // The last `maxBytes` of an actor's stdout and stderr, read from its node's agent (any node).

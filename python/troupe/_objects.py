@@ -13,6 +13,20 @@ deletes what it owns; one killed with -9 leaves files that the next process of t
 open the store sweeps (their owner pid is dead). A get() of an object whose owner is gone raises
 ObjectLostError saying so.
 
+Limit and spilling, as Ray's: a node's objects may hold up to its limit of memory (`troupe
+start --object-store-memory`, default 30% of RAM; TROUPE_OBJECT_STORE_MEMORY in its workers).
+A put() that would pass it first gives back the files kept for reuse (below), then moves the
+oldest primary copies to the node's spill directory on disk (0700; TROUPE_OBJECT_SPILL_DIR),
+skipping those this process has mapped (a value of get() may be using them). A get() of a spilled
+object maps its spill file: the kernel reads it back into the page cache, and nothing is copied
+back into shared memory, so a restore never needs room in the store nor spills another object.
+A put() that cannot fit even then (larger than the limit, or everything left is in use) raises
+ObjectStoreFullError and changes nothing. Flash checkpoints keep their own segments outside the
+store. Cheap in the common case: the store is scanned only when the whole file system holds
+more than the limit. Each file is written under a temporary name and renamed when complete, so
+a spiller never copies half an object; spillers take the spill directory's lock, and a spiller
+writes the spilled copy before it deletes the one in memory, so a reader finds one of the two.
+
 Reuse: the file of a freed object (1 MB or more) that no other process could have mapped, and
 whose mappings here are all closed, is kept and written over by a later put(): its pages are
 already allocated, so that put() is one memcpy (a new file costs the kernel a zeroed page per
@@ -31,6 +45,7 @@ File: b"TOB1" | u32 count | u64 len(pickle) | u64 len(buffer) * count | pickle |
 buffer at a 64-byte aligned offset (so arrays map aligned).
 """
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -47,7 +62,7 @@ import weakref
 
 import cloudpickle
 
-from .exceptions import ObjectLostError, TroupeError
+from .exceptions import ObjectLostError, ObjectStoreFullError, TroupeError
 
 _MAGIC = b"TOB1"
 _ALIGN = 64
@@ -55,11 +70,14 @@ _MAX_BUFFERS = 1 << 20
 # Freed objects' files of at least this size are kept for reuse, up to this much per process.
 RECYCLE_MIN_BYTES = 1 << 20
 RECYCLE_MAX_BYTES = 1 << 30
+# Names of complete objects a spiller may move: put() objects and handed-over results.
+_SPILLABLE = re.compile(r"[0-9]+-h?[0-9]+-[0-9a-f]+")
+_KEPT = re.compile(r"[0-9]+-free-[0-9]+")
 
 
 _HOST = None  # (pid, host id of a process of no node given by use_node): forks read it again
-# (directory, node id) of the node a driver found it runs on (use_node); workers have theirs in
-# their environment, from their node agent.
+# (directory, node id, spill directory, limit) of the node a driver found it runs on (use_node);
+# workers have theirs in their environment, from their node agent.
 _node = None
 # How to reach other nodes' agents (set by _api): nodes.pull(node, name, path), .drop(node, name).
 nodes = None
@@ -91,16 +109,17 @@ def _is_node(host):
     return "/" not in host
 
 
-def use_node(directory, node_id):
+def use_node(directory, node_id, spill=None, limit=None):
     """A driver's objects go to the directory of the node it runs on, which that node's agent
-    serves to other nodes. Keeps the store as it is if it already owns objects."""
+    serves to other nodes, under that node's limit. Keeps the store as it is if it already owns
+    objects."""
     global _node, _store
-    if _node == (directory, node_id) or _private_dir_problem(directory) is not None:
+    if _node == (directory, node_id, spill, limit) or _private_dir_problem(directory) is not None:
         return  # a node of another user (its directory is closed to this one): objects stay here
     with _store_lock:
         if _store is not None and _store.pid == os.getpid() and _store.owned:
             return
-        _node = (directory, node_id)
+        _node = (directory, node_id, spill, limit)
         _store = None
 
 
@@ -141,6 +160,15 @@ class _Store:
             print(f"(troupe) the object directory {wanted} {problem}, not this user's with mode 0700 (another "
                   f"user made it?): this process keeps its objects in {root} instead", file=sys.stderr, flush=True)
         self.root = root
+        if _node is not None:
+            spill, limit = _node[2], _node[3]
+        else:
+            on_node = os.environ.get("TROUPE_OBJECT_DIR") and os.environ.get("TROUPE_NODE_ID")
+            spill = os.environ.get("TROUPE_OBJECT_SPILL_DIR") if on_node else None
+            limit = int(os.environ.get("TROUPE_OBJECT_STORE_MEMORY") or 0) if on_node else 0
+        self.limit = limit or default_limit(self.parent)
+        self.spill = spill or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"troupe-spill-{os.getuid()}")
+        self.spill_fd = None  # the spill directory, opened (and checked) on first use; its lock
         self.checked = {}  # another process's fallback directory -> whether it is ours and private
         self.host = host_id()
         self.pid = os.getpid()
@@ -155,17 +183,15 @@ class _Store:
 
     def sweep(self):
         """Deletes the objects of owners that died without cleaning up (kill -9)."""
-        try:
-            names = os.listdir(self.root)
-        except OSError:
-            return
-        for name in names:
-            pid = _owner_pid(name)
-            if pid and not _alive(pid):
-                try:
-                    os.unlink(os.path.join(self.root, name))
-                except OSError:
-                    pass
+        for directory in (self.root, self.spill):
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            for name in names:
+                pid = _owner_pid(name)
+                if pid and not _alive(pid):
+                    _unlink(os.path.join(directory, name))
 
     def path(self, object_id):
         """Where an object's file is: in this store's directory, or, for an id of the form
@@ -181,6 +207,22 @@ class _Store:
         if not self.checked[directory]:
             raise ObjectLostError(f"object {object_id!r} is in a directory that is not this user's")
         return os.path.join(self.parent, directory, name)
+
+    def spilled(self, object_id):
+        """Where an object's file is once spilled."""
+        return os.path.join(self.spill, object_id.rpartition("/")[2])
+
+    def open(self, object_id):
+        """The object's file, opened for reading, in memory or spilled (a spiller writes the
+        spilled copy before it deletes the other, so one of them is there unless it was freed)."""
+        try:
+            return os.open(self.path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return os.open(self.spilled(object_id), os.O_RDONLY | os.O_CLOEXEC)
+
+    def delete(self, object_id):
+        _unlink(self.path(object_id))
+        _unlink(self.spilled(object_id))
 
     def new_id(self, kind=""):
         """kind "h": a result handed over to its caller, "p": a pulled copy (node_objects.h)."""
@@ -206,25 +248,143 @@ class _Store:
             offset += pad + raw.nbytes
         object_id = self.new_id(kind)
         path = self.path(object_id)
+        temp = self.path(self.new_id("w"))  # renamed to path once complete: spillers skip it
         for attempt in range(2):
-            fd = self.reuse(offset, path)
-            if fd is None:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+            fd = self.reserve(offset, temp)
             try:
                 for start in range(0, len(parts), 512):  # IOV_MAX is 1024
                     chunk = parts[start:start + 512]
                     want = sum(memoryview(p).nbytes for p in chunk)
                     if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
                         raise OSError(errno.ENOSPC, "No space left on device")
+                os.ftruncate(fd, offset)  # a reused or reserved file may be longer
             except OSError as e:
                 os.close(fd)
-                os.unlink(path)
-                if e.errno == errno.ENOSPC and attempt == 0 and self.trim():
-                    continue  # the kept files' pages went back to the system: once more
+                os.unlink(temp)
+                if e.errno == errno.ENOSPC and attempt == 0 and (self.trim() or self.make_room(offset, offset)):
+                    continue  # kept files went back to the system, or objects to disk: once more
                 raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
                                   "(is the shared-memory file system full?)") from None
             os.close(fd)
+            os.rename(temp, path)
             return object_id, offset
+
+    def reserve(self, size, temp):
+        """Opens `temp` for an object of `size` bytes, making room for it under the limit first
+        when the store may be near it (then the file is sized at once, so that other puts count
+        it); raises ObjectStoreFullError when there is no room."""
+        if size > self.limit:
+            raise ObjectStoreFullError(
+                f"a {size}-byte object does not fit in the object store of {self.root}, whose limit is {self.limit} "
+                "bytes (troupe start --object-store-memory, init(object_store_memory=...))")
+        try:
+            vfs = os.statvfs(self.root)
+            busy = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize  # everything in the file system, ours or not
+        except OSError:
+            busy = self.limit
+        if busy + size <= self.limit:
+            return self.create(size, temp)
+        with self.spill_lock():
+            over = self.scan()[0] + size - self.limit
+            if over > 0 and self.make_room(over, size, locked=True) < over:
+                raise ObjectStoreFullError(
+                    f"a {size}-byte object does not fit in the object store of {self.root} (limit {self.limit} bytes): "
+                    "what is left there is in use or being written; free some refs, or raise the limit")
+            fd = self.create(size, temp)
+            os.ftruncate(fd, size)
+            return fd
+
+    def create(self, size, temp):
+        fd = self.reuse(size, temp)
+        if fd is None:
+            fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        return fd
+
+    def scan(self):
+        """(bytes the directory's files hold, [(mtime, name, size)] of each)."""
+        used, files = 0, []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return 0, []
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            used += st.st_size
+            files.append((st.st_mtime_ns, entry.name, st.st_size))
+        return used, files
+
+    def spill_lock(self):
+        """The spill directory's lock (flock: spillers of the node take turns)."""
+        if self.spill_fd is None:
+            try:
+                os.makedirs(self.spill, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise ObjectStoreFullError(f"cannot make the spill directory {self.spill}: {e}") from None
+            problem = _private_dir_problem(self.spill)
+            if problem is not None:
+                raise ObjectStoreFullError(f"the spill directory {self.spill} {problem}: not this user's with mode "
+                                           "0700, so no object is spilled there")
+            self.spill_fd = os.open(self.spill, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return _Flock(self.spill_fd)
+
+    def make_room(self, want, size, locked=False):
+        """Frees `want` bytes of the directory: kept files first, then the oldest spillable
+        objects this process has not mapped go to disk. Returns the bytes freed."""
+        if not locked:
+            with self.spill_lock():
+                return self.make_room(want, size, locked=True)
+        freed = 0
+        _, files = self.scan()
+        files.sort()
+        for _, name, have in files:
+            if freed < want and _KEPT.fullmatch(name):
+                _unlink(os.path.join(self.root, name))  # its process's reuse() finds it gone
+                freed += have
+        with self.lock:
+            mapped = {object_id.rpartition("/")[2] for object_id in self.maps}
+        for _, name, have in files:
+            if freed >= want:
+                break
+            if _SPILLABLE.fullmatch(name) and name not in mapped:
+                freed += self.spill_one(name)
+        return freed
+
+    def spill_one(self, name):
+        """Moves one object to the spill directory (the spill lock held); returns its size, 0 if
+        it went meanwhile."""
+        source, target = os.path.join(self.root, name), os.path.join(self.spill, name)
+        temp = f"{target}.{self.pid}.tmp"
+        try:
+            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0
+        try:
+            size = os.fstat(src).st_size
+            dst = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+            try:
+                done = 0
+                while done < size:
+                    sent = os.sendfile(dst, src, done, min(size - done, 1 << 30))
+                    if sent == 0:
+                        break
+                    done += sent
+            except OSError as e:
+                os.close(dst)
+                _unlink(temp)
+                raise ObjectStoreFullError(f"cannot spill object {name} to {self.spill}: {e}") from None
+            os.close(dst)
+        finally:
+            os.close(src)
+        os.rename(temp, target)
+        try:
+            os.unlink(source)
+        except FileNotFoundError:
+            _unlink(target)  # its owner freed it while it was copied
+            return 0
+        return size
 
     def trim(self):
         """Deletes the files kept for reuse (the machine is short of shared memory); True if any."""
@@ -248,9 +408,7 @@ class _Store:
             self.free_bytes -= have
         try:
             os.rename(old, path)
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            os.ftruncate(fd, size)
-            return fd
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except OSError:
             return None
 
@@ -264,12 +422,13 @@ class _Store:
             try:
                 mm.close()
             except BufferError:  # a value from get() still uses it
-                _unlink(path)
+                self.delete(object_id)
                 return
         try:
             size = os.stat(path).st_size
             vfs = os.statvfs(self.root)
         except OSError:
+            self.delete(object_id)  # spilled, or being spilled (the spiller then deletes its copy)
             return
         room = vfs.f_bavail * vfs.f_frsize  # the kept files are not in it: they are allocated
         with self.lock:
@@ -329,7 +488,7 @@ class _Store:
     def map(self, object_id):
         """The value of a file another process of this host wrote for this one (call arguments)."""
         try:
-            fd = os.open(self.path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.open(object_id)
         except FileNotFoundError:
             raise ObjectLostError(f"call arguments passed in shared memory ({object_id}) are gone: the caller "
                                   "is on another host, or ended") from None
@@ -341,14 +500,13 @@ class _Store:
 
     def unlink(self, object_ids):
         for object_id in object_ids:
-            _unlink(self.path(object_id))
+            self.delete(object_id)
 
     def take(self, object_id):
         """The value of a handed-off object, which this process now holds alone: the file is
         mapped, then unlinked (the mapping lives as long as the value's arrays)."""
-        path = self.path(object_id)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.open(object_id)
         except FileNotFoundError:
             raise ObjectLostError(f"a result handed over in shared memory ({object_id}) is gone") from None
         try:
@@ -356,7 +514,7 @@ class _Store:
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
         finally:
             os.close(fd)
-            os.unlink(path)
+            self.delete(object_id)
         if mm is None:
             raise ObjectLostError(f"a result handed over in shared memory ({object_id}) is empty")
         return _decode(memoryview(mm), object_id)
@@ -365,14 +523,11 @@ class _Store:
         if host != self.host:
             return self.pull(object_id, host)
         if owner != self.pid and not _alive(owner):  # its file may be left (kill -9): it is lost all the same
-            try:
-                os.unlink(self.path(object_id))
-            except OSError:
-                pass
+            self.delete(object_id)
             raise ObjectLostError(f"object {object_id} is lost: its owner (pid {owner}) died, and its objects "
                                   "with it")
         try:
-            fd = os.open(self.path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.open(object_id)
         except FileNotFoundError:
             if not _alive(owner):
                 raise ObjectLostError(f"object {object_id} is lost: its owner (pid {owner}) died, and its objects "
@@ -421,14 +576,39 @@ class _Store:
             free, self.free, self.free_bytes = self.free, [], 0
             self.maps.clear()
         for object_id in owned:
-            _unlink(self.path(object_id))
+            self.delete(object_id)
         for _, path in free:
             _unlink(path)
+        if self.spill_fd is not None:
+            os.close(self.spill_fd)
+            self.spill_fd = None
         if self.fallback:
             try:
                 os.rmdir(self.fallback)  # left if another process's handed-off file is still in it
             except OSError:
                 pass
+
+
+class _Flock:
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def default_limit(directory):
+    """Ray's default: 30% of the machine's memory, at most what the file system holds."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 10
+    try:
+        vfs = os.statvfs(directory)
+        limit = min(limit, vfs.f_blocks * vfs.f_frsize)
+    except OSError:
+        pass
+    return limit
 
 
 def _pickle(value):

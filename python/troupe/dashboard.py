@@ -262,9 +262,13 @@ NODE_COUNTERS = {
     "troupe_checkpoint_persist_seconds_total": "Time persisting took (in the background).",
     "troupe_object_store_objects": "Objects (files) in the node's object directory.",
     "troupe_object_store_bytes": "Bytes the node's object directory holds.",
+    "troupe_object_store_limit_bytes": "Bytes the node's objects may hold in memory before they spill to disk.",
+    "troupe_object_store_spilled_objects": "Objects spilled to the node's spill directory.",
+    "troupe_object_store_spilled_bytes": "Bytes the node's spill directory holds.",
 }
 # Of those, the node's own gauges (labelled with the node only).
-NODE_GAUGES = frozenset(["troupe_object_store_objects", "troupe_object_store_bytes"])
+NODE_GAUGES = frozenset(["troupe_object_store_objects", "troupe_object_store_bytes", "troupe_object_store_limit_bytes",
+                         "troupe_object_store_spilled_objects", "troupe_object_store_spilled_bytes"])
 
 
 def _node_families(samples):

@@ -124,6 +124,11 @@ class ObjectLostError(TroupeError):
     """An object cannot be read: its owner died or freed it, or it lives on another host."""
 
 
+class ObjectStoreFullError(ResourceExhaustedError):
+    """A put() (or a result, or an argument) does not fit in its node's object store, even after
+    spilling what could be spilled (Ray's ObjectStoreFullError)."""
+
+
 class WorkerCrashedError(TroupeError):
     """The worker running a task died (and the task's retries are spent); the message says why."""
 

@@ -186,8 +186,10 @@ interface NodeAgent {
   # The counters of this node's running workers (troupe/runtime/metrics.h), each labelled with
   # its node, actor and class, read live for the head's /metrics.
   metrics @4 () -> (samples :List(MetricSample));
-  # This node's object directory (where its processes put() objects) and what it holds now.
-  objectStore @5 () -> (directory :Text, objects :UInt64, bytes :UInt64, bulkPort :UInt16);
+  # This node's object directory (where its processes put() objects) and what it holds now; its
+  # limit in bytes, past which objects are spilled to spillDirectory (on disk), and what that holds.
+  objectStore @5 () -> (directory :Text, objects :UInt64, bytes :UInt64, bulkPort :UInt16,
+                        limit :UInt64, spillDirectory :Text, spilledObjects :UInt64, spilledBytes :UInt64);
   # Up to `length` bytes (at most 16 MiB) of object `name` in this node's directory from
   # `offset`, and the object's whole size: another node pulls an object in such chunks, or takes
   # the rest of a larger one in one stream from the agent's bulk port (node_objects.h).

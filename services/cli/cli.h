@@ -26,6 +26,7 @@ struct StartFlags {
   std::string clusterName = "default";
   double numCpus = -1;
   std::string resources;
+  uint64_t objectStoreMemory = 0;  // --object-store-memory (0: 30% of RAM)
   std::string nodeIp;           // "": loopback on a head, the route to the head when joining
   int heartbeatTtlMs = 3000;
   bool block = false;

@@ -13,6 +13,7 @@
 
 #include "cli.h"
 #include "../head_supervisor.h"
+#include "../node_objects.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/resources.h"
@@ -96,6 +97,7 @@ std::vector<std::string> nodeArgs(const StartFlags& f, const std::string& runDir
   if (f.head) argv.push_back("--head");
   if (f.numCpus >= 0) argv.insert(argv.end(), {"--num-cpus", fmt::format("{}", f.numCpus)});
   if (!f.resources.empty()) argv.insert(argv.end(), {"--resources", f.resources});
+  if (f.objectStoreMemory > 0) argv.insert(argv.end(), {"--object-store-memory", fmt::format("{}", f.objectStoreMemory)});
   return argv;
 }
 
@@ -380,6 +382,11 @@ int startCommand(const StartFlags& flags) {
   if (flags.numCpus != -1 && !(std::isfinite(flags.numCpus) && flags.numCpus >= 0 && flags.numCpus <= 1e18)) {
     return fail(Status(StatusCode::kInvalidArgument,
                        fmt::format("--num-cpus {} is not a finite number in [0, 1e18]", flags.numCpus)));
+  }
+  if (flags.objectStoreMemory != 0 && flags.objectStoreMemory < NodeObjects::kMinLimit) {
+    return fail(Status(StatusCode::kInvalidArgument,
+                       fmt::format("--object-store-memory {} is below the smallest store, {} bytes",
+                                   flags.objectStoreMemory, NodeObjects::kMinLimit)));
   }
   // Ctrl-C or SIGTERM during start-up must still run the clean-up that kills half-started
   // daemons, so those signals are held pending and checked while waiting (children unblock them).

@@ -115,6 +115,9 @@ std::string dashboardUrl(const std::string& runDir) {
 struct StoreUsage {
   uint64_t objects = 0;
   uint64_t bytes = 0;
+  uint64_t limit = 0;
+  uint64_t spilledObjects = 0;
+  uint64_t spilledBytes = 0;
 };
 std::map<std::string, StoreUsage> objectStores(kj::AsyncIoContext& io, const ClusterTarget& target,
                                                const std::vector<NodeRecord>& nodes) {
@@ -129,7 +132,7 @@ std::map<std::string, StoreUsage> objectStores(kj::AsyncIoContext& io, const Clu
                      return client->bootstrap<rpc::NodeAgent>().objectStoreRequest().send().attach(kj::mv(client));
                    })
                    .then([&out, id = n.id.hex()](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
-                     out[id] = StoreUsage{r.getObjects(), r.getBytes()};
+                     out[id] = StoreUsage{r.getObjects(), r.getBytes(), r.getLimit(), r.getSpilledObjects(), r.getSpilledBytes()};
                    });
     asks.add(io.provider->getTimer().timeoutAfter(kStoreDeadline, kj::mv(ask)).catch_([](kj::Exception&&) {}));
   }
@@ -172,7 +175,12 @@ int statusCommand(const StatusFlags& flags) {
     for (const auto& n : *nodes) {
       auto node = toJson(n);
       if (auto it = stores.find(n.id.hex()); it != stores.end()) {
-        node["object_store"] = {{"objects", it->second.objects}, {"bytes", it->second.bytes}};
+        const auto& u = it->second;
+        node["object_store"] = {{"objects", u.objects},
+                                {"bytes", u.bytes},
+                                {"limit", u.limit},
+                                {"spilled_objects", u.spilledObjects},
+                                {"spilled_bytes", u.spilledBytes}};
       }
       out["nodes"].push_back(node);
     }
@@ -203,8 +211,11 @@ int statusCommand(const StatusFlags& flags) {
                              n.pid, nodeStateName(n.state), ago(n.lastHeartbeatMs), res);
     if (n.state == NodeState::kDead) std::cout << "    died: " << displayText(n.deathReason) << "\n";
     if (auto it = stores.find(n.id.hex()); it != stores.end()) {
-      std::cout << fmt::format("    objects: {} in {:.1f} MiB\n", it->second.objects,
-                               static_cast<double>(it->second.bytes) / (1 << 20));
+      const auto& u = it->second;
+      constexpr double kMiB = 1 << 20;
+      std::cout << fmt::format("    objects: {} in {:.1f} of {:.1f} MiB; spilled: {} in {:.1f} MiB\n", u.objects,
+                               static_cast<double>(u.bytes) / kMiB, static_cast<double>(u.limit) / kMiB,
+                               u.spilledObjects, static_cast<double>(u.spilledBytes) / kMiB);
     }
   }
   std::string counts;

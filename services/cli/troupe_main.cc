@@ -61,6 +61,9 @@ int main(int argc, char** argv) {
   startCmd->add_option("--num-cpus", start.numCpus, "CPUs this node offers (default: detected)")
       ->check(CLI::NonNegativeNumber);
   startCmd->add_option("--resources", start.resources, "Custom resources NAME=QTY,...");
+  startCmd->add_option("--object-store-memory", start.objectStoreMemory,
+                       "Bytes of shared memory this node's objects may use before they spill to disk (default: 30% "
+                       "of RAM)");
   startCmd->add_option("--node-ip-address", start.nodeIp, "Address this machine's servers bind and advertise (default: 127.0.0.1 on a head; when joining, this machine's address on the route to the head)");
   startCmd->add_option("--heartbeat-ttl-ms", start.heartbeatTtlMs, "A node silent this long is dead (head)")
       ->check(CLI::Range(300, 600000));

@@ -131,7 +131,8 @@ def test_the_object_bulk_port_serves_nobody_without_the_token():
         ref = troupe.put(b"secret-object-bytes" * 100_000)
         head = [n for n in troupe.nodes() if n["is_head"]][0]
         host = head["address"].rpartition(":")[0]
-        directory, objects, size, port = rt.object_store(head["address"])
+        store = rt.object_store(head["address"])
+        directory, port = store["directory"], store["bulk_port"]
         assert port > 0 and objects >= 1
 
         def talk(hello, then=b""):
@@ -160,7 +161,7 @@ def test_the_object_bulk_port_serves_nobody_without_the_token():
         request = (8).to_bytes(4, "little") + b"anything" + (0).to_bytes(8, "little") + (1 << 20).to_bytes(8, "little")
         assert b"secret" not in talk(request)
         # The agent still serves its directory.
-        assert rt.object_store(head["address"])[1] >= 1
+        assert rt.object_store(head["address"])["objects"] >= 1
         assert troupe.get(ref)[:6] == b"secret"
         print("BULK OK")
     """)

@@ -93,7 +93,9 @@ def test_ctrl_c_interrupts_a_get_waiting_on_a_pending_actor():
 
 
 def test_init_refuses_what_it_cannot_honour():
-    with pytest.raises(TypeError, match="does not support \\['object_store_memory'\\]"):
+    with pytest.raises(TypeError, match="does not support \\['_system_config'\\]"):
+        troupe.init(_system_config={})
+    with pytest.raises(ValueError, match="at least 8 MiB"):
         troupe.init(object_store_memory=10)
     with pytest.raises(ValueError, match="runtime_env keys \\['pip'\\]"):
         troupe.init(runtime_env={"pip": ["requests"]})
