@@ -133,7 +133,7 @@ def test_the_object_bulk_port_serves_nobody_without_the_token():
         host = head["address"].rpartition(":")[0]
         store = rt.object_store(head["address"])
         directory, port = store["directory"], store["bulk_port"]
-        assert port > 0 and objects >= 1
+        assert port > 0 and store["objects"] >= 1
 
         def talk(hello, then=b""):
             with socket.create_connection((host, port), timeout=5) as s:
