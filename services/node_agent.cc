@@ -145,6 +145,37 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> holdObject(HoldObjectContext context) override {
+    auto p = context.getParams();
+    Status held = agent_.objects().hold(p.getName().cStr(), p.getHolder().cStr(), p.getLanded().cStr());
+    if (!held.isOk()) throwStatus(held);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> lendObject(LendObjectContext context) override {
+    auto p = context.getParams();
+    Status lent = agent_.objects().lend(p.getName().cStr(), p.getHolder().cStr(), p.getToken().cStr());
+    if (!lent.isOk()) throwStatus(lent);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> releaseObject(ReleaseObjectContext context) override {
+    auto p = context.getParams();
+    Status released = agent_.objects().release(p.getName().cStr(), p.getHolder().cStr());
+    if (!released.isOk()) throwStatus(released);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> processesAlive(ProcessesAliveContext context) override {
+    std::vector<int32_t> alive;
+    for (int32_t pid : context.getParams().getPids()) {
+      if (pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM)) alive.push_back(pid);
+    }
+    auto out = context.getResults().initAlive(alive.size());
+    for (size_t i = 0; i < alive.size(); ++i) out.set(i, alive[i]);
+    return kj::READY_NOW;
+  }
+
   kj::Promise<void> dropObject(DropObjectContext context) override {
     auto dropped = agent_.objects().drop(context.getParams().getName().cStr());
     if (!dropped.isOk()) throwStatus(dropped);
@@ -339,6 +370,7 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
       .then([agent = kj::mv(agent)](Status status) mutable {
         if (!status.isOk()) throwStatus(status);
         agent->startLogPump();
+        agent->tasks_->add(agent->sweepHolds());
         TROUPE_LOG(kInfo, "node {} registered; serving on {}:{}", agent->options_.id.hex(), agent->options_.ip,
                    agent->server_->port());
         return kj::mv(agent);
@@ -658,6 +690,50 @@ uint64_t byteLimit(const char* name, uint64_t fallback) {
 }
 
 }  // namespace
+
+kj::Promise<void> NodeAgent::sweepHolds() {
+  constexpr kj::Duration kEvery = 1 * kj::SECONDS;
+  auto& timer = io_.provider->getTimer();
+  return timer.afterDelay(kEvery).then([this, &timer]() -> kj::Promise<void> {
+    auto remote = objects_.remoteHolders();
+    if (remote.empty()) {
+      objects_.sweep({});
+      return kj::READY_NOW;
+    }
+    auto state = state_;
+    return ioThread_.call([state]() { return state->store->listNodes(); })
+        .then([this, &timer, remote = kj::mv(remote)](Result<std::vector<NodeRecord>> nodes) -> kj::Promise<void> {
+          if (!nodes.isOk()) return kj::READY_NOW;  // nothing known of the others: next time
+          auto liveness = kj::heap<NodeObjects::RemoteLiveness>();
+          kj::Vector<kj::Promise<void>> asks;
+          for (const auto& [node, pids] : remote) {
+            auto record = std::find_if(nodes->begin(), nodes->end(), [&](const NodeRecord& n) { return n.id.hex() == node; });
+            auto hp = record == nodes->end() ? Result<HostPort>(Status(StatusCode::kNotFound, "")) : parseHostPort(record->address);
+            if (record == nodes->end() || record->state == NodeState::kDead || !hp.isOk()) {
+              liveness->dead.insert(node);
+              continue;
+            }
+            auto ask = RpcClient::connect(io_, *hp, options_.token, kEvery)
+                           .then([pids = pids](kj::Own<RpcClient> client) {
+                             auto request = client->bootstrap<rpc::NodeAgent>().processesAliveRequest();
+                             auto list = request.initPids(pids.size());
+                             size_t i = 0;
+                             for (int pid : pids) list.set(i++, pid);
+                             return request.send().attach(kj::mv(client));
+                           })
+                           .then([&known = liveness->alive, node = node](
+                                     capnp::Response<rpc::NodeAgent::ProcessesAliveResults> r) {
+                             auto& alive = known[node];  // made even when none is alive
+                             for (int32_t pid : r.getAlive()) alive.insert(pid);
+                           });
+            asks.add(timer.timeoutAfter(2 * kEvery, kj::mv(ask)).catch_([](kj::Exception&&) {}));  // unknown: kept
+          }
+          return kj::joinPromises(asks.releaseAsArray()).then([this, liveness = kj::mv(liveness)]() {
+            objects_.sweep(*liveness);
+          });
+        });
+  }).then([this]() { return sweepHolds(); });
+}
 
 void NodeAgent::startLogPump() {
   logPump_ = std::make_unique<LogPump>(LogPumpOptions{options_.runDir + "/logs",

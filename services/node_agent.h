@@ -101,6 +101,9 @@ class NodeAgent {
   kj::Promise<void> reportExit(ActorId id, uint32_t incarnation, int status, int attempt);
   kj::Promise<rpc::Controller::Client> controller();
   void startLogPump();
+  // Every second: drops the holds of processes that are gone (asking other nodes' agents about
+  // theirs) and deletes the objects whose last holder went (NodeObjects::sweep).
+  kj::Promise<void> sweepHolds();
 
   kj::AsyncIoContext& io_;
   IoThread& ioThread_;

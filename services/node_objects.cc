@@ -52,6 +52,27 @@ bool handedOver(std::string_view name) {
   return ownerOf(name) > 0 && name.substr(name.find('-') + 1).rfind("h", 0) == 0;
 }
 
+bool allOf(std::string_view text, size_t most, bool (*ok)(char)) {
+  if (text.empty() || text.size() > most) return false;
+  for (char c : text) {
+    if (!ok(c)) return false;
+  }
+  return true;
+}
+bool isDigit(char c) { return c >= '0' && c <= '9'; }
+bool isHex(char c) { return isDigit(c) || (c >= 'a' && c <= 'f'); }
+
+// "<pid>", "<node hex>.<pid>" or "x<hex>.<pid>" (node_objects.h).
+bool validHolder(std::string_view holder) {
+  size_t dot = holder.find('.');
+  if (dot == std::string_view::npos) return allOf(holder, 10, isDigit);
+  std::string_view where = holder.substr(0, dot);
+  if (!where.empty() && where[0] == 'x') where.remove_prefix(1);
+  return allOf(where, 64, isHex) && allOf(holder.substr(dot + 1), 10, isDigit);
+}
+
+bool pidAlive(long pid) { return pid > 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM); }
+
 void removeTree(const std::string& directory) {
   std::error_code ec;
   fs::remove_all(directory, ec);
@@ -134,6 +155,8 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
     TROUPE_RETURN_IF_ERROR(makePrivateDirectory(dir));
   }
   objects.spill_ = runDir + "/spill/" + node.hex();
+  objects.refs_ = objects.directory_ + "/.refs";
+  TROUPE_RETURN_IF_ERROR(makePrivateDirectory(objects.refs_));
   objects.record_ = runDir + "/objects/" + node.hex();
   auto out = openRegularFile(objects.record_, O_WRONLY | O_CREAT | O_TRUNC);
   if (!out.isOk()) return out.status();
@@ -147,6 +170,7 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
 NodeObjects::NodeObjects(NodeObjects&& other) noexcept
     : directory_(std::exchange(other.directory_, {})),
       spill_(std::exchange(other.spill_, {})),
+      refs_(std::exchange(other.refs_, {})),
       limit_(other.limit_),
       record_(std::exchange(other.record_, {})) {}
 
@@ -154,6 +178,7 @@ NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
   // What this held goes with `other` (its destructor removes it); only an empty one is assigned to.
   std::swap(directory_, other.directory_);
   std::swap(spill_, other.spill_);
+  std::swap(refs_, other.refs_);
   std::swap(limit_, other.limit_);
   std::swap(record_, other.record_);
   return *this;
@@ -299,6 +324,115 @@ Status NodeObjects::drop(std::string_view name) const {
     }
   }
   return Status::ok();
+}
+
+namespace {
+
+Status badHold(std::string_view what) {
+  return Status(StatusCode::kInvalidArgument, fmt::format("malformed hold: {}", what));
+}
+
+// Makes `path` (a holder's file); kNotFound when its directory is gone (the object was freed).
+Status touch(const std::string& path, std::string_view name) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd >= 0) {
+    ::close(fd);
+    return Status::ok();
+  }
+  if (errno == ENOENT) {
+    return Status(StatusCode::kNotFound, fmt::format("object {} was freed: no ref to it was left", name));
+  }
+  return Status(StatusCode::kUnavailable, fmt::format("cannot record a hold of object {}: {}", name, std::strerror(errno)));
+}
+
+}  // namespace
+
+Status NodeObjects::hold(std::string_view name, std::string_view holder, std::string_view landed) const {
+  if (!validName(name) || !validHolder(holder)) return badHold(holder);
+  std::string dir = refs_ + "/" + std::string(name);
+  TROUPE_RETURN_IF_ERROR(touch(dir + "/" + std::string(holder), name));
+  if (!landed.empty()) {
+    size_t colon = landed.find(':');
+    if (colon == std::string_view::npos || !validHolder(landed.substr(0, colon)) ||
+        !allOf(landed.substr(colon + 1), 32, isHex)) {
+      return badHold(landed);
+    }
+    ::unlink((dir + "/" + std::string(landed)).c_str());
+  }
+  return Status::ok();
+}
+
+Status NodeObjects::lend(std::string_view name, std::string_view holder, std::string_view token) const {
+  if (!validName(name) || !validHolder(holder) || !allOf(token, 32, isHex)) return badHold(token);
+  std::string dir = refs_ + "/" + std::string(name);
+  struct stat st {};
+  if (::stat((dir + "/" + std::string(holder)).c_str(), &st) != 0) {  // only what it holds
+    return Status(StatusCode::kNotFound, fmt::format("object {} is not held by {}: freed, or never lent to it", name, holder));
+  }
+  return touch(fmt::format("{}/{}:{}", dir, holder, token), name);
+}
+
+Status NodeObjects::release(std::string_view name, std::string_view holder) const {
+  size_t colon = holder.find(':');  // a holder, or one of its in-flight records
+  if (!validName(name) || !validHolder(holder.substr(0, colon)) ||
+      (colon != std::string_view::npos && !allOf(holder.substr(colon + 1), 32, isHex))) {
+    return badHold(holder);
+  }
+  std::string dir = refs_ + "/" + std::string(name);
+  ::unlink((dir + "/" + std::string(holder)).c_str());
+  if (::rmdir(dir.c_str()) == 0) {  // the last holder: the object goes
+    ::unlink((directory_ + "/" + std::string(name)).c_str());
+    ::unlink((spill_ + "/" + std::string(name)).c_str());
+  }
+  return Status::ok();
+}
+
+std::map<std::string, std::set<int>> NodeObjects::remoteHolders() const {
+  std::map<std::string, std::set<int>> out;
+  std::error_code ec;
+  for (const auto& object : fs::directory_iterator(refs_, ec)) {
+    std::error_code inner;
+    for (const auto& file : fs::directory_iterator(object.path(), inner)) {
+      std::string holder = file.path().filename().string();
+      holder = holder.substr(0, holder.find(':'));
+      size_t dot = holder.find('.');
+      if (dot == std::string::npos || holder[0] == 'x' || !validHolder(holder)) continue;
+      out[holder.substr(0, dot)].insert(std::atoi(holder.c_str() + dot + 1));
+    }
+  }
+  return out;
+}
+
+void NodeObjects::sweep(const RemoteLiveness& remote) const {
+  std::error_code ec;
+  for (const auto& object : fs::directory_iterator(refs_, ec)) {
+    const std::string name = object.path().filename().string();
+    if (name[0] == '.') continue;  // a first holder's directory, before it is renamed into place
+    const std::string path = directory_ + "/" + name, spilled = spill_ + "/" + name;
+    struct stat st {};
+    // Its owner died (the object is lost), or it is gone already (its owner exited): holds go.
+    bool gone = !pidAlive(ownerOf(name)) || (::stat(path.c_str(), &st) != 0 && ::stat(spilled.c_str(), &st) != 0);
+    std::error_code inner;
+    for (const auto& file : fs::directory_iterator(object.path(), inner)) {
+      std::string holder = file.path().filename().string();
+      holder = holder.substr(0, holder.find(':'));
+      size_t dot = holder.find('.');
+      bool dead = gone || !validHolder(holder);
+      if (!dead && dot == std::string::npos) {
+        dead = !pidAlive(std::atol(holder.c_str()));
+      } else if (!dead && holder[0] != 'x') {  // a process of no node is kept until it releases
+        std::string node = holder.substr(0, dot);
+        auto alive = remote.alive.find(node);
+        dead = remote.dead.count(node) > 0 ||
+               (alive != remote.alive.end() && alive->second.count(std::atoi(holder.c_str() + dot + 1)) == 0);
+      }
+      if (dead) ::unlink(file.path().c_str());
+    }
+    if (::rmdir(object.path().c_str()) == 0) {
+      ::unlink(path.c_str());
+      ::unlink(spilled.c_str());
+    }
+  }
 }
 
 void removeRecordedObjectDirectories(const std::string& runDir) {

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -77,9 +79,38 @@ class NodeObjects {
   // Whether `name` could name an object file: what a peer may ask for (no path, no dot file).
   static bool validName(std::string_view name);
 
+  // Holds: who else has refs to an object (the borrower protocol of python/troupe/_objects.py).
+  // <directory>/.refs/<name>/ exists once the owner has lent a ref, with one file per holder:
+  // "<pid>" (a process of this node: the owner while it keeps refs, and borrowers), "<node>.<pid>"
+  // (a process of another node), "x<id>.<pid>" (a process of no node), and "<holder>:<token>"
+  // for a ref that holder sent that nobody has received yet. The holder that removes the last
+  // file removes the directory (rmdir: exactly one does) and the object with it.
+  //
+  // The calls of holders of other nodes, which cannot reach the files. hold: the holder received
+  // a ref (its file is made, then the in-flight file `landed` removed); lend: it sends one on
+  // (the in-flight file <holder>:<token>); release: it dropped its last ref (or, named
+  // <holder>:<token>, a value that held a ref sent in it is gone). kNotFound: the object
+  // is freed; kInvalidArgument: a malformed name, holder or token.
+  Status hold(std::string_view name, std::string_view holder, std::string_view landed) const;
+  Status lend(std::string_view name, std::string_view holder, std::string_view token) const;
+  Status release(std::string_view name, std::string_view holder) const;
+
+  // The pids holding refs here, by the id of their node (other nodes only).
+  std::map<std::string, std::set<int>> remoteHolders() const;
+  // What is known of other nodes' processes: the pids alive on nodes that answered, and the
+  // nodes that are dead. A holder of a node in neither is kept.
+  struct RemoteLiveness {
+    std::map<std::string, std::set<int>> alive;
+    std::set<std::string> dead;
+  };
+  // Removes the files of holders that are gone (a dead pid of this node, a process another node
+  // says is gone, a dead node), and each object whose last holder went or whose owner died.
+  void sweep(const RemoteLiveness& remote) const;
+
  private:
   std::string directory_;
   std::string spill_;
+  std::string refs_;  // <directory>/.refs
   uint64_t limit_ = 0;
   std::string record_;  // <runDir>/objects/<id>
 };

@@ -5,6 +5,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -456,6 +457,13 @@ class _Nodes:
 
     def drop(self, node_id, name):
         runtime_call(runtime().drop_object, self._address(node_id), name)
+
+    def hold(self, node_id, op, name, holder, extra):
+        """A hold on an object of another node (troupe._objects: holds)."""
+        try:
+            runtime_call(runtime().hold_object, self._address(node_id), op, name, holder, extra)
+        except NotFoundError as e:
+            raise ObjectLostError(str(e)) from None
 
 
 _objects.nodes = _Nodes()
@@ -1001,7 +1009,8 @@ class ActorMethod:
             if h._is_python:
                 a, k = _top_level_args(args, kwargs)
                 plain = _serialization._plain(a) and _serialization._plain(k)
-                payload = _serialization.dumps_call((a, k, _objects.host_id()), plain, files)
+                with _keeping(ref):
+                    payload = _serialization.dumps_call((a, k, _objects.host_id()), plain, files)
             else:
                 payload = args[0] if args else b""
                 if isinstance(payload, str):
@@ -1103,6 +1112,17 @@ class _Pending(Exception):
 
 
 _deferring = threading.local()  # .on: this thread's .remote() defers on a pending ref
+_lending = threading.local()  # .keep: the put() refs this thread's call arguments pickled
+
+
+@contextlib.contextmanager
+def _keeping(ref):
+    """Keeps the put() refs pickled into a call's arguments on the call's ref until it is over."""
+    _lending.keep = []
+    try:
+        yield
+    finally:
+        ref._keep, _lending.keep = _lending.keep or None, None
 
 
 def _submit(key, ref, send):
@@ -1184,7 +1204,7 @@ _deferred = _Deferred()
 class ObjectRef:
     """The future result of an actor call or task; also what troupe.put() returns."""
 
-    __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "_files", "__weakref__")
+    __slots__ = ("_ref", "_handle", "_method", "_value", "_done", "_retry", "_files", "_keep", "__weakref__")
 
     def __init__(self, ref: int | None, handle: ActorHandle | None, method: str, retry: Any = None) -> None:
         self._ref = ref
@@ -1194,6 +1214,7 @@ class ObjectRef:
         self._value = None
         self._retry = retry
         self._files = None  # shared-memory files holding the call's arguments, deleted once it is over
+        self._keep = None  # the put() refs among its arguments, kept until it is over (a retry sends them again)
 
     def _root(self):
         """The call this ref waits for (itself, or the call whose result it is part of)."""
@@ -1232,6 +1253,7 @@ class ObjectRef:
             self._retry.finished()
         if self._files:
             _objects.store().unlink(self._files)
+        self._keep = None
 
     def _ready(self):
         return self._done
@@ -1310,16 +1332,29 @@ class _ItemRef(ObjectRef):
 class _StoredRef(ObjectRef):
     """An object in this machine's shared-memory store (troupe.put, or a ref passed by value)."""
 
-    __slots__ = ("_object_id", "_host", "_owner", "_size", "_counted", "_cluster")
+    __slots__ = ("_object_id", "_host", "_owner", "_size", "_counted", "_borrowed", "_cluster")
 
     def __init__(self, object_id, host, owner, size, counted, cluster=None):
         super().__init__(None, None, "put")
         self._object_id, self._host, self._owner, self._size = object_id, host, owner, size
-        self._counted = counted
+        self._counted = counted  # one of its owner's refs
+        self._borrowed = False  # one of a borrower's refs (counted in troupe._objects)
         self._cluster = cluster  # _cluster_tag() of the process that put it
         self._done = True
         if counted:
             _objects.store().ref_added(object_id)
+
+    @classmethod
+    def _arrive(cls, object_id, host, owner, size, cluster, lent):
+        """A ref sent by another process (see _objects: holds)."""
+        ref = cls(object_id, host, owner, size, False, cluster)
+        if lent is None:
+            return ref  # an object not held: it lives until its owner exits
+        if _objects.store().hold(object_id, host, lent):
+            ref._borrowed = True
+        else:
+            ref._counted = True  # back at its owner, which hold() counted
+        return ref
 
     @classmethod
     def _from_value(cls, value):
@@ -1340,16 +1375,20 @@ class _StoredRef(ObjectRef):
             return e
 
     def __reduce__(self):
-        if self._counted:
-            _objects.store().lent(self._object_id)
-        return _StoredRef, (self._object_id, self._host, self._owner, self._size, False, self._cluster)
+        lent = _objects.store().lend(self._object_id, self._host)
+        keep = getattr(_lending, "keep", None)
+        if keep is not None:
+            keep.append(self)
+        return _StoredRef._arrive, (self._object_id, self._host, self._owner, self._size, self._cluster, lent)
 
     def __del__(self):
-        if self._counted:
-            try:
+        try:
+            if self._counted:
                 _objects.store().ref_dropped(self._object_id)
-            except Exception:
-                pass
+            elif self._borrowed:
+                _objects.store().unhold(self._object_id, self._host)
+        except Exception:
+            pass
 
     def hex(self):
         return self._object_id

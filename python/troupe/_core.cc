@@ -494,6 +494,35 @@ class Runtime {
     });
   }
 
+  // The holds of the agent at `address` on one of its objects (NodeObjects::hold, lend,
+  // release): `op` is "hold" (extra: the in-flight record received), "lend" (extra: its token)
+  // or "release".
+  void holdObject(const std::string& address, const std::string& op, const std::string& name,
+                  const std::string& holder, const std::string& extra) {
+    onLoop([this, address, op, name, holder, extra]() {
+      return nodeAgent(address).then([op, name, holder, extra](rpc::NodeAgent::Client agent) -> kj::Promise<void> {
+        if (op == "hold") {
+          auto request = agent.holdObjectRequest();
+          request.setName(name);
+          request.setHolder(holder);
+          request.setLanded(extra);
+          return request.send().ignoreResult();
+        }
+        if (op == "lend") {
+          auto request = agent.lendObjectRequest();
+          request.setName(name);
+          request.setHolder(holder);
+          request.setToken(extra);
+          return request.send().ignoreResult();
+        }
+        auto request = agent.releaseObjectRequest();
+        request.setName(name);
+        request.setHolder(holder);
+        return request.send().ignoreResult();
+      });
+    });
+  }
+
   // The object store of the node agent at `address`: {directory, objects, bytes, bulk_port, limit,
   // spill_directory, spilled_objects, spilled_bytes}.
   py::dict objectStore(const std::string& address) {
@@ -1057,6 +1086,7 @@ PYBIND11_MODULE(_core, m) {
       .def("read_logs", &Runtime::readLogs)
       .def("pull_object", &Runtime::pullObject)
       .def("drop_object", &Runtime::dropObject)
+      .def("hold_object", &Runtime::holdObject)
       .def("object_store", &Runtime::objectStore)
       .def("node_metrics", &Runtime::nodeMetrics)
       .def("nodes", &Runtime::nodes)

@@ -7,11 +7,20 @@ is one copy, written with writev straight from the pickle-5 buffers. No daemon o
 so nothing has to be started, and an object's lifetime is its owner's (below).
 
 Ownership, as Ray's: the process that put an object owns it. The owner counts its own refs and
-deletes the object when the last one is gone, unless a ref was passed to another process (then
-the object lives until the owner exits: borrowers do not report back). An owner that exits
-deletes what it owns; one killed with -9 leaves files that the next process of the machine to
-open the store sweeps (their owner pid is dead). A get() of an object whose owner is gone raises
-ObjectLostError saying so.
+deletes the object when the last one is gone. Once it sends a ref to another process (as an
+argument, in a result, inside another value), the object is held as Ray's borrowers hold it:
+<directory>/.refs/<name>/ holds one file per process that has refs to it (services/
+node_objects.h, "Holds"), and one per ref sent and not yet received; each process counts its own
+refs and removes its file when its last one goes, and the one that leaves the directory empty
+(rmdir: exactly one can) deletes the object. A process of this node does this on the files; one
+of another node asks the object's node agent (NodeAgent.holdObject, lendObject, releaseObject).
+The agent drops the files of holders that died (asking other nodes' agents about theirs), so a
+borrower killed with -9 frees what it held. A call keeps the refs among its arguments until it
+is over, so a retry finds them. An owner that exits deletes what it owns, even what others still
+hold (their get() raises ObjectLostError naming the owner's death, as Ray's); one killed with -9
+leaves files that the agent, or the next process of the machine to open the store, sweeps.
+Objects of a process of no node (its machine's directory, which no agent serves) are not held:
+one whose ref was sent lives until its owner exits.
 
 Limit and spilling, as Ray's: a node's objects may hold up to its limit of memory (`troupe
 start --object-store-memory`, default 30% of RAM; TROUPE_OBJECT_STORE_MEMORY in its workers).
@@ -47,6 +56,8 @@ buffer at a 64-byte aligned offset (so arrays map aligned).
 import errno
 import fcntl
 import itertools
+import queue
+import shutil
 import mmap
 import os
 import pickle
@@ -179,6 +190,12 @@ class _Store:
         self.free = []  # files of freed objects kept for reuse: (size, path)
         self.free_bytes = 0
         self.pulled = weakref.WeakValueDictionary()  # object id -> the mapping of its pulled copy
+        self.refs = os.path.join(root, ".refs")  # holds (see the module's doc)
+        self.held = {}  # object id -> this process's refs to an object it borrowed
+        self.marked = set()  # object ids whose hold file for this process exists (owned or borrowed)
+        self.contained = {}  # owned object id -> the holds of the refs pickled into it [(id, host, record)]
+        self.releases = None  # holds of other nodes' objects to release, sent by a thread of their own
+        self.remote_id = f"{self.host}.{self.pid}" if _is_node(self.host) else f"x{secrets.token_hex(8)}.{self.pid}"
         self.sweep()
 
     def sweep(self):
@@ -230,10 +247,17 @@ class _Store:
         return f"{os.path.basename(self.root)}/{name}" if self.fallback else name
 
     def put(self, value):
-        main, raws = _pickle(value)
+        outer = getattr(_containing, "refs", None)  # a put() while pickling another's value
+        _containing.refs = []  # the refs pickled into the value: it holds them while it lives
+        try:
+            main, raws = _pickle(value)
+        finally:
+            inner, _containing.refs = _containing.refs, outer
         object_id, size = self.write(main, raws)
         with self.lock:
             self.owned[object_id] = [0, False]
+            if inner:
+                self.contained[object_id] = inner
         return object_id, size
 
     def write(self, main, raws, kind=""):
@@ -308,6 +332,8 @@ class _Store:
         except OSError:
             return 0, []
         for entry in entries:
+            if entry.name.startswith("."):
+                continue  # .refs
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
@@ -561,22 +587,166 @@ class _Store:
             if entry[0] > 0 or entry[1]:
                 return
             del self.owned[object_id]
-        self.recycle(object_id)
+            held = object_id in self.marked
+            self.marked.discard(object_id)
+            maps = self.maps.pop(object_id, ()) if held else ()
+        if not held:
+            self.recycle(object_id)
+            self.let_go(object_id)
+            return
+        for mm in maps:  # others may map the file: it is deleted, never reused
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        if self.release_here(object_id, str(self.pid)):
+            self.let_go(object_id)
+        # else others hold it: what it contains stays held until this process exits
 
-    def lent(self, object_id):
+    def let_go(self, object_id):
+        """Releases the holds of the refs pickled into an object that is gone."""
         with self.lock:
-            entry = self.owned.get(object_id)
-            if entry is not None:
-                entry[1] = True
+            inner = self.contained.pop(object_id, ())
+        for inner_id, host, record in inner:
+            self.release(inner_id, host, record)
+
+    def owns(self, object_id):
+        with self.lock:
+            return object_id in self.owned
+
+    def lend(self, object_id, host):
+        """A ref to this object is being sent to another process: returns what its receiver names
+        when it arrives (the sender's holder id and a token), or None for an object not held
+        (of no node's directory: it then lives until its owner exits)."""
+        if not _held_kind(object_id, host):
+            with self.lock:
+                entry = self.owned.get(object_id)
+                if entry is not None:
+                    entry[1] = True
+            return None
+        token = secrets.token_hex(4)
+        if host == self.host:
+            self.mark(object_id)
+            holder = str(self.pid)
+            _touch(os.path.join(self.refs, object_id, f"{holder}:{token}"), object_id)
+        else:
+            holder = self.remote_id
+            _call_node(host, "lend", object_id, holder, token)
+        container = getattr(_containing, "refs", None)
+        if container is not None:  # into a put() value: the record is the value's until it goes
+            container.append((object_id, host, f"{holder}:{token}"))
+            return holder, token, True
+        return holder, token
+
+    def mark(self, object_id):
+        """Makes this process's hold file of an object of this node (once). The first one of an
+        object appears with its directory (made aside and renamed into place), so that nobody
+        sees the directory empty and takes the object for freed."""
+        with self.lock:
+            if object_id in self.marked:
+                return
+            self.marked.add(object_id)
+        target = os.path.join(self.refs, object_id)
+        try:
+            _touch(os.path.join(target, str(self.pid)), object_id)
+            return
+        except ObjectLostError:
+            if not self.owns(object_id):
+                return  # a borrower's object that was freed: a get() says so
+            # no directory yet: this is the owner's first lend
+        os.makedirs(self.refs, mode=0o700, exist_ok=True)
+        temp = os.path.join(self.refs, f".new-{self.pid}-{next(self.counter)}")
+        os.mkdir(temp, 0o700)
+        _touch(os.path.join(temp, str(self.pid)), object_id)
+        try:
+            os.rename(temp, target)
+        except OSError:  # made meanwhile by another holder
+            shutil.rmtree(temp, ignore_errors=True)
+            _touch(os.path.join(target, str(self.pid)), object_id)
+
+    def hold(self, object_id, host, lent):
+        """A ref to an object another process sent arrived here: counts it, makes this process's
+        hold (its first ref of the object) and removes the sender's in-flight record. Returns
+        whether the ref is counted (False for an object not held, see lend)."""
+        if lent is None or not _held_kind(object_id, host):
+            return False
+        landed = "" if len(lent) > 2 else f"{lent[0]}:{lent[1]}"  # a value's record stays its own
+        with self.lock:
+            if object_id in self.owned:  # back at its owner
+                self.owned[object_id][0] += 1
+                first, owner = False, True
+            else:
+                first, owner = object_id not in self.held, False
+                self.held[object_id] = self.held.get(object_id, 0) + 1
+        try:
+            if host == self.host:
+                if first:
+                    self.mark(object_id)
+                if landed:
+                    _unlink(os.path.join(self.refs, object_id, landed))
+            else:
+                _call_node(host, "hold", object_id, self.remote_id, landed)
+        except (ObjectLostError, TroupeError):
+            pass  # freed before it arrived (its sender died): a get() says so
+        return not owner
+
+    def unhold(self, object_id, host):
+        """A borrowed ref was dropped: the last one of the object here releases this process's hold."""
+        with self.lock:
+            count = self.held.get(object_id, 0) - 1
+            if count > 0:
+                self.held[object_id] = count
+                return
+            self.held.pop(object_id, None)
+            self.marked.discard(object_id)
+        self.release(object_id, host, str(self.pid) if host == self.host else self.remote_id)
+
+    def release(self, object_id, host, holder):
+        """Removes a hold (or a value's record) of this process; another node's by a thread of
+        its own (refs are dropped anywhere, in __del__ too, where nothing may block)."""
+        if host == self.host:
+            self.release_here(object_id, holder)
+            return
+        if sys.is_finalizing():
+            return  # no thread starts now: the agent drops this process's holds once it has exited
+        with self.lock:
+            if self.releases is None:
+                self.releases = queue.SimpleQueue()
+                threading.Thread(target=_send_releases, args=(self.releases,), name="troupe-object-releases",
+                                 daemon=True).start()
+        self.releases.put((host, object_id, holder))
+
+    def release_here(self, object_id, holder):
+        """Removes a hold file of an object of this node; the holder that empties its directory
+        deletes the object."""
+        directory = os.path.join(self.refs, object_id)
+        _unlink(os.path.join(directory, holder))
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return False  # others hold it (or it went already)
+        self.delete(object_id)
+        return True
 
     def close(self):
         """Deletes what this process owns (at exit), and the files it kept for reuse."""
         with self.lock:
             owned, self.owned = self.owned, {}
+            held, self.held = self.held, {}
+            contained, self.contained = self.contained, {}
             free, self.free, self.free_bytes = self.free, [], 0
             self.maps.clear()
+            self.marked.clear()
         for object_id in owned:
             self.delete(object_id)
+            shutil.rmtree(os.path.join(self.refs, object_id), ignore_errors=True)
+        for object_id in held:  # borrowed here; the agents drop this process's holds elsewhere
+            if "/" not in object_id and os.path.isdir(os.path.join(self.refs, object_id)):
+                self.release_here(object_id, str(self.pid))
+        for inner in contained.values():
+            for inner_id, host, record in inner:
+                if host == self.host:
+                    self.release_here(inner_id, record)
         for _, path in free:
             _unlink(path)
         if self.spill_fd is not None:
@@ -587,6 +757,33 @@ class _Store:
                 os.rmdir(self.fallback)  # left if another process's handed-off file is still in it
             except OSError:
                 pass
+
+
+def _held_kind(object_id, host):
+    """Whether an object is held (see the module's doc): it is in a node's directory."""
+    return _is_node(host) and "/" not in object_id
+
+
+def _touch(path, object_id):
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileNotFoundError:
+        raise ObjectLostError(f"object {object_id} was freed: no ref to it was left") from None
+
+
+def _call_node(host, op, name, holder, extra=""):
+    if nodes is None:
+        raise ObjectLostError(f"object {name} lives on node {host}, and this process is not connected to its cluster")
+    nodes.hold(host, op, name, holder, extra)
+
+
+def _send_releases(releases):
+    while True:
+        host, object_id, holder = releases.get()
+        try:
+            _call_node(host, "release", object_id, holder)
+        except Exception:  # the node or cluster is gone: its agent's sweep drops the hold
+            pass
 
 
 class _Flock:
@@ -668,6 +865,7 @@ def _alive(pid):
 
 _store = None
 _store_lock = threading.Lock()
+_containing = threading.local()  # .refs: the holds of refs pickled into the value a put() writes
 
 
 def store():

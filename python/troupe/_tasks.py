@@ -243,7 +243,8 @@ def submit(rf, args, kwargs):
         a, k = _api._top_level_args(args, kwargs)
         plain = _serialization._plain(a) and _serialization._plain(k)
         files = []
-        payload = _serialization.dumps_call(((key, blob, a, k), {}, _objects.host_id()), plain, files)
+        with _api._keeping(ref):
+            payload = _serialization.dumps_call(((key, blob, a, k), {}, _objects.host_id()), plain, files)
         runtime = _api.runtime()
 
         def to(i):

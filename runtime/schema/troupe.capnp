@@ -196,6 +196,15 @@ interface NodeAgent {
   readObject @6 (name :Text, offset :UInt64, length :UInt32) -> (data :Data, size :UInt64, bulkPort :UInt16);
   # Deletes a result handed over to a caller on another node, once that caller has pulled it.
   dropObject @7 (name :Text) -> ();
+  # Refs to this node's objects held by processes of other nodes (node_objects.h, "Holds"):
+  # `holder` ("<node>.<pid>", or "x<id>.<pid>" for a process of no node) received a ref, the
+  # in-flight record `landed` ("<holder>:<token>") with it; sends one on (token); dropped its last.
+  holdObject @8 (name :Text, holder :Text, landed :Text) -> ();
+  lendObject @9 (name :Text, holder :Text, token :Text) -> ();
+  releaseObject @10 (name :Text, holder :Text) -> ();
+  # Which of these pids are processes alive on this node: another node's agent asks about the
+  # processes here that hold refs to its objects.
+  processesAlive @11 (pids :List(Int32)) -> (alive :List(Int32));
 }
 
 struct StateCount {

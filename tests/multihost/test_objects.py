@@ -36,6 +36,16 @@ ACTORS = textwrap.dedent("""
             return sorted(os.listdir(_objects.store().root))
         def pid(self):
             return os.getpid()
+        def keep(self, box):
+            self.kept = box[0]
+            return True
+        def pass_on(self, other):
+            return troupe.get(other.keep.remote([self.kept]))
+        def drop(self):
+            self.kept = None
+            return True
+        def digest_kept(self):
+            return digest(troupe.get(self.kept))
 
     def on(i):
         return Host.options(resources={f"host{i}": 0.1}).remote()
@@ -79,6 +89,31 @@ def test_objects_cross_hosts(testbed3):
         # A 64 MB argument from here to C (pulled by C from this host's node).
         arg = np.arange(8 << 20, dtype=np.int64)
         assert troupe.get(c.digest_value.remote(arg)) == digest(arg)
+
+        # Borrowers on other hosts: a ref passed here -> B -> C lives while C keeps it, and the
+        # object is freed on this host's store once C drops it.
+        import time
+        def freed(name, what):
+            deadline = time.monotonic() + 30
+            while os.path.exists(os.path.join(_objects.store().root, name)):
+                assert time.monotonic() < deadline, what
+                time.sleep(0.05)
+        lent = troupe.put(np.arange(1 << 20, dtype=np.int64))
+        name = lent.hex()
+        b2, c2 = on(1), on(2)
+        assert troupe.get(b2.keep.remote([lent])) and troupe.get(b2.pass_on.remote(c2))
+        del lent
+        troupe.get(b2.drop.remote())
+        assert troupe.get(c2.digest_kept.remote()) == digest(np.arange(1 << 20, dtype=np.int64))  # C's keeps it
+        troupe.get(c2.drop.remote())
+        freed(name, "the object freed once the last borrower (on C) dropped it")
+        # A borrower on B killed with -9 does not keep the object: A's agent asks B's about it.
+        lent = troupe.put(np.arange(1 << 20, dtype=np.int64))
+        name = lent.hex()
+        assert troupe.get(b2.keep.remote([lent]))
+        del lent
+        os.kill(troupe.get(b2.pid.remote()), signal.SIGKILL)
+        freed(name, "the dead borrower's hold dropped and the object freed")
 
         # Owner killed with -9: a get elsewhere raises ObjectLostError naming the death.
         owner = on(1)

@@ -1,0 +1,146 @@
+"""Reference counting with borrowers, as Ray's: an object whose ref was sent to other processes
+lives while any of them (or its owner) keeps a ref, and is freed once the last one is dropped
+(its file leaves the node's object directory); a borrower killed with -9 does not keep it; refs
+inside results and inside other put() values count too. Ray's test_reference_counting.py public
+cases, rewritten."""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from troupe_testing import cluster_fixture, eventually, import_troupe
+
+troupe = import_troupe()
+
+pytestmark = pytest.mark.timeout(120)
+
+cluster = cluster_fixture(num_cpus=2)
+
+
+def stored(ref):
+    """Whether a put() object's file is in the node's object directory (or spilled)."""
+    from troupe import _objects
+
+    store = _objects.store()
+    return os.path.exists(store.path(ref.hex())) or os.path.exists(store.spilled(ref.hex()))
+
+
+def freed(name, what):
+    from troupe import _objects
+
+    store = _objects.store()
+    eventually(lambda: not os.path.exists(store.path(name)) and not os.path.exists(store.spilled(name)) and
+               not os.path.exists(os.path.join(store.refs, name)), 30, what)
+
+
+@troupe.remote
+class Keeper:
+    def keep(self, box):
+        self.ref = box[0]  # nested: stays a ref
+        return True
+
+    def read(self):
+        return float(troupe.get(self.ref)[0])
+
+    def drop(self):
+        self.ref = None
+        return True
+
+    def pass_on(self, other):
+        return troupe.get(other.keep.remote([self.ref]))
+
+    def make(self, n):
+        self.mine = troupe.put(np.full(n, 5.0))
+        return [self.mine]
+
+    def forget(self):
+        self.mine = None
+        return True
+
+    def pid(self):
+        return os.getpid()
+
+
+@troupe.remote
+def first(box):
+    return float(troupe.get(box[0])[0])
+
+
+def test_an_object_lent_to_an_actor_lives_until_the_actor_drops_it():
+    keeper = Keeper.remote()
+    ref = troupe.put(np.full(1000, 3.0))
+    name = ref.hex()
+    assert troupe.get(keeper.keep.remote([ref]))
+    del ref  # the owner's last ref: the actor still has one
+    assert troupe.get(keeper.read.remote()) == 3.0
+    assert troupe.get(keeper.drop.remote())
+    freed(name, "the object freed once its borrower dropped it")
+    troupe.kill(keeper)
+
+
+def test_a_ref_passed_on_from_borrower_to_borrower_is_freed_when_the_last_drops_it():
+    a, b = Keeper.remote(), Keeper.remote()
+    ref = troupe.put(np.full(10, 7.0))
+    name = ref.hex()
+    troupe.get(a.keep.remote([ref]))
+    assert troupe.get(a.pass_on.remote(b))
+    del ref
+    troupe.get(a.drop.remote())
+    assert troupe.get(b.read.remote()) == 7.0  # A and the owner dropped theirs: B's keeps it
+    troupe.get(b.drop.remote())
+    freed(name, "the object freed once the last borrower dropped it")
+    for k in (a, b):
+        troupe.kill(k)
+
+
+def test_a_borrower_killed_with_minus_9_does_not_keep_the_object():
+    keeper = Keeper.remote()
+    ref = troupe.put(np.full(10, 1.0))
+    name = ref.hex()
+    troupe.get(keeper.keep.remote([ref]))
+    del ref
+    os.kill(troupe.get(keeper.pid.remote()), signal.SIGKILL)
+    freed(name, "the node agent to drop the dead borrower's hold and free the object")
+
+
+def test_a_task_argument_is_freed_after_the_task_when_the_caller_dropped_it():
+    ref = troupe.put(np.full(10, 2.0))
+    name = ref.hex()
+    result = first.remote([ref])
+    del ref
+    assert troupe.get(result) == 2.0
+    freed(name, "the argument freed after the task")
+
+
+def test_a_ref_in_a_result_is_borrowed_by_the_caller():
+    keeper = Keeper.remote()
+    (ref,) = troupe.get(keeper.make.remote(100))
+    name = ref.hex()
+    troupe.get(keeper.forget.remote())  # the owner's own ref goes: the driver's keeps it
+    assert troupe.get(ref)[0] == 5.0
+    assert stored(ref)
+    del ref
+    freed(name, "the object freed once the caller dropped the ref it got in a result")
+    troupe.kill(keeper)
+
+
+def test_a_ref_inside_a_put_value_lives_as_long_as_the_value():
+    inner = troupe.put(np.full(10, 9.0))
+    name = inner.hex()
+    outer = troupe.put({"inner": inner})
+    del inner
+    for _ in range(2):  # each get() of the value finds the inner object
+        assert troupe.get(troupe.get(outer)["inner"])[0] == 9.0
+    assert troupe.get(first.remote([troupe.get(outer)["inner"]])) == 9.0
+    del outer
+    freed(name, "the inner object freed with the value that held its ref")
+
+
+def test_an_object_never_lent_is_freed_at_once():
+    ref = troupe.put(np.full(10, 1.0))
+    name = ref.hex()
+    del ref
+    from troupe import _objects
+
+    assert not os.path.exists(_objects.store().path(name))
