@@ -887,8 +887,12 @@ def cpp_actor(type_name: str, init_args: bytes | str = b"", **options: Any) -> A
 
 
 # Live handles per owned actor in this process; at zero the actor is asked to end (after the
-# calls already sent). A handle passed to another process makes its actor unowned here.
+# calls already sent). A handle passed to another process carries a token, a put() object of
+# this process held by every process that has handles (troupe._objects: holds): the actor ends
+# once the last holder lets go of it (a thread here watches for its file to go).
 _handle_counts = {}
+_handle_tokens = {}  # actor id -> this process's ref to its token
+_handle_watch = {}  # actor id -> its token's object id, held elsewhere once no handle is left here
 _handle_lock = threading.Lock()
 
 
@@ -935,8 +939,14 @@ class ActorHandle:
         return method
 
     def __reduce__(self):
-        _lend(self._id)
-        return ActorHandle, (self._id, self._type, self._methods, False, self._max_task_retries)
+        token = getattr(self, "_token", None) or _lend(self._id)
+        return ActorHandle._arrive, (self._id, self._type, self._methods, self._max_task_retries, token)
+
+    @classmethod
+    def _arrive(cls, actor_id, type_name, methods, max_task_retries, token):
+        handle = cls(actor_id, type_name, methods, False, max_task_retries)
+        handle._token = token  # held while this handle lives
+        return handle
 
     def __del__(self):
         if not self._owned:
@@ -948,8 +958,14 @@ class ActorHandle:
                     _handle_counts[self._id] = left
                     return
                 _handle_counts.pop(self._id, None)
-            if _session is not None:
-                _session.runtime.submit(self._id, "__troupe_terminate__", _serialization.dumps(((), {})))
+                token = _handle_tokens.pop(self._id, None)
+            if token is not None:
+                name, store = token.hex(), _objects.store()
+                del token  # this process's hold goes: the last holder deletes the token
+                if store.exists(name):
+                    _watch_handles(self._id, name)
+                    return
+            _terminate(self._id)
         except Exception:  # at interpreter exit, or a closed session: the owner's exit ends it
             pass
 
@@ -964,9 +980,55 @@ class ActorHandle:
 
 
 def _lend(actor_id):
+    """The token of an owned actor's handles, made when one is first passed on (None: not owned
+    here, or this process's objects are not held, so the actor lives until this process exits)."""
     with _handle_lock:
-        if actor_id in _handle_counts:
-            _handle_counts[actor_id] = float("inf")  # another process may use it: never ended from here
+        if actor_id not in _handle_counts:
+            return None
+        token = _handle_tokens.get(actor_id)
+    if token is None:
+        token = _StoredRef._from_value(None)
+        if not _objects._held_kind(token.hex(), token._host):
+            with _handle_lock:
+                _handle_counts[actor_id] = float("inf")
+            return None
+        with _handle_lock:
+            token = _handle_tokens.setdefault(actor_id, token)
+    return token
+
+
+def _terminate(actor_id):
+    if _session is not None:
+        _session.runtime.submit(actor_id, "__troupe_terminate__", _serialization.dumps(((), {})))
+
+
+def _watch_handles(actor_id, token_id):
+    """Ends the actor once its token is gone: the last process holding handles dropped them."""
+    with _handle_lock:
+        first = not _handle_watch
+        _handle_watch[actor_id] = token_id
+    if first:
+        threading.Thread(target=_handle_watcher, name="troupe-handle-watch", daemon=True).start()
+
+
+def _handle_watcher():
+    while True:
+        time.sleep(0.2)
+        store = _objects.store()
+        with _handle_lock:
+            gone = [a for a, token in _handle_watch.items() if not store.exists(token)]
+            for actor_id in gone:
+                del _handle_watch[actor_id]
+            done = not _handle_watch
+        for actor_id in gone:
+            try:
+                _terminate(actor_id)
+            except Exception:  # the session closed: its end ends the actor
+                pass
+        if done:
+            with _handle_lock:  # another watch may have come meanwhile
+                if not _handle_watch:
+                    return
 
 
 class _Id(str):

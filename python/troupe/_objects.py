@@ -237,6 +237,10 @@ class _Store:
         except FileNotFoundError:
             return os.open(self.spilled(object_id), os.O_RDONLY | os.O_CLOEXEC)
 
+    def exists(self, object_id):
+        """Whether an object's file is here, in memory or spilled."""
+        return os.path.exists(self.path(object_id)) or os.path.exists(self.spilled(object_id))
+
     def delete(self, object_id):
         _unlink(self.path(object_id))
         _unlink(self.spilled(object_id))

@@ -144,3 +144,55 @@ def test_an_object_never_lent_is_freed_at_once():
     from troupe import _objects
 
     assert not os.path.exists(_objects.store().path(name))
+
+
+@troupe.remote
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def add(self):
+        self.n += 1
+        return self.n
+
+
+@troupe.remote
+class HandleKeeper:
+    def keep(self, box):
+        self.handle = box[0]
+        return True
+
+    def use(self):
+        return troupe.get(self.handle.add.remote())
+
+    def drop(self):
+        self.handle = None
+        return True
+
+    def pid(self):
+        return os.getpid()
+
+
+def actor_state(actor_id):
+    return troupe._api._runtime().actor_info(actor_id)["state"]
+
+
+def test_an_actor_whose_handle_was_passed_ends_when_the_last_handle_anywhere_goes():
+    counter, keeper = Counter.remote(), HandleKeeper.remote()
+    actor_id = counter.actor_id
+    assert troupe.get(keeper.keep.remote([counter]))
+    del counter  # the owner's last handle: the keeper's keeps the actor
+    assert troupe.get(keeper.use.remote()) == 1
+    assert actor_state(actor_id) == "ALIVE"
+    assert troupe.get(keeper.drop.remote())
+    eventually(lambda: actor_state(actor_id) == "DEAD", 30, "the actor to end once no handle is left")
+    troupe.kill(keeper)
+
+
+def test_an_actor_whose_handle_holder_was_killed_ends():
+    counter, keeper = Counter.remote(), HandleKeeper.remote()
+    actor_id = counter.actor_id
+    assert troupe.get(keeper.keep.remote([counter]))
+    del counter
+    os.kill(troupe.get(keeper.pid.remote()), signal.SIGKILL)
+    eventually(lambda: actor_state(actor_id) == "DEAD", 30, "the actor to end once its last holder died")
