@@ -207,6 +207,7 @@ struct ActorConnection {
     int attempt = 0;
     kj::Own<kj::PromiseFulfiller<Reply>> reply;
     uint64_t seq = 0;  // submission order, kept across retries
+    int32_t maxTaskRetries = ActorHandle::kActorsRetries;  // this call's, else the actor's
   };
   std::vector<Queued> queue;
   uint64_t nextSeq = 0;
@@ -363,7 +364,7 @@ kj::Promise<std::pair<rpc::Actor::Client, uint32_t>> resolve(std::shared_ptr<Act
 }
 
 kj::Promise<Reply> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
-                                   int attempt);
+                             int32_t maxTaskRetries);
 
 void flush(std::shared_ptr<ActorConnection> c);
 
@@ -406,7 +407,10 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                                       error = fmt::format(
                                           "actor {} ({}): lost the connection to its worker; no exit was reported within 10 s",
                                           c->id.hex(), c->type);
-                                    } else if (c->maxTaskRetries == -1 || call.attempt < c->maxTaskRetries) {
+                                    } else if (int32_t limit = call.maxTaskRetries == ActorHandle::kActorsRetries
+                                                                   ? c->maxTaskRetries
+                                                                   : call.maxTaskRetries;
+                                               limit == -1 || call.attempt < limit) {
                                       ++call.attempt;
                                       again.push_back(kj::mv(call));
                                       continue;
@@ -415,7 +419,8 @@ void callsLost(std::shared_ptr<ActorConnection> c, uint32_t inc, std::vector<Act
                                           "actor {} ({}) died: {} (during '{}'; it is restarting as incarnation {}; the "
                                           "call was not retried: max_task_retries={})",
                                           c->id.hex(), c->type, record.deathReason, call.method, record.incarnation,
-                                          c->maxTaskRetries);
+                                          call.maxTaskRetries == ActorHandle::kActorsRetries ? c->maxTaskRetries
+                                                                                             : call.maxTaskRetries);
                                     }
                                     call.reply->reject(exceptionFromStatus(Status(code, error)));
                                   }
@@ -546,7 +551,7 @@ void sendQueued(std::shared_ptr<ActorConnection> c, std::vector<ActorConnection:
 
 // Queues the call; the first call of a turn schedules the flush at the end of the turn.
 kj::Promise<Reply> callActor(std::shared_ptr<ActorConnection> c, std::string method, std::string payload,
-                                   int attempt) {
+                             int32_t maxTaskRetries) {
   if (payload.size() > kMaxRpcMessageBytes - 4096) {  // the rest of the message needs a little room
     return exceptionFromStatus(Status(
         StatusCode::kInvalidArgument,
@@ -555,7 +560,7 @@ kj::Promise<Reply> callActor(std::shared_ptr<ActorConnection> c, std::string met
   }
   auto paf = kj::newPromiseAndFulfiller<Reply>();
   bool first = c->queue.empty();
-  c->queue.push_back({kj::mv(method), kj::mv(payload), attempt, kj::mv(paf.fulfiller), c->nextSeq++});
+  c->queue.push_back({kj::mv(method), kj::mv(payload), 0, kj::mv(paf.fulfiller), c->nextSeq++, maxTaskRetries});
   if (first) c->shared->tasks->add(kj::evalLast([c]() { flush(c); }));
   return kj::mv(paf.promise);
 }
@@ -595,12 +600,14 @@ void ClusterClient::onNodeDeath(kj::Function<void(const NodeId&, const Status&)>
 
 const ActorId& ActorHandle::id() const { return connection_->id; }
 
-kj::Promise<Reply> ActorHandle::callReply(std::string method, std::string payload) {
-  return callActor(connection_, kj::mv(method), kj::mv(payload), 0);
+kj::Promise<Reply> ActorHandle::callReply(std::string method, std::string payload, int32_t maxTaskRetries) {
+  return callActor(connection_, kj::mv(method), kj::mv(payload), maxTaskRetries);
 }
 
-kj::Promise<std::string> ActorHandle::call(std::string method, std::string payload) {
-  return callReply(kj::mv(method), kj::mv(payload)).then([](Reply reply) { return std::move(reply).str(); });
+kj::Promise<std::string> ActorHandle::call(std::string method, std::string payload, int32_t maxTaskRetries) {
+  return callReply(kj::mv(method), kj::mv(payload), maxTaskRetries).then([](Reply reply) {
+    return std::move(reply).str();
+  });
 }
 
 kj::Promise<capnp::Capability::Client> ActorHandle::typedCapability() {

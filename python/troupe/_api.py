@@ -443,10 +443,10 @@ class _Nodes:
                 return n["address"]
         raise ObjectLostError(f"its node {node_id} {why}, and the objects there with it")
 
-    def pull(self, node_id, name, path):
+    def pull(self, node_id, name, path, reuse=False):
         address = self._address(node_id)
         try:
-            return runtime_call(runtime().pull_object, address, name, path)
+            return runtime_call(runtime().pull_object, address, name, path, reuse)
         except NotFoundError as e:
             raise ObjectLostError(str(e)) from None
         except UnavailableError:
@@ -696,18 +696,22 @@ def _by_value(cls):
 
 
 def method(*, num_returns: int | None = None, retry_exceptions: bool | list[type[BaseException]] | None = None,
-           concurrency_group: str | None = None, **others: Any) -> Callable[[F], F]:
-    """@troupe.method(num_returns=N, retry_exceptions=...) on an actor method: its calls return
-    N ObjectRefs; an exception it raises (True: any; a list: those types) is retried within the
-    actor's max_task_retries."""
+           max_task_retries: int | None = None, concurrency_group: str | None = None,
+           **others: Any) -> Callable[[F], F]:
+    """@troupe.method(num_returns=N, retry_exceptions=..., max_task_retries=M) on an actor method:
+    its calls return N ObjectRefs; a call lost with its worker is sent again to the restarted
+    actor, and an exception it raises (True: any; a list: those types) retried, up to M times
+    (-1: no limit; default: the actor's max_task_retries)."""
     if others:
-        raise TypeError(f"@troupe.method takes num_returns and retry_exceptions, not {sorted(others)}")
+        raise TypeError(f"@troupe.method takes num_returns, retry_exceptions and max_task_retries, not "
+                        f"{sorted(others)}")
     if num_returns is not None and (not isinstance(num_returns, int) or num_returns < 0):
         raise ValueError(f"num_returns must be an integer >= 0, not {num_returns!r}")
     _check_retry_exceptions(retry_exceptions)
+    _check_int(max_task_retries, "max_task_retries", -1)
 
     def mark(fn):
-        fn.__troupe_method__ = (1 if num_returns is None else num_returns, retry_exceptions)
+        fn.__troupe_method__ = (1 if num_returns is None else num_returns, retry_exceptions, max_task_retries)
         return fn
 
     return mark
@@ -722,7 +726,8 @@ def _check_retry_exceptions(value):
 
 
 def _methods_of(cls):
-    """{method name: (num_returns, retry_exceptions)} of an actor class: what its handles expose."""
+    """{method name: (num_returns, retry_exceptions, max_task_retries)} of an actor class: what its
+    handles expose."""
     out = {}
     for name in dir(cls):
         if name.startswith("__") and name.endswith("__"):
@@ -730,7 +735,7 @@ def _methods_of(cls):
         member = inspect.getattr_static(cls, name, None)
         fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
         if callable(fn):
-            out[name] = getattr(fn, "__troupe_method__", (1, None))
+            out[name] = getattr(fn, "__troupe_method__", (1, None, None))
     return out
 
 
@@ -932,8 +937,9 @@ class ActorHandle:
         if self._methods is not None and name not in self._methods:
             raise AttributeError(f"actor {self._type[3:] if self._is_python else self._type} has no method "
                                  f"{name!r}")
-        num_returns, retry_exceptions = self._methods.get(name, (1, None)) if self._methods else (1, None)
-        method = ActorMethod(self, name, num_returns, retry_exceptions)
+        num_returns, retry_exceptions, retries = (self._methods.get(name, (1, None, None)) if self._methods
+                                                  else (1, None, None))
+        method = ActorMethod(self, name, num_returns, retry_exceptions, retries)
         if self._signatures is not None:
             method._signature = self._signatures.get(name)
         return method
@@ -1039,22 +1045,28 @@ class _Id(str):
 
 
 class ActorMethod:
-    def __init__(self, handle, name, num_returns=1, retry_exceptions=None):
+    def __init__(self, handle, name, num_returns=1, retry_exceptions=None, max_task_retries=None, call_name=None):
         self._handle = handle
         self._name = name
         self._num_returns = num_returns
         self._retry_exceptions = retry_exceptions
+        self._max_task_retries = max_task_retries  # None: the actor's
+        self._call_name = call_name
         self._signature = None
 
     def options(self, num_returns: int | None = None, retry_exceptions: bool | list[type[BaseException]] | None = None,
                 name: str | None = None, **others: Any) -> ActorMethod:
-        """num_returns, retry_exceptions; name (a label in Ray's dashboard) is accepted and unused."""
+        """num_returns, retry_exceptions; name: the worker's process title (/proc/<pid>/comm) while
+        the call runs, as Ray's (ray::<name>)."""
         if others:
             raise TypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
         _check_retry_exceptions(retry_exceptions)
         _check_int(num_returns, "num_returns", 0)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string, not {name!r}")
         method = ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
-                             self._retry_exceptions if retry_exceptions is None else retry_exceptions)
+                             self._retry_exceptions if retry_exceptions is None else retry_exceptions,
+                             self._max_task_retries, self._call_name if name is None else name)
         method._signature = self._signature
         return method
 
@@ -1063,7 +1075,9 @@ class ActorMethod:
         _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
         if not h._is_python and (kwargs or len(args) > 1):
             raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
-        name, retry_exceptions = self._name, self._retry_exceptions
+        name, retry_exceptions, call_name = self._name, self._retry_exceptions, self._call_name
+        retries = h._max_task_retries if self._max_task_retries is None else self._max_task_retries
+        per_call = -2 if self._max_task_retries is None else self._max_task_retries  # -2: the actor's
         ref = ObjectRef(None, h, name)
 
         def send():
@@ -1071,18 +1085,19 @@ class ActorMethod:
             if h._is_python:
                 a, k = _top_level_args(args, kwargs)
                 plain = _serialization._plain(a) and _serialization._plain(k)
+                call = (a, k, _objects.host_id(), call_name) if call_name else (a, k, _objects.host_id())
                 with _keeping(ref):
-                    payload = _serialization.dumps_call((a, k, _objects.host_id()), plain, files)
+                    payload = _serialization.dumps_call(call, plain, files)
             else:
                 payload = args[0] if args else b""
                 if isinstance(payload, str):
                     payload = payload.encode()
             rt = runtime()
-            ref._ref = runtime_call(rt.submit, h._id, name, payload)
+            ref._ref = runtime_call(rt.submit, h._id, name, payload, per_call)
             ref._files = files or None
-            if retry_exceptions and h._max_task_retries != 0:
-                ref._retry = _ExceptionRetry(lambda: runtime_call(rt.submit, h._id, name, payload), ref,
-                                             h._max_task_retries, retry_exceptions)
+            if retry_exceptions and retries != 0:
+                ref._retry = _ExceptionRetry(lambda: runtime_call(rt.submit, h._id, name, payload, per_call), ref,
+                                             retries, retry_exceptions)
 
         _submit(h._id, ref, send)
         return _split(ref, self._num_returns)
@@ -1432,7 +1447,7 @@ class _StoredRef(ObjectRef):
             return InvalidArgumentError(f"{self!r} was put() in another cluster ({self._cluster}) than this "
                                         f"process's ({here}): pass values between clusters, not refs")
         try:
-            return _objects.store().get(self._object_id, self._host, self._owner)
+            return _objects.store().get(self._object_id, self._host, self._owner, self._size)
         except BaseException as e:  # returned, so that get() raises it like a call's error
             return e
 

@@ -244,13 +244,15 @@ class Runtime {
   // Starts a call and returns its ref at once. The call joins a queue that the loop drains in
   // order; only the first call into an empty queue pokes the loop, and the client sends a burst
   // as one batch.
-  int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload) {
+  // max_task_retries: this call's (a method's @troupe.method), else the actor's (-2).
+  int64_t submit(const std::string& id, const std::string& method, const py::bytes& payload,
+                 int32_t maxTaskRetries) {
     std::string bytes = payload;
     py::gil_scoped_release release;
     std::unique_lock lock(mutex_);
     int64_t ref = nextRef_++;
     completions_[ref];
-    submitted_.push_back(Submitted{ref, id, method, std::move(bytes)});
+    submitted_.push_back(Submitted{ref, id, method, std::move(bytes), maxTaskRetries});
     if (submitted_.size() == 1) poke(wakeFd_);
     return ref;
   }
@@ -260,12 +262,13 @@ class Runtime {
     std::string actor;
     std::string method;
     std::string payload;
+    int32_t maxTaskRetries = ActorHandle::kActorsRetries;
   };
 
   // Starts one call (loop thread).
   void start(Submitted s) {
     int64_t ref = s.ref;
-    tasks_->add(handle(s.actor).call(kj::mv(s.method), kj::mv(s.payload)).then(
+    tasks_->add(handle(s.actor).call(kj::mv(s.method), kj::mv(s.payload), s.maxTaskRetries).then(
         [this, ref](std::string reply) { complete(ref, Outcome::kOk, kj::mv(reply)); },
         [this, ref](kj::Exception&& e) {
           complete(ref, classify(e), describe(e));
@@ -453,14 +456,16 @@ class Runtime {
   }
 
   // Pulls object `name` from the node agent at `address` into a new file `path` (0600; nothing
-  // may be there): chunks of kPullChunk, kPullLanes of them in flight, each written where it
+  // may be there), or, with `reuse`, into the file already there (a freed one, whose pages are
+  // allocated): chunks of kPullChunk, kPullLanes of them in flight, each written where it
   // belongs as it arrives. Returns the object's size. A failed pull leaves no file.
-  uint64_t pullObject(const std::string& address, const std::string& name, const std::string& path) {
-    return onLoop([this, address, name, path]() {
-      return nodeAgent(address).then([this, address, name, path](rpc::NodeAgent::Client agent) {
+  uint64_t pullObject(const std::string& address, const std::string& name, const std::string& path, bool reuse) {
+    return onLoop([this, address, name, path, reuse]() {
+      return nodeAgent(address).then([this, address, name, path, reuse](rpc::NodeAgent::Client agent) {
         auto pull = std::make_shared<Pull>(kj::mv(agent), name, path);
         if (auto hp = parseHostPort(address); hp.isOk()) pull->host = hp->host;
-        pull->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+        int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (reuse ? 0 : O_CREAT | O_EXCL);
+        pull->fd = ::open(path.c_str(), flags, 0600);
         if (pull->fd < 0) {
           throwStatus(Status(StatusCode::kUnavailable, fmt::format("cannot make {}: {}", path, std::strerror(errno))));
         }
@@ -1078,13 +1083,15 @@ PYBIND11_MODULE(_core, m) {
       .def("actor_info", &Runtime::actorInfo)
       .def("wait_ready", &Runtime::waitReady)
       .def("kill", &Runtime::kill)
-      .def("submit", &Runtime::submit)
+      .def("submit", &Runtime::submit, py::arg("actor"), py::arg("method"), py::arg("payload"),
+           py::arg("max_task_retries") = troupe::ActorHandle::kActorsRetries)
       .def("wait", &Runtime::wait)
       .def("take", &Runtime::take)
       .def("status", &Runtime::status)
       .def("snapshot", &Runtime::snapshot)
       .def("read_logs", &Runtime::readLogs)
-      .def("pull_object", &Runtime::pullObject)
+      .def("pull_object", &Runtime::pullObject, py::arg("address"), py::arg("name"), py::arg("path"),
+           py::arg("reuse") = false)
       .def("drop_object", &Runtime::dropObject)
       .def("hold_object", &Runtime::holdObject)
       .def("object_store", &Runtime::objectStore)

@@ -37,11 +37,12 @@ a spiller never copies half an object; spillers take the spill directory's lock,
 writes the spilled copy before it deletes the one in memory, so a reader finds one of the two.
 
 Reuse: the file of a freed object (1 MB or more) that no other process could have mapped, and
-whose mappings here are all closed, is kept and written over by a later put(): its pages are
-already allocated, so that put() is one memcpy (a new file costs the kernel a zeroed page per
-4 KB first). At most 1 GiB per process is kept, and never more than half of what the file
-system has free when the object is freed: kept pages are memory the machine cannot use. A put()
-that finds the file system full gives the kept files back and tries once more, and a flash
+whose mappings here are all closed, is kept and written over by a later put() or pull: its
+pages are already allocated, so that put() is one memcpy (a new file costs the kernel a zeroed
+page per 4 KB first). A pulled copy's file is kept the same way once its mapping goes. At most
+2 GiB per process (and a quarter of the store's limit) is kept, and never more than half of what
+the file system has free when the object is freed: kept pages are memory the machine cannot use
+(they count against the limit, and a put() short of room deletes them first). A put() that finds the file system full gives the kept files back and tries once more, and a flash
 checkpoint short of room removes every process's kept files (named <pid>-free-<n>) first.
 
 Directory: /dev/shm/troupe-objects-<uid> (or $TROUPE_OBJECT_DIR), which must be this user's with
@@ -80,7 +81,7 @@ _ALIGN = 64
 _MAX_BUFFERS = 1 << 20
 # Freed objects' files of at least this size are kept for reuse, up to this much per process.
 RECYCLE_MIN_BYTES = 1 << 20
-RECYCLE_MAX_BYTES = 1 << 30
+RECYCLE_MAX_BYTES = 2 << 30
 # Names of complete objects a spiller may move: put() objects and handed-over results.
 _SPILLABLE = re.compile(r"[0-9]+-h?[0-9]+-[0-9a-f]+")
 _KEPT = re.compile(r"[0-9]+-free-[0-9]+")
@@ -189,6 +190,8 @@ class _Store:
         self.maps = {}  # owned object id -> the mappings this process made of it (see recycle)
         self.free = []  # files of freed objects kept for reuse: (size, path)
         self.free_bytes = 0
+        self.kept = queue.SimpleQueue()  # pulled copies' files kept once their mapping went
+        self.pulled_files = {}  # path -> size of the pulled copies mapped now
         self.pulled = weakref.WeakValueDictionary()  # object id -> the mapping of its pulled copy
         self.refs = os.path.join(root, ".refs")  # holds (see the module's doc)
         self.held = {}  # object id -> this process's refs to an object it borrowed
@@ -424,9 +427,45 @@ class _Store:
             _unlink(path)
         return bool(free)
 
+    def pulled_gone(self, path, size):
+        """The mapping of a pulled copy went (at any point of any thread, from the garbage
+        collector: no lock is taken): its file is kept for reuse, or deleted."""
+        if self.pulled_files.pop(path, None) is None:
+            return  # closed
+        if size > min(self.keep_max(), self.room() // 2) - self.free_bytes:
+            _unlink(path)
+            return
+        free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
+        try:
+            os.rename(path, free)
+        except OSError:
+            _unlink(path)
+            return
+        self.kept.put((size, free))  # into the free list at the next reuse()
+
+    def keep_max(self):
+        """Bytes of freed files this process keeps: kept pages count against the store's limit
+        (and are what a put() short of room gives back first)."""
+        return min(RECYCLE_MAX_BYTES, self.limit // 4)
+
+    def room(self):
+        try:
+            vfs = os.statvfs(self.root)
+            return vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            return 0
+
     def reuse(self, size, path):
         """A freed object's file, renamed to `path` and opened for writing: its pages are already
         allocated, so writing into it costs a copy and no page faults. None if none fits."""
+        while True:
+            try:
+                have, free = self.kept.get_nowait()
+            except queue.Empty:
+                break
+            with self.lock:
+                self.free.append((have, free))
+                self.free_bytes += have
         with self.lock:
             best = None
             for i, (have, _) in enumerate(self.free):
@@ -462,7 +501,7 @@ class _Store:
             return
         room = vfs.f_bavail * vfs.f_frsize  # the kept files are not in it: they are allocated
         with self.lock:
-            if size >= RECYCLE_MIN_BYTES and self.free_bytes + size <= min(RECYCLE_MAX_BYTES, room // 2):
+            if size >= RECYCLE_MIN_BYTES and self.free_bytes + size <= min(self.keep_max(), room // 2):
                 free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
                 try:
                     os.rename(path, free)
@@ -473,11 +512,13 @@ class _Store:
                     pass
         _unlink(path)
 
-    def pull(self, object_id, host, take=False):
+    def pull(self, object_id, host, take=False, size=0):
         """The value of an object that lives on another node: its bytes are pulled from that
-        node's agent into a file here, which is mapped and unlinked at once (the mapping lives
-        as long as the value's arrays, and a later get() while it lives maps it again). take:
-        a result handed over to this process, deleted there once pulled."""
+        node's agent into a file here (a freed one of about its `size` when one is kept: its
+        pages are allocated), which is mapped (the mapping lives as long as the value's arrays,
+        and a later get() while it lives maps it again); once the mapping goes, the file is kept
+        for reuse or deleted, as a freed object's. take: a result handed over to this process,
+        deleted there once pulled."""
         if not _is_node(host):
             raise ObjectLostError(f"object {object_id} lives on {host}, a machine where no Troupe node runs (it was "
                                   "put() by a process there): nothing can serve it to this one")
@@ -490,8 +531,11 @@ class _Store:
                 raise ObjectLostError(f"object {object_id} lives on node {host}, and this process is not connected "
                                       "to its cluster")
             path = self.path(self.new_id("p"))
+            reused = self.reuse(size, path) if size >= RECYCLE_MIN_BYTES else None
+            if reused is not None:
+                os.close(reused)
             try:
-                size = nodes.pull(host, object_id, path)
+                size = nodes.pull(host, object_id, path, reused is not None)
             except ObjectLostError:
                 raise
             except TroupeError as e:
@@ -504,7 +548,13 @@ class _Store:
                     mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 finally:
                     os.close(fd)
-            finally:
+            except BaseException:
+                _unlink(path)
+                raise
+            if size >= RECYCLE_MIN_BYTES:
+                self.pulled_files[path] = size
+                weakref.finalize(mm, self.pulled_gone, path, size).atexit = False  # close() deletes it
+            else:
                 _unlink(path)
             if take:
                 try:
@@ -549,9 +599,9 @@ class _Store:
             raise ObjectLostError(f"a result handed over in shared memory ({object_id}) is empty")
         return _decode(memoryview(mm), object_id)
 
-    def get(self, object_id, host, owner):
+    def get(self, object_id, host, owner, size=0):
         if host != self.host:
-            return self.pull(object_id, host)
+            return self.pull(object_id, host, size=size)
         if owner != self.pid and not _alive(owner):  # its file may be left (kill -9): it is lost all the same
             self.delete(object_id)
             raise ObjectLostError(f"object {object_id} is lost: its owner (pid {owner}) died, and its objects "
@@ -753,6 +803,14 @@ class _Store:
                     self.release_here(inner_id, record)
         for _, path in free:
             _unlink(path)
+        for path in list(self.pulled_files):
+            if self.pulled_files.pop(path, None) is not None:
+                _unlink(path)
+        while True:
+            try:
+                _unlink(self.kept.get_nowait()[1])
+            except queue.Empty:
+                break
         if self.spill_fd is not None:
             os.close(self.spill_fd)
             self.spill_fd = None

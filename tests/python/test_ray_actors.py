@@ -496,3 +496,38 @@ def test_arguments_and_results_over_64_mib_travel_whole():
     m = Mirror.remote()
     assert troupe.get(m.echo.remote(data)) == data
     troupe.kill(m)
+
+
+@troupe.remote(max_restarts=-1)
+class DiesOnce:
+    @troupe.method(max_task_retries=2)
+    def retried(self, marker):
+        if not os.path.exists(marker):  # the first try kills the worker
+            open(marker, "w").close()
+            os._exit(1)
+        return "ok"
+
+    def not_retried(self, marker):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return "ok"
+
+    def comm(self):
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+
+
+def test_a_methods_own_max_task_retries_outranks_the_actors(tmp_path):
+    a = DiesOnce.remote()
+    assert troupe.get(a.retried.remote(str(tmp_path / "one")), timeout=60) == "ok"  # sent again after the restart
+    with pytest.raises(troupe.ActorDiedError, match="max_task_retries=0"):
+        troupe.get(a.not_retried.remote(str(tmp_path / "two")), timeout=60)  # the actor's own: 0
+    with pytest.raises(ValueError, match="max_task_retries"):
+        troupe.method(max_task_retries=-2)
+
+
+def test_a_call_named_with_options_sets_the_process_title_while_it_runs():
+    a = DiesOnce.remote()
+    assert troupe.get(a.comm.options(name="fetch").remote()) == "troupe::fetch"
+    assert troupe.get(a.comm.remote()) != "troupe::fetch"  # back once it returned

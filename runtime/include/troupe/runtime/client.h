@@ -72,10 +72,13 @@ class Reply {
 class ActorHandle {
  public:
   const ActorId& id() const;
-  // Calls `method` with `payload`; resolves with the actor's reply.
-  kj::Promise<std::string> call(std::string method, std::string payload = {});
+  // maxTaskRetries of a call: the actor's own (ActorOptions::maxTaskRetries).
+  static constexpr int32_t kActorsRetries = -2;
+  // Calls `method` with `payload`; resolves with the actor's reply. A call lost with its worker
+  // is sent again to the restarted actor up to maxTaskRetries times (-1: no limit).
+  kj::Promise<std::string> call(std::string method, std::string payload = {}, int32_t maxTaskRetries = kActorsRetries);
   // As call(), with the reply's bytes where they arrived (no copy of a large result).
-  kj::Promise<Reply> callReply(std::string method, std::string payload = {});
+  kj::Promise<Reply> callReply(std::string method, std::string payload = {}, int32_t maxTaskRetries = kActorsRetries);
   // The actor's typed interface (e.g. rpc::Counter) on its current incarnation.
   template <typename T>
   kj::Promise<typename T::Client> typed() {
