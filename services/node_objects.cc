@@ -349,16 +349,14 @@ Status touch(const std::string& path, std::string_view name) {
 
 Status NodeObjects::hold(std::string_view name, std::string_view holder, std::string_view landed) const {
   if (!validName(name) || !validHolder(holder)) return badHold(holder);
+  size_t colon = landed.find(':');
+  if (!landed.empty() && (colon == std::string_view::npos || !validHolder(landed.substr(0, colon)) ||
+                          !allOf(landed.substr(colon + 1), 32, isHex))) {
+    return badHold(landed);
+  }
   std::string dir = refs_ + "/" + std::string(name);
   TROUPE_RETURN_IF_ERROR(touch(dir + "/" + std::string(holder), name));
-  if (!landed.empty()) {
-    size_t colon = landed.find(':');
-    if (colon == std::string_view::npos || !validHolder(landed.substr(0, colon)) ||
-        !allOf(landed.substr(colon + 1), 32, isHex)) {
-      return badHold(landed);
-    }
-    ::unlink((dir + "/" + std::string(landed)).c_str());
-  }
+  if (!landed.empty()) ::unlink((dir + "/" + std::string(landed)).c_str());
   return Status::ok();
 }
 

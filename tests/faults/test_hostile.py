@@ -168,3 +168,42 @@ def test_the_object_bulk_port_serves_nobody_without_the_token():
     p = run_driver(code, timeout=90)
     assert p.returncode == 0 and "BULK OK" in p.stdout, p.stderr
 
+
+
+def test_malformed_holds_are_refused_and_touch_nothing_outside_the_object_directory(tmp_path):
+    """NodeAgent.holdObject/lendObject/releaseObject build file names from a peer's strings: each
+    part is checked (an object name, a holder "<node>.<pid>", a hex token), so none of them reaches
+    a path outside the node's .refs directory, and the holds of a real object still work."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    code = textwrap.dedent(f"""
+        import os, troupe
+        troupe.init(num_cpus=1)
+        from troupe import _api
+        from troupe.exceptions import InvalidArgumentError
+        rt = _api.runtime()
+        head = [n for n in troupe.nodes() if n["is_head"]][0]["address"]
+        ref = troupe.put(b"held")
+        bad = [("hold", "../../x", "1.2", ""), ("hold", ref.hex(), "../1", ""),
+               ("hold", ref.hex(), "ab.1", "../../victim"), ("lend", ref.hex(), "ab.1", "zz"),
+               ("release", ref.hex(), "ab.1:../x", ""), ("release", ".refs", "1", ""),
+               ("release", ref.hex(), {str(victim)!r}, "")]
+        for op, name, holder, extra in bad:
+            try:
+                rt.hold_object(head, op, name, holder, extra)
+            except InvalidArgumentError:
+                continue
+            raise AssertionError(f"accepted {{(op, name, holder, extra)}}")
+        assert open({str(victim)!r}).read() == "keep me"
+        # A hold of a node that does not exist on a freed object: NOT_FOUND, as a freed object's.
+        try:
+            rt.hold_object(head, "hold", "1-2-abcdef01", "ab.1", "")
+        except troupe.exceptions.NotFoundError:
+            pass
+        else:
+            raise AssertionError("held an object that does not exist")
+        assert troupe.get(ref) == b"held"
+        print("HOLDS OK")
+    """)
+    p = run_driver(code, timeout=90)
+    assert p.returncode == 0 and "HOLDS OK" in p.stdout, p.stderr
