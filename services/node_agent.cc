@@ -125,6 +125,7 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     results.setSpillDirectory(agent_.objects().spillDirectory());
     results.setSpilledObjects(usage.spilledObjects);
     results.setSpilledBytes(usage.spilledBytes);
+    results.setServedBytes(agent_.objects().servedBytes());
     return kj::READY_NOW;
   }
 
@@ -142,6 +143,9 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     }
     results.setSize(read->size);
     results.setBulkPort(static_cast<uint16_t>(agent_.bulkPort()));
+    if (p.getOffset() == 0 && read->size > read->length) {  // more to come: a relay may serve it
+      results.setRelay(agent_.objects().relayFor(p.getName().cStr(), p.getOffer().cStr()));
+    }
     return kj::READY_NOW;
   }
 
@@ -163,6 +167,12 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
     auto p = context.getParams();
     Status released = agent_.objects().release(p.getName().cStr(), p.getHolder().cStr());
     if (!released.isOk()) throwStatus(released);
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> dropSource(DropSourceContext context) override {
+    auto p = context.getParams();
+    agent_.objects().dropSource(p.getName().cStr(), p.getOffer().cStr());
     return kj::READY_NOW;
   }
 
@@ -290,8 +300,9 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
   if (!objects.isOk()) throwStatus(objects.status());
   agent->objects_ = kj::mv(*objects);
   auto bulk = BulkServer::listen(io, HostPort{agent->options_.ip, 0}, agent->options_.token, "object server",
-                                 [&objects = agent->objects_](kj::Own<kj::AsyncIoStream> stream) {
-                                   return objects.serve(kj::mv(stream));
+                                 [&objects = agent->objects_, &timer = io.provider->getTimer()](
+                                     kj::Own<kj::AsyncIoStream> stream) {
+                                   return objects.serve(kj::mv(stream), timer);
                                  });
   if (!bulk.isOk()) throwStatus(bulk.status());
   agent->bulk_ = kj::mv(*bulk);

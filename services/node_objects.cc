@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <filesystem>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -172,6 +173,8 @@ NodeObjects::NodeObjects(NodeObjects&& other) noexcept
       spill_(std::exchange(other.spill_, {})),
       refs_(std::exchange(other.refs_, {})),
       limit_(other.limit_),
+      sources_(std::exchange(other.sources_, {})),
+      served_(other.served_),
       record_(std::exchange(other.record_, {})) {}
 
 NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
@@ -180,6 +183,8 @@ NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
   std::swap(spill_, other.spill_);
   std::swap(refs_, other.refs_);
   std::swap(limit_, other.limit_);
+  std::swap(sources_, other.sources_);
+  std::swap(served_, other.served_);
   std::swap(record_, other.record_);
   return *this;
 }
@@ -239,6 +244,7 @@ Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offs
     if (got == 0) break;  // shorter than it said: the reader sees the size mismatch
     out.length += static_cast<size_t>(got);
   }
+  served_ += out.length;
   return out;
 }
 
@@ -268,11 +274,82 @@ kj::Array<kj::byte> answerHeader(StatusCode code, uint64_t size, const std::stri
 
 }  // namespace
 
-kj::Promise<void> NodeObjects::serve(kj::Own<kj::AsyncIoStream> stream) const {
+namespace {
+
+// How many bytes of a copy being pulled have arrived (its .ready file), or nullopt when it has
+// none (a complete object).
+std::optional<uint64_t> arrived(const std::string& path) {
+  int fd = ::open((path + ".ready").c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  uint64_t ready = 0;
+  ssize_t got = ::pread(fd, &ready, sizeof ready, 0);
+  ::close(fd);
+  return got == sizeof ready ? ready : 0;
+}
+
+// Sends bytes [from, end) of a mapped copy as they arrive (arrived()), waiting a little while
+// none are new; fails after NodeObjects::kStall without progress.
+kj::Promise<void> sendArriving(kj::AsyncIoStream& s, kj::Timer& timer, std::string path, const kj::byte* base,
+                               uint64_t from, uint64_t end, kj::TimePoint progress, uint64_t& served) {
+  if (from >= end) return kj::READY_NOW;
+  uint64_t ready = arrived(path).value_or(end);
+  if (ready > from) {
+    uint64_t upTo = std::min(ready, end);
+    served += upTo - from;
+    return s.write(base + from, upTo - from).then([&s, &timer, path = kj::mv(path), base, upTo, end, &served]() mutable {
+      return sendArriving(s, timer, kj::mv(path), base, upTo, end, timer.now(), served);
+    });
+  }
+  if (timer.now() - progress > NodeObjects::kStall) {
+    return KJ_EXCEPTION(DISCONNECTED, "the copy being relayed stopped arriving");
+  }
+  return timer.afterDelay(2 * kj::MILLISECONDS).then([&s, &timer, path = kj::mv(path), base, from, end, progress, &served]() mutable {
+    return sendArriving(s, timer, kj::mv(path), base, from, end, progress, served);
+  });
+}
+
+}  // namespace
+
+std::string NodeObjects::relayFor(std::string_view name, std::string_view offer) const {
+  auto& sources = sources_[std::string(name)];
+  std::string relay;
+  Source* best = nullptr;
+  for (auto& source : sources) {
+    if (source.offer != offer && (best == nullptr || source.serving < best->serving)) best = &source;
+  }
+  if (best != nullptr) {
+    ++best->serving;
+    relay = best->offer;
+  }
+  // An offer: <host>:<port>/<copy>, the host an address (no path), the copy a plain file name.
+  size_t slash = offer.rfind('/'), colon = offer.rfind(':', slash);
+  bool valid = slash != std::string_view::npos && colon != std::string_view::npos && colon > 0 &&
+               offer.size() <= 300 && allOf(offer.substr(colon + 1, slash - colon - 1), 5, isDigit) &&
+               validName(offer.substr(slash + 1)) &&
+               offer.substr(0, colon).find_first_not_of("0123456789abcdefABCDEF.:[]") == std::string_view::npos;
+  if (valid && sources.size() < 64 &&
+      std::none_of(sources.begin(), sources.end(), [&](const Source& s) { return s.offer == offer; })) {
+    sources.push_back(Source{std::string(offer), 0});
+  }
+  if (sources.empty()) sources_.erase(std::string(name));
+  if (sources_.size() > 4096) sources_.erase(sources_.begin());  // bounded: the oldest names go
+  return relay;
+}
+
+void NodeObjects::dropSource(std::string_view name, std::string_view offer) const {
+  auto it = sources_.find(std::string(name));
+  if (it == sources_.end()) return;
+  auto& sources = it->second;
+  sources.erase(std::remove_if(sources.begin(), sources.end(), [&](const Source& s) { return s.offer == offer; }),
+                sources.end());
+  if (sources.empty()) sources_.erase(it);
+}
+
+kj::Promise<void> NodeObjects::serve(kj::Own<kj::AsyncIoStream> stream, kj::Timer& timer) const {
   auto& s = *stream;
   auto head = kj::heapArray<kj::byte>(4);
   auto* h = head.begin();
-  return s.tryRead(h, 4, 4).then([this, &s, head = kj::mv(head)](size_t got) mutable -> kj::Promise<void> {
+  return s.tryRead(h, 4, 4).then([this, &s, &timer, head = kj::mv(head)](size_t got) mutable -> kj::Promise<void> {
         if (got == 0) return kj::READY_NOW;  // the peer is done
         if (got < 4) return KJ_EXCEPTION(DISCONNECTED, "bulk request cut short");
         uint32_t nameLength = 0;
@@ -280,37 +357,52 @@ kj::Promise<void> NodeObjects::serve(kj::Own<kj::AsyncIoStream> stream) const {
         if (nameLength == 0 || nameLength > 200) return KJ_EXCEPTION(FAILED, "bulk request: bad name length");
         auto rest = kj::heapArray<kj::byte>(nameLength + 16);
         auto* r = rest.begin();
-        return s.read(r, rest.size()).then([this, &s, nameLength, rest = kj::mv(rest)]() -> kj::Promise<void> {
+        return s.read(r, rest.size()).then([this, &s, &timer, nameLength, rest = kj::mv(rest)]() -> kj::Promise<void> {
           std::string name(reinterpret_cast<const char*>(rest.begin()), nameLength);
           uint64_t offset = 0, length = 0;
           memcpy(&offset, rest.begin() + nameLength, 8);
           memcpy(&length, rest.begin() + nameLength + 8, 8);
-          auto opened = openObject(name);
-          Status problem = opened.status();
-          if (problem.isOk() && (offset > opened->size || length > opened->size - offset)) {
-            problem = Status(StatusCode::kInvalidArgument,
-                             fmt::format("bytes {}..{} are past the end of object {} ({} bytes)", offset, offset + length,
-                                         name, opened->size));
-          }
-          kj::Own<Mapping> mapping;
-          if (problem.isOk() && length > 0) {
-            void* at = ::mmap(nullptr, opened->size, PROT_READ, MAP_SHARED, opened->fd.get(), 0);
-            mapping = kj::heap<Mapping>(at, at == MAP_FAILED ? 0 : opened->size);
-            if (at == MAP_FAILED) {
-              problem = Status(StatusCode::kUnavailable, fmt::format("cannot map object {}: {}", name, std::strerror(errno)));
-            }
-          }
-          auto header = answerHeader(problem.code(), problem.isOk() ? opened->size : 0, problem.message());
-          auto* hp = header.begin();
-          auto sent = s.write(hp, header.size()).attach(kj::mv(header));
-          if (!problem.isOk()) return sent;  // the peer reads the error and closes
-          return sent.then([&s, mapping = kj::mv(mapping), offset, length]() mutable -> kj::Promise<void> {
-            if (length == 0) return kj::READY_NOW;
-            auto* from = static_cast<const kj::byte*>(mapping->at) + offset;
-            return s.write(from, length).attach(kj::mv(mapping));
-          });
-        }).then([this, &s]() { return serve(kj::Own<kj::AsyncIoStream>(&s, kj::NullDisposer::instance)); });
+          return answer(s, timer, kj::mv(name), offset, length, timer.now());
+        }).then([this, &s, &timer]() {
+          return serve(kj::Own<kj::AsyncIoStream>(&s, kj::NullDisposer::instance), timer);
+        });
       }).attach(kj::mv(stream));
+}
+
+kj::Promise<void> NodeObjects::answer(kj::AsyncIoStream& s, kj::Timer& timer, std::string name, uint64_t offset,
+                                      uint64_t length, kj::TimePoint since) const {
+  auto opened = openObject(name);
+  Status problem = opened.status();
+  std::string path = directory_ + "/" + name;
+  if (problem.isOk() && (offset > opened->size || length > opened->size - offset)) {
+    if (arrived(path).has_value() && timer.now() - since < kStall) {
+      // A copy being pulled here that has not been sized yet (its first chunk is on the way).
+      return timer.afterDelay(2 * kj::MILLISECONDS).then([this, &s, &timer, name = kj::mv(name), offset, length, since]() mutable {
+        return answer(s, timer, kj::mv(name), offset, length, since);
+      });
+    }
+    problem = Status(StatusCode::kInvalidArgument, fmt::format("bytes {}..{} are past the end of object {} ({} bytes)",
+                                                               offset, offset + length, name, opened->size));
+  }
+  kj::Own<Mapping> mapping;
+  if (problem.isOk() && length > 0) {
+    void* at = ::mmap(nullptr, opened->size, PROT_READ, MAP_SHARED, opened->fd.get(), 0);
+    mapping = kj::heap<Mapping>(at, at == MAP_FAILED ? 0 : opened->size);
+    if (at == MAP_FAILED) {
+      problem = Status(StatusCode::kUnavailable, fmt::format("cannot map object {}: {}", name, std::strerror(errno)));
+    }
+  }
+  auto header = answerHeader(problem.code(), problem.isOk() ? opened->size : 0, problem.message());
+  auto* hp = header.begin();
+  auto sent = s.write(hp, header.size()).attach(kj::mv(header));
+  if (!problem.isOk()) return sent;  // the peer reads the error and closes
+  return sent.then([this, &s, &timer, path = kj::mv(path), mapping = kj::mv(mapping), offset,
+                    length]() mutable -> kj::Promise<void> {
+    if (length == 0) return kj::READY_NOW;
+    auto* base = static_cast<const kj::byte*>(mapping->at);
+    return sendArriving(s, timer, kj::mv(path), base, offset, offset + length, timer.now(), served_)
+        .attach(kj::mv(mapping));
+  });
 }
 
 Status NodeObjects::drop(std::string_view name) const {

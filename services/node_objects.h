@@ -71,8 +71,21 @@ class NodeObjects {
   // Serves one connection of the agent's bulk port: requests, each answered in turn until the
   // peer closes. Request: u32 name length (<= 200) | name | u64 offset | u64 length. Answer:
   // u8 status code (0: OK) | u64 object size | u32 message length (<= 4096) | message, then, when
-  // OK, the `length` bytes from `offset`, written straight from a mapping of the file.
-  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream) const;
+  // OK, the `length` bytes from `offset`, written straight from a mapping of the file. A copy
+  // still being pulled here (its <name>.ready file holds how many bytes have arrived, in order)
+  // is sent as its bytes arrive; one that makes no progress for kStall fails the request.
+  kj::Promise<void> serve(kj::Own<kj::AsyncIoStream> stream, kj::Timer& timer) const;
+  static constexpr kj::Duration kStall = 10 * kj::SECONDS;
+
+  // Serving on (a relay): several nodes pulling one object do not each cost this node a copy.
+  // A puller names, with its first chunk, where its own copy can be read ("<host>:<bulk
+  // port>/<copy name>", its offer); the next puller of the object is sent to the copy that
+  // serves the fewest others (relayFor, "" when there is none: it streams from here), and
+  // falls back to this node if the relay fails. dropSource forgets an offer whose copy went.
+  std::string relayFor(std::string_view name, std::string_view offer) const;
+  void dropSource(std::string_view name, std::string_view offer) const;
+  // Bytes of this node's objects sent to other nodes (chunks and streams).
+  uint64_t servedBytes() const { return served_; }
   // Deletes a handed-over result (only those: names "<pid>-h...") once its caller pulled it.
   Status drop(std::string_view name) const;
 
@@ -108,10 +121,20 @@ class NodeObjects {
   void sweep(const RemoteLiveness& remote) const;
 
  private:
+  // One bulk request's answer; a copy still arriving here may be waited for since `since`.
+  kj::Promise<void> answer(kj::AsyncIoStream& s, kj::Timer& timer, std::string name, uint64_t offset, uint64_t length,
+                           kj::TimePoint since) const;
+
   std::string directory_;
   std::string spill_;
   std::string refs_;  // <directory>/.refs
   uint64_t limit_ = 0;
+  struct Source {
+    std::string offer;
+    uint32_t serving = 0;  // pullers sent to it
+  };
+  mutable std::map<std::string, std::vector<Source>> sources_;  // by object name
+  mutable uint64_t served_ = 0;
   std::string record_;  // <runDir>/objects/<id>
 };
 

@@ -427,6 +427,7 @@ class _Nodes:
     def __init__(self):
         self._addresses = {}
         self._lock = threading.Lock()
+        self._offer = None
 
     def _address(self, node_id):
         with self._lock:
@@ -443,10 +444,26 @@ class _Nodes:
                 return n["address"]
         raise ObjectLostError(f"its node {node_id} {why}, and the objects there with it")
 
-    def pull(self, node_id, name, path, reuse=False):
+    def offer_base(self):
+        """"<host>:<bulk port>" of this process's node agent, which serves the copies pulled here
+        to other nodes' pullers ("" for a process of no node)."""
+        if self._offer is None:
+            self._offer = ""
+            node = _objects.host_id()
+            if _objects._is_node(node):
+                try:
+                    address = self._address(node)
+                    port = runtime_call(runtime().object_store, address)["bulk_port"]
+                    if port:
+                        self._offer = f"{address.rpartition(':')[0]}:{port}"
+                except (TroupeError, OSError):
+                    pass
+        return self._offer
+
+    def pull(self, node_id, name, path, reuse=False, offer=""):
         address = self._address(node_id)
         try:
-            return runtime_call(runtime().pull_object, address, name, path, reuse)
+            return runtime_call(runtime().pull_object, address, name, path, reuse, offer)
         except NotFoundError as e:
             raise ObjectLostError(str(e)) from None
         except UnavailableError:

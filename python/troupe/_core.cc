@@ -336,9 +336,17 @@ class Runtime {
         : agent(kj::mv(agent)), name(std::move(name)), path(std::move(path)) {}
     ~Pull() {
       if (fd >= 0) ::close(fd);
+      if (readyFd >= 0) ::close(readyFd);
+    }
+    // Says how many bytes have arrived in order, for an agent relaying this copy meanwhile.
+    void arrived(uint64_t bytes) const {
+      if (readyFd >= 0) (void)!::pwrite(readyFd, &bytes, sizeof bytes, 0);
     }
     rpc::NodeAgent::Client agent;
     std::string name, path;
+    std::string offer;      // where this copy can be read by other pullers ("" for nowhere)
+    std::string relay;      // another puller's copy to read the rest from ("" for the agent)
+    int readyFd = -1;       // <path>.ready while the copy arrives (with an offer)
     std::string host;       // the agent's, for its bulk port
     uint16_t bulkPort = 0;  // 0: the agent streams nothing, chunks only
     int fd = -1;
@@ -351,12 +359,14 @@ class Runtime {
     request.setName(pull->name);
     request.setOffset(offset);
     request.setLength(kPullChunk);
+    if (offset == 0) request.setOffer(pull->offer);
     return io_->provider->getTimer().timeoutAfter(kPullChunkDeadline, request.send())
         .then([pull, offset](capnp::Response<rpc::NodeAgent::ReadObjectResults> r) {
           auto data = r.getData();
           if (offset == 0) {
             pull->size = r.getSize();
             pull->bulkPort = r.getBulkPort();
+            pull->relay = r.getRelay().cStr();
             if (::ftruncate(pull->fd, static_cast<off_t>(pull->size)) != 0) {
               throwStatus(Status(StatusCode::kResourceExhausted,
                                  fmt::format("cannot size {} for a pulled object: {}", pull->path, std::strerror(errno))));
@@ -388,12 +398,13 @@ class Runtime {
   // The rest of the object (after its first chunk) in one request on the agent's bulk port
   // (services/node_objects.h has the framing), read straight into a mapping of the file: no copy
   // but the kernel's.
-  kj::Promise<void> pullStream(std::shared_ptr<Pull> pull, kj::Own<kj::AsyncIoStream> stream) {
+  // `name`: the object's, or the copy's a relay serves.
+  kj::Promise<void> pullStream(std::shared_ptr<Pull> pull, kj::Own<kj::AsyncIoStream> stream, const std::string& name) {
     const uint64_t offset = kPullChunk, length = pull->size - kPullChunk;
-    const uint32_t nameLength = static_cast<uint32_t>(pull->name.size());
+    const uint32_t nameLength = static_cast<uint32_t>(name.size());
     auto request = kj::heapArray<kj::byte>(4 + nameLength + 16);
     memcpy(request.begin(), &nameLength, 4);
-    memcpy(request.begin() + 4, pull->name.data(), nameLength);
+    memcpy(request.begin() + 4, name.data(), nameLength);
     memcpy(request.begin() + 4 + nameLength, &offset, 8);
     memcpy(request.begin() + 12 + nameLength, &length, 8);
     auto& s = *stream;
@@ -433,18 +444,52 @@ class Runtime {
             populate->join();
             ::munmap(at, size);
           });
-          return readInto(s, static_cast<kj::byte*>(at) + kPullChunk, pull->size - kPullChunk).attach(kj::mv(unmap));
+          return readInto(pull, s, static_cast<kj::byte*>(at), kPullChunk, pull->size).attach(kj::mv(unmap));
         })
         .attach(kj::mv(stream));
   }
 
-  // Reads `length` bytes into `into`, 64 MiB at a time, each within the chunk deadline.
-  kj::Promise<void> readInto(kj::AsyncIoStream& s, kj::byte* into, uint64_t length) {
-    if (length == 0) return kj::READY_NOW;
-    size_t piece = static_cast<size_t>(std::min<uint64_t>(length, 64u << 20));
+  // Reads bytes [at, end) of the object into `base` + at, 16 MiB at a time, each within the
+  // chunk deadline, saying how far it got after each.
+  kj::Promise<void> readInto(std::shared_ptr<Pull> pull, kj::AsyncIoStream& s, kj::byte* base, uint64_t at,
+                             uint64_t end) {
+    if (at >= end) return kj::READY_NOW;
+    size_t piece = static_cast<size_t>(std::min<uint64_t>(end - at, 16u << 20));
     return io_->provider->getTimer()
-        .timeoutAfter(kPullChunkDeadline, s.read(into, piece))
-        .then([this, &s, into, length, piece]() { return readInto(s, into + piece, length - piece); });
+        .timeoutAfter(kPullChunkDeadline, s.read(base + at, piece))
+        .then([this, pull, &s, base, at, end, piece]() {
+          pull->arrived(at + piece);
+          return readInto(pull, s, base, at + piece, end);
+        });
+  }
+
+  // The rest of the object from the agent: its bulk port, else chunks.
+  kj::Promise<void> pullDirect(std::shared_ptr<Pull> pull) {
+    if (pull->bulkPort == 0 || pull->host.empty()) return pullLanes(pull);
+    return connectBulk(*io_, HostPort{pull->host, pull->bulkPort}, token_, 3 * kj::SECONDS)
+        .then([this, pull](kj::Own<kj::AsyncIoStream> stream) { return pullStream(pull, kj::mv(stream), pull->name); },
+              [this, pull](kj::Exception&&) { return pullLanes(pull); });  // the chunks still work
+  }
+
+  // The rest of the object from the copy of another puller the agent named; from the agent
+  // itself if that fails (then the agent forgets the copy).
+  kj::Promise<void> pullRelayed(std::shared_ptr<Pull> pull) {
+    std::string relay = pull->relay;
+    size_t slash = relay.rfind('/');
+    auto hp = parseHostPort(relay.substr(0, slash));
+    if (slash == std::string::npos || !hp.isOk()) return pullDirect(pull);
+    std::string copy = relay.substr(slash + 1);
+    return connectBulk(*io_, *hp, token_, 3 * kj::SECONDS)
+        .then([this, pull, copy](kj::Own<kj::AsyncIoStream> stream) { return pullStream(pull, kj::mv(stream), copy); })
+        .catch_([this, pull](kj::Exception&& e) {
+          TROUPE_LOG(kInfo, "object {}: the copy at {} failed ({}); pulling from its node", pull->name, pull->relay,
+                     e.getDescription().cStr());
+          auto drop = pull->agent.dropSourceRequest();
+          drop.setName(pull->name);
+          drop.setOffer(pull->relay);
+          tasks_->add(drop.send().ignoreResult().catch_([](kj::Exception&&) {}));
+          return pullDirect(pull);
+        });
   }
 
   // A lane asks for the next chunk nobody has asked for, until none is left.
@@ -459,9 +504,12 @@ class Runtime {
   // may be there), or, with `reuse`, into the file already there (a freed one, whose pages are
   // allocated): chunks of kPullChunk, kPullLanes of them in flight, each written where it
   // belongs as it arrives. Returns the object's size. A failed pull leaves no file.
-  uint64_t pullObject(const std::string& address, const std::string& name, const std::string& path, bool reuse) {
-    return onLoop([this, address, name, path, reuse]() {
-      return nodeAgent(address).then([this, address, name, path, reuse](rpc::NodeAgent::Client agent) {
+  // offer: where other pullers can read this copy ("<host>:<bulk port>/<copy name>"; "" for
+  // nowhere): its progress goes to <path>.ready meanwhile, deleted once it is complete.
+  uint64_t pullObject(const std::string& address, const std::string& name, const std::string& path, bool reuse,
+                      const std::string& offer) {
+    return onLoop([this, address, name, path, reuse, offer]() {
+      return nodeAgent(address).then([this, address, name, path, reuse, offer](rpc::NodeAgent::Client agent) {
         auto pull = std::make_shared<Pull>(kj::mv(agent), name, path);
         if (auto hp = parseHostPort(address); hp.isOk()) pull->host = hp->host;
         int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (reuse ? 0 : O_CREAT | O_EXCL);
@@ -469,18 +517,27 @@ class Runtime {
         if (pull->fd < 0) {
           throwStatus(Status(StatusCode::kUnavailable, fmt::format("cannot make {}: {}", path, std::strerror(errno))));
         }
+        if (!offer.empty()) {
+          pull->readyFd = ::open((path + ".ready").c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+          if (pull->readyFd >= 0) {
+            pull->offer = offer;
+            pull->arrived(0);
+          }
+        }
         return pullChunk(pull, 0)
             .then([this, pull]() -> kj::Promise<void> {
               pull->next = kPullChunk;
               if (pull->size <= kPullChunk) return kj::READY_NOW;
-              if (pull->bulkPort == 0 || pull->host.empty()) return pullLanes(pull);
-              return connectBulk(*io_, HostPort{pull->host, pull->bulkPort}, token_, 3 * kj::SECONDS)
-                  .then([this, pull](kj::Own<kj::AsyncIoStream> stream) { return pullStream(pull, kj::mv(stream)); },
-                        [this, pull](kj::Exception&&) { return pullLanes(pull); });  // the chunks still work
+              pull->arrived(kPullChunk);
+              return pull->relay.empty() ? pullDirect(pull) : pullRelayed(pull);
             })
-            .then([pull]() { return pull->size; },
+            .then([pull]() {
+                    if (pull->readyFd >= 0) ::unlink((pull->path + ".ready").c_str());  // complete
+                    return pull->size;
+                  },
                   [pull](kj::Exception&& e) -> uint64_t {
                     ::unlink(pull->path.c_str());
+                    if (pull->readyFd >= 0) ::unlink((pull->path + ".ready").c_str());
                     kj::throwFatalException(kj::mv(e));
                   });
       });
@@ -529,7 +586,7 @@ class Runtime {
   }
 
   // The object store of the node agent at `address`: {directory, objects, bytes, bulk_port, limit,
-  // spill_directory, spilled_objects, spilled_bytes}.
+  // spill_directory, spilled_objects, spilled_bytes, served_bytes}.
   py::dict objectStore(const std::string& address) {
     auto store = onLoop([this, address]() {
       return nodeAgent(address).then([this](rpc::NodeAgent::Client agent) {
@@ -537,10 +594,10 @@ class Runtime {
       }).then([](capnp::Response<rpc::NodeAgent::ObjectStoreResults> r) {
         return std::make_tuple(std::string(r.getDirectory().cStr()), r.getObjects(), r.getBytes(), r.getBulkPort(),
                                r.getLimit(), std::string(r.getSpillDirectory().cStr()), r.getSpilledObjects(),
-                               r.getSpilledBytes());
+                               r.getSpilledBytes(), r.getServedBytes());
       });
     });
-    auto& [directory, objects, bytes, bulkPort, limit, spillDirectory, spilledObjects, spilledBytes] = store;
+    auto& [directory, objects, bytes, bulkPort, limit, spillDirectory, spilledObjects, spilledBytes, servedBytes] = store;
     py::dict out;
     out["directory"] = directory;
     out["objects"] = objects;
@@ -550,6 +607,7 @@ class Runtime {
     out["spill_directory"] = spillDirectory;
     out["spilled_objects"] = spilledObjects;
     out["spilled_bytes"] = spilledBytes;
+    out["served_bytes"] = servedBytes;
     return out;
   }
 
@@ -1091,7 +1149,7 @@ PYBIND11_MODULE(_core, m) {
       .def("snapshot", &Runtime::snapshot)
       .def("read_logs", &Runtime::readLogs)
       .def("pull_object", &Runtime::pullObject, py::arg("address"), py::arg("name"), py::arg("path"),
-           py::arg("reuse") = false)
+           py::arg("reuse") = false, py::arg("offer") = "")
       .def("drop_object", &Runtime::dropObject)
       .def("hold_object", &Runtime::holdObject)
       .def("object_store", &Runtime::objectStore)

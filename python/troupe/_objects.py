@@ -534,8 +534,11 @@ class _Store:
             reused = self.reuse(size, path) if size >= RECYCLE_MIN_BYTES else None
             if reused is not None:
                 os.close(reused)
+            # A copy of a large put() object is offered to other nodes' pullers: its node's agent
+            # serves it while it arrives and while it is mapped here (services/node_objects.h).
+            offer = f"{nodes.offer_base()}/{os.path.basename(path)}" if size > 8 << 20 and not self.fallback else ""
             try:
-                size = nodes.pull(host, object_id, path, reused is not None)
+                size = nodes.pull(host, object_id, path, reused is not None, "" if offer.startswith("/") else offer)
             except ObjectLostError:
                 raise
             except TroupeError as e:

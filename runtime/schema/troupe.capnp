@@ -188,12 +188,18 @@ interface NodeAgent {
   metrics @4 () -> (samples :List(MetricSample));
   # This node's object directory (where its processes put() objects) and what it holds now; its
   # limit in bytes, past which objects are spilled to spillDirectory (on disk), and what that holds.
+  # servedBytes: bytes of its objects sent to other nodes so far.
   objectStore @5 () -> (directory :Text, objects :UInt64, bytes :UInt64, bulkPort :UInt16,
-                        limit :UInt64, spillDirectory :Text, spilledObjects :UInt64, spilledBytes :UInt64);
+                        limit :UInt64, spillDirectory :Text, spilledObjects :UInt64, spilledBytes :UInt64,
+                        servedBytes :UInt64);
   # Up to `length` bytes (at most 16 MiB) of object `name` in this node's directory from
   # `offset`, and the object's whole size: another node pulls an object in such chunks, or takes
   # the rest of a larger one in one stream from the agent's bulk port (node_objects.h).
-  readObject @6 (name :Text, offset :UInt64, length :UInt32) -> (data :Data, size :UInt64, bulkPort :UInt16);
+  # With the first chunk (offset 0), `offer` says where the puller's own copy can be read while
+  # and after it arrives ("<host>:<bulk port>/<copy>"), and `relay` where to read the rest from
+  # instead of this agent ("" for here): another puller's copy (NodeObjects::relayFor).
+  readObject @6 (name :Text, offset :UInt64, length :UInt32, offer :Text)
+      -> (data :Data, size :UInt64, bulkPort :UInt16, relay :Text);
   # Deletes a result handed over to a caller on another node, once that caller has pulled it.
   dropObject @7 (name :Text) -> ();
   # Refs to this node's objects held by processes of other nodes (node_objects.h, "Holds"):
@@ -205,6 +211,8 @@ interface NodeAgent {
   # Which of these pids are processes alive on this node: another node's agent asks about the
   # processes here that hold refs to its objects.
   processesAlive @11 (pids :List(Int32)) -> (alive :List(Int32));
+  # The copy an offer named is gone, or could not be read: no puller is sent to it any more.
+  dropSource @12 (name :Text, offer :Text) -> ();
 }
 
 struct StateCount {
