@@ -22,6 +22,10 @@ leaves files that the agent, or the next process of the machine to open the stor
 Objects of a process of no node (its machine's directory, which no agent serves) are not held:
 one whose ref was sent lives until its owner exits.
 
+Across nodes: a get() of an object of another node pulls it from that node's agent into a file
+here (pull); a large put() object's copy is offered to other nodes' pullers meanwhile, which its
+node's agent serves them as it arrives (services/node_objects.h, "Serving on").
+
 Limit and spilling, as Ray's: a node's objects may hold up to its limit of memory (`troupe
 start --object-store-memory`, default 30% of RAM; TROUPE_OBJECT_STORE_MEMORY in its workers).
 A put() that would pass it first gives back the files kept for reuse (below), then moves the
