@@ -179,7 +179,7 @@ class NodeAgentService final : public rpc::NodeAgent::Server {
   kj::Promise<void> processesAlive(ProcessesAliveContext context) override {
     std::vector<int32_t> alive;
     for (int32_t pid : context.getParams().getPids()) {
-      if (pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM)) alive.push_back(pid);
+      if (processAlive(pid)) alive.push_back(pid);
     }
     auto out = context.getResults().initAlive(alive.size());
     for (size_t i = 0; i < alive.size(); ++i) out.set(i, alive[i]);

@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -21,6 +20,7 @@
 #include <fmt/format.h>
 #include <kj/debug.h>
 
+#include "troupe/runtime/process.h"
 #include "troupe/runtime/safe_open.h"
 
 namespace troupe {
@@ -72,7 +72,20 @@ bool validHolder(std::string_view holder) {
   return allOf(where, 64, isHex) && allOf(holder.substr(dot + 1), 10, isDigit);
 }
 
-bool pidAlive(long pid) { return pid > 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM); }
+// A hold file's holder (node_objects.h): its node ("" for this one, "x..." for none) and pid;
+// nullopt when malformed.
+struct Holder {
+  std::string node;
+  pid_t pid = 0;
+};
+std::optional<Holder> parseHolder(std::string_view file) {
+  std::string_view holder = file.substr(0, file.find(':'));  // a holder, or its ref in flight
+  if (!validHolder(holder)) return std::nullopt;
+  size_t dot = holder.find('.');
+  std::string_view pid = dot == std::string_view::npos ? holder : holder.substr(dot + 1);
+  return Holder{std::string(dot == std::string_view::npos ? "" : holder.substr(0, dot)),
+                static_cast<pid_t>(std::strtol(std::string(pid).c_str(), nullptr, 10))};
+}
 
 void removeTree(const std::string& directory) {
   std::error_code ec;
@@ -208,7 +221,7 @@ Result<NodeObjects::Opened> NodeObjects::openObject(std::string_view name) const
   const std::string path = directory_ + "/" + std::string(name);
   const std::string spilled = spill_ + "/" + std::string(name);
   const pid_t owner = ownerOf(name);
-  if (!handedOver(name) && owner > 0 && ::kill(owner, 0) != 0 && errno == ESRCH) {
+  if (!handedOver(name) && owner > 0 && !processAlive(owner)) {
     ::unlink(path.c_str());  // a put() object of an owner killed before it could delete it
     ::unlink(spilled.c_str());
     return Status(StatusCode::kNotFound,
@@ -483,11 +496,8 @@ std::map<std::string, std::set<int>> NodeObjects::remoteHolders() const {
   for (const auto& object : fs::directory_iterator(refs_, ec)) {
     std::error_code inner;
     for (const auto& file : fs::directory_iterator(object.path(), inner)) {
-      std::string holder = file.path().filename().string();
-      holder = holder.substr(0, holder.find(':'));
-      size_t dot = holder.find('.');
-      if (dot == std::string::npos || holder[0] == 'x' || !validHolder(holder)) continue;
-      out[holder.substr(0, dot)].insert(std::atoi(holder.c_str() + dot + 1));
+      auto holder = parseHolder(file.path().filename().string());
+      if (holder && !holder->node.empty() && holder->node[0] != 'x') out[holder->node].insert(holder->pid);
     }
   }
   return out;
@@ -501,20 +511,17 @@ void NodeObjects::sweep(const RemoteLiveness& remote) const {
     const std::string path = directory_ + "/" + name, spilled = spill_ + "/" + name;
     struct stat st {};
     // Its owner died (the object is lost), or it is gone already (its owner exited): holds go.
-    bool gone = !pidAlive(ownerOf(name)) || (::stat(path.c_str(), &st) != 0 && ::stat(spilled.c_str(), &st) != 0);
+    bool gone = !processAlive(ownerOf(name)) || (::stat(path.c_str(), &st) != 0 && ::stat(spilled.c_str(), &st) != 0);
     std::error_code inner;
     for (const auto& file : fs::directory_iterator(object.path(), inner)) {
-      std::string holder = file.path().filename().string();
-      holder = holder.substr(0, holder.find(':'));
-      size_t dot = holder.find('.');
-      bool dead = gone || !validHolder(holder);
-      if (!dead && dot == std::string::npos) {
-        dead = !pidAlive(std::atol(holder.c_str()));
-      } else if (!dead && holder[0] != 'x') {  // a process of no node is kept until it releases
-        std::string node = holder.substr(0, dot);
-        auto alive = remote.alive.find(node);
-        dead = remote.dead.count(node) > 0 ||
-               (alive != remote.alive.end() && alive->second.count(std::atoi(holder.c_str() + dot + 1)) == 0);
+      auto holder = parseHolder(file.path().filename().string());
+      bool dead = gone || !holder;
+      if (!dead && holder->node.empty()) {
+        dead = !processAlive(holder->pid);
+      } else if (!dead && holder->node[0] != 'x') {  // a process of no node is kept until it releases
+        auto alive = remote.alive.find(holder->node);
+        dead = remote.dead.count(holder->node) > 0 ||
+               (alive != remote.alive.end() && alive->second.count(holder->pid) == 0);
       }
       if (dead) ::unlink(file.path().c_str());
     }

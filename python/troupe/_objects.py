@@ -176,17 +176,18 @@ class _Store:
             print(f"(troupe) the object directory {wanted} {problem}, not this user's with mode 0700 (another "
                   f"user made it?): this process keeps its objects in {root} instead", file=sys.stderr, flush=True)
         self.root = root
+        self.host = host_id()
         if _node is not None:
             spill, limit = _node[2], _node[3]
+        elif _is_node(self.host):  # a worker: its node agent set these
+            spill = os.environ.get("TROUPE_OBJECT_SPILL_DIR")
+            limit = int(os.environ.get("TROUPE_OBJECT_STORE_MEMORY") or 0)
         else:
-            on_node = os.environ.get("TROUPE_OBJECT_DIR") and os.environ.get("TROUPE_NODE_ID")
-            spill = os.environ.get("TROUPE_OBJECT_SPILL_DIR") if on_node else None
-            limit = int(os.environ.get("TROUPE_OBJECT_STORE_MEMORY") or 0) if on_node else 0
+            spill, limit = None, 0
         self.limit = limit or default_limit(self.parent)
         self.spill = spill or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"troupe-spill-{os.getuid()}")
         self.spill_fd = None  # the spill directory, opened (and checked) on first use; its lock
         self.checked = {}  # another process's fallback directory -> whether it is ours and private
-        self.host = host_id()
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.counter = itertools.count()
@@ -296,7 +297,7 @@ class _Store:
             except OSError as e:
                 os.close(fd)
                 os.unlink(temp)
-                if e.errno == errno.ENOSPC and attempt == 0 and (self.trim() or self.make_room(offset, offset)):
+                if e.errno == errno.ENOSPC and attempt == 0 and (self.trim() or self.make_room(offset)):
                     continue  # kept files went back to the system, or objects to disk: once more
                 raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
                                   "(is the shared-memory file system full?)") from None
@@ -321,7 +322,7 @@ class _Store:
             return self.create(size, temp)
         with self.spill_lock():
             over = self.scan()[0] + size - self.limit
-            if over > 0 and self.make_room(over, size, locked=True) < over:
+            if over > 0 and self.make_room(over, locked=True) < over:
                 raise ObjectStoreFullError(
                     f"a {size}-byte object does not fit in the object store of {self.root} (limit {self.limit} bytes): "
                     "what is left there is in use or being written; free some refs, or raise the limit")
@@ -367,12 +368,12 @@ class _Store:
             self.spill_fd = os.open(self.spill, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         return _Flock(self.spill_fd)
 
-    def make_room(self, want, size, locked=False):
+    def make_room(self, want, locked=False):
         """Frees `want` bytes of the directory: kept files first, then the oldest spillable
         objects this process has not mapped go to disk. Returns the bytes freed."""
         if not locked:
             with self.spill_lock():
-                return self.make_room(want, size, locked=True)
+                return self.make_room(want, locked=True)
         freed = 0
         _, files = self.scan()
         files.sort()
@@ -426,51 +427,56 @@ class _Store:
     def trim(self):
         """Deletes the files kept for reuse (the machine is short of shared memory); True if any."""
         with self.lock:
+            self.take_kept()
             free, self.free, self.free_bytes = self.free, [], 0
         for _, path in free:
             _unlink(path)
         return bool(free)
 
-    def pulled_gone(self, path, size):
-        """The mapping of a pulled copy went (at any point of any thread, from the garbage
-        collector: no lock is taken): its file is kept for reuse, or deleted."""
-        if self.pulled_files.pop(path, None) is None:
-            return  # closed
-        if size > min(self.keep_max(), self.room() // 2) - self.free_bytes:
+    def keep(self, path, size):
+        """A freed file kept for reuse: renamed <pid>-free-<n>, and that path returned, while this
+        process keeps at most 2 GiB, a quarter of the store's limit and half of what the file
+        system has free (the kept files are not in it: they are allocated); else deleted (None).
+        Takes no lock: the garbage collector calls it for pulled copies."""
+        try:
+            vfs = os.statvfs(self.root)
+            room = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            room = 0
+        if size < RECYCLE_MIN_BYTES or size > min(RECYCLE_MAX_BYTES, self.limit // 4, room // 2) - self.free_bytes:
             _unlink(path)
-            return
+            return None
         free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
         try:
             os.rename(path, free)
         except OSError:
             _unlink(path)
-            return
-        self.kept.put((size, free))  # into the free list at the next reuse()
+            return None
+        return free
 
-    def keep_max(self):
-        """Bytes of freed files this process keeps: kept pages count against the store's limit
-        (and are what a put() short of room gives back first)."""
-        return min(RECYCLE_MAX_BYTES, self.limit // 4)
-
-    def room(self):
-        try:
-            vfs = os.statvfs(self.root)
-            return vfs.f_bavail * vfs.f_frsize
-        except OSError:
-            return 0
-
-    def reuse(self, size, path):
-        """A freed object's file, renamed to `path` and opened for writing: its pages are already
-        allocated, so writing into it costs a copy and no page faults. None if none fits."""
+    def take_kept(self):
+        """Moves the files keep() queued into the free list (self.lock held)."""
         while True:
             try:
                 have, free = self.kept.get_nowait()
             except queue.Empty:
-                break
-            with self.lock:
-                self.free.append((have, free))
-                self.free_bytes += have
+                return
+            self.free.append((have, free))
+            self.free_bytes += have
+
+    def pulled_gone(self, path, size):
+        """The mapping of a pulled copy went (at any point of any thread, from the garbage
+        collector): its file is kept for reuse, or deleted."""
+        if self.pulled_files.pop(path, None) is not None:  # else closed
+            free = self.keep(path, size)
+            if free is not None:
+                self.kept.put((size, free))  # no lock here: the next reuse() lists it
+
+    def reuse(self, size, path):
+        """A freed object's file, renamed to `path` and opened for writing: its pages are already
+        allocated, so writing into it costs a copy and no page faults. None if none fits."""
         with self.lock:
+            self.take_kept()
             best = None
             for i, (have, _) in enumerate(self.free):
                 if size <= have <= 2 * size and (best is None or have < self.free[best][0]):
@@ -499,22 +505,14 @@ class _Store:
                 return
         try:
             size = os.stat(path).st_size
-            vfs = os.statvfs(self.root)
         except OSError:
             self.delete(object_id)  # spilled, or being spilled (the spiller then deletes its copy)
             return
-        room = vfs.f_bavail * vfs.f_frsize  # the kept files are not in it: they are allocated
         with self.lock:
-            if size >= RECYCLE_MIN_BYTES and self.free_bytes + size <= min(self.keep_max(), room // 2):
-                free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
-                try:
-                    os.rename(path, free)
-                    self.free.append((size, free))
-                    self.free_bytes += size
-                    return
-                except OSError:
-                    pass
-        _unlink(path)
+            free = self.keep(path, size)
+            if free is not None:
+                self.free.append((size, free))
+                self.free_bytes += size
 
     def pull(self, object_id, host, take=False, size=0):
         """The value of an object that lives on another node: its bytes are pulled from that
@@ -540,9 +538,10 @@ class _Store:
                 os.close(reused)
             # A copy of a large put() object is offered to other nodes' pullers: its node's agent
             # serves it while it arrives and while it is mapped here (services/node_objects.h).
-            offer = f"{nodes.offer_base()}/{os.path.basename(path)}" if size > 8 << 20 and not self.fallback else ""
+            base = nodes.offer_base() if size > 8 << 20 and not self.fallback else ""
+            offer = f"{base}/{os.path.basename(path)}" if base else ""
             try:
-                size = nodes.pull(host, object_id, path, reused is not None, "" if offer.startswith("/") else offer)
+                size = nodes.pull(host, object_id, path, reused is not None, offer)
             except ObjectLostError:
                 raise
             except TroupeError as e:
@@ -795,6 +794,7 @@ class _Store:
             owned, self.owned = self.owned, {}
             held, self.held = self.held, {}
             contained, self.contained = self.contained, {}
+            self.take_kept()
             free, self.free, self.free_bytes = self.free, [], 0
             self.maps.clear()
             self.marked.clear()
@@ -813,11 +813,6 @@ class _Store:
         for path in list(self.pulled_files):
             if self.pulled_files.pop(path, None) is not None:
                 _unlink(path)
-        while True:
-            try:
-                _unlink(self.kept.get_nowait()[1])
-            except queue.Empty:
-                break
         if self.spill_fd is not None:
             os.close(self.spill_fd)
             self.spill_fd = None

@@ -22,16 +22,14 @@ def stored(ref):
     """Whether a put() object's file is in the node's object directory (or spilled)."""
     from troupe import _objects
 
-    store = _objects.store()
-    return os.path.exists(store.path(ref.hex())) or os.path.exists(store.spilled(ref.hex()))
+    return _objects.store().exists(ref.hex())
 
 
 def freed(name, what):
     from troupe import _objects
 
     store = _objects.store()
-    eventually(lambda: not os.path.exists(store.path(name)) and not os.path.exists(store.spilled(name)) and
-               not os.path.exists(os.path.join(store.refs, name)), 30, what)
+    eventually(lambda: not store.exists(name) and not os.path.exists(os.path.join(store.refs, name)), 30, what)
 
 
 @troupe.remote
