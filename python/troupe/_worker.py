@@ -214,6 +214,8 @@ class _Drainer:
                     return
                 method, payload, reply = pending.popleft()
                 self.started = clock()
+                if pending:  # calls queued while no runner was set woke no watchdog
+                    self.backlog.notify()
             reply(execute(method, payload))
 
     def hand_over(self):

@@ -49,3 +49,38 @@ def test_a_long_task_does_not_hold_up_short_ones_queued_behind_it(tmp_path):
     assert troupe.wait(long_ones, num_returns=2, timeout=0)[0] == []  # still held: it really overlapped
     marker.touch()
     assert troupe.get(long_ones, timeout=60) == ["released"] * 2
+
+
+def test_calls_queued_before_the_runner_starts_still_wake_the_watchdog():
+    # Two calls arrive before the queue's first runner has started (the drain is only submitted);
+    # the first runs long. The second must still be handed to a new runner, though no dispatch
+    # came after the long one started to wake the watchdog.
+    import threading
+    from troupe import _api, _worker
+
+    release, second_ran = threading.Event(), threading.Event()
+
+    def execute(method, payload):
+        if method == "long":
+            release.wait(30)
+        return method
+
+    hook = _api._blocking_hook
+    drainer = _worker._Drainer(execute, 8)
+    _api._blocking_hook = hook
+    held, pool = [], drainer.pool
+
+    class Deferred:
+        def submit(self, fn):
+            held.append(fn)
+
+    drainer.pool = Deferred()
+    drainer.dispatch("long", b"", lambda _: None)
+    drainer.dispatch("short", b"", lambda _: second_ran.set())
+    assert len(held) == 1  # one drain submitted, not yet running
+    drainer.pool = pool
+    pool.submit(held[0])
+    try:
+        assert second_ran.wait(10), "the call behind a long one was never handed to a new runner"
+    finally:
+        release.set()
