@@ -538,7 +538,10 @@ class _Store:
                 os.close(reused)
             # A copy of a large put() object is offered to other nodes' pullers: its node's agent
             # serves it while it arrives and while it is mapped here (services/node_objects.h).
-            base = nodes.offer_base() if size > 8 << 20 and not self.fallback else ""
+            # TROUPE_OBJECT_RELAY=0 keeps this process's copies to itself (every puller then
+            # costs the owner's node a copy: bench/objects.py measures that beside relays).
+            relay = size > 8 << 20 and not self.fallback and os.environ.get("TROUPE_OBJECT_RELAY", "1") != "0"
+            base = nodes.offer_base() if relay else ""
             offer = f"{base}/{os.path.basename(path)}" if base else ""
             try:
                 size = nodes.pull(host, object_id, path, reused is not None, offer)

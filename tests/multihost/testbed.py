@@ -176,6 +176,16 @@ class Host:
         _ip("-n", self.netns, "link", "set", "dev", "eth0", "up")
         self.is_cut = False
 
+    def limit(self, rate):
+        """Caps the host's link at `rate` (tc's units, e.g. "1gbit") each way, as a NIC would: a
+        token bucket on both ends of its veth."""
+        for where in (["tc"], ["ip", "netns", "exec", self.netns, "tc"]):
+            dev = self.veth if len(where) == 1 else "eth0"
+            p = subprocess.run([*where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "1mb",
+                                "latency", "50ms"], capture_output=True, text=True, timeout=30)
+            if p.returncode != 0:
+                raise CommandError(repr(self), p.returncode, ["tc", "qdisc", "replace", dev], p.stdout, p.stderr)
+
     def _state(self):
         return {"index": self.index, "netns": self.netns, "veth": self.veth, "address": self.address,
                 "root": str(self.root), "is_cut": self.is_cut}
