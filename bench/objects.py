@@ -84,7 +84,7 @@ GETTER = textwrap.dedent("""
     sys.path.insert(0, %(pkg)r)
     import troupe
     troupe.init(%(controller)r, token=%(token)r, log_to_driver=False)
-    ref = troupe.get_actor(%(name)r).ref.remote()
+    ref = troupe.get_actor(%(name)r, namespace="bench").ref.remote()
     [ref] = troupe.get(ref)
     print("ready", flush=True)
     sys.stdin.readline()
@@ -110,7 +110,7 @@ OWNER = textwrap.dedent("""
         def ref(self):
             return self.refs
 
-    owner = Owner.options(name=%(name)r, lifetime="detached").remote(%(size)d)
+    owner = Owner.options(name=%(name)r, namespace="bench", lifetime="detached").remote(%(size)d)
     troupe.get(owner.ref.remote())
     print("ready", flush=True)
 """)

@@ -45,7 +45,9 @@ class _Session:
         self.cluster_process = cluster_process
         self.run_root = run_root
         self.job_id = job_id  # names the job's task pools; actors and tasks it starts inherit it
-        self.namespace = namespace or DEFAULT_NAMESPACE
+        # Ray's rule: a driver without namespace= gets an anonymous one of its own, so its
+        # actors' names do not meet another driver's.
+        self.namespace = namespace or f"anonymous-{secrets.token_hex(8)}"
         self.runtime_env = runtime_env
         self.closing = threading.Event()
         self.printer = None
@@ -319,7 +321,9 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
     With log_to_driver, the output of the actors this driver creates is printed here,
     prefixed with "(Class pid=N)".
 
-    Also from ray.init(): namespace= (where actor names live; default "default"),
+    Also from ray.init(): namespace= (where actor names live; default: an anonymous namespace of
+    this driver's own, which its actors and tasks share; "default" is the one `troupe` and C++
+    actors use),
     runtime_env={"env_vars": {...}, "working_dir": DIR} (applied in every worker of this job),
     num_gpus=, logging_level= (the runtime's log level), object_store_memory= (bytes of shared memory
     the local cluster's objects may hold before they spill to disk; default 30% of RAM). Other
@@ -814,7 +818,7 @@ class ActorClass:
         session_env = (_session.runtime_env if _session is not None else _worker_context.get("runtime_env"))
         context = {
             "job_id": _job_id(),
-            "namespace": options.get("namespace") or _current_namespace(),
+            "namespace": _current_namespace(),  # the job's, as in Ray: options' only scopes the name
             "runtime_env": _ship_modules(options.get("runtime_env") or session_env),
             "max_concurrency": options.get("max_concurrency"),
             "task_worker": bool(options.get("_task_worker")),

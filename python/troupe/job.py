@@ -241,7 +241,7 @@ def _log_cap():
 
 def _handle(name):
     try:
-        return _api.get_actor(f"job:{name}")
+        return _api.get_actor(f"job:{name}", namespace=_api.DEFAULT_NAMESPACE)
     except NotFoundError:
         raise JobError(f"no job named {name!r} (see `troupe job list`)") from None
 
@@ -260,7 +260,7 @@ def submit(script: str | os.PathLike[str], args: Sequence[str] = (), name: str |
     with open(script, "rb") as f:
         code = f.read()
     try:
-        handle = _JobSupervisor.options(name=f"job:{name}", lifetime="detached").remote(
+        handle = _JobSupervisor.options(name=f"job:{name}", namespace=_api.DEFAULT_NAMESPACE, lifetime="detached").remote(
             name, os.path.basename(script), code, list(args), max_restarts)
     except AlreadyExistsError:
         raise JobError(f"a job named {name!r} exists already; pick another --name") from None

@@ -1,4 +1,6 @@
 #include <iostream>
+#include <set>
+#include <string_view>
 
 #include "cli.h"
 #include "troupe/runtime/names.h"
@@ -26,6 +28,24 @@ int logsCommand(const std::string& actor, const std::string& address, const std:
     bool match = a.id.hex() == actor || (!a.name.empty() && a.name == actor) ||
                  (hex && actor.size() >= 4 && a.id.hex().rfind(actor, 0) == 0);
     if (match && (!found || a.state != ActorState::kDead)) found = &a;
+  }
+  if (!found && !hex && actor.find('/') == std::string::npos) {
+    // A plain NAME of a driver's anonymous namespace ("anonymous-.../NAME"), or any other one,
+    // when only one namespace has it.
+    std::set<std::string> names;
+    for (const auto& a : snapshot->actors) {
+      size_t slash = a.name.rfind('/');
+      if (slash == std::string::npos || std::string_view(a.name).substr(slash + 1) != actor) continue;
+      names.insert(a.name);
+      if (!found || a.state != ActorState::kDead) found = &a;
+    }
+    if (names.size() > 1) {
+      std::string all;
+      for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+      return fail(Status(StatusCode::kInvalidArgument,
+                         fmt::format("'{}' names actors in {} namespaces ({}): say which, as NAMESPACE/NAME", actor,
+                                     names.size(), all)));
+    }
   }
   if (!found) return fail(Status(StatusCode::kNotFound, fmt::format("no actor with id or name '{}' (see 'troupe status')", actor)));
   const NodeRecord* node = nullptr;

@@ -229,13 +229,20 @@ int statusCommand(const StatusFlags& flags) {
                             : fmt::format("{} shown of {} matching, from {}{}", snapshot->actors.size(),
                                           snapshot->actorsMatching, totalActors,
                                           snapshot->actors.size() < snapshot->actorsMatching ? "; --limit 0 shows all" : "");
-    std::cout << fmt::format("\nActors ({}: {})\n{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", shown, counts, "ACTOR",
-                             "TYPE", "NAME", "NODE", "PID", "STATE", "RESTARTS", "REASON");
+    // Columns as wide as their longest entry (a name in an anonymous namespace is ~40 wide).
+    size_t typeWidth = 10, nameWidth = 14;
+    for (const auto& a : snapshot->actors) {
+      typeWidth = std::max(typeWidth, displayText(a.type, 64).size() + 2);
+      nameWidth = std::max(nameWidth, displayText(a.name, 64).size() + 2);
+    }
+    std::cout << fmt::format("\nActors ({}: {})\n{:<18}{:<{}}{:<{}}{:<18}{:<8}{:<11}{:<9}{}\n", shown, counts, "ACTOR",
+                             "TYPE", typeWidth, "NAME", nameWidth, "NODE", "PID", "STATE", "RESTARTS", "REASON");
     for (const auto& a : snapshot->actors) {
       // Names, types and reasons as one line each: none can forge a row (a reason holds stderr).
-      std::cout << fmt::format("{:<18}{:<10}{:<14}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), displayText(a.type, 64),
-                               a.name.empty() ? "-" : displayText(a.name, 64), a.nodeId.empty() ? "-" : a.nodeId.hex(),
-                               a.pid, actorStateName(a.state), a.restarts, displayText(a.deathReason));
+      std::cout << fmt::format("{:<18}{:<{}}{:<{}}{:<18}{:<8}{:<11}{:<9}{}\n", a.id.hex(), displayText(a.type, 64),
+                               typeWidth, a.name.empty() ? "-" : displayText(a.name, 64), nameWidth,
+                               a.nodeId.empty() ? "-" : a.nodeId.hex(), a.pid, actorStateName(a.state), a.restarts,
+                               displayText(a.deathReason));
     }
   }
   if (!snapshot->placementGroups.empty()) {

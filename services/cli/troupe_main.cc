@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
   std::string logsActor, logsAddress, logsToken;
   size_t logsBytes = 64 * 1024;
   auto* logsCmd = app.add_subcommand("logs", "Print an actor's captured stdout and stderr");
-  logsCmd->add_option("actor", logsActor, "Actor id, id prefix, or name")->required();
+  logsCmd->add_option("actor", logsActor, "Actor id, id prefix, NAMESPACE/NAME, or a NAME only one namespace has")->required();
   logsCmd->add_option("--address", logsAddress, "Controller HOST:PORT (default: this machine's cluster)");
   addTokenOptions(logsCmd, logsToken, logsTokenFile);
   logsCmd->add_option("--bytes", logsBytes, "At most this much from the end of each stream");

@@ -104,7 +104,7 @@ def test_redis_kill9_comes_back_from_its_aof_and_nobody_dies(troupe):
             def __init__(self): self.v = 0
             def put(self, v): self.v = v; return v
             def get(self): return self.v
-        b = Box.options(name="box", lifetime="detached").remote()
+        b = Box.options(name="box", namespace="kept", lifetime="detached").remote()
         print(troupe.get(b.put.remote(41)))
     """)
     p = run_driver(code, env=troupe.env)
@@ -120,7 +120,7 @@ def test_redis_kill9_comes_back_from_its_aof_and_nobody_dies(troupe):
     code = textwrap.dedent("""
         import troupe
         troupe.init(address="auto")
-        print("value", troupe.get(troupe.get_actor("box").get.remote()))
+        print("value", troupe.get(troupe.get_actor("box", namespace="kept").get.remote()))
     """)
     p = run_driver(code, env=troupe.env)
     assert p.returncode == 0 and "value 41" in p.stdout, p.stdout + p.stderr
@@ -196,7 +196,7 @@ def test_an_actor_whose_constructor_keeps_failing_restarts_with_a_back_off(troup
     created = time.monotonic()
 
     def restarts():
-        return max([a["restarts"] for a in troupe.status()["actors"] if a.get("name") == "broken"] or [0])
+        return max([a["restarts"] for a in troupe.status()["actors"] if a.get("name", "").endswith("/broken")] or [0])
 
     eventually(lambda: restarts() >= 7, 60, "seven restarts of the broken actor")
     # The seventh comes after 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of back-off; without it, seven

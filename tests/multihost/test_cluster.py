@@ -144,14 +144,14 @@ def test_actors_spread_over_three_hosts_are_called_and_found_from_any_host(testb
                 return os.environ["TROUPE_NODE_IP"], os.environ["TROUPE_NODE_ID"]
 
         actors = [Where.options(placement_group=pg["id"], bundle_index=i, name=f"where{i}",
-                                lifetime="detached").remote() for i in range(3)]
+                                namespace="where", lifetime="detached").remote() for i in range(3)]
         print("WHERE", sorted(ip for ip, _ in troupe.get([a.where.remote() for a in actors], timeout=60)))
     """)
     seen = re.search(r"WHERE (.*)", out).group(1)
     assert seen == str(sorted(h.address for h in bed.hosts)), out
     # Named actors are found, and called, from a driver on another host.
     out = driver(bed.hosts[2], controller, token, """
-        a = troupe.get_actor("where0")
+        a = troupe.get_actor("where0", namespace="where")
         print("FOUND", troupe.get(a.where.remote(), timeout=60)[0])
     """)
     assert re.search(r"FOUND 10\.", out), out

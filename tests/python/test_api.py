@@ -175,7 +175,7 @@ def test_attach_auto_and_by_address_across_two_drivers(troupe_cli_cluster):
     # Driver 1 (another process) leaves a detached named actor behind.
     first = run_driver(
         "import troupe\n"
-        "troupe.init('auto')\n"
+        "troupe.init('auto', namespace='shelf')\n"
         "@troupe.remote\n"
         "class Box:\n"
         "    def __init__(self): self.items = []\n"
@@ -187,7 +187,7 @@ def test_attach_auto_and_by_address_across_two_drivers(troupe_cli_cluster):
     # Driver 2 attaches by address and token.
     second = run_driver(
         "import troupe\n"
-        f"troupe.init('{address}', token='{token}')\n"
+        f"troupe.init('{address}', token='{token}', namespace='shelf')\n"
         "print(troupe.get(troupe.get_actor('box').put.remote('from driver 2')))\n", env=env)
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == "2"

@@ -2,12 +2,13 @@
 embedded cluster (2 CPUs, like the machine): arguments, attributes, names and namespaces,
 actors inside actors, num_returns, threaded and async actors, ending actors."""
 import os
+import subprocess
 import threading
 import time
 
 import pytest
 
-from troupe_testing import cluster_fixture, eventually, import_troupe, run_driver
+from troupe_testing import BUILD, cluster_fixture, eventually, import_troupe, run_driver
 
 troupe = import_troupe()
 
@@ -179,6 +180,47 @@ def test_namespace_of_a_driver_scopes_its_names():
     troupe.kill(troupe.get_actor("ns-probe", namespace="alpha"))
 
 
+def test_each_driver_has_an_anonymous_namespace_its_actors_and_tasks_share():
+    # Ray's rule: without init(namespace=...), one driver's names are not another's.
+    address = troupe._api._session.address
+    import json
+
+    tok = json.load(open(os.path.join(troupe._api._session.run_root, "latest", "cluster.json")))["token"]
+    mine = troupe.get_runtime_context().namespace
+    assert mine.startswith("anonymous-")
+    here = Counter.options(name="mine-only", lifetime="detached").remote(1)
+
+    @troupe.remote
+    def made_by_a_task():  # a task runs in its driver's namespace: the name lands there
+        c = Counter.options(name="from-a-task", lifetime="detached").remote(5)
+        return troupe.get(c.add.remote()), troupe.get_runtime_context().namespace
+
+    assert troupe.get(made_by_a_task.remote()) == (6, mine)
+    assert troupe.get(troupe.get_actor("from-a-task").add.remote()) == 7
+    code = (
+        "import troupe\n"
+        f"troupe.init({address!r}, token={tok!r})\n"
+        "print(troupe.get_runtime_context().namespace)\n"
+        "try:\n"
+        "    troupe.get_actor('mine-only')\n"
+        "except ValueError as e:\n"
+        "    print('not found')\n"
+        f"print(troupe.get(troupe.get_actor('mine-only', namespace={mine!r}).add.remote()))\n"
+        "print('mine-only' in troupe.util.list_named_actors())\n"
+    )
+    p = run_driver(code, timeout=60)
+    assert p.returncode == 0, p.stderr
+    theirs, missing, added, listed = p.stdout.splitlines()
+    assert theirs.startswith("anonymous-") and theirs != mine
+    assert missing == "not found" and added == "2" and listed == "False"
+    # The CLI finds a name that only one namespace has, as a user types it.
+    cli = [str(BUILD / "troupe"), "logs", "mine-only", "--address", address]
+    logs = subprocess.run(cli, env=dict(os.environ, TROUPE_TOKEN=tok), capture_output=True, text=True, timeout=30)
+    assert logs.returncode == 0 and here.actor_id in logs.stdout, logs.stderr
+    troupe.kill(here)
+    troupe.kill(troupe.get_actor("from-a-task"))
+
+
 def test_list_named_actors_in_this_namespace_or_all():
     here = Counter.options(name="listed-here").remote(1)
     there = Counter.options(name="listed-there", namespace="elsewhere").remote(1)
@@ -187,7 +229,7 @@ def test_list_named_actors_in_this_namespace_or_all():
     names = troupe.util.list_named_actors()
     assert "listed-here" in names and "listed-there" not in names
     everywhere = troupe.util.list_named_actors(all_namespaces=True)
-    assert {"name": "listed-here", "namespace": "default"} in everywhere
+    assert {"name": "listed-here", "namespace": troupe.get_runtime_context().namespace} in everywhere
     assert {"name": "listed-there", "namespace": "elsewhere"} in everywhere
     troupe.kill(here)
     eventually(lambda: "listed-here" not in troupe.util.list_named_actors(), 30, "a killed actor to leave the list")
@@ -211,7 +253,7 @@ def test_get_placement_group_by_name_and_the_runtime_context():
 
     w = Where.remote()
     ctx = troupe.get(w.context.remote())
-    assert ctx["actor_id"] == w.actor_id and ctx["namespace"] == "default"
+    assert ctx["actor_id"] == w.actor_id and ctx["namespace"] == troupe.get_runtime_context().namespace
     assert ctx["node_id"] in {n["id"] for n in troupe.nodes()}
     assert troupe.get_runtime_context().get()["node_id"] is None  # a driver is no node's process
     troupe.kill(w)
