@@ -1090,6 +1090,7 @@ class _TorchTrainers:
         return _TorchTrainerActor.options(num_cpus=1, max_restarts=-1, max_concurrency=4,
                                           placement_group=group.group_id, bundle_index=bundle,
                                           name=_actor_name(group.group_id, bundle),
+                                          namespace=_api.DEFAULT_NAMESPACE,  # any driver's, as the group
                                           lifetime=group._lifetime).remote(spec)
 
 

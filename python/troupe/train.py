@@ -486,7 +486,10 @@ class GroupCoordinator:
                 ckpt_args["fault"] = self._fault["checkpoint"]
             ckpt = _api.cpp_actor("Checkpoint", json.dumps(ckpt_args).encode(),
                                   num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
-                                  name=self._ckpt_name(node), lifetime=self._lifetime)
+                                  # Peers look each other up by these plain names, and a group
+                                  # is any driver's to adopt: the names live in "default".
+                                  name=self._ckpt_name(node), namespace=_api.DEFAULT_NAMESPACE,
+                                  lifetime=self._lifetime)
             self._node_services[node] = (loader, ckpt)
 
     def _drop_idle_services(self):

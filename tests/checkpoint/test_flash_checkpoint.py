@@ -118,7 +118,8 @@ troupe.init("auto")
 members = ["ck-a", "ck-b"]
 def actor(name, node):
     args = {"group": "job", "node": node, "self": name, "members": members, "dir": disk, "shm_dir": shm}
-    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, num_cpus=0.5,
+    # Peers find each other by these plain names: C++ looks them up in "default".
+    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, namespace="default", num_cpus=0.5,
                             resources={"ck" + node.upper(): 1})
 a, b = actor("ck-a", "a"), actor("ck-b", "b")
 from troupe import _typed
@@ -190,7 +191,7 @@ troupe.init("auto")
 members = ["ck-a", "ck-b", "ck-c"]  # what a restarted actor knows: its spawn's member list
 def actor(name):
     args = {"group": "stale", "node": name[-1], "self": name, "members": members, "shm_dir": shm}
-    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, num_cpus=0.5)
+    return troupe.cpp_actor("Checkpoint", init_args=json.dumps(args), name=name, namespace="default", num_cpus=0.5)
 a, b, c = actor("ck-a"), actor("ck-b"), actor("ck-c")
 for h in (a, b, c):
     _typed.get(h, "Checkpoint", "status")
