@@ -150,12 +150,17 @@ class ScalingConfig:
             raise _invalid("ScalingConfig", "tuner", self.tuner, "a bool or a dict of ResourceTuner options")
 
 
+STUCK_FAILURES = 8  # failures of one step in a row after which fit() gives up (FailureConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class FailureConfig:
     """What the group does when members fail (all times in seconds).
 
     max_failures: how many failures fit() recovers from before it raises the next one instead
-    (-1: no limit). recovery_timeout: how long the calls of a recovery (join, restore, pin) may
+    (-1: no limit). Whatever it is, fit() raises once the same step has failed
+    STUCK_FAILURES times in a row (a rank that crashes there each time, a step no recovery
+    can restore): recovering again would loop forever. recovery_timeout: how long the calls of a recovery (join, restore, pin) may
     take. replace_timeout: how long a failed trainer has to come back before the group shrinks
     without it. hang_timeout: a chunk without progress for this long is reported as an event
     naming what each rank is doing."""
@@ -386,6 +391,7 @@ class GroupCoordinator:
         self.hang_timeout = float(failure.hang_timeout)  # a chunk without progress this long is reported
         self.max_failures = failure.max_failures
         self._failures = 0  # failures fit() has seen
+        self._stuck = (-1, 0)  # (step, failures in a row there without a chunk finished)
         self._rt = _api.runtime()
         self._closed = False
         self._lifetime = "detached" if detached else None
@@ -852,6 +858,15 @@ class GroupCoordinator:
                         self._record({"state": GroupState.FAILED})
                         raise fatal from failure
                     self._failures += 1
+                    at, times = self._stuck
+                    self._stuck = (self.step, times + 1 if at == self.step else 1)
+                    if self._stuck[1] >= STUCK_FAILURES:
+                        self._event(f"failure at step {self.step}: not recovered, the step failed {STUCK_FAILURES} "
+                                    f"times in a row: {str(failure).splitlines()[0][:200]}")
+                        self._record({"state": GroupState.FAILED})
+                        raise TroupeError(f"group {self.name}: step {self.step + 1} failed {STUCK_FAILURES} times in "
+                                          "a row, each recovery ending where it began; the last failure: "
+                                          f"{str(failure).splitlines()[0][:300]}") from failure
                     if 0 <= self.max_failures < self._failures:
                         self._event(f"failure at step {self.step}: not recovered, FailureConfig.max_failures="
                                     f"{self.max_failures} reached: {str(failure).splitlines()[0][:200]}")
@@ -865,6 +880,7 @@ class GroupCoordinator:
                         bar.refresh()
                     continue
                 wall = time.monotonic() - t0
+                self._stuck = (-1, 0)
                 self._absorb(replies, wall)
                 if self._tuner is not None:
                     self._consult_tuner(chunk)

@@ -153,6 +153,30 @@ def test_an_error_in_the_loop_is_raised_in_the_driver_with_its_rank_and_tracebac
         assert e.rank == 1 and "rank 1" in str(e) and "_failing_loop" in e.remote_traceback
 
 
+def _crashing_loop(ctx):
+    model = ctx.prepare(torch.nn.Linear(DIM, CLASSES))
+    ctx.track(model=model)
+    for x, y in ctx.batches():
+        if ctx.rank == 1 and ctx.step == 3:
+            os._exit(1)  # a crash of the process (a segfault in an extension, say) at the same step every time
+        model(x).sum().backward()
+        ctx.report(loss=0.0)
+
+
+def test_a_rank_that_crashes_at_the_same_step_every_time_ends_fit_instead_of_recovering_forever(cluster, dataset):
+    from troupe.train import STUCK_FAILURES, ScalingConfig, TorchTrainer
+
+    with TorchTrainer(_crashing_loop, data=dataset, global_batch_size=32, steps_per_call=5, progress=False,
+                      scaling=ScalingConfig(min_workers=2, max_workers=2)) as t:
+        with pytest.raises(troupe.TroupeError, match=f"step 4 failed {STUCK_FAILURES} times in a row"):
+            t.fit(steps=10)
+        # The default max_failures=-1 set no limit: every failure but the last was recovered from,
+        # the last STUCK_FAILURES - 1 of them back to step 3 (the first, perhaps, from before it).
+        steps = [r["step"] for r in t.recoveries]
+        assert steps[-(STUCK_FAILURES - 1):] == [3] * (STUCK_FAILURES - 1) and len(steps) <= STUCK_FAILURES, steps
+        assert any("not recovered" in e["text"] for e in t.events), t.events
+
+
 @pytest.mark.parametrize("member", ["Dataloader", "Checkpoint"])
 def test_a_kill_9_of_a_dataloader_or_checkpoint_actor_keeps_both_trainer_processes(cluster, dataset, member):
     import signal
