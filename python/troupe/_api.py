@@ -1365,6 +1365,12 @@ class ObjectRef:
             raise _Pending(self)
         return _StoredRef._from_value, (get(self),)
 
+    def __copy__(self):
+        return self  # one ref, counted once (pickling it would lend it out of band)
+
+    def __deepcopy__(self, memo):
+        return self
+
     def future(self) -> concurrent.futures.Future:
         """A concurrent.futures.Future of the value (or the call's error), as Ray's
         ObjectRef.future(). A thread of its own waits for it: nothing else blocks."""
@@ -1473,7 +1479,7 @@ class _StoredRef(ObjectRef):
             return e
 
     def __reduce__(self):
-        lent = _objects.store().lend(self._object_id, self._host)
+        lent = _objects.store().lend(self._object_id, self._host, pin=not _serialization.pickling_ours())
         keep = getattr(_lending, "keep", None)
         if keep is not None:
             keep.append(self)

@@ -677,10 +677,12 @@ class _Store:
         with self.lock:
             return object_id in self.owned
 
-    def lend(self, object_id, host):
+    def lend(self, object_id, host, pin=False):
         """A ref to this object is being sent to another process: returns what its receiver names
         when it arrives (the sender's holder id and a token), or None for an object not held
-        (of no node's directory: it then lives until its owner exits)."""
+        (of no node's directory: it then lives until its owner exits). pin: the ref was pickled
+        out of band (by the user, or in a function's closure, which every worker that runs it
+        unpickles): its record stays until this process exits, as Ray pins such an object."""
         if not _held_kind(object_id, host):
             with self.lock:
                 entry = self.owned.get(object_id)
@@ -698,6 +700,8 @@ class _Store:
         container = getattr(_containing, "refs", None)
         if container is not None:  # into a put() value: the record is the value's until it goes
             container.append((object_id, host, f"{holder}:{token}"))
+            return holder, token, True
+        if pin:  # no arrival takes the record: it goes with this process
             return holder, token, True
         return holder, token
 
@@ -876,12 +880,15 @@ def default_limit(directory):
 
 
 def _pickle(value):
+    from ._serialization import ours
+
     buffers = []
-    try:
-        main = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception:
-        buffers = []
-        main = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    with ours():
+        try:
+            main = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+        except Exception:
+            buffers = []
+            main = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     return main, [b.raw() for b in buffers]
 
 

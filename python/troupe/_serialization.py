@@ -6,6 +6,7 @@ Replies from Python actors add one tag byte in front: 0 = value, 1 = (exception,
 """
 import pickle
 import struct
+import threading
 
 import cloudpickle
 
@@ -29,11 +30,30 @@ def _plain(value, depth=0):
     return t.__module__.partition(".")[0] in _PLAIN_MODULES and t.__module__ != "__main__"
 
 
+_ours = threading.local()  # .depth: Troupe itself is pickling on this thread (a call, a reply, a put)
+
+
+class ours:
+    """Marks Troupe's own pickling: a ref pickled outside it (pickle.dumps by the user, a
+    function's closure) is out of band, and pinned (see _api._StoredRef.__reduce__)."""
+
+    def __enter__(self):
+        _ours.depth = getattr(_ours, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _ours.depth -= 1
+
+
+def pickling_ours():
+    return getattr(_ours, "depth", 0) > 0
+
+
 def dumps(obj, tag=b"", plain=None) -> bytes:
     """plain=True: the caller knows obj needs no cloudpickle (saves the walk over it)."""
     buffers = []
     pickler = pickle.dumps if (plain if plain is not None else _plain(obj)) else cloudpickle.dumps
-    main = pickler(obj, protocol=5, buffer_callback=buffers.append)
+    with ours():
+        main = pickler(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([tag, header, main, *raws])  # one copy of the bytes, tag included
@@ -99,7 +119,8 @@ def dumps_call(obj, plain, files) -> bytes:
     """A call's payload; a large one is written to the object directory and its file id appended
     to `files` (the caller deletes them when the call is over)."""
     buffers = []
-    main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
+    with ours():
+        main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if sum(r.nbytes for r in raws) >= ARG_HANDOFF_MIN_BYTES:
         from . import _objects
@@ -116,7 +137,8 @@ def dumps_call(obj, plain, files) -> bytes:
 def dump_reply(value, caller_host=None) -> bytes:
     buffers = []
     pickler = pickle.dumps if _plain(value) else cloudpickle.dumps
-    main = pickler(value, protocol=5, buffer_callback=buffers.append)
+    with ours():
+        main = pickler(value, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if caller_host is not None and sum(r.nbytes for r in raws) >= HANDOFF_MIN_BYTES:
         from . import _objects

@@ -1,10 +1,12 @@
 """Reference counting with borrowers, as Ray's: an object whose ref was sent to other processes
 lives while any of them (or its owner) keeps a ref, and is freed once the last one is dropped
 (its file leaves the node's object directory); a borrower killed with -9 does not keep it; refs
-inside results and inside other put() values count too. Ray's test_reference_counting.py public
-cases, rewritten."""
+inside results and inside other put() values count too; a ref pickled out of band (by the user,
+or in a task function's closure) stays while its pickler lives. Ray's test_reference_counting.py
+public cases, rewritten."""
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +144,143 @@ def test_an_object_never_lent_is_freed_at_once():
     from troupe import _objects
 
     assert not os.path.exists(_objects.store().path(name))
+
+
+def test_a_ref_pickled_out_of_band_stays_loadable_while_its_pickler_lives():
+    # pickle.dumps by the user (to a file, a queue): nothing can count where the bytes go, so
+    # the object stays while the process that pickled it lives, as Ray pins it.
+    import pickle
+
+    ref = troupe.put(np.full(10, 4.0))
+    name = ref.hex()
+    blob = pickle.dumps(ref)
+    del ref
+    for _ in range(2):  # loaded twice, the first copy dropped in between
+        again = pickle.loads(blob)
+        assert troupe.get(again)[0] == 4.0
+        del again
+    assert troupe.get(first.remote([pickle.loads(blob)])) == 4.0
+    from troupe import _objects
+
+    assert _objects.store().exists(name)
+
+
+def test_copies_of_a_ref_are_one_ref():
+    import copy
+
+    ref = troupe.put(np.full(10, 2.0))
+    name = ref.hex()
+    same, deep = copy.copy(ref), copy.deepcopy([ref])[0]
+    assert same is ref and deep is ref
+    del ref, same, deep
+    freed(name, "the object freed once its one ref (and its copies) went")
+
+
+def _reader_of(ref):
+    @troupe.remote
+    def read_captured(_):
+        return float(troupe.get(ref)[0])  # `ref` is in the function's closure
+
+    return read_captured
+
+
+@troupe.remote
+def wait_for(path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return True
+
+
+def test_a_ref_captured_by_a_task_s_function_lives_with_the_function(tmp_path):
+    # The calls wait for a pending argument: their workers unpickle the function (and the ref in
+    # it) after the driver dropped both.
+    captured = troupe.put(np.full(10, 6.0))
+    name = captured.hex()
+    reader = _reader_of(captured)
+    gate = wait_for.remote(str(tmp_path / "go"))
+    results = [reader.remote(gate) for _ in range(4)]
+    del captured, reader
+    import gc
+
+    gc.collect()
+    (tmp_path / "go").touch()
+    assert troupe.get(results, timeout=60) == [6.0] * 4
+    assert stored_name(name)
+
+
+def stored_name(name):
+    from troupe import _objects
+
+    return _objects.store().exists(name)
+
+
+@troupe.remote
+def down_the_chain(box, depth):
+    value = float(troupe.get(box[0])[0])
+    return value if depth == 0 else down_the_chain.remote(box, depth - 1)
+
+
+def test_a_ref_passed_down_a_chain_of_tasks_is_freed_after_the_last():
+    ref = troupe.put(np.full(10, 8.0))
+    name = ref.hex()
+    tail = down_the_chain.remote([ref], 4)
+    del ref
+    for _ in range(4):  # each task returns the next one's ref
+        tail = troupe.get(tail)
+    assert troupe.get(tail) == 8.0
+    del tail
+    freed(name, "the object freed once the chain's last task was done with it")
+
+
+@troupe.remote
+class TwoSlots:
+    def set(self, slot, box):
+        setattr(self, slot, box[0])
+        return True
+
+    def clear(self, slot):
+        setattr(self, slot, None)
+        return True
+
+    def read(self, slot):
+        return float(troupe.get(getattr(self, slot))[0])
+
+
+def test_an_actor_holding_two_copies_of_a_ref_keeps_the_object_until_both_go():
+    actor = TwoSlots.remote()
+    ref = troupe.put(np.full(10, 1.0))
+    name = ref.hex()
+    actor.set.remote("a", [ref])
+    assert troupe.get(actor.set.remote("b", [ref]))
+    del ref
+    assert troupe.get(actor.clear.remote("a"))
+    assert troupe.get(actor.read.remote("b")) == 1.0 and stored_name(name)
+    assert troupe.get(actor.clear.remote("b"))
+    freed(name, "the object freed once the actor dropped its second copy")
+    ref = troupe.put(np.full(10, 1.0))
+    name = ref.hex()
+    assert troupe.get(actor.set.remote("a", [ref]))
+    del ref
+    troupe.kill(actor)
+    freed(name, "the object freed once the actor holding it was killed")
+
+
+@troupe.remote(max_retries=1)
+def crash_once(box, flag):
+    troupe.get(box[0])
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        os._exit(1)  # the worker dies holding the borrowed ref; the retry gets it again
+    return float(troupe.get(box[0])[0])
+
+
+def test_a_retried_task_gets_its_borrowed_ref_again_and_it_is_freed_after(tmp_path):
+    ref = troupe.put(np.full(10, 3.0))
+    name = ref.hex()
+    result = crash_once.remote([ref], str(tmp_path / "crashed"))
+    del ref
+    assert troupe.get(result, timeout=60) == 3.0
+    freed(name, "the object freed after the retried task")
 
 
 @troupe.remote
