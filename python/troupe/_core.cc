@@ -557,8 +557,8 @@ class Runtime {
   }
 
   // The holds of the agent at `address` on one of its objects (NodeObjects::hold, lend,
-  // release): `op` is "hold" (extra: the in-flight record received), "lend" (extra: its token)
-  // or "release".
+  // release, dropSource): `op` is "hold" (extra: the in-flight record received), "lend" (extra:
+  // its token), "release" or "withdraw" (extra: an offer of a copy that went).
   void holdObject(const std::string& address, const std::string& op, const std::string& name,
                   const std::string& holder, const std::string& extra) {
     onLoop([this, address, op, name, holder, extra]() {
@@ -575,6 +575,12 @@ class Runtime {
           request.setName(name);
           request.setHolder(holder);
           request.setToken(extra);
+          return request.send().ignoreResult();
+        }
+        if (op == "withdraw") {
+          auto request = agent.dropSourceRequest();
+          request.setName(name);
+          request.setOffer(extra);
           return request.send().ignoreResult();
         }
         auto request = agent.releaseObjectRequest();

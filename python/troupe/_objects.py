@@ -85,6 +85,10 @@ _ALIGN = 64
 _MAX_BUFFERS = 1 << 20
 # Freed objects' files of at least this size are kept for reuse, up to this much per process.
 RECYCLE_MIN_BYTES = 1 << 20
+# An object smaller than this is read into memory rather than mapped: cheaper for a few pages,
+# and a mapping holds a file descriptor (Python's mmap keeps a dup) while its value lives, so a
+# get() of thousands of small objects would run out of them.
+READ_MAX_BYTES = 64 << 10
 RECYCLE_MAX_BYTES = 2 << 30
 # Names of complete objects a spiller may move: put() objects and handed-over results.
 _SPILLABLE = re.compile(r"[0-9]+-h?[0-9]+-[0-9a-f]+")
@@ -203,6 +207,7 @@ class _Store:
         self.marked = set()  # object ids whose hold file for this process exists (owned or borrowed)
         self.contained = {}  # owned object id -> the holds of the refs pickled into it [(id, host, record)]
         self.releases = None  # holds of other nodes' objects to release, sent by a thread of their own
+        self.offered = {}  # path of a pulled copy offered to other pullers: (host, object, offer)
         self.remote_id = f"{self.host}.{self.pid}" if _is_node(self.host) else f"x{secrets.token_hex(8)}.{self.pid}"
         self.sweep()
 
@@ -272,8 +277,11 @@ class _Store:
                 self.contained[object_id] = inner
         return object_id, size
 
-    def write(self, main, raws, kind=""):
-        """Writes one object file (not owned: put() and handoffs decide who deletes it)."""
+    def write(self, main, raws, kind="", to_disk_if_full=False):
+        """Writes one object file (not owned: put() and handoffs decide who deletes it).
+        to_disk_if_full: one that does not fit under the limit (a call's argument or result
+        larger than the store) goes to the spill directory instead, where readers find it too,
+        as Ray falls back to disk for what its store cannot hold."""
         header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
         parts, offset = [header, main], len(header) + len(main)
         for raw in raws:
@@ -286,7 +294,14 @@ class _Store:
         path = self.path(object_id)
         temp = self.path(self.new_id("w"))  # renamed to path once complete: spillers skip it
         for attempt in range(2):
-            fd = self.reserve(offset, temp)
+            try:
+                fd = self.reserve(offset, temp)
+            except ObjectStoreFullError:
+                if not to_disk_if_full:
+                    raise
+                os.makedirs(self.spill, mode=0o700, exist_ok=True)
+                path, temp = self.spilled(object_id), f"{self.spilled(object_id)}.{self.pid}.tmp"
+                fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
             try:
                 for start in range(0, len(parts), 512):  # IOV_MAX is 1024
                     chunk = parts[start:start + 512]
@@ -329,6 +344,23 @@ class _Store:
             fd = self.create(size, temp)
             os.ftruncate(fd, size)
             return fd
+
+    def room_for_copy(self, size):
+        """Before a pull of `size` bytes: makes room under the limit as a put would (spilling
+        this node's oldest unmapped objects). A pulled copy is made even where no room can be
+        made: it is this process's while its value lives, then freed."""
+        if not self.limit or not size:
+            return
+        try:
+            vfs = os.statvfs(self.root)
+            if (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + size <= self.limit:
+                return
+        except OSError:
+            return
+        with self.spill_lock():
+            over = self.scan()[0] + size - self.limit
+            if over > 0:
+                self.make_room(over, locked=True)
 
     def create(self, size, temp):
         fd = self.reuse(size, temp)
@@ -467,6 +499,9 @@ class _Store:
     def pulled_gone(self, path, size):
         """The mapping of a pulled copy went (at any point of any thread, from the garbage
         collector): its file is kept for reuse, or deleted."""
+        offered = self.offered.pop(path, None)
+        if offered is not None:  # the next puller is not sent to a copy that is gone
+            self.release(offered[1], offered[0], offered[2], "withdraw")
         if self.pulled_files.pop(path, None) is not None:  # else closed
             free = self.keep(path, size)
             if free is not None:
@@ -534,6 +569,8 @@ class _Store:
                                       "to its cluster")
             path = self.path(self.new_id("p"))
             reused = self.reuse(size, path) if size >= RECYCLE_MIN_BYTES else None
+            if reused is None:
+                self.room_for_copy(size)
             if reused is not None:
                 os.close(reused)
             # A copy of a large put() object is offered to other nodes' pullers: its node's agent
@@ -554,7 +591,7 @@ class _Store:
                 try:
                     if size < len(_MAGIC) + 12:
                         raise ObjectLostError(f"object {object_id} is corrupt: {size} bytes")
-                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                    mm = _read_or_map(fd, size)
                 finally:
                     os.close(fd)
             except BaseException:
@@ -562,6 +599,8 @@ class _Store:
                 raise
             if size >= RECYCLE_MIN_BYTES:
                 self.pulled_files[path] = size
+                if offer:
+                    self.offered[path] = (host, object_id, offer)
                 weakref.finalize(mm, self.pulled_gone, path, size).atexit = False  # close() deletes it
             else:
                 _unlink(path)
@@ -570,7 +609,7 @@ class _Store:
                     nodes.drop(host, object_id)
                 except TroupeError:
                     pass  # its writer deletes it when it exits
-            else:
+            elif isinstance(mm, mmap.mmap):  # a small copy read into memory is pulled again
                 self.pulled[object_id] = mm
         return _decode(memoryview(mm), object_id)
 
@@ -627,11 +666,11 @@ class _Store:
             size = os.fstat(fd).st_size
             if size < len(_MAGIC) + 12:
                 raise ObjectLostError(f"object {object_id} is corrupt: {size} bytes")
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mm = _read_or_map(fd, size)
         finally:
             os.close(fd)
         with self.lock:
-            if object_id in self.owned:
+            if object_id in self.owned and isinstance(mm, mmap.mmap):
                 self.maps.setdefault(object_id, []).append(mm)
         return _decode(memoryview(mm), object_id)
 
@@ -768,10 +807,12 @@ class _Store:
             self.marked.discard(object_id)
         self.release(object_id, host, str(self.pid) if host == self.host else self.remote_id)
 
-    def release(self, object_id, host, holder):
+    def release(self, object_id, host, holder, op="release"):
         """Removes a hold (or a value's record) of this process; another node's by a thread of
-        its own (refs are dropped anywhere, in __del__ too, where nothing may block)."""
-        if host == self.host:
+        its own (refs are dropped anywhere, in __del__ too, where nothing may block). op
+        "withdraw": `holder` is an offer of a pulled copy that went, for the object's agent to
+        forget (see pull)."""
+        if host == self.host and op == "release":
             self.release_here(object_id, holder)
             return
         if sys.is_finalizing():
@@ -781,7 +822,7 @@ class _Store:
                 self.releases = queue.SimpleQueue()
                 threading.Thread(target=_send_releases, args=(self.releases,), name="troupe-object-releases",
                                  daemon=True).start()
-        self.releases.put((host, object_id, holder))
+        self.releases.put((op, host, object_id, holder))
 
     def release_here(self, object_id, holder):
         """Removes a hold file of an object of this node; the holder that empties its directory
@@ -850,9 +891,12 @@ def _call_node(host, op, name, holder, extra=""):
 
 def _send_releases(releases):
     while True:
-        host, object_id, holder = releases.get()
+        op, host, object_id, holder = releases.get()
         try:
-            _call_node(host, "release", object_id, holder)
+            if op == "withdraw":
+                _call_node(host, op, object_id, "", holder)
+            else:
+                _call_node(host, op, object_id, holder)
         except Exception:  # the node or cluster is gone: its agent's sweep drops the hold
             pass
 
@@ -877,6 +921,15 @@ def default_limit(directory):
     except OSError:
         pass
     return limit
+
+
+def _read_or_map(fd, size):
+    if size < READ_MAX_BYTES:
+        data = os.pread(fd, size, 0)
+        if len(data) != size:
+            raise OSError(errno.EIO, f"read {len(data)} of {size} bytes")
+        return data
+    return mmap.mmap(fd, size, prot=mmap.PROT_READ)
 
 
 def _pickle(value):
@@ -947,8 +1000,23 @@ def store():
     if _store is None or _store.pid != os.getpid():
         with _store_lock:
             if _store is None or _store.pid != os.getpid():
+                _raise_open_files_limit()
                 _store = _Store()
     return _store
+
+
+def _raise_open_files_limit():
+    """Each mapped object holds a file descriptor while its value lives: the soft limit
+    (often 1024) goes up to the hard one (at most 65536), as Ray's processes do."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        pass
 
 
 def close():

@@ -127,7 +127,7 @@ def dumps_call(obj, plain, files) -> bytes:
 
         store = _objects.store()
         if _objects._is_node(store.host):  # else no agent could serve it to another node
-            object_id, _ = store.write(main, raws)
+            object_id, _ = store.write(main, raws, to_disk_if_full=True)
             files.append(object_id)
             return dumps(_SharedFile(object_id, False, store.host))
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
@@ -145,7 +145,7 @@ def dump_reply(value, caller_host=None) -> bytes:
 
         store = _objects.store()
         if caller_host == store.host or _objects._is_node(store.host):
-            object_id, _ = store.write(main, raws, "h")
+            object_id, _ = store.write(main, raws, "h", to_disk_if_full=True)
             return dumps(_SharedFile(object_id, True, store.host), b"\x00")
     header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
     return b"".join([b"\x00", header, main, *raws])

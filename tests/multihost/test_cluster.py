@@ -19,7 +19,7 @@ TTL_MS = 1000
 PORT = 6380
 
 
-def start_cluster(bed, cpus=1, extra_head=(), ttl_ms=TTL_MS):
+def start_cluster(bed, cpus=1, extra_head=(), ttl_ms=TTL_MS, extra_join=()):
     """Head on host 0 (bound to its address), every other host joined with no --node-ip-address:
     each must find its own address on the route to the head. Returns (controller, token)."""
     head = bed.hosts[0]
@@ -29,13 +29,13 @@ def start_cluster(bed, cpus=1, extra_head=(), ttl_ms=TTL_MS):
     controller = f"{head.address}:{PORT}"
     token = json.loads((Path(head.env["TROUPE_TEMP_DIR"]) / "latest" / "cluster.json").read_text())["token"]
     for host in bed.hosts[1:]:
-        join(host, controller, token, cpus)
+        join(host, controller, token, cpus, extra_join)
     return controller, token
 
 
-def join(host, controller, token, cpus=1):
+def join(host, controller, token, cpus=1, extra=()):
     p = host.troupe("start", "--address", controller, "--num-cpus", str(cpus), "--resources", f"host{host.index}=1",
-                    env={"TROUPE_TOKEN": token})
+                    *extra, env={"TROUPE_TOKEN": token})
     assert f"({host.address}) joined" in p.stdout, p.stdout
     return p
 
