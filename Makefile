@@ -16,6 +16,7 @@ build: setup
 
 test: build
 	scripts/check-layers
+	scripts/typecheck
 	meson test -C $(BUILD) --print-errorlogs
 	$(PYTHON) -m pytest -q tests
 	FUZZ_SECONDS=10 scripts/fuzz

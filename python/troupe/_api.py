@@ -27,9 +27,9 @@ from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundErr
                          TroupeError, UnauthenticatedError, UnavailableError, WorkerCrashedError)
 
 _lock = threading.RLock()
-_session = None
+_session: _Session | None = None
 # What a worker process knows of the job that started it (set by troupe._worker).
-_worker_context = {}
+_worker_context: dict[str, Any] = {}
 DEFAULT_NAMESPACE = "default"
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,6 +49,7 @@ class _Session:
         # actors' names do not meet another driver's.
         self.namespace = namespace or f"anonymous-{secrets.token_hex(8)}"
         self.runtime_env = runtime_env
+        self.cluster_tag: str | None = None  # _tag_of(token): refs of another cluster are refused
         self.closing = threading.Event()
         self.printer = None
         self.output = _OutputPrinter()
@@ -386,7 +387,7 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
             if not token:
                 raise ValueError(f"no cluster token for {address}: pass token= or set TROUPE_TOKEN")
         try:
-            rt = _core.Runtime(address, token)
+            rt = _core.Runtime(str(address), str(token))
         except UnauthenticatedError:  # reached, but the token is not this cluster's (a PermissionError)
             if proc is not None:
                 _stop_embedded(proc)
@@ -520,6 +521,7 @@ def runtime() -> Any:
     TroupeError before troupe.init()."""
     if _session is None:
         _connect_worker()
+    assert _session is not None
     return _session.runtime
 
 
@@ -796,7 +798,7 @@ class ActorClass:
         self._cls = cls
         self._options = dict(options)
         try:
-            self._init_signature = inspect.signature(cls)
+            self._init_signature: inspect.Signature | None = inspect.signature(cls)
         except (TypeError, ValueError):
             self._init_signature = None
         self._signatures = None
@@ -916,9 +918,9 @@ def cpp_actor(type_name: str, init_args: bytes | str = b"", **options: Any) -> A
 # calls already sent). A handle passed to another process carries a token, a put() object of
 # this process held by every process that has handles (troupe._objects: holds): the actor ends
 # once the last holder lets go of it (a thread here watches for its file to go).
-_handle_counts = {}
-_handle_tokens = {}  # actor id -> this process's ref to its token
-_handle_watch = {}  # actor id -> its token's object id, held elsewhere once no handle is left here
+_handle_counts: dict[str, float] = {}
+_handle_tokens: dict[str, _StoredRef] = {}  # actor id -> this process's ref to its token
+_handle_watch: dict[str, str] = {}  # actor id -> its token's object id, held elsewhere once no handle is left here
 _handle_lock = threading.Lock()
 
 
@@ -1655,7 +1657,7 @@ def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> 
             raise refs._value
         return refs._value
     single = isinstance(refs, ObjectRef)
-    batch = [refs] if single else list(refs)
+    batch = [refs] if isinstance(refs, ObjectRef) else list(refs)
     for r in batch:
         if not isinstance(r, ObjectRef):
             raise TypeError(f"get() takes ObjectRefs, not {type(r).__name__}")
@@ -1760,7 +1762,7 @@ def nodes() -> list[dict[str, Any]]:
 
 def cluster_resources() -> dict[str, float]:
     """Total resources of the alive nodes."""
-    total = {}
+    total: dict[str, float] = {}
     for n in nodes():
         if n["state"] == "ALIVE":
             for k, v in n["resources"].items():
@@ -1770,7 +1772,7 @@ def cluster_resources() -> dict[str, float]:
 
 def available_resources() -> dict[str, float]:
     """Resources of the alive nodes not held by actors or placement groups."""
-    free = {}
+    free: dict[str, float] = {}
     for n in nodes():
         if n["state"] == "ALIVE":
             for k, v in n["resources"].items():

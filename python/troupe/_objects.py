@@ -75,6 +75,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from typing import Any
 
 import cloudpickle
 
@@ -100,7 +101,7 @@ _HOST = None  # (pid, host id of a process of no node given by use_node): forks 
 # workers have theirs in their environment, from their node agent.
 _node = None
 # How to reach other nodes' agents (set by _api): nodes.pull(node, name, path), .drop(node, name).
-nodes = None
+nodes: Any = None  # troupe._api._Nodes: other nodes' agents (set by _api)
 
 
 def host_id():

@@ -50,7 +50,7 @@ def pickling_ours():
 
 def dumps(obj, tag=b"", plain=None) -> bytes:
     """plain=True: the caller knows obj needs no cloudpickle (saves the walk over it)."""
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     pickler = pickle.dumps if (plain if plain is not None else _plain(obj)) else cloudpickle.dumps
     with ours():
         main = pickler(obj, protocol=5, buffer_callback=buffers.append)
@@ -68,7 +68,7 @@ def loads(data: bytes):
     offset = 6 + 8 * (count + 1)
     main = view[offset:offset + sizes[0]]
     offset += sizes[0]
-    buffers = []
+    buffers: list[memoryview] = []
     for size in sizes[1:]:
         buffers.append(view[offset:offset + size])  # zero-copy slices of the reply
         offset += size
@@ -118,7 +118,7 @@ ARG_HANDOFF_MIN_BYTES = 48 << 20
 def dumps_call(obj, plain, files) -> bytes:
     """A call's payload; a large one is written to the object directory and its file id appended
     to `files` (the caller deletes them when the call is over)."""
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     with ours():
         main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
@@ -135,7 +135,7 @@ def dumps_call(obj, plain, files) -> bytes:
 
 
 def dump_reply(value, caller_host=None) -> bytes:
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     pickler = pickle.dumps if _plain(value) else cloudpickle.dumps
     with ours():
         main = pickler(value, protocol=5, buffer_callback=buffers.append)

@@ -35,7 +35,7 @@ MAX_POOL = 32  # workers in the CPU pool, whatever the cluster's CPU count
 THREADS_PER_WORKER = 256
 
 _lock = threading.Lock()
-_pools = {}
+_pools: dict[tuple[Any, ...], _Pool] = {}
 _generation = 0  # bumped by reset(): pools cached on RemoteFunctions are stale
 
 
@@ -51,12 +51,12 @@ class RemoteFunction:
         self.__name__ = getattr(fn, "__name__", "task")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
-        self.__module__ = getattr(fn, "__module__", None)
+        self.__module__ = getattr(fn, "__module__", None) or __name__
         self.__wrapped__ = fn
-        self._blob = None
-        self._key = None
+        self._blob: bytes | None = None
+        self._key: str | None = None
         try:
-            self._signature = inspect.signature(fn)
+            self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
             self._signature = None
 

@@ -31,7 +31,7 @@ import re
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from . import _checkpoint
 
@@ -348,7 +348,7 @@ def load_tracked(path: str | os.PathLike[str], *, step: int | None = None, rank:
         states, step = troupe.checkpoint.load_tracked("/ckpt")
         model.load_state_dict(states["model"]); opt.load_state_dict(states["opt"])
     """
-    tensors, info = load(path, step=step, rank=rank, with_metadata=True)
+    tensors, info = cast("tuple[dict[str, Any], dict[str, Any]]", load(path, step=step, rank=rank, with_metadata=True))
     return unpack_tracked(tensors, info["metadata"]), int(info["step"])
 
 
@@ -387,10 +387,10 @@ class FlashCheckpoint:
         self.segment_name = segment
         self.metadata_capacity = int(metadata_capacity)
         self.copy_threads = int(copy_threads)
-        self._writer = None
-        self._reader = None
-        self._specs = None
-        self._pending = []
+        self._writer: Any = None  # a _checkpoint.Segment open for writing, made by the first save
+        self._reader: Any = None
+        self._specs: list[Any] | None = None
+        self._pending: list[Any] = []
         self.restored_from = ""  # where restore_step found its step: "memory" or staged by the actor
 
     def _actor_call(self, method, **params):
@@ -464,7 +464,7 @@ class FlashCheckpoint:
         else:
             for name, tmp in copies:
                 _copy_back(state_dict, name, tmp)
-        return Restored(header["step"], state_dict, header["metadata"])
+        return Restored(header["step"], dict(state_dict), header["metadata"])
 
     @contextlib.contextmanager
     def _segment(self, writable=False):
@@ -504,7 +504,7 @@ class FlashCheckpoint:
             self.restored_from = "staged by the checkpoint actor"
         if restored is None:
             raise CheckpointNotFoundError("NOT_FOUND", f"rank {self.rank}: no complete snapshot of step {step} in "
-                                                       f"{os.path.join(self.shm_dir, self.segment_name)}"
+                                                       f"{os.path.join(self.shm_dir, str(self.segment_name))}"
                                           + ("" if self.actor is None else ", a peer's memory or replica, or disk"))
         return restored
 

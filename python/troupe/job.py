@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from . import _api
 from .exceptions import AlreadyExistsError, NotFoundError, TroupeError
@@ -260,7 +260,7 @@ def submit(script: str | os.PathLike[str], args: Sequence[str] = (), name: str |
     with open(script, "rb") as f:
         code = f.read()
     try:
-        handle = _JobSupervisor.options(name=f"job:{name}", namespace=_api.DEFAULT_NAMESPACE, lifetime="detached").remote(
+        handle = cast(Any, _JobSupervisor).options(name=f"job:{name}", namespace=_api.DEFAULT_NAMESPACE, lifetime="detached").remote(
             name, os.path.basename(script), code, list(args), max_restarts)
     except AlreadyExistsError:
         raise JobError(f"a job named {name!r} exists already; pick another --name") from None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
@@ -66,7 +66,7 @@ class _Fused(Optimizer):
                 apply(group, params, grads, states, s)
         return loss
 
-    _validate = None  # troupe._optim.validate_<name>, set by each subclass
+    _validate: Callable[[dict[str, Any]], None]  # troupe._optim.validate_<name>, set by each subclass
 
     def __init__(self, params, defaults, threads):
         self.threads = _check_threads(threads)
@@ -243,9 +243,9 @@ class WSAM(Optimizer):
                                 "building base_optimizer from a class)")
             base = base_optimizer
             if params is not None:
-                params = list(params)
-                given = {id(p) for p in params} if params and isinstance(params[0], torch.Tensor) else \
-                    {id(p) for g in params for p in g["params"]}
+                listed: list[Any] = list(params)
+                given = {id(p) for p in listed} if listed and isinstance(listed[0], torch.Tensor) else \
+                    {id(p) for g in listed for p in g["params"]}
                 held = {id(p) for g in base.param_groups for p in g["params"]}
                 if given != held:
                     raise ValueError("WSAM: params must be the base optimizer's parameters (or None)")
@@ -260,7 +260,7 @@ class WSAM(Optimizer):
         self.threads = _check_threads(threads)
         self.grad_reduce = grad_reduce
         self.norm_reduce = norm_reduce
-        self._pending = None  # (group, params, states) perturbed by first_step
+        self._pending: list[tuple[dict[str, Any], list[Any], list[Any]]] | None = None  # perturbed by first_step
         defaults = dict(rho=rho, gamma=gamma, sam_eps=sam_eps, adaptive=adaptive, decouple=decouple)
         super().__init__(base.param_groups, defaults)
         # The same dicts in the same list: the base's lr (and schedulers on either) are shared.

@@ -58,7 +58,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from . import _api, _typed
 from . import checkpoint as _ckpt
@@ -226,7 +226,7 @@ class _TorchTrainerActor:
         self.bundle = int(spec["bundle"])
         # This bundle's snapshots on the node (its segment, owned by the node's Checkpoint actor).
         # The lock keeps the coordinator's calls (pin, restore) off a save in progress.
-        self.flash: _ckpt.FlashCheckpoint | None = None
+        self.flash: Any = None  # a _ckpt.FlashCheckpoint once the actor has joined its first epoch
         self.flash_lock = threading.Lock()
         self.pinned: int | None = None
         self.pending: dict[str, Any] | None = None  # the restored step's state, loaded by track()
@@ -254,7 +254,7 @@ class _TorchTrainerActor:
         self.rows: list[dict[str, Any]] = []
         self.outcome: tuple[str, str] | None = None
         self.taken: dict[str, Any] | None = None  # the batch of the step in progress
-        self.loader = None
+        self.loader: _api.ActorHandle | None = None
         self.doing = ("idle", time.time(), 0)
         self.spans: collections.deque[dict[str, Any]] = collections.deque(maxlen=4096)  # for troupe timeline
         # Imported here, before the loop's thread starts: a first import of torch in two threads
@@ -371,6 +371,7 @@ class _TorchTrainerActor:
                 self.cv.wait()
             rows, outcome = list(self.rows), self.outcome
         if len(rows) < steps:
+            assert outcome is not None  # the loop thread ended: it said how
             kind, text = outcome
             if kind == "error":
                 raise RuntimeError(f"{_LOOP_FAILED} on rank {self.rank} at step {self.step + 1}:\n{text}")
@@ -574,7 +575,7 @@ class _TorchTrainerActor:
                 dist.destroy_process_group()
             thread.join(timeout=float(self.spec.get("timeout", 30.0)))
         if thread.is_alive():
-            frame = sys._current_frames().get(thread.ident)
+            frame = sys._current_frames().get(thread.ident or 0)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
             raise RuntimeError(f"rank {self.rank}: train_loop did not stop when the group re-formed (is it "
                                f"blocked outside ctx.report()/ctx.batches() and the process group?); the loop's "
@@ -648,8 +649,9 @@ class _TorchTrainerActor:
             def held_zero_grad(*args: Any, **kwargs: Any) -> Any:
                 return None if self.accumulated else zero_grad(*args, **kwargs)
 
-            obj.step, obj.zero_grad = held_step, held_zero_grad
-            obj._troupe_accumulates = True  # an optimizer's state_dict() holds no attributes
+            setattr(obj, "step", held_step)
+            setattr(obj, "zero_grad", held_zero_grad)
+            setattr(obj, "_troupe_accumulates", True)  # an optimizer's state_dict() holds no attributes
         elif type(obj).__module__.startswith("torch.optim.lr_scheduler") and callable(getattr(obj, "step", None)):
             # A scheduler's state_dict() is its __dict__: its class changes instead.
             obj.__class__ = _held_scheduler(type(obj), self)
@@ -692,6 +694,7 @@ class _TorchTrainerActor:
         """What a snapshot holds: every tracked object's state_dict() and the RNG states."""
         import torch
 
+        assert self.tracked is not None  # track() ran
         states = {name: obj.state_dict() for name, obj in self.tracked.items()}
         states["__rng__"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -807,10 +810,10 @@ def _held_scheduler(cls: type, actor: _TorchTrainerActor) -> type:
     held = _HELD_SCHEDULERS.get(cls)
     if held is None:
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return cls.step(self, *args, **kwargs) if type(self).actor.sync_gradients else None
+            return getattr(cls, "step")(self, *args, **kwargs) if getattr(type(self), "actor").sync_gradients else None
 
         held = _HELD_SCHEDULERS[cls] = type(f"Held{cls.__name__}", (cls,), {"step": step})
-    held.actor = actor
+    setattr(held, "actor", actor)
     return held
 
 
@@ -840,11 +843,11 @@ def _load_state(obj: Any, state: Any) -> None:
                 stack.extend(v)
         return copy.deepcopy(value, memo)
 
-    optimizer_module.deepcopy = tensors_kept
+    setattr(optimizer_module, "deepcopy", tensors_kept)
     try:
         obj.load_state_dict(state)
     finally:
-        optimizer_module.deepcopy = copy.deepcopy
+        setattr(optimizer_module, "deepcopy", copy.deepcopy)
 
 
 def _state_hash(state: Mapping[str, Any] | None) -> int:
@@ -900,7 +903,9 @@ class _DataStager:
     a 0700 directory under the node's run directory, removed with the group (or by troupe stop)."""
 
     def __init__(self, group: str) -> None:
-        self.group, self.dir, self.files, self.sealed = group, None, {}, False
+        self.group, self.sealed = group, False
+        self.dir: str | None = None
+        self.files: dict[str, dict[str, Any]] = {}
 
     def stage(self, files: Mapping[str, Mapping[str, Any]], copy: bool = False) -> dict[str, Any]:
         """`files`: {name: {"path", "size", "dev", "ino", "mtime_ns"}} of the driver's."""
@@ -1014,9 +1019,9 @@ class _TorchTrainers:
         if not self.files:  # the user's files (every host has them), or an adopted group's spec
             return group._data
         for attempt in (1, 2):  # a stager that ended (its node's worker processes did) is made again
-            stager = self.stagers.get(node)
+            stager: Any = self.stagers.get(node)
             if stager is None:
-                stager = self.stagers[node] = _DataStager.options(
+                stager = self.stagers[node] = cast(Any, _DataStager).options(
                     num_cpus=0, max_restarts=0, placement_group=group.group_id, bundle_index=bundle,
                     lifetime=group._lifetime).remote(group.group_id)
             try:
@@ -1087,7 +1092,7 @@ class _TorchTrainers:
                 "snapshot_every": group._checkpoint["snapshot_every"],
                 "persist_every": group._checkpoint["persist_every"], "timeout": self.timeout,
                 "fault": self.fault if self.fault.get("rank") == bundle else {}}
-        return _TorchTrainerActor.options(num_cpus=1, max_restarts=-1, max_concurrency=4,
+        return cast(Any, _TorchTrainerActor).options(num_cpus=1, max_restarts=-1, max_concurrency=4,
                                           placement_group=group.group_id, bundle_index=bundle,
                                           name=_actor_name(group.group_id, bundle),
                                           namespace=_api.DEFAULT_NAMESPACE,  # any driver's, as the group

@@ -255,7 +255,10 @@ def _configs(scaling: ScalingConfig | None, failure: FailureConfig | None,
 
 def _step_row(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """A rank's StepMetrics with the history's names (computeS -> compute_s)."""
-    return {re.sub(r"[A-Z]", lambda c: "_" + c.group(0).lower(), k): v for k, v in metrics.items()}
+    def snake(c: re.Match[str]) -> str:
+        return "_" + c.group(0).lower()
+
+    return {re.sub(r"[A-Z]", snake, str(k)): v for k, v in metrics.items()}
 
 
 def _merged_row(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
