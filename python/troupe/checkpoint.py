@@ -34,14 +34,16 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 from . import _checkpoint
+from .exceptions import TroupeError
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
            "FlashCheckpoint", "Restored", "TensorAt", "load", "load_into", "load_tracked", "pack_tracked", "save",
            "steps", "unpack_tracked"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint operation failed; `code` is the library's status code (e.g. "UNAVAILABLE")."""
+class CheckpointError(TroupeError, RuntimeError):
+    """A checkpoint operation failed; `code` is the library's status code (e.g. "UNAVAILABLE").
+    A TroupeError like every Troupe error, and a RuntimeError as it always was."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

@@ -214,3 +214,13 @@ def test_the_public_api_is_annotated_and_its_annotations_resolve(module_name):
         if "return" not in hints:
             missing.append(f"{where} -> ?")
     assert missing == []
+
+
+def test_every_error_of_the_package_is_a_troupe_error_keeping_its_python_base():
+    from troupe import checkpoint
+
+    for cls, base in [(checkpoint.CheckpointError, RuntimeError), (checkpoint.CheckpointNotFoundError, FileNotFoundError),
+                      (checkpoint.CheckpointSpaceError, OSError), (checkpoint.CheckpointCorruptError, RuntimeError)]:
+        assert issubclass(cls, troupe.TroupeError) and issubclass(cls, base), cls
+    e = checkpoint.CheckpointNotFoundError("NOT_FOUND", "no step")
+    assert e.code == "NOT_FOUND" and str(e) == "NOT_FOUND: no step"
