@@ -924,6 +924,25 @@ def default_limit(directory):
     return limit
 
 
+_ours = threading.local()  # .depth: Troupe itself is pickling on this thread (a call, a reply, a put)
+
+
+class ours:
+    """Marks Troupe's own pickling (puts here, calls and replies in _serialization): a ref
+    pickled outside it (pickle.dumps by the user, a function's closure) is out of band, and
+    pinned (see _api._StoredRef.__reduce__)."""
+
+    def __enter__(self):
+        _ours.depth = getattr(_ours, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _ours.depth -= 1
+
+
+def pickling_ours():
+    return getattr(_ours, "depth", 0) > 0
+
+
 def _read_or_map(fd, size):
     if size < READ_MAX_BYTES:
         data = os.pread(fd, size, 0)
@@ -934,8 +953,6 @@ def _read_or_map(fd, size):
 
 
 def _pickle(value):
-    from ._serialization import ours
-
     buffers = []
     with ours():
         try:

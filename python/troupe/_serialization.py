@@ -6,9 +6,11 @@ Replies from Python actors add one tag byte in front: 0 = value, 1 = (exception,
 """
 import pickle
 import struct
-import threading
 
 import cloudpickle
+
+from . import _objects
+from ._objects import ours, pickling_ours  # noqa: F401 (troupe._api reads pickling_ours here)
 
 _MAGIC = b"T5"
 
@@ -28,24 +30,6 @@ def _plain(value, depth=0):
     if t is dict:
         return depth < 3 and all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
     return t.__module__.partition(".")[0] in _PLAIN_MODULES and t.__module__ != "__main__"
-
-
-_ours = threading.local()  # .depth: Troupe itself is pickling on this thread (a call, a reply, a put)
-
-
-class ours:
-    """Marks Troupe's own pickling: a ref pickled outside it (pickle.dumps by the user, a
-    function's closure) is out of band, and pinned (see _api._StoredRef.__reduce__)."""
-
-    def __enter__(self):
-        _ours.depth = getattr(_ours, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _ours.depth -= 1
-
-
-def pickling_ours():
-    return getattr(_ours, "depth", 0) > 0
 
 
 def dumps(obj, tag=b"", plain=None) -> bytes:
@@ -100,8 +84,6 @@ class _SharedFile:
 
 
 def _open_shared(object_id, take, host=None):
-    from . import _objects
-
     store = _objects.store()
     if host is not None and host != store.host:
         return store.pull(object_id, host, take)
@@ -123,8 +105,6 @@ def dumps_call(obj, plain, files) -> bytes:
         main = (pickle.dumps if plain else cloudpickle.dumps)(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if sum(r.nbytes for r in raws) >= ARG_HANDOFF_MIN_BYTES:
-        from . import _objects
-
         store = _objects.store()
         if _objects._is_node(store.host):  # else no agent could serve it to another node
             object_id, _ = store.write(main, raws, to_disk_if_full=True)
@@ -141,8 +121,6 @@ def dump_reply(value, caller_host=None) -> bytes:
         main = pickler(value, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if caller_host is not None and sum(r.nbytes for r in raws) >= HANDOFF_MIN_BYTES:
-        from . import _objects
-
         store = _objects.store()
         if caller_host == store.host or _objects._is_node(store.host):
             object_id, _ = store.write(main, raws, "h", to_disk_if_full=True)
