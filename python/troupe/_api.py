@@ -1326,7 +1326,7 @@ class ObjectRef:
             return self._method
         return f"{h._type[3:] if h._is_python else h._type}.{self._method}"
 
-    def _resolve(self, outcome, data):
+    def _resolve(self, outcome, data, code=""):
         if outcome == 1:
             if self._handle is None or self._handle._is_python:
                 is_exc, value = _serialization.load_reply(data)
@@ -1347,7 +1347,11 @@ class ObjectRef:
             self._value = ActorDiedError(message) if self._handle is not None else \
                 WorkerCrashedError(f"task {self._method}: its worker died: {message}")
         else:
-            self._value = ActorError(f"{self._where()}: {data.decode(errors='replace')}")
+            # A failure with a status code (a C++ actor's INVALID_ARGUMENT, a DEADLINE_EXCEEDED):
+            # an ActorError that is also that code's exception (InvalidArgumentError, a ValueError).
+            message = data.decode(errors="replace")
+            self._value = ActorError.of_code(code, message, self._where()) if code else \
+                ActorError(f"{self._where()}: {message}")
         self._done = True
         if self._retry is not None:
             self._retry.finished()

@@ -50,6 +50,7 @@ enum class Outcome { kPending = 0, kOk = 1, kError = 2, kDied = 3 };
 struct Completion {
   Outcome outcome = Outcome::kPending;
   std::string data;  // the reply, or the error message
+  std::string code;  // a failure's StatusCode name ("INVALID_ARGUMENT"), for Python's exception type
 };
 
 py::dict toDict(const ActorRecord& r) {
@@ -101,6 +102,8 @@ Outcome classify(const kj::Exception& e) {
 }
 
 std::string describe(const kj::Exception& e) { return statusFromException(e, "").message(); }
+
+std::string codeOf(const kj::Exception& e) { return statusCodeName(statusFromException(e, "").code()); }
 
 // Thrown on the Python thread with a runtime Status; the translator registered in the module
 // raises troupe.exceptions' class for its code (ActorDiedError, NotFoundError, ...).
@@ -271,7 +274,7 @@ class Runtime {
     tasks_->add(handle(s.actor).call(kj::mv(s.method), kj::mv(s.payload), s.maxTaskRetries).then(
         [this, ref](std::string reply) { complete(ref, Outcome::kOk, kj::mv(reply)); },
         [this, ref](kj::Exception&& e) {
-          complete(ref, classify(e), describe(e));
+          complete(ref, classify(e), describe(e), codeOf(e));
         }));
   }
 
@@ -309,18 +312,21 @@ class Runtime {
     return done;
   }
 
-  // (outcome, data) of a finished call, consuming it; (0, "") if it is still pending.
-  std::pair<int, py::bytes> take(int64_t ref) {
+  // (outcome, data, code) of a finished call, consuming it; (0, "", "") if it is still pending.
+  // code: a failure's StatusCode name, "" for a reply.
+  std::tuple<int, py::bytes, std::string> take(int64_t ref) {
     Completion c;
     {
       std::lock_guard lock(mutex_);
       auto it = completions_.find(ref);
-      if (it == completions_.end()) return {static_cast<int>(Outcome::kError), py::bytes("unknown or already consumed ref")};
-      if (it->second.outcome == Outcome::kPending) return {0, py::bytes()};
+      if (it == completions_.end()) {
+        return {static_cast<int>(Outcome::kError), py::bytes("unknown or already consumed ref"), "INTERNAL"};
+      }
+      if (it->second.outcome == Outcome::kPending) return {0, py::bytes(), ""};
       c = std::move(it->second);
       completions_.erase(it);
     }
-    return {static_cast<int>(c.outcome), py::bytes(c.data)};
+    return {static_cast<int>(c.outcome), py::bytes(c.data), c.code};
   }
 
   py::list nodes() {
@@ -951,12 +957,13 @@ class Runtime {
     return it->second;
   }
 
-  void complete(int64_t ref, Outcome outcome, std::string data) {
+  void complete(int64_t ref, Outcome outcome, std::string data, std::string code = "") {
     {
       std::lock_guard lock(mutex_);
       auto& c = completions_[ref];
       c.outcome = outcome;
       c.data = std::move(data);
+      c.code = std::move(code);
     }
     cv_.notify_all();
   }

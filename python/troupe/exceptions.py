@@ -41,6 +41,25 @@ class ActorError(TroupeError):
             return cls(message, remote_traceback, cause)
 
 
+    @classmethod
+    def of_code(cls, code: str, message: str, where: str) -> ActorError:
+        """A call that failed with a runtime status code: an ActorError that is also the code's
+        exception type (from_code), with `code` set."""
+        cause = from_code(code, message)
+        base = type(cause)
+        text = f"{where}: {message}"
+        if base is TroupeError:
+            err = cls(text)
+        else:
+            err = type(f"{cls.__name__}({base.__name__})", (cls, base), {
+                "__init__": lambda self, *a: ActorError.__init__(self, text, "", cause),
+                "__str__": lambda self: text,
+                "__reduce__": lambda self: (cls, (text,)),
+            })()
+        err.code = code
+        return err
+
+
 class TaskError(ActorError):
     """A remote function raised; like ActorError, also an instance of the original type."""
 

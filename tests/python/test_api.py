@@ -164,6 +164,11 @@ def test_named_actors_nodes_resources_and_cpp_actors(embedded):
     cpp = troupe.cpp_actor("Counter", init_args="7", name="cpp-counter")
     assert troupe.get(cpp.add.remote("3")) == b"10"
     assert troupe.get(troupe.get_actor("cpp-counter").get.remote()) == b"10"
+    # A C++ actor's status code reaches Python: an ActorError that is also the code's type.
+    with pytest.raises(troupe.ActorError) as caught:
+        troupe.get(cpp.add.remote("x"))
+    assert isinstance(caught.value, troupe.exceptions.InvalidArgumentError) and isinstance(caught.value, ValueError)
+    assert caught.value.code == "INVALID_ARGUMENT" and "the delta must be an integer" in str(caught.value)
     with pytest.raises(troupe.TroupeError, match="infeasible"):
         Counter.options(num_cpus=64).remote()
     with pytest.raises(TypeError, match="unknown actor option"):
