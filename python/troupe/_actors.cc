@@ -23,8 +23,11 @@
 #include "checkpoint.capnp.h"
 #include "dataloader.capnp.h"
 #include "trainer.capnp.h"
+#include "python_errors.h"
 
 namespace py = pybind11;
+using troupe::python::InvalidArgument;
+using troupe::python::WrongType;
 
 namespace troupe::actors {
 namespace {
@@ -43,12 +46,12 @@ capnp::InterfaceSchema::Method findMethod(const std::string& interface, const st
   if (it == interfaces().end()) {
     std::string known;
     for (const auto& [name, schema] : interfaces()) known += (known.empty() ? "" : ", ") + name;
-    throw py::value_error(fmt::format("no typed interface '{}' ({})", interface, known));
+    throw InvalidArgument(fmt::format("no typed interface '{}' ({})", interface, known));
   }
   KJ_IF_MAYBE(m, it->second.findMethodByName(method)) { return *m; }
   std::string known;
   for (auto each : it->second.getMethods()) known += (known.empty() ? "" : ", ") + std::string(each.getProto().getName().cStr());
-  throw py::value_error(fmt::format("{} has no method '{}' ({})", interface, method, known));
+  throw InvalidArgument(fmt::format("{} has no method '{}' ({})", interface, method, known));
 }
 
 void fillStruct(capnp::DynamicStruct::Builder out, py::handle value, const std::string& where);
@@ -59,26 +62,26 @@ capnp::DynamicValue::Reader scalar(py::handle value, capnp::Type type, const std
   using W = capnp::schema::Type;
   switch (type.which()) {
     case W::BOOL:
-      if (!py::isinstance<py::bool_>(value)) throw py::type_error(where + ": expected a bool");
+      if (!py::isinstance<py::bool_>(value)) throw WrongType(where + ": expected a bool");
       return value.cast<bool>();
     case W::INT8: case W::INT16: case W::INT32: case W::INT64:
-      if (!py::isinstance<py::int_>(value)) throw py::type_error(where + ": expected an int");
+      if (!py::isinstance<py::int_>(value)) throw WrongType(where + ": expected an int");
       return value.cast<int64_t>();
     case W::UINT8: case W::UINT16: case W::UINT32: case W::UINT64:
-      if (!py::isinstance<py::int_>(value)) throw py::type_error(where + ": expected an int");
-      if (value.cast<py::int_>() < py::int_(0)) throw py::value_error(where + ": must not be negative");
+      if (!py::isinstance<py::int_>(value)) throw WrongType(where + ": expected an int");
+      if (value.cast<py::int_>() < py::int_(0)) throw InvalidArgument(where + ": must not be negative");
       return value.cast<uint64_t>();
     case W::FLOAT32: case W::FLOAT64:
       return value.cast<double>();
     case W::TEXT:
-      if (!py::isinstance<py::str>(value)) throw py::type_error(where + ": expected a str");
+      if (!py::isinstance<py::str>(value)) throw WrongType(where + ": expected a str");
       textHolder = value.cast<std::string>();
       return capnp::Text::Reader(textHolder.c_str(), textHolder.size());
     case W::DATA: {
-      if (!PyObject_CheckBuffer(value.ptr())) throw py::type_error(where + ": expected bytes or a buffer");
+      if (!PyObject_CheckBuffer(value.ptr())) throw WrongType(where + ": expected bytes or a buffer");
       bufferHolder = py::reinterpret_borrow<py::buffer>(value).request();
       if (bufferHolder.ndim > 1 && bufferHolder.strides.back() != bufferHolder.itemsize) {
-        throw py::value_error(where + ": the buffer must be contiguous");
+        throw InvalidArgument(where + ": the buffer must be contiguous");
       }
       return capnp::Data::Reader(static_cast<const kj::byte*>(bufferHolder.ptr),
                                  static_cast<size_t>(bufferHolder.size * bufferHolder.itemsize));
@@ -90,12 +93,12 @@ capnp::DynamicValue::Reader scalar(py::handle value, capnp::Type type, const std
         KJ_IF_MAYBE(e, schema.findEnumerantByName(name)) { return capnp::DynamicEnum(*e); }
         std::string known;
         for (auto e : schema.getEnumerants()) known += (known.empty() ? "" : ", ") + std::string(e.getProto().getName().cStr());
-        throw py::value_error(fmt::format("{}: '{}' is not one of {}", where, name, known));
+        throw InvalidArgument(fmt::format("{}: '{}' is not one of {}", where, name, known));
       }
-      throw py::type_error(where + ": expected the enumerant's name");
+      throw WrongType(where + ": expected the enumerant's name");
     }
     default:
-      throw py::type_error(where + ": a field of this type cannot be set from Python");
+      throw WrongType(where + ": a field of this type cannot be set from Python");
   }
 }
 
@@ -118,7 +121,7 @@ void fillList(capnp::DynamicList::Builder out, py::sequence items, const std::st
 }
 
 void fillStruct(capnp::DynamicStruct::Builder out, py::handle value, const std::string& where) {
-  if (!py::isinstance<py::dict>(value)) throw py::type_error(where + ": expected a dict");
+  if (!py::isinstance<py::dict>(value)) throw WrongType(where + ": expected a dict");
   auto schema = out.getSchema();
   for (auto [key, item] : py::reinterpret_borrow<py::dict>(value)) {
     std::string name = py::str(key);
@@ -128,7 +131,7 @@ void fillStruct(capnp::DynamicStruct::Builder out, py::handle value, const std::
       if (type.isStruct()) {
         fillStruct(out.init(*field).as<capnp::DynamicStruct>(), item, at);
       } else if (type.isList()) {
-        if (!py::isinstance<py::sequence>(item) || py::isinstance<py::str>(item)) throw py::type_error(at + ": expected a list");
+        if (!py::isinstance<py::sequence>(item) || py::isinstance<py::str>(item)) throw WrongType(at + ": expected a list");
         auto items = py::reinterpret_borrow<py::sequence>(item);
         fillList(out.init(*field, py::len(items)).as<capnp::DynamicList>(), items, at);
       } else {
@@ -140,7 +143,7 @@ void fillStruct(capnp::DynamicStruct::Builder out, py::handle value, const std::
     }
     std::string known;
     for (auto f : schema.getFields()) known += (known.empty() ? "" : ", ") + std::string(f.getProto().getName().cStr());
-    throw py::value_error(fmt::format("{}: no field '{}' ({})", where, name, known));
+    throw InvalidArgument(fmt::format("{}: no field '{}' ({})", where, name, known));
   }
 }
 
@@ -192,7 +195,7 @@ py::bytes encode(const std::string& interface, const std::string& method, py::di
   try {
     fillStruct(message.initRoot<capnp::DynamicStruct>(m.getParamType()), params, interface + "." + method);
   } catch (const kj::Exception& e) {  // e.g. a value out of its field's range
-    throw py::value_error(fmt::format("{}.{}: {}", interface, method, e.getDescription().cStr()));
+    throw InvalidArgument(fmt::format("{}.{}: {}", interface, method, e.getDescription().cStr()));
   }
   auto flat = capnp::messageToFlatArray(message);
   auto bytes = flat.asBytes();
@@ -204,7 +207,7 @@ py::dict decode(const std::string& interface, const std::string& method, py::buf
   py::buffer_info info = reply.request();
   size_t size = static_cast<size_t>(info.size * info.itemsize);
   if (size % sizeof(capnp::word) != 0) {
-    throw py::value_error(fmt::format("{}.{}: the reply is {} bytes, not whole 8-byte words: not a results message",
+    throw InvalidArgument(fmt::format("{}.{}: the reply is {} bytes, not whole 8-byte words: not a results message",
                                       interface, method, size));
   }
   auto words = kj::heapArray<capnp::word>(size / sizeof(capnp::word));
@@ -216,14 +219,14 @@ py::dict decode(const std::string& interface, const std::string& method, py::buf
     KJ_REQUIRE(message.getEnd() == words.end(), "bytes after the message");
     return structToPython(message.getRoot<capnp::DynamicStruct>(m.getResultType()));
   } catch (const kj::Exception& e) {
-    throw py::value_error(fmt::format("{}.{}: the reply is not a results message: {}", interface, method,
+    throw InvalidArgument(fmt::format("{}.{}: the reply is not a results message: {}", interface, method,
                                       e.getDescription().cStr()));
   }
 }
 
 std::vector<std::string> methods(const std::string& interface) {
   auto it = interfaces().find(interface);
-  if (it == interfaces().end()) throw py::value_error(fmt::format("no typed interface '{}'", interface));
+  if (it == interfaces().end()) throw InvalidArgument(fmt::format("no typed interface '{}'", interface));
   std::vector<std::string> out;
   for (auto m : it->second.getMethods()) out.emplace_back(m.getProto().getName().cStr());
   return out;
@@ -233,6 +236,7 @@ std::vector<std::string> methods(const std::string& interface) {
 }  // namespace troupe::actors
 
 PYBIND11_MODULE(_actors, m) {
+  troupe::python::registerErrors();
   m.doc() = "The built-in C++ actors' typed interfaces: params and results as Cap'n Proto messages";
   m.def("encode", &troupe::actors::encode, py::arg("interface"), py::arg("method"), py::arg("params"));
   m.def("decode", &troupe::actors::decode, py::arg("interface"), py::arg("method"), py::arg("reply"));

@@ -23,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable, NoReturn, TypeVar, overload
 
 from . import _objects, _serialization
-from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, GetTimeoutError, InvalidArgumentError, NotFoundError, ObjectLostError, TaskError,
-                         TroupeError, UnauthenticatedError, UnavailableError, WorkerCrashedError)
+from .exceptions import (ActorDiedError, ActorError, ActorExit, ActorNotFoundError, AlreadyExistsError, ArgumentTypeError,
+                         GetTimeoutError, InvalidArgumentError, NotFoundError, ObjectLostError, TaskError, TroupeError,
+                         UnauthenticatedError, UnavailableError, WorkerCrashedError)
 
 _lock = threading.RLock()
 _session: _Session | None = None
@@ -228,23 +229,23 @@ def _check_runtime_env(runtime_env):
     if runtime_env is None:
         return None
     if not isinstance(runtime_env, dict):
-        raise TypeError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")
+        raise ArgumentTypeError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")
     unknown = set(runtime_env) - {"env_vars", "working_dir", "py_modules"}
     if unknown:
-        raise ValueError(f"runtime_env keys {sorted(unknown)} are not supported: Troupe honours env_vars, a "
+        raise InvalidArgumentError(f"runtime_env keys {sorted(unknown)} are not supported: Troupe honours env_vars, a "
                          "local working_dir (a directory on the machines of the cluster) and py_modules")
     env_vars = runtime_env.get("env_vars") or {}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
-        raise TypeError("runtime_env['env_vars'] must map str to str")
+        raise ArgumentTypeError("runtime_env['env_vars'] must map str to str")
     wd = runtime_env.get("working_dir")
     if wd is not None:
         if not isinstance(wd, str) or "://" in wd or not os.path.isdir(wd):
-            raise ValueError(f"runtime_env['working_dir'] must be a local directory, not {wd!r}")
+            raise InvalidArgumentError(f"runtime_env['working_dir'] must be a local directory, not {wd!r}")
         wd = os.path.abspath(wd)
     modules = runtime_env.get("py_modules")
     if modules is not None:
         if not isinstance(modules, (list, tuple)):
-            raise TypeError(f"runtime_env['py_modules'] must be a list, not {type(modules).__name__}")
+            raise ArgumentTypeError(f"runtime_env['py_modules'] must be a list, not {type(modules).__name__}")
         modules = [_module_path(m) for m in modules]
     return {"env_vars": dict(env_vars), **({"working_dir": wd} if wd else {}),
             **({"py_modules": modules} if modules else {})}
@@ -258,13 +259,13 @@ def _module_path(module):
     if inspect.ismodule(module):
         path = getattr(module, "__file__", None)
         if path is None:
-            raise ValueError(f"runtime_env['py_modules']: module {module.__name__} has no file to ship")
+            raise InvalidArgumentError(f"runtime_env['py_modules']: module {module.__name__} has no file to ship")
         module = os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
     if not isinstance(module, str) or "://" in module:
-        raise ValueError(f"runtime_env['py_modules'] entries are local packages, .py files or modules, not {module!r}")
+        raise InvalidArgumentError(f"runtime_env['py_modules'] entries are local packages, .py files or modules, not {module!r}")
     path = os.path.abspath(module)
     if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".py"))):
-        raise ValueError(f"runtime_env['py_modules']: {module!r} is neither a directory nor a .py file")
+        raise InvalidArgumentError(f"runtime_env['py_modules']: {module!r} is neither a directory nor a .py file")
     return path
 
 
@@ -301,7 +302,7 @@ def _ship_modules(env):
                             z.write(full, os.path.relpath(full, root))
             data = buffer.getvalue()
             if len(data) > _SHIP_MAX_BYTES:
-                raise ValueError(f"runtime_env['py_modules']: {path} packs to {len(data)} bytes, over the "
+                raise InvalidArgumentError(f"runtime_env['py_modules']: {path} packs to {len(data)} bytes, over the "
                                  f"{_SHIP_MAX_BYTES >> 20} MiB a module may take")
             _shipped[path] = (os.path.basename(path), hashlib.sha256(data).hexdigest()[:32], put(data))
         packed.append(_shipped[path])
@@ -335,16 +336,16 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
 
     unknown = set(unsupported) - _INIT_NOOPS
     if unknown:
-        raise TypeError(f"init() does not support {sorted(unknown)}; it takes address, token, num_cpus, num_gpus, "
+        raise ArgumentTypeError(f"init() does not support {sorted(unknown)}; it takes address, token, num_cpus, num_gpus, "
                         "resources, namespace, runtime_env (env_vars, working_dir, py_modules), ignore_reinit_error, "
                         "log_to_driver, logging_level, object_store_memory")
     if include_dashboard:
-        raise ValueError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
+        raise InvalidArgumentError("include_dashboard=True: Troupe has no dashboard yet (`troupe status` shows the cluster)")
     if namespace is not None:
         _check_name(namespace, "namespace")
     if object_store_memory is not None and (isinstance(object_store_memory, bool) or
                                             not isinstance(object_store_memory, int) or object_store_memory < 8 << 20):
-        raise ValueError(f"object_store_memory={object_store_memory!r}: a whole number of bytes, at least 8 MiB")
+        raise InvalidArgumentError(f"object_store_memory={object_store_memory!r}: a whole number of bytes, at least 8 MiB")
     runtime_env = _check_runtime_env(runtime_env)
     if num_gpus is not None:
         resources = dict(resources or {}, GPU=float(num_gpus))
@@ -364,7 +365,7 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
             address, token = cluster["controller_address"], cluster["token"]
         else:
             if object_store_memory is not None:  # as Ray's: the cluster's nodes were started with theirs
-                raise ValueError("object_store_memory= applies to a cluster init() starts; when connecting to an "
+                raise InvalidArgumentError("object_store_memory= applies to a cluster init() starts; when connecting to an "
                                  "existing cluster, give it to `troupe start --object-store-memory` instead")
             root = default_run_root()
             local = local_error = None
@@ -385,7 +386,7 @@ def init(address: str | None = None, *, token: str | None = None, num_cpus: floa
             if not token and local and local["controller_address"] == address:
                 token = local["token"]
             if not token:
-                raise ValueError(f"no cluster token for {address}: pass token= or set TROUPE_TOKEN")
+                raise InvalidArgumentError(f"no cluster token for {address}: pass token= or set TROUPE_TOKEN")
         try:
             rt = _core.Runtime(str(address), str(token))
         except UnauthenticatedError:  # reached, but the token is not this cluster's (a PermissionError)
@@ -573,26 +574,26 @@ def _check_options(options, what="actor", internal_name=False):
     known = _OPTION_NAMES if what == "actor" else _tasks_option_names()
     unknown = set(options) - known
     if unknown:
-        raise TypeError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ArgumentTypeError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
     lifetime = options.get("lifetime")
     if lifetime not in (None, "detached", "non_detached"):
-        raise ValueError(f"lifetime must be None, 'detached' or 'non_detached', not {lifetime!r}")
+        raise InvalidArgumentError(f"lifetime must be None, 'detached' or 'non_detached', not {lifetime!r}")
     for key in ("num_cpus", "num_gpus", "memory"):
         value = options.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"{key} must be a number >= 0, not {value!r}")
+            raise InvalidArgumentError(f"{key} must be a number >= 0, not {value!r}")
     resources = options.get("resources")
     if resources is not None:
         if not isinstance(resources, dict):
-            raise TypeError(f"resources must be a dict, not {type(resources).__name__}")
+            raise ArgumentTypeError(f"resources must be a dict, not {type(resources).__name__}")
         for k in ("CPU", "GPU"):
             if k in resources:
-                raise ValueError(f"use num_{k.lower()}s= rather than resources={{'{k}': ...}}")
+                raise InvalidArgumentError(f"use num_{k.lower()}s= rather than resources={{'{k}': ...}}")
     for key in ("max_restarts", "max_task_retries", "max_retries", "num_returns"):
         _check_int(options.get(key), key, -1)
     _check_int(options.get("max_concurrency"), "max_concurrency", 1)
     if options.get("concurrency_groups"):
-        raise ValueError("concurrency_groups are not supported by Troupe; use max_concurrency")
+        raise InvalidArgumentError("concurrency_groups are not supported by Troupe; use max_concurrency")
     if "runtime_env" in options:
         options["runtime_env"] = _check_runtime_env(options["runtime_env"])
     name = options.get("name")
@@ -611,7 +612,7 @@ def _check_int(value, key, least):
     would reach the runtime's int32 fields as a raw TypeError)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or not least <= value <= _MAX_INT_OPTION):
-        raise ValueError(f"{key} must be an integer in [{least}, {_MAX_INT_OPTION}], not {value!r}")
+        raise InvalidArgumentError(f"{key} must be an integer in [{least}, {_MAX_INT_OPTION}], not {value!r}")
 
 
 def _check_name(value, what="actor name"):
@@ -619,7 +620,7 @@ def _check_name(value, what="actor name"):
     printable UTF-8 of at most 256 bytes, no control or bidi characters, no '/' (which separates
     a namespace from a name). InvalidArgumentError (a ValueError) saying what is wrong."""
     if not isinstance(value, str):
-        raise TypeError(f"{what} must be a string, not {value!r}")  # Ray's TypeError for init(namespace=123)
+        raise ArgumentTypeError(f"{what} must be a string, not {value!r}")  # Ray's TypeError for init(namespace=123)
     from . import _core
 
     # surrogateescape: a lone surrogate becomes bytes that are not UTF-8, which the check names.
@@ -634,7 +635,7 @@ def _check_timeout(timeout, what):
 
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
             or timeout < 0:
-        raise ValueError(f"{what}: timeout must be None or a finite number of seconds >= 0, not {timeout!r}")
+        raise InvalidArgumentError(f"{what}: timeout must be None or a finite number of seconds >= 0, not {timeout!r}")
 
 
 def _tasks_option_names():
@@ -660,7 +661,7 @@ def _check_resources(resources, what):
     """Quantities must be finite and in [0, 1e18]: NaN or inf in a record breaks every reader."""
     for name, qty in resources.items():
         if not name or not math.isfinite(qty) or not 0 <= qty <= 1e18:
-            raise ValueError(f"{what}: quantity {qty!r} of resource {name!r} is not a finite number in [0, 1e18]")
+            raise InvalidArgumentError(f"{what}: quantity {qty!r} of resource {name!r} is not a finite number in [0, 1e18]")
 
 
 def _scoped_name(name, namespace=None):
@@ -680,7 +681,7 @@ def _placement(options):
         pg = getattr(strategy, "placement_group", pg)
         index = getattr(strategy, "placement_group_bundle_index", index)
     elif strategy not in (None, "DEFAULT", "SPREAD"):
-        raise ValueError(f"scheduling_strategy {strategy!r} is not supported (DEFAULT, SPREAD, or a "
+        raise InvalidArgumentError(f"scheduling_strategy {strategy!r} is not supported (DEFAULT, SPREAD, or a "
                          "PlacementGroupSchedulingStrategy)")
     if pg is not None and pg != "default":
         pg = getattr(pg, "id", pg)
@@ -726,10 +727,10 @@ def method(*, num_returns: int | None = None, retry_exceptions: bool | list[type
     actor, and an exception it raises (True: any; a list: those types) retried, up to M times
     (-1: no limit; default: the actor's max_task_retries)."""
     if others:
-        raise TypeError(f"@troupe.method takes num_returns, retry_exceptions and max_task_retries, not "
+        raise ArgumentTypeError(f"@troupe.method takes num_returns, retry_exceptions and max_task_retries, not "
                         f"{sorted(others)}")
     if num_returns is not None and (not isinstance(num_returns, int) or num_returns < 0):
-        raise ValueError(f"num_returns must be an integer >= 0, not {num_returns!r}")
+        raise InvalidArgumentError(f"num_returns must be an integer >= 0, not {num_returns!r}")
     _check_retry_exceptions(retry_exceptions)
     _check_int(max_task_retries, "max_task_retries", -1)
 
@@ -745,7 +746,7 @@ def _check_retry_exceptions(value):
         return
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, type) and issubclass(t, BaseException)
                                                         for t in value):
-        raise TypeError(f"retry_exceptions must be a bool or a list of exception types, not {value!r}")
+        raise ArgumentTypeError(f"retry_exceptions must be a bool or a list of exception types, not {value!r}")
 
 
 def _methods_of(cls):
@@ -786,7 +787,7 @@ def _check_call(signature, args, kwargs, what):
         try:
             signature.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{what}: {e}") from None
+            raise ArgumentTypeError(f"{what}: {e}") from None
 
 
 class ActorClass:
@@ -842,7 +843,7 @@ class ActorClass:
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
 
     def __call__(self, *args, **kwargs):
-        raise TypeError(f"Actors cannot be instantiated directly. Instead of '{self.__name__}()', use "
+        raise ArgumentTypeError(f"Actors cannot be instantiated directly. Instead of '{self.__name__}()', use "
                         f"'{self.__name__}.remote()'.")
 
     def __getattr__(self, name):
@@ -851,7 +852,7 @@ class ActorClass:
         return getattr(self._cls, name)  # class attributes and static methods, as in Ray
 
     def __mro_entries__(self, bases):
-        raise TypeError("Inheriting from actor classes is not currently supported. Inherit from the plain "
+        raise ArgumentTypeError("Inheriting from actor classes is not currently supported. Inherit from the plain "
                         "class and decorate the subclass with @troupe.remote.")
 
 
@@ -882,7 +883,7 @@ def remote(*args: Any, **options: Any) -> Any:
         import inspect
 
         if inspect.iscoroutinefunction(target):  # Ray refuses it too: a task's result is a value
-            raise ValueError(f"@troupe.remote cannot make a task of the async function {target.__qualname__}: "
+            raise InvalidArgumentError(f"@troupe.remote cannot make a task of the async function {target.__qualname__}: "
                              f"a task returns a value, not a coroutine; wrap it in a plain function that "
                              f"runs it (asyncio.run(...)), or make it a method of an async actor")
         return _tasks.RemoteFunction(target, options)
@@ -891,7 +892,7 @@ def remote(*args: Any, **options: Any) -> Any:
         target = args[0]
         return ActorClass(target, {}) if isinstance(target, type) else task(target, {})
     if args or not options:
-        raise TypeError("@troupe.remote decorates a class or function directly (@troupe.remote), or takes "
+        raise ArgumentTypeError("@troupe.remote decorates a class or function directly (@troupe.remote), or takes "
                         "keyword options (@troupe.remote(num_cpus=1)); not @troupe.remote() or positional arguments")
 
     def wrap(target):
@@ -899,7 +900,7 @@ def remote(*args: Any, **options: Any) -> Any:
             return ActorClass(target, options)
         if callable(target):
             return task(target, options)
-        raise TypeError(f"@troupe.remote decorates a class or a function, not {type(target).__name__}")
+        raise ArgumentTypeError(f"@troupe.remote decorates a class or a function, not {type(target).__name__}")
 
     return wrap
 
@@ -1082,11 +1083,11 @@ class ActorMethod:
         """num_returns, retry_exceptions; name: the worker's process title (/proc/<pid>/comm) while
         the call runs, as Ray's (ray::<name>)."""
         if others:
-            raise TypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
+            raise ArgumentTypeError(f"actor method options take num_returns, retry_exceptions and name, not {sorted(others)}")
         _check_retry_exceptions(retry_exceptions)
         _check_int(num_returns, "num_returns", 0)
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a string, not {name!r}")
+            raise ArgumentTypeError(f"name must be a string, not {name!r}")
         method = ActorMethod(self._handle, self._name, self._num_returns if num_returns is None else num_returns,
                              self._retry_exceptions if retry_exceptions is None else retry_exceptions,
                              self._max_task_retries, self._call_name if name is None else name)
@@ -1097,7 +1098,7 @@ class ActorMethod:
         h = self._handle
         _check_call(self._signature, args, kwargs, f"{h._type[3:] if h._is_python else h._type}.{self._name}")
         if not h._is_python and (kwargs or len(args) > 1):
-            raise TypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
+            raise ArgumentTypeError(f"{h._type}.{self._name} is a C++ actor method: pass one bytes or str payload")
         name, retry_exceptions, call_name = self._name, self._retry_exceptions, self._call_name
         retries = h._max_task_retries if self._max_task_retries is None else self._max_task_retries
         per_call = -2 if self._max_task_retries is None else self._max_task_retries  # -2: the actor's
@@ -1126,7 +1127,7 @@ class ActorMethod:
         return _split(ref, self._num_returns)
 
     def __call__(self, *args, **kwargs):
-        raise TypeError(f"Actor methods cannot be called directly. Instead of running "
+        raise ArgumentTypeError(f"Actor methods cannot be called directly. Instead of running "
                         f"'object.{self._name}()', try 'object.{self._name}.remote()'.")
 
 
@@ -1544,7 +1545,7 @@ def put(value: Any) -> ObjectRef:
     """Stores `value` in this machine's object store; returns an ObjectRef to pass to calls and
     tasks (by ref, without copying it again) or to get()."""
     if isinstance(value, ObjectRef):
-        raise TypeError("put() of an ObjectRef is not allowed: pass the ref itself")
+        raise ArgumentTypeError("put() of an ObjectRef is not allowed: pass the ref itself")
     _auto_init()  # before the store is chosen: the node's directory, once connected
     return _StoredRef._from_value(value)
 
@@ -1664,7 +1665,7 @@ def get(refs: ObjectRef | Iterable[ObjectRef], timeout: float | None = None) -> 
     batch = [refs] if isinstance(refs, ObjectRef) else list(refs)
     for r in batch:
         if not isinstance(r, ObjectRef):
-            raise TypeError(f"get() takes ObjectRefs, not {type(r).__name__}")
+            raise ArgumentTypeError(f"get() takes ObjectRefs, not {type(r).__name__}")
     if not _settle(batch, len(batch), timeout):
         raise _timeout_error(timeout, batch, len(batch))
     values = [_value_of(r) for r in batch]
@@ -1685,19 +1686,19 @@ def wait(refs: Iterable[ObjectRef], num_returns: int = 1, timeout: float | None 
     if _session is None:
         _auto_init()
     if isinstance(refs, ObjectRef):
-        raise TypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
+        raise ArgumentTypeError("wait() expects a list of ObjectRefs, not one ObjectRef")
     refs = list(refs)
     for r in refs:
         if not isinstance(r, ObjectRef):
-            raise TypeError(f"wait() takes ObjectRefs, not {type(r).__name__}")
+            raise ArgumentTypeError(f"wait() takes ObjectRefs, not {type(r).__name__}")
     if not refs:
         return [], []
     if len(set(map(id, refs))) != len(refs):
-        raise ValueError("wait() expects a list of unique ObjectRefs")
+        raise InvalidArgumentError("wait() expects a list of unique ObjectRefs")
     if num_returns > len(refs):
-        raise ValueError(f"num_returns ({num_returns}) is larger than the number of refs ({len(refs)})")
+        raise InvalidArgumentError(f"num_returns ({num_returns}) is larger than the number of refs ({len(refs)})")
     if num_returns <= 0:
-        raise ValueError(f"num_returns must be at least 1, not {num_returns}")
+        raise InvalidArgumentError(f"num_returns must be at least 1, not {num_returns}")
     _settle(refs, num_returns, timeout)
     ready = [r for r in refs if r._ready()][:num_returns]
     ready_ids = {id(r) for r in ready}
@@ -1707,14 +1708,14 @@ def wait(refs: Iterable[ObjectRef], num_returns: int = 1, timeout: float | None 
 def kill(handle: ActorHandle, no_restart: bool = True) -> None:
     """Kills the actor's worker; with no_restart it is DEAD afterwards."""
     if not isinstance(handle, ActorHandle):
-        raise ValueError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
+        raise InvalidArgumentError(f"kill() takes an ActorHandle, not {type(handle).__name__}")
     runtime_call(runtime().kill, handle._id, bool(no_restart))
 
 
 def exit_actor() -> None:
     """Ends the calling actor once this call returns (atexit handlers run; no restart)."""
     if not os.environ.get("TROUPE_ACTOR_ID"):
-        raise TypeError("exit_actor() called outside an actor")
+        raise ArgumentTypeError("exit_actor() called outside an actor")
     raise ActorExit()
 
 

@@ -16,8 +16,11 @@
 
 #include "troupe/checkpoint/checkpoint_dir.h"
 #include "troupe/checkpoint/flash_segment.h"
+#include "python_errors.h"
 
 namespace py = pybind11;
+using troupe::python::InvalidArgument;
+using troupe::python::WrongType;
 
 namespace troupe::checkpoint {
 namespace {
@@ -46,7 +49,7 @@ std::pair<void*, uint64_t> bufferOf(const py::buffer& obj, bool writable) {
   // Contiguous in C order: each stride is the product of the later dimensions.
   py::ssize_t expected = info.itemsize;
   for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
-    if (info.shape[d] > 1 && info.strides[d] != expected) throw py::value_error("checkpoint buffers must be contiguous");
+    if (info.shape[d] > 1 && info.strides[d] != expected) throw InvalidArgument("checkpoint buffers must be contiguous");
     expected *= info.shape[d];
   }
   return {info.ptr, size};
@@ -213,11 +216,11 @@ class Segment {
 
  private:
   const FlashSegment& segment() const {
-    if (!segment_) throw py::value_error("the segment is closed");
+    if (!segment_) throw InvalidArgument("the segment is closed");
     return *segment_;
   }
   FlashSegment& segment() {
-    if (!segment_) throw py::value_error("the segment is closed");
+    if (!segment_) throw InvalidArgument("the segment is closed");
     return *segment_;
   }
   std::optional<SlotInfo> choose(std::optional<uint64_t> step, std::optional<uint64_t> maxStep) const {
@@ -289,6 +292,7 @@ std::vector<uint64_t> completeSteps(const std::string& path) {
 }  // namespace troupe::checkpoint
 
 PYBIND11_MODULE(_checkpoint, m) {
+  troupe::python::registerErrors();
   using namespace troupe::checkpoint;
   m.doc() = "Troupe's checkpoint library (shared-memory snapshots, the persisted format)";
   errorType = PyErr_NewException("troupe._checkpoint.Error", nullptr, nullptr);

@@ -38,8 +38,11 @@
 #include "troupe/runtime/names.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"
+#include "python_errors.h"
 
 namespace py = pybind11;
+using troupe::python::InvalidArgument;
+using troupe::python::WrongType;
 
 namespace troupe {
 namespace {
@@ -119,7 +122,7 @@ class Runtime {
  public:
   Runtime(const std::string& address, const std::string& token) : token_(token) {
     auto hp = parseHostPort(address);
-    if (!hp.isOk()) throw py::value_error(hp.status().message());
+    if (!hp.isOk()) throw InvalidArgument(hp.status().message());
     std::mutex m;
     std::condition_variable cv;
     bool started = false;
@@ -731,7 +734,7 @@ class Runtime {
   py::dict createPlacementGroup(const std::string& strategy, const std::vector<std::map<std::string, double>>& bundles,
                                 const std::string& name) {
     auto parsed = parsePlacementStrategy(strategy);
-    if (!parsed.isOk()) throw py::value_error(parsed.status().message());
+    if (!parsed.isOk()) throw InvalidArgument(parsed.status().message());
     std::vector<Resources> demands;
     for (const auto& b : bundles) demands.emplace_back(b.begin(), b.end());
     return toDict(onLoop([this, s = *parsed, demands, name]() { return client_->createPlacementGroup(s, demands, name); }));
@@ -1102,7 +1105,7 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
                 const std::string& ip, const std::string& token, py::object dispatch, bool concurrent,
                 const std::string& type) {
   auto controllerAddr = parseHostPort(controller);
-  if (!controllerAddr.isOk()) throw py::value_error(controllerAddr.status().message());
+  if (!controllerAddr.isOk()) throw InvalidArgument(controllerAddr.status().message());
   auto actor = std::make_unique<PythonActor>(std::move(dispatch), concurrent);
   py::gil_scoped_release release;
   kj::UnixEventPort::captureSignal(SIGTERM);
@@ -1122,6 +1125,7 @@ void serveActor(const std::string& actorId, uint32_t incarnation, const std::str
 }  // namespace troupe
 
 PYBIND11_MODULE(_core, m) {
+  troupe::python::registerErrors();
   troupe::keepMessageBuffers();
   using troupe::Runtime;
   m.doc() = "Troupe's C++ runtime (used by the troupe package; not a public API)";

@@ -44,8 +44,11 @@
 #include "troupe/collectives/rendezvous_store.h"
 #include "troupe/collectives/torch_adapter.h"
 #include "troupe/runtime/cluster_store.h"
+#include "python_errors.h"
 
 namespace py = pybind11;
+using troupe::python::InvalidArgument;
+using troupe::python::WrongType;
 
 namespace troupe::collectives {
 namespace {
@@ -319,7 +322,7 @@ class ClusterC10dStore final : public c10d::Store {
 // A space's ttl: at least an hour, and at least twice the timeout (a slow rank may still read it).
 std::chrono::milliseconds ttlFor(std::chrono::milliseconds timeout, std::optional<std::chrono::milliseconds> ttl) {
   if (ttl) {
-    if (ttl->count() <= 0) throw py::value_error("troupe.dist.ClusterStore: ttl must be positive");
+    if (ttl->count() <= 0) throw InvalidArgument("troupe.dist.ClusterStore: ttl must be positive");
     return *ttl;
   }
   return std::max<std::chrono::milliseconds>(std::chrono::hours(1), 2 * timeout);
@@ -327,7 +330,7 @@ std::chrono::milliseconds ttlFor(std::chrono::milliseconds timeout, std::optiona
 
 c10::intrusive_ptr<ClusterC10dStore> openStore(const std::string& prefix, std::chrono::milliseconds timeout,
                                                std::optional<std::chrono::milliseconds> ttl) {
-  if (prefix.empty()) throw py::value_error("troupe.dist.ClusterStore: the prefix must not be empty");
+  if (prefix.empty()) throw InvalidArgument("troupe.dist.ClusterStore: the prefix must not be empty");
   const auto keep = ttlFor(timeout, ttl);
   py::gil_scoped_release noGil;
   return c10::make_intrusive<ClusterC10dStore>(ClusterC10dStore::connect(prefix), prefix, timeout, keep);
@@ -339,7 +342,7 @@ c10::intrusive_ptr<ClusterC10dStore> openStore(const std::string& prefix, std::c
 c10::intrusive_ptr<ClusterC10dStore> groupStore(const std::string& group, int64_t epoch,
                                                 std::chrono::milliseconds timeout,
                                                 std::chrono::milliseconds ttl) {
-  if (group.empty()) throw py::value_error("troupe.dist.group_store: the group must not be empty");
+  if (group.empty()) throw InvalidArgument("troupe.dist.group_store: the group must not be empty");
   const std::string space = groupKeySpace(group, epoch);
   std::unique_ptr<ClusterStore> store = ClusterC10dStore::connect(space);
   auto current = store->advanceGroupEpoch(group, epoch);
@@ -905,6 +908,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> createProcessGroup(const c10::intrusive_p
 }  // namespace troupe::collectives
 
 PYBIND11_MODULE(_dist, m) {
+  troupe::python::registerErrors();
   m.doc() = "torch.distributed's 'troupe' backend over Troupe's CPU communicators (see troupe.dist)";
   py::module_::import("torch.distributed");  // registers c10d's ProcessGroup and Store types
   m.def("create_process_group", &troupe::collectives::createProcessGroup, py::arg("store"), py::arg("rank"),
@@ -936,7 +940,7 @@ PYBIND11_MODULE(_dist, m) {
       "health",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
         auto* troupe = dynamic_cast<troupe::collectives::ProcessGroupTroupe*>(pg.get());
-        if (troupe == nullptr) throw py::type_error("not a troupe process group");
+        if (troupe == nullptr) throw WrongType("not a troupe process group");
         return troupe->health();
       },
       py::arg("process_group"), "'OK' or the error that made the group's communicator unusable.");
@@ -944,7 +948,7 @@ PYBIND11_MODULE(_dist, m) {
       "dead_peers",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
         auto* troupe = dynamic_cast<troupe::collectives::ProcessGroupTroupe*>(pg.get());
-        if (troupe == nullptr) throw py::type_error("not a troupe process group");
+        if (troupe == nullptr) throw WrongType("not a troupe process group");
         return troupe->deadPeers();
       },
       py::arg("process_group"), "The ranks whose death the group's communicator saw (their process ended).");
@@ -952,7 +956,7 @@ PYBIND11_MODULE(_dist, m) {
       "waiting_on",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
         auto* troupe = dynamic_cast<troupe::collectives::ProcessGroupTroupe*>(pg.get());
-        if (troupe == nullptr) throw py::type_error("not a troupe process group");
+        if (troupe == nullptr) throw WrongType("not a troupe process group");
         py::gil_scoped_release noGil;  // may take up to a second
         return troupe->waitingOn();
       },

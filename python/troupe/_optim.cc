@@ -22,15 +22,18 @@
 #include "troupe/optimizers/lamb.h"
 #include "troupe/optimizers/lars.h"
 #include "troupe/optimizers/wsam.h"
+#include "python_errors.h"
 
 namespace py = pybind11;
+using troupe::python::InvalidArgument;
+using troupe::python::WrongType;
 using torch::Tensor;
 
 namespace troupe::optimizers {
 namespace {
 
 [[noreturn]] void missingKey(const char* optimizer, const char* key) {
-  throw py::value_error(std::string(optimizer) + ": the param group has no '" + key +
+  throw InvalidArgument(std::string(optimizer) + ": the param group has no '" + key +
                         "' (groups get it from the optimizer's defaults)");
 }
 
@@ -43,12 +46,12 @@ std::string typeName(const py::handle& obj) { return py::str(py::type::of(obj).a
 
 double number(const py::object& obj, const char* optimizer, const char* key) {
   if (py::isinstance<py::bool_>(obj) || obj.is_none() || py::isinstance<py::str>(obj)) {
-    throw py::type_error(std::string(optimizer) + ": " + key + " must be a number, got " + typeName(obj));
+    throw WrongType(std::string(optimizer) + ": " + key + " must be a number, got " + typeName(obj));
   }
   try {
     return py::float_(obj).cast<double>();
   } catch (const py::error_already_set&) {
-    throw py::type_error(std::string(optimizer) + ": " + key + " must be a number, got " + typeName(obj));
+    throw WrongType(std::string(optimizer) + ": " + key + " must be a number, got " + typeName(obj));
   }
 }
 
@@ -59,7 +62,7 @@ double number(const py::dict& group, const char* optimizer, const char* key) {
 bool flag(const py::dict& group, const char* optimizer, const char* key) {
   const py::object obj = entry(group, optimizer, key);
   if (!py::isinstance<py::bool_>(obj) && !py::isinstance<py::int_>(obj)) {
-    throw py::type_error(std::string(optimizer) + ": " + key + " must be True or False, got " + typeName(obj));
+    throw WrongType(std::string(optimizer) + ": " + key + " must be True or False, got " + typeName(obj));
   }
   return obj.cast<bool>();
 }
@@ -67,7 +70,7 @@ bool flag(const py::dict& group, const char* optimizer, const char* key) {
 std::tuple<double, double> betas(const py::dict& group, const char* optimizer) {
   const py::object obj = entry(group, optimizer, "betas");
   if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) || py::len(obj) != 2) {
-    throw py::value_error(std::string(optimizer) + ": betas must be a pair (beta1, beta2), got " +
+    throw InvalidArgument(std::string(optimizer) + ": betas must be a pair (beta1, beta2), got " +
                           std::string(py::repr(obj)));
   }
   const py::sequence seq = obj;
@@ -102,7 +105,7 @@ typename Rule::Options optionsFrom(const py::dict& g) {
 WsamOptions wsamOptions(const py::dict& g) {
   const double sam_eps = number(g, "WSAM", "sam_eps");
   if (!std::isfinite(sam_eps) || sam_eps < 0) {
-    throw py::value_error("WSAM: sam_eps must be a finite number >= 0, got " +
+    throw InvalidArgument("WSAM: sam_eps must be a finite number >= 0, got " +
                           std::string(py::repr(py::float_(sam_eps))));
   }
   WsamOptions o(number(g, "WSAM", "rho"));
@@ -121,7 +124,7 @@ Tensor tensorIn(const py::dict& state, const char* key) {
   const py::object obj = state[key];
   if (obj.is_none()) return {};
   if (!THPVariable_Check(obj.ptr())) {
-    throw py::type_error(std::string("optimizer state '") + key + "' must be a tensor, got " + typeName(obj));
+    throw WrongType(std::string("optimizer state '") + key + "' must be a tensor, got " + typeName(obj));
   }
   return THPVariable_Unpack(obj.ptr());
 }
@@ -135,10 +138,10 @@ int64_t counterIn(const py::dict& state, const std::string& key) {
 template <typename State>
 std::vector<State> statesIn(const char* optimizer, size_t params, const py::list& states) {
   for (const auto& s : states) {
-    if (!py::isinstance<py::dict>(s)) throw py::type_error("optimizer state entries must be dicts");
+    if (!py::isinstance<py::dict>(s)) throw WrongType("optimizer state entries must be dicts");
   }
   if (params != states.size()) {
-    throw py::value_error(std::string(optimizer) + ": got " + std::to_string(params) + " parameters but " +
+    throw InvalidArgument(std::string(optimizer) + ": got " + std::to_string(params) + " parameters but " +
                           std::to_string(states.size()) + " states");
   }
   std::vector<State> out(states.size());
@@ -239,6 +242,7 @@ void wsamPass(const std::vector<Tensor>& params, const py::list& states, const P
 }  // namespace troupe::optimizers
 
 PYBIND11_MODULE(_optim, m) {
+  troupe::python::registerErrors();
   namespace o = troupe::optimizers;
   m.doc() = "Fused optimizer steps behind troupe.optim (see optimizers/ in the Troupe repository).";
 

@@ -11,6 +11,7 @@ import cloudpickle
 
 from . import _objects
 from ._objects import ours, pickling_ours  # noqa: F401 (troupe._api reads pickling_ours here)
+from .exceptions import InvalidArgumentError
 
 _MAGIC = b"T5"
 
@@ -46,7 +47,7 @@ def dumps(obj, tag=b"", plain=None) -> bytes:
 def loads(data: bytes):
     view = memoryview(data)
     if view[:2] != _MAGIC:
-        raise ValueError("not a Troupe-serialized value")
+        raise InvalidArgumentError("not a Troupe-serialized value")
     (count,) = struct.unpack_from("<I", view, 2)
     sizes = struct.unpack_from(f"<Q{count}Q", view, 6)
     offset = 6 + 8 * (count + 1)

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import cloudpickle
 
 from . import _api, _objects, _serialization
-from .exceptions import TroupeError
+from .exceptions import ArgumentTypeError, InvalidArgumentError, TroupeError
 
 OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "num_returns", "max_retries", "retry_exceptions",
                 "name", "placement_group", "placement_group_bundle_index", "scheduling_strategy", "runtime_env",
@@ -45,7 +45,7 @@ class RemoteFunction:
     def __init__(self, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
         _api._check_options(options, "task")
         if options.get("num_returns") == "dynamic" or options.get("num_returns") == "streaming":
-            raise ValueError("num_returns='dynamic' and 'streaming' are not supported by Troupe")
+            raise InvalidArgumentError("num_returns='dynamic' and 'streaming' are not supported by Troupe")
         self._fn = fn
         self._options = dict(options)
         self.__name__ = getattr(fn, "__name__", "task")
@@ -77,7 +77,7 @@ class RemoteFunction:
         raise NotImplementedError("Ray DAGs (bind) are not supported by Troupe")
 
     def __call__(self, *args, **kwargs):
-        raise TypeError(f"Remote functions cannot be called directly. Instead of running '{self.__name__}()', "
+        raise ArgumentTypeError(f"Remote functions cannot be called directly. Instead of running '{self.__name__}()', "
                         f"try '{self.__name__}.remote()'.")
 
     def __reduce__(self):
@@ -157,7 +157,7 @@ def _pool_for(options):
             if pool is None:
                 pool = _pools[key] = _make_pool(shape, pg, index, runtime_env)
     if cpus > pool.cpus and not pg:
-        raise ValueError(f"infeasible task: it needs {cpus:g} CPU but the cluster has {pool.cpus:g}")
+        raise InvalidArgumentError(f"infeasible task: it needs {cpus:g} CPU but the cluster has {pool.cpus:g}")
     return pool
 
 
@@ -177,7 +177,7 @@ def _make_pool(shape, pg, index, runtime_env):
         fits = [int(total.get(k, 0.0) // v) for k, v in shape.items() if v > 0]
         size = min(fits) if fits else 1
         if size < 1:
-            raise ValueError(f"infeasible task: it needs {shape} but the cluster has {total}")
+            raise InvalidArgumentError(f"infeasible task: it needs {shape} but the cluster has {total}")
         # No more workers than fit in what is free now: a worker that cannot be placed (actors
         # hold the rest) would take its share of the tasks and hold them until it could.
         free = _api.available_resources()

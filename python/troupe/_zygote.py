@@ -39,6 +39,7 @@ import threading
 # once here; each forked worker shares these pages with the zygote until it writes to them.
 import troupe  # noqa: F401
 from troupe import _core, _files, _serialization, _worker  # noqa: F401
+from troupe.exceptions import InvalidArgumentError
 
 CONTROL_FD = 3
 MAX_MESSAGE = 1 << 20  # a request is a few hundred bytes; anything near this is not the agent's
@@ -63,7 +64,7 @@ def _receive(sock):
                 fds.extend(received)
     (size,) = struct.unpack("<I", header)
     if size > MAX_MESSAGE:
-        raise ValueError(f"a request of {size} bytes (the limit is {MAX_MESSAGE})")
+        raise InvalidArgumentError(f"a request of {size} bytes (the limit is {MAX_MESSAGE})")
     body = b""
     while len(body) < size:
         data = sock.recv(size - len(body))
@@ -79,20 +80,20 @@ class _Request:
     def __init__(self, body, start_fd, log_fds=()):
         fields = [f.decode() for f in body.split(b"\0")]
         if len(fields) < 3 or not fields[2].isdigit():
-            raise ValueError("a request without its output paths and argument count")
+            raise InvalidArgumentError("a request without its output paths and argument count")
         argc = int(fields[2])
         if len(fields) < 3 + argc:
-            raise ValueError(f"a request announcing {argc} arguments holds {len(fields) - 3}")
+            raise InvalidArgumentError(f"a request announcing {argc} arguments holds {len(fields) - 3}")
         self.output, self.error = fields[0], fields[1]
         self.argv = fields[3:3 + argc]
         self.env = {}
         for entry in fields[3 + argc:]:
             name, eq, value = entry.partition("=")
             if not name or not eq:
-                raise ValueError(f"an environment entry without '=': {entry[:40]!r}")
+                raise InvalidArgumentError(f"an environment entry without '=': {entry[:40]!r}")
             self.env[name] = value
         if not self.output:
-            raise ValueError("a request without an output path")
+            raise InvalidArgumentError("a request without an output path")
         self.start_fd = start_fd
         self.log_fds = list(log_fds)  # [stdout, stderr] pipes, or empty: open the paths
 
@@ -145,15 +146,15 @@ def serve(control, log_dir):
         body, fds = message
         try:
             if len(fds) not in (1, 3):
-                raise ValueError(f"a request with {len(fds)} file descriptors (expected the start line, "
+                raise InvalidArgumentError(f"a request with {len(fds)} file descriptors (expected the start line, "
                                  f"and maybe stdout and stderr)")
             request = _Request(body, fds[0], fds[1:])
             for path in (request.output, request.error):
                 if path and os.path.dirname(os.path.realpath(path)) != log_dir:
-                    raise ValueError(f"an output path outside {log_dir}: {path}")
+                    raise InvalidArgumentError(f"an output path outside {log_dir}: {path}")
             for name, value in request.env.items():
                 if _read_at_start(name) and os.environ.get(name) != value:
-                    raise ValueError(f"the worker needs {name}={value!r}, which this zygote's interpreter and "
+                    raise InvalidArgumentError(f"the worker needs {name}={value!r}, which this zygote's interpreter and "
                                      f"imports did not start with ({os.environ.get(name)!r})")
             if threading.active_count() != 1 or _threads() != 1:
                 # Not safe to fork any more, nor to go on: the agent restarts a fresh zygote.

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, cast
 
 from . import _checkpoint
 from .exceptions import TroupeError
+from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "CheckpointSpaceError",
            "FlashCheckpoint", "Restored", "TensorAt", "load", "load_into", "load_tracked", "pack_tracked", "save",
@@ -105,20 +106,20 @@ def _as_bytes(name, value):
         a = np.ascontiguousarray(value)
         dtype = a.dtype.name
         if a.dtype.byteorder == ">" or not _checkpoint.dtype_size(dtype):
-            raise TypeError(f"tensor {name!r} has dtype {a.dtype}, which a checkpoint cannot hold "
+            raise ArgumentTypeError(f"tensor {name!r} has dtype {a.dtype}, which a checkpoint cannot hold "
                             "(numeric and bool dtypes in native byte order)")
         return (name, dtype, list(a.shape)), a.reshape(-1).view(np.uint8)
-    raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}; checkpoints hold torch tensors and numpy "
+    raise ArgumentTypeError(f"state_dict[{name!r}] is a {type(value).__name__}; checkpoints hold torch tensors and numpy "
                     "arrays (put other values in `metadata`)")
 
 
 def _specs_and_buffers(state_dict):
     if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict of tensors, not {type(state_dict).__name__}")
+        raise ArgumentTypeError(f"state_dict must be a dict of tensors, not {type(state_dict).__name__}")
     specs, buffers = [], []
     for name, value in state_dict.items():
         if not isinstance(name, str):
-            raise TypeError(f"state_dict keys must be str, not {type(name).__name__}")
+            raise ArgumentTypeError(f"state_dict keys must be str, not {type(name).__name__}")
         spec, flat = _as_bytes(name, value)
         specs.append(spec)
         buffers.append(flat)
@@ -268,7 +269,7 @@ def load_into(state: Mapping[str, Any], model: Any, optimizer: Any = None) -> No
         if fields:
             per_param[index] = {f: torch.tensor(float(v)) if f == "step" else v.clone() for f, v in fields.items()}
     if not per_param and any(k.startswith("optim/") for k in state):
-        raise ValueError("the checkpoint's optimizer state names no parameter of this model")
+        raise InvalidArgumentError("the checkpoint's optimizer state names no parameter of this model")
     saved = optimizer.state_dict()
     saved["state"] = per_param
     optimizer.load_state_dict(saved)
@@ -384,7 +385,7 @@ class FlashCheckpoint:
             segment, self.shm_dir = reply["segment"], reply["shmDir"]
         elif segment is None:
             if group is None or node is None:
-                raise ValueError("FlashCheckpoint needs an actor, a segment name, or group and node")
+                raise InvalidArgumentError("FlashCheckpoint needs an actor, a segment name, or group and node")
             segment = _checkpoint.segment_name(group, node, self.rank)
         self.segment_name = segment
         self.metadata_capacity = int(metadata_capacity)
@@ -466,7 +467,7 @@ class FlashCheckpoint:
         else:
             for name, tmp in copies:
                 _copy_back(state_dict, name, tmp)
-        return Restored(header["step"], dict(state_dict), header["metadata"])
+        return Restored(header["step"], cast("dict[str, Any]", state_dict), header["metadata"])  # `into` itself
 
     @contextlib.contextmanager
     def _segment(self, writable=False):
@@ -586,7 +587,7 @@ class FlashCheckpoint:
                 raise KeyError(f"the snapshot of step {header['step']} has tensor {name!r}; state_dict has not")
             spec, flat = _as_bytes(name, state_dict[name])
             if spec != (name, dtype, shape):
-                raise ValueError(f"tensor {name!r} is {spec[1]} {spec[2]} here but {dtype} {shape} in the snapshot")
+                raise InvalidArgumentError(f"tensor {name!r} is {spec[1]} {spec[2]} here but {dtype} {shape} in the snapshot")
             value = state_dict[name]
             if _shares_memory(value, flat):
                 targets.append(flat)

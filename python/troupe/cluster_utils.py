@@ -32,6 +32,7 @@ import time
 
 from ._api import _free_port, _package_dir, _troupe_binary
 from .exceptions import TroupeError
+from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 _NODE_ARGS = {"num_cpus", "resources"}
 _HEAD_ARGS = _NODE_ARGS | {"port", "heartbeat_ttl_ms", "cluster_name"}
@@ -124,7 +125,7 @@ class Cluster:
         allowed = _NODE_ARGS if self.head_node else _HEAD_ARGS
         unknown = set(node_args) - allowed
         if unknown:
-            raise TypeError(f"unknown node argument(s) {sorted(unknown)} for "
+            raise ArgumentTypeError(f"unknown node argument(s) {sorted(unknown)} for "
                             f"{'an added node' if self.head_node else 'the head'}; known: {sorted(allowed)}")
         args = []
         if node_args.get("num_cpus") is not None:
@@ -179,7 +180,7 @@ class Cluster:
         elif node in self.worker_nodes:
             self.worker_nodes.remove(node)
         else:
-            raise ValueError(f"{node} is not a node of this cluster")
+            raise InvalidArgumentError(f"{node} is not a node of this cluster")
         if self._owns(node.pid):
             os.kill(node.pid, signal.SIGTERM if allow_graceful else signal.SIGKILL)
             # Not _owns: an exiting process loses its command line and directory before it ends.

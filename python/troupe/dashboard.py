@@ -43,6 +43,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, urlparse
 
+from troupe.exceptions import InvalidArgumentError
+
 DEFAULT_PORT = 8265
 CACHE_S = 0.5
 MAX_PAGE = 500
@@ -132,7 +134,7 @@ def _actors_page(state, query):
         offset = max(0, int(one("offset", "0")))
         limit = min(MAX_PAGE, max(1, int(one("limit", "100"))))
     except ValueError:
-        raise ValueError("offset and limit must be integers") from None
+        raise InvalidArgumentError("offset and limit must be integers") from None
     rows = [a for a in state["actors"]
             if (not wanted_state or a["state"] == wanted_state) and (not node or a["node_id"].startswith(node))
             and (not text or text in a["type"].lower() or text in a["name"].lower() or a["id"].startswith(text))]
@@ -411,7 +413,7 @@ def make_handler(view, assets):
                 elif url.path == "/api/logs":
                     actor = (parse_qs(url.query).get("actor") or [""])[0]
                     if not actor or not all(c in "0123456789abcdef" for c in actor):
-                        raise ValueError("actor= must be an actor id (hex)")
+                        raise InvalidArgumentError("actor= must be an actor id (hex)")
                     try:
                         out, err = view.runtime.read_logs(actor, LOG_TAIL_BYTES)
                     except Exception as e:  # its node is gone, or no such actor: say so on the page

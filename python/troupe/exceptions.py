@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["AbortedError", "ActorDiedError", "ActorError", "ActorExit", "ActorNotFoundError", "AlreadyExistsError",
+           "ArgumentTypeError",
            "DeadlineExceededError", "FailedPreconditionError", "GetTimeoutError", "InternalError",
            "InvalidArgumentError", "NotFoundError", "ObjectLostError", "ResourceExhaustedError", "TaskError",
            "TroupeError", "UnauthenticatedError", "UnavailableError", "WorkerCrashedError", "from_code"]
@@ -80,6 +81,10 @@ class InvalidArgumentError(TroupeError, ValueError):
     """Bad input (an argument, an option, a quantity)."""
 
 
+class ArgumentTypeError(TroupeError, TypeError):
+    """An argument of the wrong type (code INVALID_ARGUMENT), raised by the extension modules."""
+
+
 class NotFoundError(TroupeError, LookupError):
     """No such node, actor, group, session or file."""
 
@@ -129,6 +134,11 @@ _BY_CODE = {
     "INTERNAL": InternalError,
     "ACTOR_DIED": ActorDiedError,
 }
+
+
+for _code, _cls in _BY_CODE.items():
+    _cls.code = _code  # a class's instances say their code, however they were raised
+ArgumentTypeError.code = "INVALID_ARGUMENT"
 
 
 def from_code(code: str, message: str) -> TroupeError:

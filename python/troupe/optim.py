@@ -28,6 +28,7 @@ import torch
 from torch.optim import Optimizer
 
 from troupe import _optim
+from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["AGD", "AdamW", "LAMB", "LARS", "WSAM", "all_reduce_mean", "all_reduce_sum"]
 
@@ -43,7 +44,7 @@ def _check_threads(threads):
     if threads is None:
         return _optim.default_threads()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
     return threads
 
 
@@ -150,7 +151,7 @@ def _reduce_norms(norm_reduce, sums_per_group, name):
     flat = torch.cat(sums_per_group) if sums_per_group else torch.zeros(0, dtype=torch.float64)
     norm_reduce(flat)
     if flat.dtype != torch.float64 or flat.dim() != 1:
-        raise ValueError(f"{name}: norm_reduce must sum the float64 tensor in place, not replace it")
+        raise InvalidArgumentError(f"{name}: norm_reduce must sum the float64 tensor in place, not replace it")
     return list(torch.split(flat, [len(s) for s in sums_per_group]))
 
 
@@ -239,7 +240,7 @@ class WSAM(Optimizer):
                  **base_kwargs: Any) -> None:
         if isinstance(base_optimizer, Optimizer):
             if base_kwargs:
-                raise TypeError(f"WSAM: unexpected keyword arguments {sorted(base_kwargs)} (they are only for "
+                raise ArgumentTypeError(f"WSAM: unexpected keyword arguments {sorted(base_kwargs)} (they are only for "
                                 "building base_optimizer from a class)")
             base = base_optimizer
             if params is not None:
@@ -248,13 +249,13 @@ class WSAM(Optimizer):
                     {id(p) for g in listed for p in g["params"]}
                 held = {id(p) for g in base.param_groups for p in g["params"]}
                 if given != held:
-                    raise ValueError("WSAM: params must be the base optimizer's parameters (or None)")
+                    raise InvalidArgumentError("WSAM: params must be the base optimizer's parameters (or None)")
         elif isinstance(base_optimizer, type) and issubclass(base_optimizer, Optimizer):
             if params is None:
-                raise ValueError("WSAM: params are needed to build the base optimizer from a class")
+                raise InvalidArgumentError("WSAM: params are needed to build the base optimizer from a class")
             base = base_optimizer(params, **base_kwargs)
         else:
-            raise TypeError(f"WSAM: base_optimizer must be a torch.optim.Optimizer or its class, "
+            raise ArgumentTypeError(f"WSAM: base_optimizer must be a torch.optim.Optimizer or its class, "
                             f"got {type(base_optimizer).__name__}")
         self.base_optimizer = base
         self.threads = _check_threads(threads)

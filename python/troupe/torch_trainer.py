@@ -64,6 +64,7 @@ from . import _api, _typed
 from . import checkpoint as _ckpt
 from ._api import ActorDiedError, ActorError, TroupeError
 from .train import (CheckpointConfig, FailureConfig, GroupCoordinator, ScalingConfig, _configs, _data_spec)
+from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["GroupChanged", "TorchContext", "TorchTrainer", "TrainLoopError"]
 
@@ -148,17 +149,17 @@ class TorchContext:
         import torch
 
         if "process_group" in ddp_options:
-            raise TypeError("ctx.prepare: the process group is the group's; pass DDP's other options")
+            raise ArgumentTypeError("ctx.prepare: the process group is the group's; pass DDP's other options")
         if not isinstance(model, torch.nn.Module):
             if not callable(model):
-                raise TypeError(f"ctx.prepare() takes a torch.nn.Module or a function that makes one, not a "
+                raise ArgumentTypeError(f"ctx.prepare() takes a torch.nn.Module or a function that makes one, not a "
                                 f"{type(model).__name__}")
             # A lambda written in the loop is a new function on each entry, with the same code.
             key = getattr(model, "__code__", model)
             kept = self._a.kept_modules.get(key)
             model = kept if kept is not None else model()
             if not isinstance(model, torch.nn.Module):
-                raise TypeError(f"ctx.prepare(factory): the factory made a {type(model).__name__}, not a "
+                raise ArgumentTypeError(f"ctx.prepare(factory): the factory made a {type(model).__name__}, not a "
                                 f"torch.nn.Module")
             self._a.kept_modules[key] = model
         return self._a._prepared(torch.nn.parallel.DistributedDataParallel(model, process_group=self.process_group,
@@ -181,9 +182,9 @@ class TorchContext:
                    for name, obj in objects.items()}
         for name, obj in objects.items():
             if name.startswith("__"):
-                raise ValueError(f"ctx.track({name}=...): names starting with '__' are the trainer's own")
+                raise InvalidArgumentError(f"ctx.track({name}=...): names starting with '__' are the trainer's own")
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"ctx.track({name}=...): a {type(obj).__module__}.{type(obj).__qualname__} has no "
+                raise ArgumentTypeError(f"ctx.track({name}=...): a {type(obj).__module__}.{type(obj).__qualname__} has no "
                                 f"state_dict()/load_state_dict(); track objects that have both (a model, an "
                                 f"optimizer, a scheduler), or wrap the value in one")
         self._a._track(objects, self._gen)
@@ -874,12 +875,12 @@ def _materialize(dataset: Any, workdir: str) -> dict[str, str]:
 
     n = len(dataset)
     if n == 0:
-        raise ValueError("data: the dataset is empty")
+        raise InvalidArgumentError("data: the dataset is empty")
     xs, ys = [], []
     for i in range(n):
         item = dataset[i]
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ValueError(f"data[{i}] is a {type(item).__name__}: a map-style dataset of (features, label) "
+            raise InvalidArgumentError(f"data[{i}] is a {type(item).__name__}: a map-style dataset of (features, label) "
                              f"pairs is needed")
         x, y = item
         xs.append(np.asarray(x, dtype=np.float32).reshape(-1))
@@ -926,7 +927,7 @@ class _DataStager:
         self.dir = tempfile.mkdtemp(prefix=f"troupe-data-{self.group}-")
         for name, meta in files.items():
             if os.path.basename(name) != name or name.startswith("."):
-                raise ValueError(f"staged file name {name!r} is not a plain file name")
+                raise InvalidArgumentError(f"staged file name {name!r} is not a plain file name")
             path = os.path.join(self.dir, name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -939,9 +940,9 @@ class _DataStager:
     def write(self, name: str, offset: int, data: bytes) -> int:
         f = self.files.get(name)
         if f is None:
-            raise ValueError(f"no staged file {name!r}")
+            raise InvalidArgumentError(f"no staged file {name!r}")
         if offset < 0 or offset + len(data) > f["size"]:
-            raise ValueError(f"{name}: a write of {len(data)} bytes at {offset} runs past its {f['size']} bytes")
+            raise InvalidArgumentError(f"{name}: a write of {len(data)} bytes at {offset} runs past its {f['size']} bytes")
         fd = os.open(f["path"], os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.pwrite(fd, data, offset)
@@ -959,7 +960,7 @@ class _DataStager:
                 while chunk := fh.read(_STAGE_CHUNK):
                     crc = zlib.crc32(chunk, crc)
             if crc != crcs.get(name):
-                raise ValueError(f"staged {name} does not match the driver's file (CRC32 {crc:08x}, the driver's "
+                raise InvalidArgumentError(f"staged {name} does not match the driver's file (CRC32 {crc:08x}, the driver's "
                                  f"{crcs.get(name, 0):08x})")
         self.sealed = True
         return {"files": len(self.files)}
@@ -1129,15 +1130,15 @@ class TorchTrainer(GroupCoordinator):
         import cloudpickle
 
         if not callable(train_loop):
-            raise TypeError(f"train_loop must be a function of ctx, not {type(train_loop).__name__}")
+            raise ArgumentTypeError(f"train_loop must be a function of ctx, not {type(train_loop).__name__}")
         if data is None:
-            raise ValueError("data is required: a map-style Dataset of (features, label) pairs or a data spec")
+            raise InvalidArgumentError("data is required: a map-style Dataset of (features, label) pairs or a data spec")
         scaling, failure, ckpt = _configs(scaling, failure, checkpoint, {"tuner": tuner})
         if global_batch_size < scaling.max_workers:
-            raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
+            raise InvalidArgumentError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
         if max_micro_batch is not None and (isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int)
                                             or max_micro_batch < 1):
-            raise ValueError(f"max_micro_batch must be an integer >= 1, not {max_micro_batch!r}")
+            raise InvalidArgumentError(f"max_micro_batch must be an integer >= 1, not {max_micro_batch!r}")
         module = getattr(train_loop, "__module__", "__main__")
         loaded = __import__("sys").modules.get(module)
         if loaded is not None and module != "__main__" and not module.startswith("troupe"):
@@ -1149,6 +1150,6 @@ class TorchTrainer(GroupCoordinator):
         kind = _TorchTrainers(loop, data, int(global_batch_size), int(seed), _fault or {},
                               failure.recovery_timeout, int(max_micro_batch or 0))
         if detached and name is None:
-            raise ValueError("detached=True needs a name: a restarted driver adopts the group by it")
+            raise InvalidArgumentError("detached=True needs a name: a restarted driver adopts the group by it")
         self._start(kind, scaling, failure, ckpt, name=name, detached=detached, progress=progress,
                     steps_per_call=steps_per_call, tensorboard_dir=tensorboard_dir, fault=None)

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _api, _tensorboard, _typed
 from ._api import ActorDiedError, ActorError, TroupeError
-from .exceptions import ResourceExhaustedError, UnavailableError
+from .exceptions import ArgumentTypeError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 
 if TYPE_CHECKING:  # torch is imported only where a module is given
     import torch
@@ -129,7 +129,7 @@ class ScalingConfig:
         _check_int("ScalingConfig", "min_workers", self.min_workers, 1)
         _check_int("ScalingConfig", "max_workers", self.max_workers, 1)
         if self.min_workers > self.max_workers:
-            raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers} and {self.max_workers}")
+            raise InvalidArgumentError(f"need 1 <= min_workers <= max_workers, got {self.min_workers} and {self.max_workers}")
         if self.workers is not None:
             _check_int("ScalingConfig", "workers", self.workers, 1)
             if not self.min_workers <= self.workers <= self.max_workers:
@@ -140,10 +140,10 @@ class ScalingConfig:
         _check_int("ScalingConfig", "sequence_parallel", self.sequence_parallel, 1)
         seq = self.sequence_parallel
         if self.min_workers % seq or self.max_workers % seq:
-            raise ValueError(f"sequence_parallel={seq} needs min_workers ({self.min_workers}) and max_workers "
+            raise InvalidArgumentError(f"sequence_parallel={seq} needs min_workers ({self.min_workers}) and max_workers "
                              f"({self.max_workers}) to be multiples of it")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2):
-            raise ValueError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {self.zero!r}")
+            raise InvalidArgumentError(f"zero must be 0 (data parallel), 1 (ZeRO-1) or 2 (ZeRO-2), got {self.zero!r}")
         if isinstance(self.tuner, Mapping):
             object.__setattr__(self, "tuner", dict(self.tuner))  # a copy: later edits by the caller do not leak in
         elif not isinstance(self.tuner, bool):
@@ -200,7 +200,7 @@ class CheckpointConfig:
         if not isinstance(self.resume, bool):
             raise _invalid("CheckpointConfig", "resume", self.resume, "a bool")
         if self.resume and not self.dir:
-            raise ValueError("CheckpointConfig.resume=True (checkpoint={'resume': True}) needs the checkpoint's 'dir'")
+            raise InvalidArgumentError("CheckpointConfig.resume=True (checkpoint={'resume': True}) needs the checkpoint's 'dir'")
         if self.snapshot_every is not None:
             _check_int("CheckpointConfig", "snapshot_every", self.snapshot_every, 1)
         _check_int("CheckpointConfig", "persist_every", self.persist_every, 0)
@@ -220,9 +220,9 @@ class CheckpointConfig:
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise TypeError(f"checkpoint: unknown key(s) {unknown}; known: {sorted(known)}")
+                raise ArgumentTypeError(f"checkpoint: unknown key(s) {unknown}; known: {sorted(known)}")
             return cls(**value)
-        raise TypeError(f"checkpoint must be a CheckpointConfig, a dict, a directory or None, not "
+        raise ArgumentTypeError(f"checkpoint must be a CheckpointConfig, a dict, a directory or None, not "
                         f"{type(value).__name__}")
 
 
@@ -244,10 +244,10 @@ def _configs(scaling: ScalingConfig | None, failure: FailureConfig | None,
             resolved.append(cls(**given))
             continue
         if not isinstance(config, cls):
-            raise TypeError(f"{cls.__name__.removesuffix('Config').lower()} must be a {cls.__name__}, not "
+            raise ArgumentTypeError(f"{cls.__name__.removesuffix('Config').lower()} must be a {cls.__name__}, not "
                             f"{type(config).__name__}")
         if given:
-            raise TypeError(f"{sorted(given)} given both as keyword(s) and in {cls.__name__}: pass each setting "
+            raise ArgumentTypeError(f"{sorted(given)} given both as keyword(s) and in {cls.__name__}: pass each setting "
                             f"one way")
         resolved.append(config)
     return resolved[0], resolved[1], CheckpointConfig.of(checkpoint)
@@ -284,7 +284,7 @@ def _model_path(model: str | os.PathLike[str] | torch.nn.Module, workdir: str) -
     if isinstance(model, str):
         if model in ("tinylm", "mlp") or os.path.exists(model):
             return model
-        raise ValueError(f"model {model!r}: not 'tinylm', 'mlp' or an existing TorchScript file")
+        raise InvalidArgumentError(f"model {model!r}: not 'tinylm', 'mlp' or an existing TorchScript file")
     import torch
 
     scripted = model if isinstance(model, torch.jit.ScriptModule) else torch.jit.script(model)
@@ -301,10 +301,10 @@ def _data_spec(data: str | os.PathLike[str] | Mapping[str, str]) -> dict[str, st
     if isinstance(data, Mapping):
         for key in ("features", "labels"):
             if not os.path.exists(data.get(key, "")):
-                raise ValueError(f"data[{key!r}]: no such .npy file: {data.get(key)!r}")
+                raise InvalidArgumentError(f"data[{key!r}]: no such .npy file: {data.get(key)!r}")
         return {"kind": "npy", "features": os.path.abspath(data["features"]), "labels": os.path.abspath(data["labels"])}
     if not isinstance(data, str) or not os.path.exists(data):
-        raise ValueError(f"data {data!r}: no such file")
+        raise InvalidArgumentError(f"data {data!r}: no such file")
     path = os.path.abspath(data)
     if path.endswith(".u16"):
         return {"kind": "tokens", "path": path, "dtype": "uint16"}
@@ -800,9 +800,9 @@ class GroupCoordinator:
     def resize(self, workers: int) -> None:
         """Grows or shrinks to `workers` trainers at the next chunk boundary."""
         if not self.min_workers <= workers <= self.max_workers:
-            raise ValueError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
+            raise InvalidArgumentError(f"resize({workers}): outside [{self.min_workers}, {self.max_workers}]")
         if workers % self._seq():
-            raise ValueError(f"resize({workers}): not a multiple of sequence_parallel={self._seq()}")
+            raise InvalidArgumentError(f"resize({workers}): not a multiple of sequence_parallel={self._seq()}")
         self._resize_to = workers
 
     def fit(self, steps: int | None = None, until: int | None = None) -> list[dict[str, Any]]:
@@ -810,7 +810,7 @@ class GroupCoordinator:
         and adopt its group wants); returns the history (one dict per step: step, loss, times,
         samples/s, world size). A stop() request from ElasticTrainer.attach ends it early."""
         if (steps is None) == (until is None):
-            raise ValueError("pass steps (how many more) or until (the step to reach), not both")
+            raise InvalidArgumentError("pass steps (how many more) or until (the step to reach), not both")
         target = until if until is not None else self.step + steps
         steps = max(0, target - self.step)
         bar = None
@@ -1410,11 +1410,11 @@ class ElasticTrainer(GroupCoordinator):
 
         def prepare(workdir):
             if data is None:
-                raise ValueError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
+                raise InvalidArgumentError("data is required: a text or token file, or {'features': ..., 'labels': ...}")
             if context % (2 * seq):
-                raise ValueError(f"sequence_parallel={seq} needs context ({context}) to be a multiple of twice it")
+                raise InvalidArgumentError(f"sequence_parallel={seq} needs context ({context}) to be a multiple of twice it")
             if global_batch_size < scaling.max_workers:
-                raise ValueError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
+                raise InvalidArgumentError(f"global_batch_size {global_batch_size} is smaller than max_workers {scaling.max_workers}")
             opt = {"name": optimizer} if isinstance(optimizer, str) else dict(optimizer)
             engine = {
                 "model": _model_path(model, workdir), "loss": loss, "optimizer": opt.pop("name", "adamw"),

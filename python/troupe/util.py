@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from . import _api
 from .exceptions import TroupeError
+from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -74,18 +75,18 @@ def placement_group(bundles: Sequence[Mapping[str, float]], strategy: str = "PAC
     """Reserves `bundles` (a list of {resource: quantity}) with `strategy`; returns at once, with
     the group PENDING until it is placed (see ready() and wait()). An infeasible group raises."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+        raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     if not isinstance(bundles, (list, tuple)) or not bundles:
-        raise ValueError("bundles must be a non-empty list of {resource: quantity} dicts")
+        raise InvalidArgumentError("bundles must be a non-empty list of {resource: quantity} dicts")
     specs = []
     for i, b in enumerate(bundles):
         if not isinstance(b, dict) or not b or any(not isinstance(v, (int, float)) or v < 0 for v in b.values()):
-            raise ValueError(f"bundle {i} must be a non-empty dict of quantities >= 0, not {b!r}")
+            raise InvalidArgumentError(f"bundle {i} must be a non-empty dict of quantities >= 0, not {b!r}")
         if all(v == 0 for v in b.values()):
-            raise ValueError(f"bundle {i} asks for no resources: {b!r}")
+            raise InvalidArgumentError(f"bundle {i} asks for no resources: {b!r}")
         specs.append({k: float(v) for k, v in b.items()})
     if lifetime not in (None, "detached"):
-        raise ValueError(f"lifetime must be None or 'detached', not {lifetime!r}")
+        raise InvalidArgumentError(f"lifetime must be None or 'detached', not {lifetime!r}")
     g = _api.runtime_call(_api.runtime().create_placement_group, strategy, specs, name or "")
     return PlacementGroup(g["id"], specs)
 
@@ -98,7 +99,7 @@ def remove_placement_group(pg: PlacementGroup | str) -> None:
 def placement_group_table(pg: PlacementGroup | str | None = None) -> dict[str, Any]:
     """The state of one group (or, with no argument, raises: listing all is `troupe status`)."""
     if pg is None:
-        raise TypeError("placement_group_table() needs a placement group (see `troupe status` for all)")
+        raise ArgumentTypeError("placement_group_table() needs a placement group (see `troupe status` for all)")
     return _api.runtime_call(_api.runtime().placement_group, getattr(pg, "id", pg))
 
 
@@ -109,7 +110,7 @@ def get_placement_group(placement_group_name: str) -> PlacementGroup:
     for g in _api.runtime_call(_api.runtime().snapshot)["placement_groups"]:
         if g["name"] == placement_group_name and g.get("state") != "REMOVED":
             return PlacementGroup(g["id"], [dict(b) for b in g["bundles"]])
-    raise ValueError(f"Failed to look up placement group with name: {placement_group_name}")
+    raise InvalidArgumentError(f"Failed to look up placement group with name: {placement_group_name}")
 
 
 def list_named_actors(all_namespaces: bool = False) -> list[str] | list[dict[str, str]]:
