@@ -32,6 +32,10 @@ _session: _Session | None = None
 # What a worker process knows of the job that started it (set by troupe._worker).
 _worker_context: dict[str, Any] = {}
 DEFAULT_NAMESPACE = "default"
+# Tasks (troupe._tasks) are built on this module's actors and refs, and register themselves here
+# when imported (the package's __init__ does): remote() on a function makes their
+# RemoteFunction, shutdown() resets their pools, option checks know their options.
+_task_layer: Any = None
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -500,9 +504,8 @@ def shutdown() -> None:
         if _session is not None:
             session, _session = _session, None
             session.close()
-        from . import _objects, _tasks
-
-        _tasks.reset()
+        if _task_layer is not None:
+            _task_layer.reset()
         _shipped.clear()
         _objects.close()
 
@@ -639,9 +642,7 @@ def _check_timeout(timeout, what):
 
 
 def _tasks_option_names():
-    from . import _tasks
-
-    return _tasks.OPTION_NAMES
+    return _task_layer.OPTION_NAMES
 
 
 def _demand(options):
@@ -877,7 +878,6 @@ def remote(*args: Any, **options: Any) -> Any:
     max_task_retries, max_concurrency, get_if_exists, placement_group, placement_group_bundle_index,
     scheduling_strategy, runtime_env. Task options: num_cpus, num_gpus, memory, resources,
     num_returns, max_retries, retry_exceptions, name, placement_group, scheduling_strategy."""
-    from . import _tasks
 
     def task(target, options):
         import inspect
@@ -886,7 +886,7 @@ def remote(*args: Any, **options: Any) -> Any:
             raise InvalidArgumentError(f"@troupe.remote cannot make a task of the async function {target.__qualname__}: "
                              f"a task returns a value, not a coroutine; wrap it in a plain function that "
                              f"runs it (asyncio.run(...)), or make it a method of an async actor")
-        return _tasks.RemoteFunction(target, options)
+        return _task_layer.RemoteFunction(target, options)
 
     if len(args) == 1 and not options and (isinstance(args[0], type) or callable(args[0])):
         target = args[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -277,3 +278,5 @@ def reset():
 
 
 __all__ = ["RemoteFunction", "TroupeError"]
+
+_api._task_layer = sys.modules[__name__]  # see troupe._api: this layer sits above it
