@@ -12,7 +12,7 @@
 // of whether the connection is inside TLS: an on-path relay without the token that speaks TLS to a
 // --tls server and plaintext to the client (a downgrade) makes the views differ, and the client
 // refuses the server's proof. Without --tls the bytes after the
-// handshake are not protected (see docs/design.md, "Several hosts").
+// handshake are not protected (see docs/design/several-hosts.md).
 // Thread-safety: the async functions belong to the KJ thread of their stream; the blocking one
 // may run on any thread.
 #pragma once

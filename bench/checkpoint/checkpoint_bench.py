@@ -12,7 +12,7 @@ torch.save / torch.load of the same state, in the same run:
   disk_write_gbps  a plain sequential write of the same bytes to the same directory, then fsync
 
 Persist and the plain write alternate (twice each, best kept) so drifting disk speed hits both.
-Targets (docs/design.md): snapshot under 1/20 of torch.save, restore under 1/10 of torch.load,
+Targets (docs/design/checkpoints.md): snapshot under 1/20 of torch.save, restore under 1/10 of torch.load,
 persist at least 0.8x the plain write.
 """
 import argparse

@@ -1,6 +1,6 @@
 """The node's Python fork server: a process that has imported troupe once and forks a new Python
 worker on each request of its node agent, so a Python actor starts without paying for the
-interpreter and the imports (services/python_zygote.h is the agent's side; docs/design.md,
+interpreter and the imports (services/python_zygote.h is the agent's side; docs/design/python.md,
 "Python workers started by the zygote").
 
 Started by the agent as `python3 -m troupe._zygote --log-dir DIR --parent-pid PID` with its end of a socketpair as

@@ -475,7 +475,7 @@ def _plain(value):
 
 class ResourceTuner:
     """The policy: one observe() per chunk returns a Decision (world size, threads per trainer,
-    dataloader prefetch depth, and why). See docs/design.md, "Resource tuner".
+    dataloader prefetch depth, and why). See docs/design/tuner.md.
 
     Objective: the most predicted samples/s, where trainers cost something. A grow needs the low
     end of the predicted gain's 95% band (ThroughputModel.gain) to reach `grow_gain` (10%) and free

@@ -1,5 +1,5 @@
 // ClusterStore: the typed cluster state. The only code that spells a Redis key lives in its
-// Redis implementation (redis_cluster_store.cc); the key layout is in docs/design.md.
+// Redis implementation (redis_cluster_store.cc); the key layout is in docs/design/redis-keys.md.
 //
 // Two implementations run the same test suite: connectRedisStore() (real Redis over hiredis)
 // and makeFakeClusterStore() (in memory, for fast unit tests).
