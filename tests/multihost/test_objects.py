@@ -10,15 +10,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_cluster import driver, start_cluster  # noqa: E402
 from troupe_testing import BUILD  # noqa: E402
 
-# Shared by the drivers below: an actor pinned to host i (its custom resource), which reports
-# where its objects live and what it got.
-ACTORS = textwrap.dedent("""
-    import hashlib, os, signal
+# A driver's digest of an array's bytes (these tests' drivers and test_ray_object_manager's).
+DIGEST = textwrap.dedent("""
+    import hashlib, os
     import numpy as np
-    from troupe import _objects
+    from troupe import _api, _objects
 
     def digest(a):
         return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
+""")
+
+# Shared by the drivers below: an actor pinned to host i (its custom resource), which reports
+# where its objects live and what it got.
+ACTORS = DIGEST + textwrap.dedent("""
+    import signal
 
     @troupe.remote
     class Host:

@@ -9,15 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_cluster import driver, start_cluster  # noqa: E402
+from test_objects import DIGEST  # noqa: E402
 
-COMMON = textwrap.dedent("""
-    import hashlib, os
-    import numpy as np
-    from troupe import _api, _objects
-
-    def digest(a):
-        return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
-
+COMMON = DIGEST + textwrap.dedent("""
     @troupe.remote
     class Weights:
         def __init__(self):
