@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -11,15 +12,18 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <filesystem>
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <kj/debug.h>
 
+#include "troupe/runtime/logging.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/safe_open.h"
 
@@ -140,6 +144,35 @@ bool NodeObjects::validName(std::string_view name) {
   return true;
 }
 
+// Removes the object directories beside `keep` (troupe-node-*, this user's, private) whose agent
+// is gone: it held <dir>/.lock locked while it lived, and the kernel let go of the lock when it
+// died, kill -9 included. A directory without a lock file (made before agents took one) goes
+// once it is an hour old: its agent cannot be told from a new one still making its lock.
+void removeStaleSiblings(const std::string& parent, const std::string& keep) {
+  DIR* dir = ::opendir(parent.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> stale;
+  const time_t now = ::time(nullptr);
+  while (struct dirent* entry = ::readdir(dir)) {
+    std::string name = entry->d_name;
+    std::string path = parent + "/" + name;
+    if (name.rfind("troupe-node-", 0) != 0 || path == keep || !privateDirectory(path)) continue;
+    int lock = ::open((path + "/.lock").c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (lock < 0) {
+      struct stat st {};
+      if (errno == ENOENT && ::stat(path.c_str(), &st) == 0 && now - st.st_mtime > 3600) stale.push_back(path);
+      continue;
+    }
+    if (::flock(lock, LOCK_EX | LOCK_NB) == 0) stale.push_back(path);  // its agent is gone
+    ::close(lock);
+  }
+  ::closedir(dir);
+  for (const auto& path : stale) {
+    TROUPE_LOG(kInfo, "removing {}: the object directory of an agent that is gone", path);
+    removeTree(path);
+  }
+}
+
 Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& runDir, uint64_t limit) {
   if (limit != 0 && limit < kMinLimit) {
     return Status(StatusCode::kInvalidArgument,
@@ -164,6 +197,15 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
     }
     objects.directory_ = pattern;
   }
+  // Locked while this agent lives: the next agent of the machine removes the directory if this
+  // one dies without doing so (removeStaleSiblings).
+  objects.lock_ = ::open((objects.directory_ + "/.lock").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (objects.lock_ < 0 || ::flock(objects.lock_, LOCK_EX | LOCK_NB) != 0) {
+    return Status(StatusCode::kAlreadyExists,
+                  fmt::format("cannot lock {}/.lock: {} (is another agent of node {} running?)", objects.directory_,
+                              std::strerror(errno), node.hex()));
+  }
+  removeStaleSiblings(parent, objects.directory_);
   objects.limit_ = limit != 0 ? limit : defaultLimit(parent);
   for (const std::string& dir : {runDir + "/objects", runDir + "/spill", runDir + "/spill/" + node.hex()}) {
     TROUPE_RETURN_IF_ERROR(makePrivateDirectory(dir));
@@ -188,7 +230,8 @@ NodeObjects::NodeObjects(NodeObjects&& other) noexcept
       limit_(other.limit_),
       sources_(std::exchange(other.sources_, {})),
       served_(other.served_),
-      record_(std::exchange(other.record_, {})) {}
+      record_(std::exchange(other.record_, {})),
+      lock_(std::exchange(other.lock_, -1)) {}
 
 NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
   // What this held goes with `other` (its destructor removes it); only an empty one is assigned to.
@@ -199,6 +242,7 @@ NodeObjects& NodeObjects::operator=(NodeObjects&& other) noexcept {
   std::swap(sources_, other.sources_);
   std::swap(served_, other.served_);
   std::swap(record_, other.record_);
+  std::swap(lock_, other.lock_);
   return *this;
 }
 
@@ -207,6 +251,7 @@ NodeObjects::~NodeObjects() {
   removeTree(directory_);
   removeTree(spill_);
   ::unlink(record_.c_str());
+  if (lock_ >= 0) ::close(lock_);  // after the removal: no other agent sweeps it meanwhile
 }
 
 NodeObjects::Usage NodeObjects::usage() const {

@@ -32,7 +32,9 @@ class NodeObjects {
 
   // Makes this node's directory, /dev/shm/troupe-node-<id> (or under $TMPDIR without /dev/shm),
   // 0700. Someone else's directory at that name is left alone and a fresh one made beside it.
-  // The path is recorded in <runDir>/objects/<id> for `troupe stop`. The spill directory is
+  // The path is recorded in <runDir>/objects/<id> for `troupe stop`; the agent keeps
+  // <dir>/.lock locked while it lives, and removes the directories of this machine's agents that
+  // died without removing theirs (kill -9: their lock is free). The spill directory is
   // <runDir>/spill/<id> (0700). limit: bytes of shared memory the objects may hold (0: 30% of
   // RAM, at most the shared-memory file system's size).
   static Result<NodeObjects> open(const NodeId& node, const std::string& runDir, uint64_t limit = 0);
@@ -136,6 +138,7 @@ class NodeObjects {
   mutable std::map<std::string, std::vector<Source>> sources_;  // by object name
   mutable uint64_t served_ = 0;
   std::string record_;  // <runDir>/objects/<id>
+  int lock_ = -1;       // <directory>/.lock, flock'd while this agent lives
 };
 
 // Removes the object directory a run's node recorded in <runDir>/objects (`troupe stop`, after

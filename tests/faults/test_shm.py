@@ -240,3 +240,27 @@ def test_freed_objects_give_their_memory_back_when_a_checkpoint_needs_it(tmp_pat
         assert "saved" in p.stdout and "put again 1" in p.stdout, p.stdout
     finally:
         subprocess.run(["umount", "-l", str(tmpfs)], check=False)
+
+
+def test_the_object_directory_of_an_agent_killed_with_minus_9_is_removed_by_the_next_agent(tmp_path):
+    # A node agent killed with -9 cannot remove its /dev/shm/troupe-node-<id>; the machine's next
+    # agent does (the dead one's lock is free), and leaves a live agent's directory alone.
+    dead, live, next_ = Troupe(tmp_path / "dead"), Troupe(tmp_path / "live"), Troupe(tmp_path / "next")
+    try:
+        for t in (dead, live):
+            t.run("start", "--head", "--port", str(free_port()))
+        directories = {}
+        for name, t in (("dead", dead), ("live", live)):
+            [node] = [n for n in t.status()["nodes"] if n["is_head"]]
+            directories[name] = SHM / f"troupe-node-{node['id']}"
+            assert (directories[name] / ".lock").exists(), directories[name]
+        for pid, _ in processes_under(dead.root):
+            os.kill(pid, 9)
+        assert directories["dead"].exists()  # nobody removed it: its agent died at once
+        next_.run("start", "--head", "--port", str(free_port()))
+        assert not directories["dead"].exists(), "the next agent left a dead agent's object directory"
+        assert directories["live"].exists(), "the next agent removed a live agent's object directory"
+    finally:
+        for t in (dead, live, next_):
+            t.run("stop", check=False)
+    assert processes_under(tmp_path) == []
