@@ -1486,7 +1486,7 @@ class _StoredRef(ObjectRef):
             return e
 
     def __reduce__(self):
-        lent = _objects.store().lend(self._object_id, self._host, pin=not _serialization.pickling_ours())
+        lent = _objects.store().lend(self._object_id, self._host, pin=not _objects.pickling_ours())
         keep = getattr(_lending, "keep", None)
         if keep is not None:
             keep.append(self)

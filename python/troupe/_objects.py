@@ -329,12 +329,7 @@ class _Store:
             raise ObjectStoreFullError(
                 f"a {size}-byte object does not fit in the object store of {self.root}, whose limit is {self.limit} "
                 "bytes (troupe start --object-store-memory, init(object_store_memory=...))")
-        try:
-            vfs = os.statvfs(self.root)
-            busy = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize  # everything in the file system, ours or not
-        except OSError:
-            busy = self.limit
-        if busy + size <= self.limit:
+        if self.surely_fits(size):
             return self.create(size, temp)
         with self.spill_lock():
             over = self.scan()[0] + size - self.limit
@@ -346,17 +341,20 @@ class _Store:
             os.ftruncate(fd, size)
             return fd
 
+    def surely_fits(self, size):
+        """Whether `size` more bytes keep even the whole file system (ours or not) under the
+        limit: one statvfs, so the common case scans no directory."""
+        try:
+            vfs = os.statvfs(self.root)
+        except OSError:
+            return False
+        return (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + size <= self.limit
+
     def room_for_copy(self, size):
         """Before a pull of `size` bytes: makes room under the limit as a put would (spilling
         this node's oldest unmapped objects). A pulled copy is made even where no room can be
         made: it is this process's while its value lives, then freed."""
-        if not self.limit or not size:
-            return
-        try:
-            vfs = os.statvfs(self.root)
-            if (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + size <= self.limit:
-                return
-        except OSError:
+        if not self.limit or not size or self.surely_fits(size):
             return
         with self.spill_lock():
             over = self.scan()[0] + size - self.limit

@@ -10,7 +10,7 @@ import struct
 import cloudpickle
 
 from . import _objects
-from ._objects import ours, pickling_ours  # noqa: F401 (troupe._api reads pickling_ours here)
+from ._objects import ours
 from .exceptions import InvalidArgumentError
 
 _MAGIC = b"T5"

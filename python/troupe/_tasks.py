@@ -182,8 +182,8 @@ def _make_pool(shape, pg, index, runtime_env):
         # No more workers than fit in what is free now: a worker that cannot be placed (actors
         # hold the rest) would take its share of the tasks and hold them until it could.
         free = _api.available_resources()
-        size = min(size, MAX_POOL, max(1, min(int(free.get(k, 0.0) // v) for k, v in shape.items() if v > 0)
-                                       if fits else 1))
+        fits_free = [int(free.get(k, 0.0) // v) for k, v in shape.items() if v > 0]
+        size = min(size, MAX_POOL, max(1, min(fits_free, default=1)))
         worker.update(num_gpus=shape.get("GPU") or None, memory=shape.get("memory"),
                       resources={k: v for k, v in shape.items() if k not in ("GPU", "memory")})
         name = "-".join(f"{k}={v:g}" for k, v in sorted(shape.items()))

@@ -27,38 +27,32 @@ class ActorError(TroupeError):
     @classmethod
     def wrap(cls, cause: BaseException, remote_traceback: str, where: str) -> ActorError:
         """An exception that is both a `cls` (ActorError or TaskError) and of type(cause)."""
-        base = type(cause)
-        message = f"{where} raised {base.__name__}: {cause}\n\nRemote traceback:\n{remote_traceback}"
         if isinstance(cause, cls):  # raised again by a caller in between: keep the innermost
             return cause
-        try:
-            wrapped = type(f"{cls.__name__}({base.__name__})", (cls, base), {
-                "__init__": lambda self, *a: ActorError.__init__(self, message, remote_traceback, cause),
-                "__str__": lambda self: message,
-                "__reduce__": lambda self: (cls, (message, remote_traceback)),
-            })
-            return wrapped()
-        except TypeError:  # a type that cannot be subclassed (e.g. with __slots__ conflicts)
-            return cls(message, remote_traceback, cause)
-
+        message = f"{where} raised {type(cause).__name__}: {cause}\n\nRemote traceback:\n{remote_traceback}"
+        return cls._also(cause, message, remote_traceback)
 
     @classmethod
     def of_code(cls, code: str, message: str, where: str) -> ActorError:
         """A call that failed with a runtime status code: an ActorError that is also the code's
         exception type (from_code), with `code` set."""
         cause = from_code(code, message)
-        base = type(cause)
-        text = f"{where}: {message}"
-        if base is TroupeError:
-            err = cls(text)
-        else:
-            err = type(f"{cls.__name__}({base.__name__})", (cls, base), {
-                "__init__": lambda self, *a: ActorError.__init__(self, text, "", cause),
-                "__str__": lambda self: text,
-                "__reduce__": lambda self: (cls, (text,)),
-            })()
+        err = cls(f"{where}: {message}") if type(cause) is TroupeError else cls._also(cause, f"{where}: {message}", "")
         err.code = code
         return err
+
+    @classmethod
+    def _also(cls, cause: BaseException, message: str, remote_traceback: str) -> ActorError:
+        """A `cls` that is also of type(cause), saying `message`."""
+        base = type(cause)
+        try:
+            return type(f"{cls.__name__}({base.__name__})", (cls, base), {
+                "__init__": lambda self, *a: ActorError.__init__(self, message, remote_traceback, cause),
+                "__str__": lambda self: message,
+                "__reduce__": lambda self: (cls, (message, remote_traceback)),
+            })()
+        except TypeError:  # a type that cannot be subclassed (e.g. with __slots__ conflicts)
+            return cls(message, remote_traceback, cause)
 
 
 class TaskError(ActorError):

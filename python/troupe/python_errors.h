@@ -20,7 +20,8 @@ struct WrongType : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-inline void setTroupeError(const char* type, const char* message) {
+// `fallback`: Python's own base of `type`, raised if troupe.exceptions cannot be imported.
+inline void setTroupeError(const char* type, PyObject* fallback, const char* message) {
   namespace py = pybind11;
   try {
     py::object cls = py::module_::import("troupe.exceptions").attr(type);
@@ -28,7 +29,7 @@ inline void setTroupeError(const char* type, const char* message) {
     error.attr("code") = "INVALID_ARGUMENT";
     PyErr_SetObject(cls.ptr(), error.ptr());
   } catch (py::error_already_set&) {  // troupe.exceptions not importable: Python's own types
-    PyErr_SetString(type[0] == 'A' ? PyExc_TypeError : PyExc_ValueError, message);
+    PyErr_SetString(fallback, message);
   }
 }
 
@@ -38,9 +39,9 @@ inline void registerErrors() {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
-      setTroupeError("InvalidArgumentError", e.what());
+      setTroupeError("InvalidArgumentError", PyExc_ValueError, e.what());
     } catch (const WrongType& e) {
-      setTroupeError("ArgumentTypeError", e.what());
+      setTroupeError("ArgumentTypeError", PyExc_TypeError, e.what());
     }
   });
 }
