@@ -3,7 +3,7 @@
 Why files in /dev/shm: every process of the machine (drivers, actors, task workers, and the
 nodes of a test bed's network namespaces) maps the same pages, so a get() is an mmap and the
 numpy arrays it returns point into them (read-only, as Ray's plasma store returns them); a put()
-is one copy, written with writev straight from the pickle-5 buffers. No daemon owns the memory,
+is one copy, straight from the pickle-5 buffers. No daemon owns the memory,
 so nothing has to be started, and an object's lifetime is its owner's (below).
 
 Ownership, as Ray's: the process that put an object owns it. The owner counts its own refs and
@@ -42,8 +42,9 @@ writes the spilled copy before it deletes the one in memory, so a reader finds o
 
 Reuse: the file of a freed object (1 MB or more) that no other process could have mapped, and
 whose mappings here are all closed, is kept and written over by a later put() or pull: its
-pages are already allocated, so that put() is one memcpy (a new file costs the kernel a zeroed
-page per 4 KB first). A pulled copy's file is kept the same way once its mapping goes. At most
+pages are already allocated (a new file costs the kernel a zeroed page per 4 KB first). A put()
+writes it through a writable mapping kept with the file (see reuse), so that put() is one
+memcpy. A pulled copy's file is kept the same way once its mapping goes. At most
 2 GiB per process (and a quarter of the store's limit) is kept, and never more than half of what
 the file system has free when the object is freed: kept pages are memory the machine cannot use
 (they count against the limit, and a put() short of room deletes them first). A put() that finds the file system full gives the kept files back and tries once more, and a flash
@@ -198,8 +199,10 @@ class _Store:
         self.counter = itertools.count()
         self.owned = {}  # object id -> [local ref count, lent]
         self.maps = {}  # owned object id -> the mappings this process made of it (see recycle)
-        self.free = []  # files of freed objects kept for reuse: (size, path)
+        self.free = []  # files of freed objects kept for reuse: (size, path, writable mapping or None)
         self.free_bytes = 0
+        self.writers = {}  # owned object id -> the writable mapping its file was written through
+        self.writer_bytes = 0  # what the writable mappings (of live objects and kept files) span
         self.kept = queue.SimpleQueue()  # pulled copies' files kept once their mapping went
         self.pulled_files = {}  # path -> size of the pulled copies mapped now
         self.pulled = weakref.WeakValueDictionary()  # object id -> the mapping of its pulled copy
@@ -271,18 +274,20 @@ class _Store:
             main, raws = _pickle(value)
         finally:
             inner, _containing.refs = _containing.refs, outer
-        object_id, size = self.write(main, raws)
+        object_id, size = self.write(main, raws, keep_writer=True)
         with self.lock:
             self.owned[object_id] = [0, False]
             if inner:
                 self.contained[object_id] = inner
         return object_id, size
 
-    def write(self, main, raws, kind="", to_disk_if_full=False):
+    def write(self, main, raws, kind="", to_disk_if_full=False, keep_writer=False):
         """Writes one object file (not owned: put() and handoffs decide who deletes it).
         to_disk_if_full: one that does not fit under the limit (a call's argument or result
         larger than the store) goes to the spill directory instead, where readers find it too,
-        as Ray falls back to disk for what its store cannot hold."""
+        as Ray falls back to disk for what its store cannot hold. keep_writer: a put(), whose
+        file comes back to this process's free list once freed: a reused file is written
+        through a mapping kept with it (see reuse)."""
         header = _MAGIC + struct.pack(f"<IQ{len(raws)}Q", len(raws), len(main), *[r.nbytes for r in raws])
         parts, offset = [header, main], len(header) + len(main)
         for raw in raws:
@@ -295,8 +300,9 @@ class _Store:
         path = self.path(object_id)
         temp = self.path(self.new_id("w"))  # renamed to path once complete: spillers skip it
         for attempt in range(2):
+            writer = None
             try:
-                fd = self.reserve(offset, temp)
+                fd, writer = self.reserve(offset, temp, keep_writer)
             except ObjectStoreFullError:
                 if not to_disk_if_full:
                     raise
@@ -304,42 +310,53 @@ class _Store:
                 path, temp = self.spilled(object_id), f"{self.spilled(object_id)}.{self.pid}.tmp"
                 fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
             try:
-                for start in range(0, len(parts), 512):  # IOV_MAX is 1024
-                    chunk = parts[start:start + 512]
-                    want = sum(memoryview(p).nbytes for p in chunk)
-                    if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
-                        raise OSError(errno.ENOSPC, "No space left on device")
+                if writer is not None:
+                    _copy_into(writer, parts)  # its pages are allocated: no fault, no SIGBUS
+                else:
+                    for start in range(0, len(parts), 512):  # IOV_MAX is 1024
+                        chunk = parts[start:start + 512]
+                        want = sum(memoryview(p).nbytes for p in chunk)
+                        if os.writev(fd, chunk) != want:  # a regular file writes short only when it is full
+                            raise OSError(errno.ENOSPC, "No space left on device")
                 os.ftruncate(fd, offset)  # a reused or reserved file may be longer
             except OSError as e:
                 os.close(fd)
                 os.unlink(temp)
+                _close(writer)
                 if e.errno == errno.ENOSPC and attempt == 0 and (self.trim() or self.make_room(offset)):
                     continue  # kept files went back to the system, or objects to disk: once more
                 raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
                                   "(is the shared-memory file system full?)") from None
             os.close(fd)
+            if writer is not None:
+                if keep_writer:
+                    with self.lock:  # before the rename, which makes it spillable
+                        self.writers[object_id] = writer
+                else:
+                    _close(writer)
             os.rename(temp, path)
             return object_id, offset
 
-    def reserve(self, size, temp):
+    def reserve(self, size, temp, keep_writer=False):
         """Opens `temp` for an object of `size` bytes, making room for it under the limit first
         when the store may be near it (then the file is sized at once, so that other puts count
-        it); raises ObjectStoreFullError when there is no room."""
+        it); raises ObjectStoreFullError when there is no room. Returns (fd, the writable mapping
+        of a reused file or None: see reuse)."""
         if size > self.limit:
             raise ObjectStoreFullError(
                 f"a {size}-byte object does not fit in the object store of {self.root}, whose limit is {self.limit} "
                 "bytes (troupe start --object-store-memory, init(object_store_memory=...))")
         if self.surely_fits(size):
-            return self.create(size, temp)
+            return self.create(size, temp, keep_writer)
         with self.spill_lock():
             over = self.scan()[0] + size - self.limit
             if over > 0 and self.make_room(over, locked=True) < over:
                 raise ObjectStoreFullError(
                     f"a {size}-byte object does not fit in the object store of {self.root} (limit {self.limit} bytes): "
                     "what is left there is in use or being written; free some refs, or raise the limit")
-            fd = self.create(size, temp)
+            fd, writer = self.create(size, temp, keep_writer)
             os.ftruncate(fd, size)
-            return fd
+            return fd, writer
 
     def surely_fits(self, size):
         """Whether `size` more bytes keep even the whole file system (ours or not) under the
@@ -361,11 +378,11 @@ class _Store:
             if over > 0:
                 self.make_room(over, locked=True)
 
-    def create(self, size, temp):
-        fd = self.reuse(size, temp)
-        if fd is None:
-            fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-        return fd
+    def create(self, size, temp, keep_writer=False):
+        reused = self.reuse(size, temp, keep_writer)
+        if reused is None:
+            return os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600), None
+        return reused
 
     def scan(self):
         """(bytes the directory's files hold, [(mtime, name, size)] of each)."""
@@ -408,16 +425,28 @@ class _Store:
         freed = 0
         _, files = self.scan()
         files.sort()
+        gone = set()
         for _, name, have in files:
             if freed < want and _KEPT.fullmatch(name):
                 _unlink(os.path.join(self.root, name))  # its process's reuse() finds it gone
+                gone.add(os.path.join(self.root, name))
                 freed += have
         with self.lock:
             mapped = {object_id.rpartition("/")[2] for object_id in self.maps}
+            writers = {object_id.rpartition("/")[2]: object_id for object_id in self.writers}
+            ours = [entry for entry in self.free if entry[1] in gone]
+            self.free = [entry for entry in self.free if entry[1] not in gone]
+            self.free_bytes -= sum(entry[0] for entry in ours)
+        for _, _, writer in ours:
+            self.unmap(writer)  # else its mapping would keep the pages
         for _, name, have in files:
             if freed >= want:
                 break
             if _SPILLABLE.fullmatch(name) and name not in mapped:
+                if name in writers:
+                    with self.lock:
+                        writer = self.writers.pop(writers[name], None)
+                    self.unmap(writer)
                 freed += self.spill_one(name)
         return freed
 
@@ -460,8 +489,9 @@ class _Store:
         with self.lock:
             self.take_kept()
             free, self.free, self.free_bytes = self.free, [], 0
-        for _, path in free:
+        for _, path, writer in free:
             _unlink(path)
+            self.unmap(writer)
         return bool(free)
 
     def keep(self, path, size):
@@ -492,7 +522,7 @@ class _Store:
                 have, free = self.kept.get_nowait()
             except queue.Empty:
                 return
-            self.free.append((have, free))
+            self.free.append((have, free, None))
             self.free_bytes += have
 
     def pulled_gone(self, path, size):
@@ -506,47 +536,95 @@ class _Store:
             if free is not None:
                 self.kept.put((size, free))  # no lock here: the next reuse() lists it
 
-    def reuse(self, size, path):
+    def reuse(self, size, path, keep_writer=False):
         """A freed object's file, renamed to `path` and opened for writing: its pages are already
-        allocated, so writing into it costs a copy and no page faults. None if none fits."""
+        allocated, so writing into it costs a copy and no page allocation. None if none fits.
+        Returns (fd, a writable mapping of it or None). The mapping is what makes a put() cost a
+        memcpy: writing through a file descriptor costs the kernel's work on every 4 KiB page
+        (about 15 ms for 100 MB here, a memcpy 5.5 ms), and so does mapping the pages afresh;
+        a mapping kept with the file, whose page tables are filled, costs neither. So a put
+        (keep_writer) maps a reused file once and keeps that mapping with it, on the live
+        object and back on the free list, up to the cap of what this process keeps."""
+        while True:
+            with self.lock:
+                self.take_kept()
+                best = None
+                for i, (have, _, _) in enumerate(self.free):
+                    if size <= have <= 2 * size and (best is None or have < self.free[best][0]):
+                        best = i
+                if best is None:
+                    return None
+                have, old, writer = self.free.pop(best)
+                self.free_bytes -= have
+            try:
+                os.rename(old, path)
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                break
+            except OSError:
+                # Another process deleted it to make room, and likely others kept here: their
+                # mappings would keep their pages.
+                self.unmap(writer)
+                self.forget_gone()
+        if writer is None and keep_writer and self.writer_bytes + have <= self.keep_cap():
+            try:
+                # (No MADV_DONTFORK: a forked child drops its copy of the store, whose mappings'
+                # munmap would then hit whatever the child had mapped at those addresses since.)
+                writer = mmap.mmap(fd, have, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                writer = None
+            else:
+                with self.lock:
+                    self.writer_bytes += len(writer)
+        return fd, writer
+
+    def forget_gone(self):
+        """Drops the kept files that other processes deleted from the free list."""
         with self.lock:
-            self.take_kept()
-            best = None
-            for i, (have, _) in enumerate(self.free):
-                if size <= have <= 2 * size and (best is None or have < self.free[best][0]):
-                    best = i
-            if best is None:
-                return None
-            have, old = self.free.pop(best)
-            self.free_bytes -= have
-        try:
-            os.rename(old, path)
-            return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
+            gone = [entry for entry in self.free if not os.path.exists(entry[1])]
+            self.free = [entry for entry in self.free if entry not in gone]
+            self.free_bytes -= sum(entry[0] for entry in gone)
+        for _, _, writer in gone:
+            self.unmap(writer)
+
+    def keep_cap(self):
+        """The most bytes of kept files, and of writable mappings, this process holds."""
+        return min(RECYCLE_MAX_BYTES, self.limit // 4)
+
+    def unmap(self, writer):
+        """Closes a writable mapping (None: nothing)."""
+        if writer is not None:
+            with self.lock:
+                self.writer_bytes -= len(writer)
+            writer.close()
 
     def recycle(self, object_id):
         """Deletes a freed object, or keeps its file for reuse when this process made the only
         mappings of it (it was never lent) and none is in use any more (closing a mapping
         that a live array still uses fails)."""
         path = self.path(object_id)
-        maps = self.maps.pop(object_id, ())
+        with self.lock:
+            maps = self.maps.pop(object_id, ())
+            writer = self.writers.pop(object_id, None)
         for mm in maps:
             try:
                 mm.close()
             except BufferError:  # a value from get() still uses it
                 self.delete(object_id)
+                self.unmap(writer)
                 return
         try:
             size = os.stat(path).st_size
         except OSError:
             self.delete(object_id)  # spilled, or being spilled (the spiller then deletes its copy)
+            self.unmap(writer)
             return
         with self.lock:
             free = self.keep(path, size)
             if free is not None:
-                self.free.append((size, free))
+                self.free.append((size, free, writer))
                 self.free_bytes += size
+                writer = None
+        self.unmap(writer)
 
     def pull(self, object_id, host, take=False, size=0):
         """The value of an object that lives on another node: its bytes are pulled from that
@@ -570,8 +648,9 @@ class _Store:
             reused = self.reuse(size, path) if size >= RECYCLE_MIN_BYTES else None
             if reused is None:
                 self.room_for_copy(size)
-            if reused is not None:
-                os.close(reused)
+            else:
+                os.close(reused[0])
+                self.unmap(reused[1])
             # A copy of a large put() object is offered to other nodes' pullers: its node's agent
             # serves it while it arrives and while it is mapped here (services/node_objects.h).
             # TROUPE_OBJECT_RELAY=0 keeps this process's copies to itself (every puller then
@@ -691,6 +770,8 @@ class _Store:
             held = object_id in self.marked
             self.marked.discard(object_id)
             maps = self.maps.pop(object_id, ()) if held else ()
+            writer = self.writers.pop(object_id, None) if held else None
+        self.unmap(writer)
         if not held:
             self.recycle(object_id)
             self.let_go(object_id)
@@ -843,6 +924,7 @@ class _Store:
             contained, self.contained = self.contained, {}
             self.take_kept()
             free, self.free, self.free_bytes = self.free, [], 0
+            writers, self.writers = list(self.writers.values()), {}
             self.maps.clear()
             self.marked.clear()
         for object_id in owned:
@@ -855,8 +937,11 @@ class _Store:
             for inner_id, host, record in inner:
                 if host == self.host:
                     self.release_here(inner_id, record)
-        for _, path in free:
+        for _, path, writer in free:
             _unlink(path)
+            self.unmap(writer)
+        for writer in writers:
+            self.unmap(writer)
         for path in list(self.pulled_files):
             if self.pulled_files.pop(path, None) is not None:
                 _unlink(path)
@@ -982,6 +1067,19 @@ def _decode(view, object_id):
         buffers.append(view[offset:offset + size])
         offset += size
     return pickle.loads(main, buffers=buffers)
+
+
+def _copy_into(mapping, parts):
+    """Copies `parts` one after another into a mapping from its start."""
+    view = memoryview(mapping)
+    try:
+        at = 0
+        for part in parts:
+            part = memoryview(part).cast("B")
+            view[at:at + part.nbytes] = part
+            at += part.nbytes
+    finally:
+        view.release()
 
 
 def _unlink(path):

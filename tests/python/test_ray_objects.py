@@ -208,3 +208,34 @@ def test_a_freed_object_file_is_reused_only_when_no_value_maps_it():
     assert np.array_equal(troupe.get(third), np.ones_like(x))
     kept = [n for n in os.listdir(store_dir()) if n.startswith(f"{os.getpid()}-free-")]
     assert kept, "no freed file was kept for reuse"
+
+
+def test_a_put_into_a_reused_file_writes_through_its_kept_mapping_and_reads_back_exactly():
+    from troupe import _objects
+
+    store = _objects.store()
+    mine = f"{os.getpid()}-free-"
+    a = np.arange(3 << 17, dtype=np.float64)  # 3 MB
+    ref = troupe.put(a)
+    del ref  # its file is kept
+    b = -a
+    ref = troupe.put(b)  # reuses it, mapped for writing
+    assert ref.hex() in store.writers
+    assert np.array_equal(troupe.get(ref), b)
+    del ref  # the file goes back with its mapping
+    assert any(writer is not None for _, _, writer in store.free)
+    c = np.full(2 << 17, 7.0)  # 2 MB: the 3 MB file is reused and cut to size
+    ref = troupe.put(c)
+    assert ref.hex() in store.writers
+    assert os.path.getsize(os.path.join(store_dir(), ref.hex())) < a.nbytes
+    assert np.array_equal(troupe.get(ref), c)
+    del ref
+    # Another process making room deletes this one's kept files: the next put writes a new
+    # file, and the mapping that kept the deleted one's pages goes.
+    for name in os.listdir(store_dir()):
+        if name.startswith(mine):
+            os.unlink(os.path.join(store_dir(), name))
+    ref = troupe.put(c)
+    assert np.array_equal(troupe.get(ref), c)
+    assert ref.hex() not in store.writers
+    assert not any(writer is not None for _, _, writer in store.free) and store.writer_bytes == 0
