@@ -465,8 +465,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     }
     std::shared_ptr<collectives::Communicator> comm;
     if (o.worldSize > 1) {
-      collectives::ClusterRendezvousStore rendezvousStore(*store_);
-      auto c = collectives::connectCpuCommunicator(rendezvousStore, o);
+      auto c = collectives::connectCpuCommunicator(*store_, o);
       if (!c.isOk()) return c.status();
       comm = std::move(*c);
     }

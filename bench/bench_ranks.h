@@ -60,8 +60,7 @@ inline Result<std::shared_ptr<collectives::Communicator>> joinRanks(const std::s
   options.epoch = 1;
   options.rank = rank;
   options.worldSize = world;
-  collectives::ClusterRendezvousStore rendezvousStore(**store);
-  auto connected = collectives::connectCpuCommunicator(rendezvousStore, options);
+  auto connected = collectives::connectCpuCommunicator(**store, options);
   if (!connected) return connected.status();
   return std::shared_ptr<collectives::Communicator>(std::move(connected).value());
 }

@@ -433,13 +433,12 @@ TEST_CASE("an epoch advance in Redis aborts blocked operations within 2 s") {
 
 // Connects `world` ranks on threads; rank r gets options from `tweak`.
 std::vector<std::unique_ptr<Communicator>> connectAll(
-    std::shared_ptr<FakeClusterState> state, const std::string& group, int64_t epoch, int world,
+    const std::string& cluster, const std::string& group, int64_t epoch, int world,
     std::function<void(CommunicatorOptions&)> tweak = nullptr) {
   std::vector<std::future<Result<std::unique_ptr<Communicator>>>> pending;
   for (int r = 0; r < world; ++r) {
-    pending.push_back(std::async(std::launch::async, [state, group, epoch, world, r, tweak] {
-      auto store = makeFakeClusterStore(state);
-      ClusterRendezvousStore rendezvousStore(*store);
+    pending.push_back(std::async(std::launch::async, [cluster, group, epoch, world, r, tweak] {
+      auto store = testing::openTestStore(cluster);
       CommunicatorOptions options;
       options.group = group;
       options.epoch = epoch;
@@ -447,7 +446,7 @@ std::vector<std::unique_ptr<Communicator>> connectAll(
       options.worldSize = world;
       options.rendezvousTimeout = 10s;
       if (tweak) tweak(options);
-      return connectCpuCommunicator(rendezvousStore, options);
+      return connectCpuCommunicator(*store, options);
     }));
   }
   std::vector<std::unique_ptr<Communicator>> comms;
@@ -460,8 +459,8 @@ std::vector<std::unique_ptr<Communicator>> connectAll(
 }
 
 TEST_CASE("asynchronous operations run in submission order and all complete") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "async", 1, 3);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "async", 1, 3);
   // Three buckets per rank, submitted back to back, of both algorithms' sizes.
   const size_t sizes[] = {10, 100'000, 7};
   std::vector<std::vector<std::vector<float>>> buffers(3);
@@ -487,8 +486,8 @@ TEST_CASE("asynchronous operations run in submission order and all complete") {
 }
 
 TEST_CASE("a timeout fails the operation naming the missing peer, and the peer hears of it") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "timeout", 1, 2,
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "timeout", 1, 2,
                           [](CommunicatorOptions& o) { o.operationTimeout = 300ms; });
   std::vector<float> data(16, 1.0f);
   const auto start = Clock::now();
@@ -509,8 +508,8 @@ TEST_CASE("a timeout fails the operation naming the missing peer, and the peer h
 }
 
 TEST_CASE("mismatched operations are reported, not silently mixed") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "mismatch", 1, 2);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "mismatch", 1, 2);
   std::vector<float> a(10, 1.0f), b(10, 1.0f), out(10);
   auto first = comms[0]->allreduceAsync(a.data(), a.data(), 10, DataType::kFloat32,
                                         ReduceOp::kSum);
@@ -523,8 +522,8 @@ TEST_CASE("mismatched operations are reported, not silently mixed") {
 }
 
 TEST_CASE("a rank that closes its communicator makes later operations of the others fail") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "leave", 1, 3);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "leave", 1, 3);
   comms[2].reset();  // leaves cleanly (goodbye)
   std::vector<float> data(4, 1.0f);
   auto w0 = comms[0]->allreduceAsync(data.data(), data.data(), 4, DataType::kFloat32,
@@ -540,13 +539,13 @@ TEST_CASE("a rank that closes its communicator makes later operations of the oth
 }
 
 TEST_CASE("a rank that closes its communicator while another waits for it there fails that operation") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "left-mid-op", 1, 2);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "left-mid-op", 1, 2);
   // Rank 0 waits in an all-reduce that rank 1 never joins (one-hop and ring sizes); rank 1 then
   // leaves cleanly. Over shared memory nothing ends like a socket would: the goodbye must do it.
   for (const size_t count : {size_t{16}, size_t{1} << 20}) {
     CAPTURE(count);
-    if (count > 16) comms = connectAll(state, "left-mid-op-ring", 1, 2);
+    if (count > 16) comms = connectAll(cluster, "left-mid-op-ring", 1, 2);
     std::vector<float> data(count, 1.0f);
     auto waiting = comms[0]->allreduceAsync(data.data(), data.data(), count, DataType::kFloat32, ReduceOp::kSum);
     CHECK_FALSE(waiting->done());
@@ -567,8 +566,8 @@ TEST_CASE("a segment name left by a rank killed during an earlier epoch's setup 
   const std::string other = "/dev/shm/troupe-coll-stale-other-1-0123456789abcdef";
   for (const std::string& path : {stale, other}) std::ofstream(path) << "x";
   REQUIRE(std::filesystem::exists(stale));
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "stale-seg", 2, 2);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "stale-seg", 2, 2);
   CHECK_FALSE(std::filesystem::exists(stale));
   CHECK(std::filesystem::exists(other));
   std::filesystem::remove(other);
@@ -576,28 +575,27 @@ TEST_CASE("a segment name left by a rank killed during an earlier epoch's setup 
 }
 
 TEST_CASE("rendezvous: missing ranks are named after the timeout; a finished epoch is refused") {
-  auto state = makeFakeClusterState();
-  auto store = makeFakeClusterStore(state);
-  ClusterRendezvousStore rendezvousStore(*store);
+  auto cluster = testing::newTestCluster();
+  auto store = testing::openTestStore(cluster);
   CommunicatorOptions options;
   options.group = "partial";
   options.epoch = 3;
   options.rank = 0;
   options.worldSize = 3;
   options.rendezvousTimeout = 300ms;
-  auto alone = connectCpuCommunicator(rendezvousStore, options);
+  auto alone = connectCpuCommunicator(*store, options);
   REQUIRE_FALSE(alone.isOk());
   CHECK(alone.status().code() == StatusCode::kDeadlineExceeded);
   CHECK(alone.status().message().find("rank(s) 1, 2") != std::string::npos);
 
   REQUIRE(store->advanceGroupEpoch("partial", 4).isOk());
-  auto late = connectCpuCommunicator(rendezvousStore, options);
+  auto late = connectCpuCommunicator(*store, options);
   REQUIRE_FALSE(late.isOk());
   CHECK(late.status().code() == StatusCode::kAborted);
   CHECK(late.status().message().find("already at epoch 4") != std::string::npos);
 
   options.rank = 3;
-  CHECK(connectCpuCommunicator(rendezvousStore, options).status().code() == StatusCode::kInvalidArgument);
+  CHECK(connectCpuCommunicator(*store, options).status().code() == StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("an epoch advance during the rendezvous ends the wait with kAborted") {
@@ -612,8 +610,7 @@ TEST_CASE("an epoch advance during the rendezvous ends the wait with kAborted") 
     options.epoch = 1;
     options.worldSize = 2;  // rank 1 never comes
     options.rendezvousTimeout = 30s;
-    ClusterRendezvousStore rendezvousStore(**own);
-    return connectCpuCommunicator(rendezvousStore, options).status();
+    return connectCpuCommunicator(**own, options).status();
   });
   const auto deadline = Clock::now() + 10s;
   while ((*store)->getRendezvous("early", 1)->empty() && Clock::now() < deadline) {
@@ -629,8 +626,8 @@ TEST_CASE("an epoch advance during the rendezvous ends the wait with kAborted") 
 }
 
 TEST_CASE("bad arguments fail the call only; the communicator stays usable") {
-  auto state = makeFakeClusterState();
-  auto comms = connectAll(state, "args", 1, 2);
+  auto cluster = testing::newTestCluster();
+  auto comms = connectAll(cluster, "args", 1, 2);
   std::vector<float> data(4, 1.0f);
   CHECK(comms[0]->send(data.data(), 4, DataType::kFloat32, 0).code() ==
         StatusCode::kInvalidArgument);  // to itself

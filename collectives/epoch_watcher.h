@@ -10,7 +10,7 @@
 #include <string>
 #include <thread>
 
-#include "troupe/collectives/rendezvous_store.h"
+#include "troupe/runtime/rendezvous_store.h"
 
 namespace troupe::collectives {
 

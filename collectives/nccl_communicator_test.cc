@@ -14,6 +14,7 @@
 
 #include "troupe/collectives/nccl_communicator.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/testing/redis_server.h"
 
 namespace troupe::collectives {
 namespace {
@@ -28,27 +29,25 @@ bool haveGpu() {
 }
 
 TEST_CASE("connectNcclCommunicator fails cleanly when it cannot run") {
-  auto state = makeFakeClusterState();
-  auto store = makeFakeClusterStore(state);
-  ClusterRendezvousStore rendezvousStore(*store);
+  auto cluster = testing::newTestCluster();
+  auto store = testing::openTestStore(cluster);
   CommunicatorOptions options;
   options.group = "nccl";
   options.epoch = 1;
   NcclOptions nccl;
   nccl.device = cudaDeviceCount();  // one past the last device: never exists
-  auto comm = connectNcclCommunicator(rendezvousStore, options, nccl);
+  auto comm = connectNcclCommunicator(*store, options, nccl);
   REQUIRE_FALSE(comm.isOk());
   CHECK(comm.status().code() == StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("NCCL all-reduce on one GPU (skips without a GPU)" * doctest::skip(!haveGpu())) {
-  auto state = makeFakeClusterState();
-  auto store = makeFakeClusterStore(state);
-  ClusterRendezvousStore rendezvousStore(*store);
+  auto cluster = testing::newTestCluster();
+  auto store = testing::openTestStore(cluster);
   CommunicatorOptions options;
   options.group = "nccl-gpu";
   options.epoch = 1;
-  auto comm = connectNcclCommunicator(rendezvousStore, options, NcclOptions{});
+  auto comm = connectNcclCommunicator(*store, options, NcclOptions{});
   REQUIRE_MESSAGE(comm.isOk(), comm.status().toString());
   CHECK((*comm)->barrier().isOk());
   REQUIRE(store->advanceGroupEpoch("nccl-gpu", 2).isOk());
@@ -63,13 +62,12 @@ TEST_CASE("NCCL all-reduce on one GPU (skips without a GPU)" * doctest::skip(!ha
 // device data through NCCL and give the one-rank result; and the all-reduce's time is printed.
 TEST_CASE("NCCL operations on device buffers give the one-rank results (skips without a GPU)" *
           doctest::skip(!haveGpu())) {
-  auto state = makeFakeClusterState();
-  auto store = makeFakeClusterStore(state);
-  ClusterRendezvousStore rendezvousStore(*store);
+  auto cluster = testing::newTestCluster();
+  auto store = testing::openTestStore(cluster);
   CommunicatorOptions options;
   options.group = "nccl-data";
   options.epoch = 1;
-  auto comm = connectNcclCommunicator(rendezvousStore, options, NcclOptions{});
+  auto comm = connectNcclCommunicator(*store, options, NcclOptions{});
   REQUIRE_MESSAGE(comm.isOk(), comm.status().toString());
   const size_t count = size_t{16} << 20;  // 64 MB of float32
   std::vector<float> host(count);

@@ -447,22 +447,4 @@ Result<RendezvousResult> rendezvous(RendezvousStore& store, const CommunicatorOp
   return result;
 }
 
-Result<int64_t> ClusterRendezvousStore::advanceGroupEpoch(const std::string& group, int64_t epoch) {
-  return store_.advanceGroupEpoch(group, epoch);
-}
-
-Result<std::unique_ptr<GroupEpochWatch>> ClusterRendezvousStore::watchGroupEpoch(const std::string& group) {
-  return store_.watchGroupEpoch(group);
-}
-
-Status ClusterRendezvousStore::putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
-                                                  const std::string& value, std::chrono::milliseconds ttl) {
-  return store_.putRendezvousEntry(group, epoch, rank, value, ttl);
-}
-
-Result<std::map<int32_t, std::string>> ClusterRendezvousStore::getRendezvous(const std::string& group,
-                                                                             int64_t epoch) {
-  return store_.getRendezvous(group, epoch);
-}
-
 }  // namespace troupe::collectives

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "troupe/collectives/communicator.h"
-#include "troupe/collectives/rendezvous_store.h"
+#include "troupe/runtime/rendezvous_store.h"
 
 namespace troupe::collectives {
 

@@ -601,10 +601,9 @@ int main(int argc, char** argv) {
     reportError(store.status());
     return 1;
   }
-  ClusterRendezvousStore rendezvousStore(**store);
-  if (args.mode == "matrix") return runMatrix(rendezvousStore, args);
-  if (args.mode == "loop") return runLoop(rendezvousStore, args);
-  if (args.mode == "compare") return runCompare(rendezvousStore, args);
-  if (args.mode == "idle") return runIdle(rendezvousStore, args);
-  return runBlock(rendezvousStore, args);
+  if (args.mode == "matrix") return runMatrix(**store, args);
+  if (args.mode == "loop") return runLoop(**store, args);
+  if (args.mode == "compare") return runCompare(**store, args);
+  if (args.mode == "idle") return runIdle(**store, args);
+  return runBlock(**store, args);
 }

@@ -6,21 +6,21 @@
 
 #include "troupe/collectives/torch_adapter.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/testing/redis_server.h"
 
 namespace troupe::collectives {
 namespace {
 
 TEST_CASE("tensors: allreduce, broadcast, reduce-scatter and all-gather through the adapter") {
-  auto state = makeFakeClusterState();
-  auto run = [state](int rank) -> std::string {
-    auto store = makeFakeClusterStore(state);
-    ClusterRendezvousStore rendezvousStore(*store);
+  auto cluster = testing::newTestCluster();
+  auto run = [cluster](int rank) -> std::string {
+    auto store = testing::openTestStore(cluster);
     CommunicatorOptions options;
     options.group = "torch";
     options.epoch = 1;
     options.rank = rank;
     options.worldSize = 2;
-    auto comm = connectCpuCommunicator(rendezvousStore, options);
+    auto comm = connectCpuCommunicator(*store, options);
     if (!comm) return comm.status().toString();
     at::Tensor t = at::full({3, 5}, static_cast<double>(rank + 1), at::kBFloat16);
     if (Status s = allreduce(**comm, t, ReduceOp::kSum); !s.isOk()) return s.toString();

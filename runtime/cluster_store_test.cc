@@ -1,5 +1,6 @@
-// One suite, two stores: every TEST_CASE_TEMPLATE runs against the in-memory fake and against
-// a real redis-server child, so the fake cannot drift from Redis unnoticed.
+// The cluster store's suite, on a real redis-server: every case in a cluster of its own on the
+// binary's server (troupe/testing/redis_server.h); the cases that kill or misconfigure a
+// server start one of their own.
 #include <doctest/doctest.h>
 #include <hiredis/hiredis.h>
 #include <signal.h>
@@ -33,21 +34,11 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kShortTtl{300};
 constexpr std::chrono::milliseconds kLongTtl{60'000};
 
-struct FakeBackend {
-  std::shared_ptr<FakeClusterState> state = makeFakeClusterState();
-  std::unique_ptr<ClusterStore> open() { return makeFakeClusterStore(state); }
+// A cluster of its own on the binary's redis-server: stores it opens share data.
+struct Backend {
+  std::string cluster = testing::newTestCluster();
+  std::unique_ptr<ClusterStore> open() { return testing::openTestStore(cluster); }
 };
-
-struct RedisBackend {
-  testing::RedisServerProcess server;
-  std::unique_ptr<ClusterStore> open() {
-    auto store = connectRedisStore(server.options("test"));
-    REQUIRE_MESSAGE(store.isOk(), store.status().toString());
-    return std::move(store).value();
-  }
-};
-
-#define TROUPE_STORE_BACKENDS FakeBackend, RedisBackend
 
 NodeRecord sampleNode(std::string hostname = "worker-1") {
   NodeRecord node;
@@ -91,7 +82,7 @@ ClusterEvent mustReceive(EventSubscription& subscription) {
   return **event;
 }
 
-TEST_CASE_TEMPLATE("meta round trip", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("meta round trip") {
   Backend backend;
   auto store = backend.open();
   auto empty = store->getMeta();
@@ -113,8 +104,7 @@ TEST_CASE_TEMPLATE("meta round trip", Backend, TROUPE_STORE_BACKENDS) {
   CHECK((*store->getMeta())->controllerPid == 4712);
 }
 
-TEST_CASE_TEMPLATE("the store gateway's address survives a controller rewriting the meta", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("the store gateway's address survives a controller rewriting the meta") {
   Backend backend;
   auto store = backend.open();
   ClusterMeta meta{"tok", "10.0.0.5:6380", 1, 2, ""};
@@ -126,8 +116,7 @@ TEST_CASE_TEMPLATE("the store gateway's address survives a controller rewriting 
   CHECK((*store->getMeta())->storeGateway == "10.0.0.5:41000");
 }
 
-TEST_CASE_TEMPLATE("register, get and list nodes keep every field", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("register, get and list nodes keep every field") {
   Backend backend;
   auto store = backend.open();
   NodeRecord head = sampleNode("head-host");
@@ -167,8 +156,7 @@ TEST_CASE_TEMPLATE("register, get and list nodes keep every field", Backend,
   CHECK(std::string(nodeStateName(NodeState::kDead)) == "DEAD");
 }
 
-TEST_CASE_TEMPLATE("registerNode fills in the registration time when it is zero", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("registerNode fills in the registration time when it is zero") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = sampleNode();
@@ -178,7 +166,7 @@ TEST_CASE_TEMPLATE("registerNode fills in the registration time when it is zero"
   CHECK(mustGet(*store, node.id).registeredMs >= before);
 }
 
-TEST_CASE_TEMPLATE("re-registering a node is idempotent", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("re-registering a node is idempotent") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = sampleNode();
@@ -194,7 +182,7 @@ TEST_CASE_TEMPLATE("re-registering a node is idempotent", Backend, TROUPE_STORE_
   CHECK((*list)[0].state == NodeState::kAlive);
 }
 
-TEST_CASE_TEMPLATE("heartbeat is accepted only for alive nodes", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("heartbeat is accepted only for alive nodes") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = sampleNode();
@@ -222,8 +210,7 @@ TEST_CASE_TEMPLATE("heartbeat is accepted only for alive nodes", Backend, TROUPE
   CHECK(store->heartbeat(node.id, 0ms).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("reapExpiredNodes marks silent nodes dead and spares heartbeating ones",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("reapExpiredNodes marks silent nodes dead and spares heartbeating ones") {
   Backend backend;
   auto store = backend.open();
   NodeRecord silent = sampleNode("silent");
@@ -265,7 +252,7 @@ TEST_CASE_TEMPLATE("reapExpiredNodes marks silent nodes dead and spares heartbea
   CHECK(again->empty());
 }
 
-TEST_CASE_TEMPLATE("markNodeDead", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("markNodeDead") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = sampleNode();
@@ -288,8 +275,7 @@ TEST_CASE_TEMPLATE("markNodeDead", Backend, TROUPE_STORE_BACKENDS) {
   CHECK(unknown.code() == StatusCode::kNotFound);
 }
 
-TEST_CASE_TEMPLATE("subscription receives NODE_ADDED and NODE_DEAD", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("subscription receives NODE_ADDED and NODE_DEAD") {
   Backend backend;
   auto store = backend.open();
   auto subscription = store->subscribe();
@@ -344,8 +330,7 @@ TEST_CASE_TEMPLATE("subscription receives NODE_ADDED and NODE_DEAD", Backend,
   CHECK(std::string(clusterEventTypeName(ClusterEventType::kNodeDead)) == "NODE_DEAD");
 }
 
-TEST_CASE_TEMPLATE("events published in a burst are all delivered, in order", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("events published in a burst are all delivered, in order") {
   Backend backend;
   auto store = backend.open();
   auto subscription = store->subscribe();
@@ -366,8 +351,7 @@ TEST_CASE_TEMPLATE("events published in a burst are all delivered, in order", Ba
   }
 }
 
-TEST_CASE_TEMPLATE("two stores on the same state see each other's writes", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("two stores on the same state see each other's writes") {
   Backend backend;
   auto controller = backend.open();
   auto agent = backend.open();
@@ -425,8 +409,7 @@ Resources listedUsed(ClusterStore& store, const NodeId& id) {
   return {};
 }
 
-TEST_CASE_TEMPLATE("reserve: a claim that fits is recorded and shows in used", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve: a claim that fits is recorded and shows in used") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 8}, {"GPU", 2}, {"memory", 1 << 30}});
@@ -453,8 +436,7 @@ TEST_CASE_TEMPLATE("reserve: a claim that fits is recorded and shows in used", B
   CHECK(mustReservations(*store, node.id).size() == 2);
 }
 
-TEST_CASE_TEMPLATE("reserve: over capacity is refused and writes nothing", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve: over capacity is refused and writes nothing") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
@@ -476,8 +458,7 @@ TEST_CASE_TEMPLATE("reserve: over capacity is refused and writes nothing", Backe
   CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 4}, {"GPU", 1}});
 }
 
-TEST_CASE_TEMPLATE("reserve over several nodes is all or nothing", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve over several nodes is all or nothing") {
   Backend backend;
   auto store = backend.open();
   NodeRecord roomy = registerResourceNode(*store, {{"CPU", 8}});
@@ -495,8 +476,7 @@ TEST_CASE_TEMPLATE("reserve over several nodes is all or nothing", Backend,
   CHECK(listedUsed(*store, tight.id) == Resources{{"CPU", 1}});
 }
 
-TEST_CASE_TEMPLATE("reserve: the same holder twice is idempotent; a new amount replaces it",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve: the same holder twice is idempotent; a new amount replaces it") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
@@ -520,7 +500,7 @@ TEST_CASE_TEMPLATE("reserve: the same holder twice is idempotent; a new amount r
   CHECK(listedUsed(*store, node.id) == Resources{{"CPU", 8}});
 }
 
-TEST_CASE_TEMPLATE("reserve refuses DEAD and unknown nodes", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve refuses DEAD and unknown nodes") {
   Backend backend;
   auto store = backend.open();
   NodeRecord alive = registerResourceNode(*store, {{"CPU", 8}});
@@ -549,7 +529,7 @@ TEST_CASE_TEMPLATE("reserve refuses DEAD and unknown nodes", Backend, TROUPE_STO
   CHECK(mustReservations(*store, alive.id).size() == 1);
 }
 
-TEST_CASE_TEMPLATE("release frees claims and is idempotent", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("release frees claims and is idempotent") {
   Backend backend;
   auto store = backend.open();
   NodeRecord first = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
@@ -586,7 +566,7 @@ TEST_CASE_TEMPLATE("release frees claims and is idempotent", Backend, TROUPE_STO
   CHECK(mustGet(*store, second.id).used == Resources{{"CPU", 0}});
 }
 
-TEST_CASE_TEMPLATE("reserve: fractional amounts add up exactly", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve: fractional amounts add up exactly") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 1}});
@@ -621,7 +601,7 @@ TEST_CASE_TEMPLATE("reserve: fractional amounts add up exactly", Backend, TROUPE
   CHECK(listedUsed(*store, busy.id) == Resources{{"CPU", 0}});
 }
 
-TEST_CASE_TEMPLATE("reserve: custom resources", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve: custom resources") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 4}, {"accel_slot", 2}});
@@ -635,8 +615,7 @@ TEST_CASE_TEMPLATE("reserve: custom resources", Backend, TROUPE_STORE_BACKENDS) 
   CHECK(mustReservations(*store, node.id)["actor:a"] == Resources{{"CPU", 1}, {"accel_slot", 2}});
 }
 
-TEST_CASE_TEMPLATE("re-registering a node with claims keeps used equal to the claims", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("re-registering a node with claims keeps used equal to the claims") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
@@ -666,8 +645,7 @@ TEST_CASE_TEMPLATE("re-registering a node with claims keeps used equal to the cl
   CHECK(mustGet(*store, node.id).used == node.used);
 }
 
-TEST_CASE_TEMPLATE("reserve and release reject malformed claims", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserve and release reject malformed claims") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 8}});
@@ -744,8 +722,7 @@ ActorRecord mustGetActor(ClusterStore& store, const ActorId& id) {
   return **actor;
 }
 
-TEST_CASE_TEMPLATE("actors: put, get and list keep every field", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("actors: put, get and list keep every field") {
   Backend backend;
   auto store = backend.open();
   ActorRecord actor = sampleActor();
@@ -800,8 +777,7 @@ TEST_CASE_TEMPLATE("actors: put, get and list keep every field", Backend,
   CHECK(store->getActor(ActorId()).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("actors in batches: putActors writes each record, getActors reads them in order", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("actors in batches: putActors writes each record, getActors reads them in order") {
   Backend backend;
   auto store = backend.open();
   std::vector<ActorRecord> batch;
@@ -832,8 +808,7 @@ TEST_CASE_TEMPLATE("actors in batches: putActors writes each record, getActors r
   CHECK(store->getActors({ActorId()}).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("reserveEach: each claim is made or refused on its own, and used adds up", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("reserveEach: each claim is made or refused on its own, and used adds up") {
   Backend backend;
   auto store = backend.open();
   NodeRecord a = registerResourceNode(*store, {{"CPU", 4}, {"GPU", 1}});
@@ -866,8 +841,7 @@ TEST_CASE_TEMPLATE("reserveEach: each claim is made or refused on its own, and u
   CHECK(store->reserveEach({{a.id, "actor:u", {{"CPU", -1}}}}).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("listActors sorts by creation time, then id", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("listActors sorts by creation time, then id") {
   Backend backend;
   auto store = backend.open();
   auto empty = store->listActors();
@@ -901,8 +875,7 @@ TEST_CASE_TEMPLATE("listActors sorts by creation time, then id", Backend,
   checkSameActor((*list)[0], early);
 }
 
-TEST_CASE_TEMPLATE("listActorsPage: a filtered page in list order, with every actor's state counted", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("listActorsPage: a filtered page in list order, with every actor's state counted") {
   Backend backend;
   auto store = backend.open();
   const NodeId nodeA("aaaa" + randomHex(6)), nodeB("bbbb" + randomHex(6));
@@ -947,7 +920,7 @@ TEST_CASE_TEMPLATE("listActorsPage: a filtered page in list order, with every ac
   CHECK(empty->matching == 10);
 }
 
-TEST_CASE_TEMPLATE("actor names: claim, lookup and release", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("actor names: claim, lookup and release") {
   Backend backend;
   auto store = backend.open();
   const ActorId owner = ActorId::generate();
@@ -1008,8 +981,7 @@ void checkSameGroup(const PlacementGroupRecord& got, const PlacementGroupRecord&
   }
 }
 
-TEST_CASE_TEMPLATE("placement groups: delete forgets a group and is idempotent", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("placement groups: delete forgets a group and is idempotent") {
   Backend backend;
   auto store = backend.open();
   PlacementGroupRecord keep, drop;
@@ -1029,8 +1001,7 @@ TEST_CASE_TEMPLATE("placement groups: delete forgets a group and is idempotent",
   CHECK(list->front().id == keep.id);
 }
 
-TEST_CASE_TEMPLATE("placement groups: create and remove each in one step, with their claims", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("placement groups: create and remove each in one step, with their claims") {
   Backend backend;
   auto store = backend.open();
   NodeRecord node = registerResourceNode(*store, {{"CPU", 4}});
@@ -1085,8 +1056,7 @@ TEST_CASE_TEMPLATE("placement groups: create and remove each in one step, with t
   CHECK(gone->outcome == GroupRemoval::Outcome::kNotFound);
 }
 
-TEST_CASE_TEMPLATE("placement groups: a group with live actors is not removed in one step; indexes follow the records",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("placement groups: a group with live actors is not removed in one step; indexes follow the records") {
   Backend backend;
   auto store = backend.open();
   PlacementGroupRecord group;
@@ -1140,8 +1110,7 @@ TEST_CASE_TEMPLATE("placement groups: a group with live actors is not removed in
   CHECK_FALSE(removed->pendingWork);
 }
 
-TEST_CASE_TEMPLATE("placement groups: put, get and list keep every field", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("placement groups: put, get and list keep every field") {
   Backend backend;
   auto store = backend.open();
   const PlacementStrategy strategies[] = {PlacementStrategy::kPack, PlacementStrategy::kSpread,
@@ -1453,8 +1422,7 @@ int64_t mustReceiveEpoch(GroupEpochWatch& watch) {
   return **epoch;
 }
 
-TEST_CASE_TEMPLATE("group epochs only rise; an advance is published once", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("group epochs only rise; an advance is published once") {
   Backend backend;
   auto store = backend.open();
   auto other = backend.open();
@@ -1491,8 +1459,7 @@ TEST_CASE_TEMPLATE("group epochs only rise; an advance is published once", Backe
   CHECK(store->watchGroupEpoch("").status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("elastic groups: document, capped events, epoch, delete", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("elastic groups: document, capped events, epoch, delete") {
   Backend backend;
   auto store = backend.open();
   auto none = store->getElasticGroup("g1");
@@ -1536,8 +1503,7 @@ TEST_CASE_TEMPLATE("elastic groups: document, capped events, epoch, delete", Bac
   CHECK(store->putElasticGroup("", "{}").code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("group epoch watch: interrupt wakes a blocked next() at once", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("group epoch watch: interrupt wakes a blocked next() at once") {
   Backend backend;
   auto store = backend.open();
   auto watchOrError = store->watchGroupEpoch("job-b");
@@ -1582,8 +1548,7 @@ TEST_CASE("redis store: an epoch watch whose connection is killed watches again 
   CHECK(**next == 5);
 }
 
-TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced and expiring",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("rendezvous: entries by rank, per (group, epoch), replaced and expiring") {
   Backend backend;
   auto store = backend.open();
   auto other = backend.open();
@@ -1629,8 +1594,7 @@ TEST_CASE_TEMPLATE("rendezvous: entries by rank, per (group, epoch), replaced an
   CHECK(store->getRendezvous("", 1).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("key spaces: set, get, add, compareSet, delete and count, each space apart", Backend,
-                   TROUPE_STORE_BACKENDS) {
+TEST_CASE("key spaces: set, get, add, compareSet, delete and count, each space apart") {
   Backend backend;
   auto store = backend.open();
   auto other = backend.open();  // a second client of the same cluster
@@ -1689,8 +1653,7 @@ TEST_CASE_TEMPLATE("key spaces: set, get, add, compareSet, delete and count, eac
   CHECK(store->countKeys("").status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE_TEMPLATE("key spaces: a space expires ttl after its last write; a group's go with the group",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("key spaces: a space expires ttl after its last write; a group's go with the group") {
   Backend backend;
   auto store = backend.open();
   REQUIRE(store->setKey("short", "a", "1", kShortTtl).isOk());
@@ -1739,7 +1702,7 @@ TEST_CASE("redis store: an add retried after a lost reply counts once") {
   CHECK(*(*store)->addToKey("s", "n", 1, kLongTtl) == 5);
 }
 
-TEST_CASE_TEMPLATE("listLiveActors skips DEAD actors; listActors shows them", Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("listLiveActors skips DEAD actors; listActors shows them") {
   Backend backend;
   auto store = backend.open();
   ActorRecord alive = sampleActor();
@@ -1759,8 +1722,7 @@ TEST_CASE_TEMPLATE("listLiveActors skips DEAD actors; listActors shows them", Ba
   CHECK(store->listLiveActors()->empty());
 }
 
-TEST_CASE_TEMPLATE("listNodeActors follows each live actor to its node; listDeadNodesWithWork finds what a death left",
-                   Backend, TROUPE_STORE_BACKENDS) {
+TEST_CASE("listNodeActors follows each live actor to its node; listDeadNodesWithWork finds what a death left") {
   Backend backend;
   auto store = backend.open();
   NodeRecord a = sampleNode("a"), b = sampleNode("b");

@@ -79,7 +79,7 @@ class ScanRefusingStore final : public ClusterStore {
 };
 
 struct Core {
-  explicit Core(std::unique_ptr<ClusterStore> s = makeFakeClusterStore(makeFakeClusterState()))
+  explicit Core(std::unique_ptr<ClusterStore> s = testing::openTestStore(testing::newTestCluster()))
       : store(std::move(s)), core(*store) {}
   std::unique_ptr<ClusterStore> store;
   ControllerCore core;
@@ -381,7 +381,7 @@ TEST_CASE("core: actors on a dead node restart on another node") {
 }
 
 TEST_CASE("core: a node's death is reconciled from that node's indexes, without listing every actor or group") {
-  Core c(std::make_unique<ScanRefusingStore>(makeFakeClusterStore(makeFakeClusterState())));
+  Core c(std::make_unique<ScanRefusingStore>(testing::openTestStore(testing::newTestCluster())));
   ControllerCore& core = c.core;
   NodeId doomed = c.addNode(2);
   auto moving = *core.createActor(c.spec(1, -1), c.actions);

@@ -19,6 +19,7 @@
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/cluster_store.h"
+#include "troupe/testing/redis_server.h"
 
 namespace troupe::actors::testing {
 
@@ -116,13 +117,13 @@ inline double maxParamDifference(const std::vector<HostTensor>& a, const std::ve
   return worst;
 }
 
-// `world` communicators of one (group, epoch) on the in-memory store, connected on threads.
-inline std::vector<std::shared_ptr<Communicator>> connectRanks(const std::shared_ptr<FakeClusterState>& state,
+// `world` communicators of one (group, epoch) on a test cluster store (troupe/testing/redis_server.h), connected on threads.
+inline std::vector<std::shared_ptr<Communicator>> connectRanks(const std::string& cluster,
                                                         const std::string& group, int world) {
   std::vector<std::future<Result<std::unique_ptr<Communicator>>>> pending;
   for (int r = 0; r < world; ++r) {
-    pending.push_back(std::async(std::launch::async, [state, group, world, r] {
-      auto store = makeFakeClusterStore(state);
+    pending.push_back(std::async(std::launch::async, [cluster, group, world, r] {
+      auto store = troupe::testing::openTestStore(cluster);
       collectives::CommunicatorOptions options;
       options.group = group;
       options.epoch = 1;
@@ -130,8 +131,7 @@ inline std::vector<std::shared_ptr<Communicator>> connectRanks(const std::shared
       options.worldSize = world;
       options.rendezvousTimeout = 20s;
       options.operationTimeout = 60s;
-      collectives::ClusterRendezvousStore rendezvousStore(*store);
-      return collectives::connectCpuCommunicator(rendezvousStore, options);
+      return collectives::connectCpuCommunicator(*store, options);
     }));
   }
   std::vector<std::shared_ptr<Communicator>> comms;

@@ -49,7 +49,7 @@ TEST_CASE("ring attention equals full attention, forward and backward, for 1 to 
       (expected * g).sum().backward();
 
       std::vector<std::shared_ptr<collectives::Communicator>> comms;
-      if (S > 1) comms = connectRanks(makeFakeClusterState(), fmt::format("ring-{}-{}-{}", S, L, causal), S);
+      if (S > 1) comms = connectRanks(troupe::testing::newTestCluster(), fmt::format("ring-{}-{}-{}", S, L, causal), S);
       struct Got {
         at::Tensor positions, out, dq, dk, dv;
       };
@@ -113,7 +113,7 @@ TEST_CASE("sequence parallelism trains tinylm as one rank does: rings of 2 and 4
     TrainerEngineOptions so = o;
     so.sequence_parallel = seq;
     so.zero = zero;
-    auto comms = connectRanks(makeFakeClusterState(), fmt::format("sp-{}-{}-{}", world, seq, zero), world);
+    auto comms = connectRanks(troupe::testing::newTestCluster(), fmt::format("sp-{}-{}-{}", world, seq, zero), world);
     std::vector<std::unique_ptr<TrainerEngine>> ranks;
     for (int r = 0; r < world; ++r) {
       ranks.push_back(makeEngine(so));
@@ -143,14 +143,14 @@ TEST_CASE("sequence parallelism refuses what it cannot do") {
   CHECK(TrainerEngine::create(mlp).status().message().find("only with the built-in tinylm") != std::string::npos);
   TrainerEngineOptions o = tinyOptions();
   o.sequence_parallel = 2;
-  auto comms = connectRanks(makeFakeClusterState(), "sp-three", 3);
+  auto comms = connectRanks(troupe::testing::newTestCluster(), "sp-three", 3);
   auto engine = makeEngine(o);
   Status joined = engine->join(comms[0]);
   CHECK(joined.code() == StatusCode::kInvalidArgument);
   CHECK(joined.message().find("does not divide the world size 3") != std::string::npos);
   // 14 tokens do not split into 2 x 2 equal chunks.
   TextData text(14);
-  auto two = connectRanks(makeFakeClusterState(), "sp-odd", 2);
+  auto two = connectRanks(troupe::testing::newTestCluster(), "sp-odd", 2);
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(makeEngine(o));

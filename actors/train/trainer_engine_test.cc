@@ -78,8 +78,8 @@ TEST_CASE("two ranks over the CPU ring equal one rank with the whole global batc
   for (const auto& config : configs) {
     CAPTURE(config.name);
     auto single = makeEngine(config.options);
-    auto state = makeFakeClusterState();
-    auto comms = connectRanks(state, "equal-" + config.name, 2);
+    auto cluster = troupe::testing::newTestCluster();
+    auto comms = connectRanks(cluster, "equal-" + config.name, 2);
     std::vector<std::unique_ptr<TrainerEngine>> ranks;
     for (int r = 0; r < 2; ++r) {
       ranks.push_back(makeEngine(config.options));
@@ -127,7 +127,7 @@ TEST_CASE("three ranks with a remainder match one rank within float rounding") {
   o.global_batch = 7;  // 3, 2, 2 rows
   o.max_micro_batch = 2;
   auto single = makeEngine(o);
-  auto comms = connectRanks(makeFakeClusterState(), "three", 3);
+  auto comms = connectRanks(troupe::testing::newTestCluster(), "three", 3);
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
   for (int r = 0; r < 3; ++r) {
     ranks.push_back(makeEngine(o));
@@ -156,7 +156,7 @@ TEST_CASE("more ranks than samples: a rank with no rows still all-reduces (zeros
   TrainerEngineOptions o = tinyOptions();
   o.global_batch = 1;
   auto single = makeEngine(o);
-  auto comms = connectRanks(makeFakeClusterState(), "empty", 2);
+  auto comms = connectRanks(troupe::testing::newTestCluster(), "empty", 2);
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(makeEngine(o));
@@ -278,7 +278,7 @@ TEST_CASE("bucketed all-reduce overlaps backward: bytes reduced before backward 
   o.global_batch = 256;
   o.max_micro_batch = 128;
   o.bucket_bytes = 256 * 1024;
-  auto comms = connectRanks(makeFakeClusterState(), "overlap", 2);
+  auto comms = connectRanks(troupe::testing::newTestCluster(), "overlap", 2);
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(makeEngine(o));
@@ -314,7 +314,7 @@ TEST_CASE("a peer leaving mid-training: step() fails promptly and the state is u
   TextData text(16);
   TrainerEngineOptions o = tinyOptions();
   o.bucket_bytes = 32 * 1024;
-  auto comms = connectRanks(makeFakeClusterState(), "leave", 2);
+  auto comms = connectRanks(troupe::testing::newTestCluster(), "leave", 2);
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(makeEngine(o));

@@ -22,7 +22,7 @@ struct Group {
   std::vector<std::unique_ptr<TrainerEngine>> ranks;
 
   Group(const TrainerEngineOptions& options, int world, const std::string& name) {
-    auto comms = connectRanks(makeFakeClusterState(), name, world);
+    auto comms = connectRanks(troupe::testing::newTestCluster(), name, world);
     for (int r = 0; r < world; ++r) {
       ranks.push_back(makeEngine(options));
       REQUIRE(ranks[r]->join(comms[r]).isOk());

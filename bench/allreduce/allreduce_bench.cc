@@ -100,8 +100,7 @@ int serveRank(int rank, int world, const std::string& group, const std::vector<S
   options.worldSize = world;
   options.chunkBytes = chunkBytes;
   options.smallMessageBytes = smallBytes;
-  ClusterRendezvousStore rendezvousStore(**store);
-  auto comm = connectCpuCommunicator(rendezvousStore, options);
+  auto comm = connectCpuCommunicator(**store, options);
   if (!comm) {
     std::fprintf(stderr, "%s\n", comm.status().toString().c_str());
     return 1;

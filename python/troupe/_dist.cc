@@ -41,7 +41,7 @@
 #include <fmt/format.h>
 
 #include "troupe/collectives/communicator.h"
-#include "troupe/collectives/rendezvous_store.h"
+#include "troupe/runtime/rendezvous_store.h"
 #include "troupe/collectives/torch_adapter.h"
 #include "troupe/runtime/cluster_store.h"
 #include "python_errors.h"
@@ -83,11 +83,15 @@ class QuietEpochWatch final : public GroupEpochWatch {
 // PrefixStore gives each process group its own keys). Epochs: torch groups join epoch 0 only;
 // an advance reads the counter with add(0) and adds the difference, which two ranks advancing
 // concurrently past 0 could overshoot, so the elastic group hands its communicators the cluster
-// store (ClusterRendezvousStore) instead.
+// store instead.
 class C10dRendezvousStore final : public RendezvousStore {
  public:
   C10dRendezvousStore(c10::intrusive_ptr<c10d::Store> store, int worldSize)
       : store_(std::move(store)), worldSize_(worldSize) {}
+
+  Result<int64_t> groupEpoch(const std::string& group) override {
+    return guarded([&]() -> Result<int64_t> { return store_->add(fmt::format("troupe/{}/epoch", group), 0); });
+  }
 
   Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) override {
     return guarded([&]() -> Result<int64_t> {

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -153,5 +154,38 @@ RedisOptions RedisServerProcess::options(std::string cluster) const {
 }
 
 void RedisServerProcess::kill9() { child_.stop(SIGKILL, std::chrono::seconds(5)); }
+
+namespace {
+
+RedisServerProcess* shared = nullptr;
+pid_t sharedOwner = 0;
+
+// At exit of the process that started it (a forked child's exit leaves it running).
+void stopShared() {
+  if (::getpid() == sharedOwner) delete shared;
+}
+
+RedisServerProcess& sharedServer() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    shared = new RedisServerProcess();
+    sharedOwner = ::getpid();
+    std::atexit(stopShared);
+  });
+  return *shared;
+}
+
+}  // namespace
+
+std::string newTestCluster() {
+  sharedServer();
+  return "t" + randomHex(8);
+}
+
+std::unique_ptr<ClusterStore> openTestStore(const std::string& cluster) {
+  auto store = connectRedisStore(sharedServer().options(cluster));
+  if (!store.isOk()) throw std::runtime_error("cannot open the test cluster store: " + store.status().toString());
+  return std::move(store).value();
+}
 
 }  // namespace troupe::testing

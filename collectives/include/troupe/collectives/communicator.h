@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "troupe/collectives/rendezvous_store.h"
+#include "troupe/runtime/rendezvous_store.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe::collectives {
@@ -170,7 +170,7 @@ struct CommunicatorOptions {
 // Joins (group, epoch) with the CPU backend (TCP over Asio, shared memory between the ranks of
 // one host): advances the group's epoch to `epoch` in the store (joining an epoch ends every
 // earlier one), publishes this rank's address, waits for every rank and connects to each.
-// `store` (ClusterRendezvousStore adapts a ClusterStore) is used only during the call; the
+// `store` (a ClusterStore is one) is used only during the call; the
 // communicator opens its own epoch watch through it. Errors: kInvalidArgument (bad options),
 // kAborted (the group is already past `epoch`), kDeadlineExceeded (ranks missing after
 // rendezvousTimeout, named), kUnavailable (the store or a peer cannot be reached).

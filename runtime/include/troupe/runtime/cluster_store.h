@@ -1,8 +1,9 @@
 // ClusterStore: the typed cluster state. The only code that spells a Redis key lives in its
 // Redis implementation (redis_cluster_store.cc); the key layout is in docs/design/redis-keys.md.
 //
-// Two implementations run the same test suite: connectRedisStore() (real Redis over hiredis)
-// and makeFakeClusterStore() (in memory, for fast unit tests).
+// One implementation, connectRedisStore() (Redis over hiredis): the meaning of each operation
+// is written once, in its Lua scripts; unit tests run it on a redis-server of their own
+// (troupe/testing/redis_server.h).
 // Thread-safety: one ClusterStore object is used by one thread at a time (the owner's I/O
 // thread in daemons); open one per thread. Calls block for one Redis round trip.
 #pragma once
@@ -17,6 +18,7 @@
 
 #include "troupe/runtime/group_epoch_watch.h"
 #include "troupe/runtime/ids.h"
+#include "troupe/runtime/rendezvous_store.h"
 #include "troupe/runtime/status.h"
 
 namespace troupe {
@@ -179,9 +181,11 @@ class EventSubscription {
   virtual Result<std::optional<ClusterEvent>> next(std::chrono::milliseconds timeout) = 0;
 };
 
-class ClusterStore {
+// The cluster's identity and membership: its meta, its nodes and their heartbeats, and the
+// membership events.
+class NodeStore {
  public:
-  virtual ~ClusterStore() = default;
+  virtual ~NodeStore() = default;
 
   virtual Status putMeta(const ClusterMeta& meta) = 0;
   // nullopt when no cluster has been created under this prefix yet.
@@ -206,7 +210,15 @@ class ClusterStore {
   // NotFound for an unknown node; a node already dead is left as it is.
   virtual Status markNodeDead(const NodeId& id, const std::string& reason) = 0;
 
-  // ---- Resources ----
+  // Opens a subscription to membership events (its own connection for Redis).
+  virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
+};
+
+// What each node's holders (actors, bundles, tasks) have claimed of its resources.
+class ResourceStore {
+ public:
+  virtual ~ResourceStore() = default;
+
   // Atomically makes every reservation or none: true when each node is ALIVE and has the
   // resources free (total minus the sum of its other holders' claims); false (nothing written)
   // otherwise. A holder's new claim on a node replaces its old one (so a retry changes nothing) and
@@ -229,8 +241,13 @@ class ClusterStore {
   virtual Status release(const std::vector<Reservation>& reservations) = 0;
   // Every claim on a node, holder -> resources.
   virtual Result<std::map<std::string, Resources>> reservations(const NodeId& node) = 0;
+};
 
-  // ---- Actors ----
+// Actors: their records, by node and by name.
+class ActorStore {
+ public:
+  virtual ~ActorStore() = default;
+
   // Writes the whole record (the controller is the single writer).
   virtual Status putActor(const ActorRecord& actor) = 0;
   virtual Result<std::optional<ActorRecord>> getActor(const ActorId& id) = 0;
@@ -270,8 +287,13 @@ class ClusterStore {
   // Frees `name` if `id` holds it.
   virtual Status releaseActorName(const std::string& name, const ActorId& id) = 0;
   virtual Result<std::optional<ActorId>> lookupActorName(const std::string& name) = 0;
+};
 
-  // ---- Placement groups ----
+// Placement groups: their records, their atomic creation and removal, and the work pending.
+class PlacementGroupStore {
+ public:
+  virtual ~PlacementGroupStore() = default;
+
   virtual Status putPlacementGroup(const PlacementGroupRecord& group) = 0;
   virtual Result<std::optional<PlacementGroupRecord>> getPlacementGroup(const PlacementGroupId& id) = 0;
   virtual Result<std::vector<PlacementGroupRecord>> listPlacementGroups() = 0;
@@ -289,8 +311,13 @@ class ClusterStore {
   virtual Result<std::vector<ActorRecord>> listGroupActors(const PlacementGroupId& id) = 0;
   // What waits for resources, from indexes kept by putActor and putPlacementGroup.
   virtual Result<PendingWork> listPendingWork() = 0;
+};
 
-  // ---- Driver sessions (the owners of non-detached actors) ----
+// Driver sessions: the owners of non-detached actors.
+class SessionStore {
+ public:
+  virtual ~SessionStore() = default;
+
   // Records an open session, so a restarted controller knows whom to wait for; `info` is a
   // short description for status (host, pid). Idempotent.
   virtual Status putSession(const std::string& id, const std::string& info) = 0;
@@ -298,37 +325,14 @@ class ClusterStore {
   virtual Status deleteSession(const std::string& id) = 0;
   // The open sessions: id -> info.
   virtual Result<std::map<std::string, std::string>> listSessions() = 0;
+};
 
-  // Opens a subscription to membership events (its own connection for Redis).
-  virtual Result<std::unique_ptr<EventSubscription>> subscribe() = 0;
+// Key spaces: small shared dictionaries of opaque bytes (a torch.distributed store,
+// troupe.dist.ClusterStore, keeps its keys in one).
+class KeySpaceStore {
+ public:
+  virtual ~KeySpaceStore() = default;
 
-  // ---- Collective groups: epochs and rendezvous, keyed by (group, epoch) ----
-  // A group is any non-empty name (an elastic group's id, a job name). Its epoch starts at 0 and
-  // only grows; a communicator belongs to one epoch, and an advance ends every earlier epoch.
-
-  // The group's current epoch; 0 for a group never advanced. kInvalidArgument for an empty name.
-  virtual Result<int64_t> groupEpoch(const std::string& group) = 0;
-  // Raises the group's epoch to `epoch` when it is lower, and then publishes the new epoch to
-  // every watch; returns the group's epoch after the call (>= `epoch`). A retry, or an advance to
-  // an epoch already reached, changes and publishes nothing. kInvalidArgument for an empty name
-  // or a negative epoch.
-  virtual Result<int64_t> advanceGroupEpoch(const std::string& group, int64_t epoch) = 0;
-  // Opens a watch on the group's epoch advances (its own connection for Redis). To miss none,
-  // open the watch first, then read groupEpoch().
-  virtual Result<std::unique_ptr<GroupEpochWatch>> watchGroupEpoch(const std::string& group) = 0;
-  // Records `value` (opaque bytes: an address, an NCCL unique id) for `rank` in the rendezvous of
-  // (group, epoch), replacing the rank's earlier value. The whole rendezvous expires `ttl` after
-  // its last write, so finished epochs leave nothing behind. kInvalidArgument for an empty name,
-  // a negative epoch or rank, or a ttl that is not positive.
-  virtual Status putRendezvousEntry(const std::string& group, int64_t epoch, int32_t rank,
-                                    const std::string& value, std::chrono::milliseconds ttl) = 0;
-  // Every value recorded in the rendezvous of (group, epoch), by rank; empty when none (or
-  // expired). Same argument errors as putRendezvousEntry().
-  virtual Result<std::map<int32_t, std::string>> getRendezvous(const std::string& group,
-                                                               int64_t epoch) = 0;
-
-  // ---- Key spaces: small shared dictionaries of opaque bytes (a torch.distributed store,
-  // troupe.dist.ClusterStore, keeps its keys in one) ----
   // A space is any non-empty name; groupKeySpace(group, epoch) is the space of a collective
   // group's epoch, deleted with its elastic group (deleteElasticGroup). A write keeps the whole
   // space `ttl` more, so an abandoned space leaves nothing behind. Every call is safe to retry:
@@ -358,8 +362,13 @@ class ClusterStore {
   virtual Result<int64_t> countKeys(const std::string& space) = 0;
   // Deletes the space and every key in it; an absent space is ignored.
   virtual Status deleteKeySpace(const std::string& space) = 0;
+};
 
-  // ---- Elastic groups (see ElasticGroupRecord) ----
+// Elastic groups (see ElasticGroupRecord).
+class ElasticGroupStore {
+ public:
+  virtual ~ElasticGroupStore() = default;
+
   // Creates or replaces the group's document. kInvalidArgument for an empty id.
   virtual Status putElasticGroup(const std::string& id, const std::string& doc) = 0;
   // Appends an event line to a group (kept: the newest kMaxGroupEvents); unknown groups are
@@ -371,6 +380,17 @@ class ClusterStore {
   // Forgets the group: its document, events, epoch and rendezvous. Unknown ids are ignored.
   virtual Status deleteElasticGroup(const std::string& id) = 0;
 };
+
+// The whole cluster state: every role. A process opens one and hands each of its parts the
+// roles that part uses (the collectives a RendezvousStore, for one).
+class ClusterStore : public NodeStore,
+                     public ResourceStore,
+                     public ActorStore,
+                     public PlacementGroupStore,
+                     public SessionStore,
+                     public RendezvousStore,
+                     public KeySpaceStore,
+                     public ElasticGroupStore {};
 
 // The key space of epoch `epoch` of collective group `group`: "<group>:<epoch>".
 inline std::string groupKeySpace(const std::string& group, int64_t epoch) {
@@ -400,11 +420,5 @@ Result<std::unique_ptr<ClusterStore>> connectRedisStore(const RedisOptions& opti
 // TROUPE_REDIS_PASSWORD, TROUPE_CLUSTER; TROUPE_REDIS_GATEWAY=1 with TROUPE_TOKEN on a joined node,
 // whose address is then the store gateway's). kFailedPrecondition naming what is missing.
 Result<RedisOptions> workerRedisOptions();
-
-// An in-memory store with the same behaviour; instances made from the same `FakeClusterState`
-// share data (as two connections to one Redis do).
-struct FakeClusterState;
-std::shared_ptr<FakeClusterState> makeFakeClusterState();
-std::unique_ptr<ClusterStore> makeFakeClusterStore(std::shared_ptr<FakeClusterState> state);
 
 }  // namespace troupe

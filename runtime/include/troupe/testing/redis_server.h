@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <memory>
 #include <string>
 
 #include "troupe/runtime/cluster_store.h"
@@ -64,5 +65,15 @@ class RedisServerProcess {
   TempDir dir_;
   ChildProcess child_;
 };
+
+// A cluster of its own on this test binary's redis-server (started on first use, killed when
+// the binary exits; a test that kills its server starts a RedisServerProcess instead): stores
+// opened for one cluster share data, as a cluster's processes do, and clusters share nothing
+// (keys "troupe:<cluster>:"). This is the unit tests' store: the meaning of every store
+// operation is written once, in the Lua scripts, and tested where it runs.
+std::string newTestCluster();
+// Connects to newTestCluster()'s server; throws std::runtime_error when it cannot (a rank's
+// thread has no doctest context to REQUIRE in).
+std::unique_ptr<ClusterStore> openTestStore(const std::string& cluster);
 
 }  // namespace troupe::testing
