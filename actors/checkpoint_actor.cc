@@ -266,12 +266,11 @@ class CheckpointActor final : public TypedActor<rpc::Checkpoint> {
 
 void registerCheckpointActor(ActorRegistry& registry) {
   registry.add("Checkpoint", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
-    auto options = parseOptions(args);
-    if (!options.isOk()) return options.status();
+    TROUPE_ASSIGN_OR_RETURN(auto options, parseOptions(args));
     if (context.timer == nullptr) {
       return Status(StatusCode::kFailedPrecondition, "the Checkpoint actor needs its event loop's timer (ActorContext::timer)");
     }
-    return std::unique_ptr<Actor>(std::make_unique<CheckpointActor>(context, std::move(*options)));
+    return std::unique_ptr<Actor>(std::make_unique<CheckpointActor>(context, std::move(options)));
   });
 }
 

@@ -74,14 +74,12 @@ Result<Options> parseOptions(std::string_view initArgs) {
       if (it == o.members.end()) return badArgs("\"self\" must be one of \"members\" to pick a replica target");
       o.replicaTo = *(++it == o.members.end() ? o.members.begin() : it);
     }
-    auto fault = ck::FaultInjection::parse(j.value("fault", ""));
-    if (!fault.isOk()) return fault.status();
-    o.fault = *fault;
+    TROUPE_ASSIGN_OR_RETURN(auto fault, ck::FaultInjection::parse(j.value("fault", "")));
+    o.fault = fault;
   } catch (const std::exception& e) {
     return badArgs(fmt::format("bad init args: {}", e.what()));
   }
-  auto name = ck::segmentName(o.group, o.node, ck::SegmentKind::kPrimary, 0);
-  if (!name.isOk()) return name.status();
+  TROUPE_ASSIGN_OR_RETURN(auto name, ck::segmentName(o.group, o.node, ck::SegmentKind::kPrimary, 0));
   if (o.replicaTo == o.self && !o.replicaTo.empty()) return badArgs("an actor cannot keep its own replicas");
   return o;
 }
@@ -107,9 +105,8 @@ Result<std::shared_ptr<ck::FlashSegment>> SegmentCache::get(const std::string& n
   }
   auto it = entries_.find(name);
   if (it != entries_.end() && it->second.ino == st.st_ino && it->second.dev == st.st_dev) return it->second.segment;
-  auto segment = ck::FlashSegment::openExisting(options_.segment(name));
-  if (!segment.isOk()) return segment.status();
-  auto shared = std::make_shared<ck::FlashSegment>(std::move(*segment));
+  TROUPE_ASSIGN_OR_RETURN(auto segment, ck::FlashSegment::openExisting(options_.segment(name)));
+  auto shared = std::make_shared<ck::FlashSegment>(std::move(segment));
   entries_[name] = Entry{shared, st.st_dev, st.st_ino};
   return shared;
 }

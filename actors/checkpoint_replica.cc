@@ -281,16 +281,14 @@ Result<uint32_t> HeldReplicas::begin(uint32_t rank, uint64_t step, uint64_t byte
   if (!in.segment || in.segment->slotCapacity() < bytes) {
     in.segment.reset();
     // TODO(perf): the first replica of a rank allocates its segment on the RPC thread.
-    auto segment = ck::FlashSegment::openForWrite(options_.segment(options_.replica(rank)), bytes);
-    if (!segment.isOk()) return segment.status();
-    in.segment.emplace(std::move(*segment));
+    TROUPE_ASSIGN_OR_RETURN(auto segment, ck::FlashSegment::openForWrite(options_.segment(options_.replica(rank)), bytes));
+    in.segment.emplace(std::move(segment));
   }
-  auto slot = in.segment->beginImage(bytes);
-  if (!slot.isOk()) return slot.status();
-  in.slot = slot->index;
+  TROUPE_ASSIGN_OR_RETURN(auto slot, in.segment->beginImage(bytes));
+  in.slot = slot.index;
   in.step = step;
   in.imageBytes = bytes;
-  return static_cast<uint32_t>(slot->index);
+  return static_cast<uint32_t>(slot.index);
 }
 
 Status HeldReplicas::write(uint32_t rank, uint32_t slot, uint64_t step, uint64_t offset, capnp::Data::Reader data) {
@@ -334,11 +332,10 @@ Result<uint64_t> HeldReplicas::commit(uint32_t rank, uint32_t sentSlot, uint64_t
                                in.imageBytes));
   }
   // TODO(perf): verifying a large replica's checksums holds the RPC thread (about 0.1 s/GiB).
-  auto committed = in.segment->commitImage(slot, /*verifyData=*/true);
-  if (!committed.isOk()) return committed.status();
-  if (committed->step != step) {
+  TROUPE_ASSIGN_OR_RETURN(auto committed, in.segment->commitImage(slot, /*verifyData=*/true));
+  if (committed.step != step) {
     return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("replicaCommit: image holds step {}, not {}", committed->step, step));
+                  fmt::format("replicaCommit: image holds step {}, not {}", committed.step, step));
   }
   in.held = step;
   return step;

@@ -42,44 +42,37 @@ Result<ck::SlotInfo> verifiedSlot(ck::FlashSegment& segment, uint64_t step) {
 // The blocking parts of a restore, run on the restore thread. Each stages step `step` of rank
 // `rank` into the rank's segment on this node, or says why it could not.
 Status stageFromLocalMemory(const Options& o, uint32_t rank, uint64_t step) {
-  auto segment = ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true);
-  if (!segment.isOk()) return segment.status();
-  return verifiedSlot(*segment, step).status();
+  TROUPE_ASSIGN_OR_RETURN(auto segment, ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true));
+  return verifiedSlot(segment, step).status();
 }
 
 Status stageFromLocalReplica(const Options& o, uint32_t rank, uint64_t step) {
   auto replica = ck::FlashSegment::openExisting(o.segment(o.replica(rank)), /*writable=*/true);
   if (!replica.isOk()) return replica.status();
-  auto slot = verifiedSlot(*replica, step);
-  if (!slot.isOk()) return slot.status();
-  auto primary = ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), slot->imageBytes);
-  if (!primary.isOk()) return primary.status();
-  auto target = primary->beginImage(slot->imageBytes);
-  if (!target.isOk()) return target.status();
-  std::memcpy(primary->mutableSlotData(target->index), replica->slotData(slot->index), slot->imageBytes);
-  if (!replica->unchanged(*slot)) {
+  TROUPE_ASSIGN_OR_RETURN(auto slot, verifiedSlot(*replica, step));
+  TROUPE_ASSIGN_OR_RETURN(auto primary, ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), slot.imageBytes));
+  TROUPE_ASSIGN_OR_RETURN(auto target, primary.beginImage(slot.imageBytes));
+  std::memcpy(primary.mutableSlotData(target.index), replica->slotData(slot.index), slot.imageBytes);
+  if (!replica->unchanged(slot)) {
     return Status(StatusCode::kAborted, fmt::format("the replica of step {} changed while being copied", step));
   }
-  return primary->commitImage(target->index, /*verifyData=*/false).status();
+  return primary.commitImage(target.index, /*verifyData=*/false).status();
 }
 
 Status stageFromDisk(const Options& o, uint32_t rank, uint64_t step) {
   ck::CheckpointDirectory dir(o.directory(nullptr));
-  auto manifest = dir.readManifest(step);
-  if (!manifest.isOk()) return manifest.status();
-  if (rank >= manifest->worldSize) {
+  TROUPE_ASSIGN_OR_RETURN(auto manifest, dir.readManifest(step));
+  if (rank >= manifest.worldSize) {
     return Status(StatusCode::kNotFound, fmt::format("step {} on disk has no rank {}", step, rank));
   }
-  auto file = ck::RankFile::open(dir.rankPath(step, rank), &manifest->ranks[rank]);
+  auto file = ck::RankFile::open(dir.rankPath(step, rank), &manifest.ranks[rank]);
   Status status = file.status();
   if (file.isOk()) {
     uint64_t bytes = file->header().layout.imageBytes();
-    auto primary = ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), bytes);
-    if (!primary.isOk()) return primary.status();
-    auto target = primary->beginImage(bytes);
-    if (!target.isOk()) return target.status();
-    status = file->readImage(primary->mutableSlotData(target->index));
-    if (status.isOk()) return primary->commitImage(target->index, /*verifyData=*/false).status();
+    TROUPE_ASSIGN_OR_RETURN(auto primary, ck::FlashSegment::openForWrite(o.segment(o.primary(rank)), bytes));
+    TROUPE_ASSIGN_OR_RETURN(auto target, primary.beginImage(bytes));
+    status = file->readImage(primary.mutableSlotData(target.index));
+    if (status.isOk()) return primary.commitImage(target.index, /*verifyData=*/false).status();
   }
   // A rank file that fails its checks makes the whole step unusable, for every rank.
   if (status.code() == StatusCode::kFailedPrecondition) (void)dir.quarantine(step);
@@ -89,10 +82,9 @@ Status stageFromDisk(const Options& o, uint32_t rank, uint64_t step) {
 // After step `step` is staged: snapshots of later steps in this rank's segment and partial later
 // steps on disk belong to a timeline the group abandoned.
 Status finishStaging(const Options& o, uint32_t rank, uint64_t step) {
-  auto segment = ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true);
-  if (!segment.isOk()) return segment.status();
-  for (const auto& slot : segment->slots()) {
-    if (slot.complete() && slot.step > step) (void)segment->markSlot(slot, ck::SlotState::kEmpty);
+  TROUPE_ASSIGN_OR_RETURN(auto segment, ck::FlashSegment::openExisting(o.segment(o.primary(rank)), /*writable=*/true));
+  for (const auto& slot : segment.slots()) {
+    if (slot.complete() && slot.step > step) (void)segment.markSlot(slot, ck::SlotState::kEmpty);
   }
   if (!o.dir.empty()) return ck::CheckpointDirectory(o.directory(nullptr)).dropIncompleteAfter(step);
   return Status::ok();
@@ -152,9 +144,8 @@ Result<std::string> readHeld(const Options& options, SegmentCache& cache, bool r
   if (length > kMaxReadBytes) {
     return badArgs(fmt::format("read: {} bytes asked, at most {} per call", length, kMaxReadBytes));
   }
-  auto segment = cache.get(replica ? options.replica(rank) : options.primary(rank));
-  if (!segment.isOk()) return segment.status();
-  auto slot = (*segment)->completeAt(step);
+  TROUPE_ASSIGN_OR_RETURN(auto segment, cache.get(replica ? options.replica(rank) : options.primary(rank)));
+  auto slot = segment->completeAt(step);
   if (!slot) {
     return Status(StatusCode::kNotFound, fmt::format("read: {} of rank {} step {} is no longer held", kind, rank, step));
   }
@@ -162,8 +153,8 @@ Result<std::string> readHeld(const Options& options, SegmentCache& cache, bool r
     return badArgs(fmt::format("read: bytes [{}, {}) outside the {}-byte image", offset, offset + length,
                                slot->imageBytes));
   }
-  std::string out(reinterpret_cast<const char*>((*segment)->slotData(slot->index) + offset), length);
-  if (!(*segment)->unchanged(*slot)) {
+  std::string out(reinterpret_cast<const char*>(segment->slotData(slot->index) + offset), length);
+  if (!segment->unchanged(*slot)) {
     return Status(StatusCode::kAborted, fmt::format("read: rank {} step {} changed while being read", rank, step));
   }
   return out;
@@ -327,9 +318,8 @@ kj::Promise<Status> Restorer::trySource(uint32_t rank, uint64_t step, const ck::
 kj::Promise<Status> Restorer::fetchFromPeer(uint32_t rank, uint64_t step, const ck::Holding& source) {
   if (!peers_.connected()) return Status(StatusCode::kUnavailable, "no cluster connection");
   // TODO(perf): a first restore on this node allocates the segment on the RPC thread.
-  auto opened = ck::FlashSegment::openForWrite(options_.segment(options_.primary(rank)), source.imageBytes);
-  if (!opened.isOk()) return opened.status();
-  auto segment = std::make_shared<ck::FlashSegment>(std::move(*opened));
+  TROUPE_ASSIGN_OR_RETURN(auto opened, ck::FlashSegment::openForWrite(options_.segment(options_.primary(rank)), source.imageBytes));
+  auto segment = std::make_shared<ck::FlashSegment>(std::move(opened));
   auto slot = segment->beginImage(source.imageBytes);
   if (!slot.isOk()) return slot.status();
   auto kind = source.tier == ck::SourceTier::kPeerReplica ? rpc::SnapshotKind::REPLICA : rpc::SnapshotKind::MEMORY;

@@ -28,12 +28,11 @@ Result<Json> parseJson(std::string_view payload) {
 class Dataloader final : public TypedActor<rpc::Dataloader> {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext&, std::string_view args) {
-    auto j = parseJson(args);
-    if (!j.isOk()) return j.status();
+    TROUPE_ASSIGN_OR_RETURN(auto j, parseJson(args));
     auto self = std::unique_ptr<Dataloader>(new Dataloader());
-    const Json& data = (*j)["data"];
+    const Json& data = j["data"];
     std::string kind = data.value("kind", "");
-    int64_t context = j->value("context", 64);
+    int64_t context = j.value("context", 64);
     Result<std::unique_ptr<Dataset>> dataset = Status(StatusCode::kInvalidArgument, "data.kind must be text, tokens or npy");
     if (kind == "text") {
       // Bytes are the tokens: build the token file once per incarnation, in a directory of its
@@ -47,8 +46,7 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
       }
       self->tokenDir_ = dir;
       self->tokenFile_ = dir + "/tokens.u16";
-      auto built = buildTokenFile(data.value("path", ""), self->tokenFile_, "uint16");
-      if (!built.isOk()) return built.status();
+      TROUPE_RETURN_IF_ERROR(buildTokenFile(data.value("path", ""), self->tokenFile_, "uint16").status());
       dataset = openTokenDataset({self->tokenFile_, "uint16", context});
     } else if (kind == "tokens") {
       dataset = openTokenDataset({data.value("path", ""), data.value("dtype", "uint16"), context});
@@ -59,11 +57,10 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
     self->dataset_ = std::move(*dataset);
     ShardQueueOptions q;
     q.num_samples = self->dataset_->size();
-    q.global_batch = j->value("global_batch", 32);
-    q.seed = j->value("seed", 0);
-    auto queue = ShardQueue::create(q);
-    if (!queue.isOk()) return queue.status();
-    self->queue_.emplace(std::move(*queue));
+    q.global_batch = j.value("global_batch", 32);
+    q.seed = j.value("seed", 0);
+    TROUPE_ASSIGN_OR_RETURN(auto queue, ShardQueue::create(q));
+    self->queue_.emplace(std::move(queue));
     return std::unique_ptr<Actor>(std::move(self));
   }
 

@@ -56,9 +56,8 @@ class Counter final : public TestActor {
  protected:
   Result<std::string> handle(const std::string& method, std::string_view payload) override {
     if (method == "add") {
-      auto delta = parseInt(payload, "the delta");
-      if (!delta.isOk()) return delta.status();
-      *value_ += *delta;
+      TROUPE_ASSIGN_OR_RETURN(auto delta, parseInt(payload, "the delta"));
+      *value_ += delta;
       return std::to_string(*value_);
     }
     if (method == "get") return std::to_string(*value_);
@@ -108,9 +107,8 @@ class Sleeper final : public TestActor {
  protected:
   Result<std::string> handle(const std::string& method, std::string_view payload) override {
     if (method != "sleep") return unknown(method);
-    auto ms = parseInt(payload, "the sleep in milliseconds");
-    if (!ms.isOk()) return ms.status();
-    std::this_thread::sleep_for(std::chrono::milliseconds(*ms));  // the point of this actor
+    TROUPE_ASSIGN_OR_RETURN(auto ms, parseInt(payload, "the sleep in milliseconds"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // the point of this actor
     return std::string("slept");
   }
 };
@@ -175,9 +173,8 @@ void registerTestActors(ActorRegistry& registry) {
   registry.add("Counter", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
     int64_t start = 0;
     if (!args.empty()) {
-      auto v = parseInt(args, "Counter's start value");
-      if (!v.isOk()) return v.status();
-      start = *v;
+      TROUPE_ASSIGN_OR_RETURN(auto v, parseInt(args, "Counter's start value"));
+      start = v;
     }
     return std::unique_ptr<Actor>(std::make_unique<Counter>(context, start));
   });

@@ -31,6 +31,7 @@
 #include "troupe/checkpoint/image.h"
 #include "troupe/collectives/communicator.h"
 #include "troupe/runtime/client.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/metrics.h"
 #include "troupe/runtime/rpc.h"
@@ -51,7 +52,6 @@ int64_t wallUs() {
 }
 
 using Json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -131,17 +131,13 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     if (!j.is_object()) return Status(StatusCode::kInvalidArgument, "Trainer init args are not a JSON object");
     // tests: a member whose first start fails (its restart starts again)
     if (context.incarnation == 1 && j.value("fault_kill_at_start", false)) ::raise(SIGKILL);
-    auto options = engineOptions(j.value("engine", Json::object()));
-    if (!options.isOk()) return options.status();
-    auto engine = TrainerEngine::create(*options);
-    if (!engine.isOk()) return engine.status();
-    auto redis = workerRedisOptions();
-    if (!redis.isOk()) return redis.status();
-    auto store = connectRedisStore(*redis);
-    if (!store.isOk()) return store.status();
-    auto self = std::unique_ptr<Trainer>(new Trainer(context, j, *options));
-    self->engine_ = std::move(*engine);
-    self->store_ = std::move(*store);
+    TROUPE_ASSIGN_OR_RETURN(auto options, engineOptions(j.value("engine", Json::object())));
+    TROUPE_ASSIGN_OR_RETURN(auto engine, TrainerEngine::create(options));
+    TROUPE_ASSIGN_OR_RETURN(auto redis, workerRedisOptions());
+    TROUPE_ASSIGN_OR_RETURN(auto store, connectRedisStore(redis));
+    auto self = std::unique_ptr<Trainer>(new Trainer(context, j, options));
+    self->engine_ = std::move(engine);
+    self->store_ = std::move(store);
     return std::unique_ptr<Actor>(std::move(self));
   }
 
@@ -465,9 +461,8 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     }
     std::shared_ptr<collectives::Communicator> comm;
     if (o.worldSize > 1) {
-      auto c = collectives::connectCpuCommunicator(*store_, o);
-      if (!c.isOk()) return c.status();
-      comm = std::move(*c);
+      TROUPE_ASSIGN_OR_RETURN(auto c, collectives::connectCpuCommunicator(*store_, o));
+      comm = std::move(c);
     }
     TROUPE_RETURN_IF_ERROR(engine_->join(comm));
     comm_ = comm;
@@ -513,10 +508,9 @@ class Trainer final : public TypedActor<rpc::Trainer> {
 
   Result<std::vector<int64_t>> snapshots() {
     std::vector<int64_t> steps = {0};  // the initial state is re-made from the seed
-    auto o = segmentOptions();
-    if (!o.isOk()) return o.status();
+    TROUPE_ASSIGN_OR_RETURN(auto o, segmentOptions());
     std::optional<checkpoint::FlashSegment> existing;
-    if (const auto* s = readableSegment(*o, slotRank_, existing)) {
+    if (const auto* s = readableSegment(o, slotRank_, existing)) {
       for (const auto& slot : s->slots()) {
         if (slot.complete()) steps.push_back(static_cast<int64_t>(slot.step));
       }
@@ -557,10 +551,9 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   // disk (the trainer moved here with its node lost, or joined a grow on a host where no member
   // runs). `source` says which.
   Result<std::vector<HostTensor>> readSnapshot(int64_t step, int bundle, std::string& source) {
-    auto o = segmentOptions(bundle);
-    if (!o.isOk()) return o.status();
+    TROUPE_ASSIGN_OR_RETURN(auto o, segmentOptions(bundle));
     std::optional<checkpoint::FlashSegment> existing;
-    const checkpoint::FlashSegment* seg = readableSegment(*o, bundle, existing);
+    const checkpoint::FlashSegment* seg = readableSegment(o, bundle, existing);
     auto slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
     source = "memory";
     if (!slot) {
@@ -570,19 +563,17 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       }
       TROUPE_RETURN_IF_ERROR(stageFromCheckpointActor(step, bundle));
       source = "staged by the checkpoint actor";
-      seg = readableSegment(*o, bundle, existing);
+      seg = readableSegment(o, bundle, existing);
       slot = seg ? seg->completeAt(static_cast<uint64_t>(step)) : std::nullopt;
     }
     if (!slot) return Status(StatusCode::kNotFound, fmt::format("no complete snapshot of step {} for bundle {}", step, bundle));
     // The snapshot's own table says what it holds (a fresh engine has no optimizer state yet).
-    auto header = seg->verify(*slot);
-    if (!header.isOk()) return header.status();
+    TROUPE_ASSIGN_OR_RETURN(auto header, seg->verify(*slot));
     std::vector<HostTensor> state;
-    for (const auto& spec : header->layout.tensors()) state.push_back(hostFor(spec));
+    for (const auto& spec : header.layout.tensors()) state.push_back(hostFor(spec));
     std::vector<checkpoint::MutableBuffer> targets;
     for (auto& t : state) targets.push_back({t.bytes.data(), t.bytes.size()});
-    auto restored = seg->restoreInto(*slot, targets);
-    if (!restored.isOk()) return restored.status();
+    TROUPE_ASSIGN_OR_RETURN(auto restored, seg->restoreInto(*slot, targets));
     return state;
   }
 
@@ -595,13 +586,12 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   Result<Restored> restore(int64_t step, int fromBundle, const std::vector<int>& fromBundles) {
     std::string source;
     if (step == 0) {
-      auto fresh = TrainerEngine::create(options_);
-      if (!fresh.isOk()) return fresh.status();
+      TROUPE_ASSIGN_OR_RETURN(auto fresh, TrainerEngine::create(options_));
       auto comm = comm_;
       std::unique_ptr<TrainerEngine> old;  // destroyed outside the lock
       {
         std::lock_guard lock(engineMutex_);
-        old = std::exchange(engine_, std::move(*fresh));
+        old = std::exchange(engine_, std::move(fresh));
       }
       TROUPE_RETURN_IF_ERROR(engine_->join(comm));
       source = "seed";
@@ -610,9 +600,8 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       std::vector<int> read;
       for (int r : engine_->shardSources(static_cast<int>(fromBundles.size()))) {
         std::string from;
-        auto part = readSnapshot(step, fromBundles[static_cast<size_t>(r)], from);
-        if (!part.isOk()) return part.status();
-        std::move(part->begin(), part->end(), std::back_inserter(state));
+        TROUPE_ASSIGN_OR_RETURN(auto part, readSnapshot(step, fromBundles[static_cast<size_t>(r)], from));
+        std::move(part.begin(), part.end(), std::back_inserter(state));
         read.push_back(fromBundles[static_cast<size_t>(r)]);
       }
       TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
@@ -621,9 +610,8 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       source = fmt::format("re-sharded from the snapshots of bundle(s) {}", fmt::join(read, ", "));
     } else {
       const int bundle = fromBundle >= 0 ? fromBundle : slotRank_;
-      auto state = readSnapshot(step, bundle, source);
-      if (!state.isOk()) return state.status();
-      TROUPE_RETURN_IF_ERROR(engine_->loadState(*state));
+      TROUPE_ASSIGN_OR_RETURN(auto state, readSnapshot(step, bundle, source));
+      TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
       if (fromBundle >= 0) source = fmt::format("snapshot of bundle {} ({})", fromBundle, source);
     }
     return Restored{engine_->stepCount(), source, engine_->parameterHash()};
@@ -651,23 +639,21 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       if (loaded.isOk()) std::move(tensors.begin(), tensors.end(), std::back_inserter(state));
       return loaded;
     };
-    auto first = readRank(0, step > 0 ? static_cast<uint64_t>(step) : UINT64_MAX);
-    if (!first.isOk()) return first.status();
+    TROUPE_ASSIGN_OR_RETURN(auto first, readRank(0, step > 0 ? static_cast<uint64_t>(step) : UINT64_MAX));
     const bool sharded = std::any_of(state.begin(), state.end(),
                                      [](const HostTensor& t) { return t.name.find('@') != std::string::npos; });
-    for (uint32_t r = 1; sharded && r < first->header.stamp.worldSize; ++r) {
-      auto other = readRank(r, first->step);
-      if (!other.isOk()) return other.status();
-      if (other->step != first->step) {
+    for (uint32_t r = 1; sharded && r < first.header.stamp.worldSize; ++r) {
+      TROUPE_ASSIGN_OR_RETURN(auto other, readRank(r, first.step));
+      if (other.step != first.step) {
         return Status(StatusCode::kFailedPrecondition,
                       fmt::format("{}: rank {} of step {} fails its checks (its newest usable step is {})", dir, r,
-                                  first->step, other->step));
+                                  first.step, other.step));
       }
     }
     TROUPE_RETURN_IF_ERROR(engine_->loadState(state));
     layout_.reset();
     resnapshot_ = true;
-    return Restored{engine_->stepCount(), fmt::format("{} step {}", dir, first->step), engine_->parameterHash()};
+    return Restored{engine_->stepCount(), fmt::format("{} step {}", dir, first.step), engine_->parameterHash()};
   }
 
   // The engine's whole state as one blob: a JSON table (name, dtype, shape, bytes per tensor),
@@ -723,9 +709,8 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     TROUPE_RETURN_IF_ERROR(comm_->broadcast(blob.data(), blob.size() / 8, collectives::DataType::kInt64, root));
     if (rank_ == root) return Status::ok();
     blob.resize(static_cast<size_t>(size));
-    auto state = unpackState(blob);
-    if (!state.isOk()) return state.status();
-    return engine_->loadState(*state);
+    TROUPE_ASSIGN_OR_RETURN(auto state, unpackState(blob));
+    return engine_->loadState(state);
   }
 
   Status snapshot() {
@@ -733,25 +718,21 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     if (!layout_) {
       std::vector<checkpoint::TensorSpec> specs;
       for (const auto& t : state) {
-        auto spec = checkpoint::makeTensorSpec(t.name, t.dtype, t.shape);
-        if (!spec.isOk()) return spec.status();
-        specs.push_back(*spec);
+        TROUPE_ASSIGN_OR_RETURN(auto spec, checkpoint::makeTensorSpec(t.name, t.dtype, t.shape));
+        specs.push_back(spec);
       }
-      auto layout = checkpoint::ImageLayout::plan(std::move(specs));
-      if (!layout.isOk()) return layout.status();
-      layout_.emplace(std::move(*layout));
+      TROUPE_ASSIGN_OR_RETURN(auto layout, checkpoint::ImageLayout::plan(std::move(specs)));
+      layout_.emplace(std::move(layout));
     }
     // A re-sharded state may need bigger slots (re-creating the segment drops its snapshots).
     if (segment_ && segment_->slotCapacity() < layout_->imageBytes()) segment_.reset();
     if (!segment_) {
-      auto o = segmentOptions();
-      if (!o.isOk()) return o.status();
+      TROUPE_ASSIGN_OR_RETURN(auto o, segmentOptions());
       // Under ZeRO a rank's share grows as the world shrinks: room for the smallest world.
       uint64_t room = layout_->imageBytes();
       if (options_.zero > 0 && minWorld_ < world_) room = room / static_cast<uint64_t>(minWorld_) * static_cast<uint64_t>(world_);
-      auto seg = checkpoint::FlashSegment::openForWrite(*o, room);
-      if (!seg.isOk()) return seg.status();
-      segment_.emplace(std::move(*seg));
+      TROUPE_ASSIGN_OR_RETURN(auto seg, checkpoint::FlashSegment::openForWrite(o, room));
+      segment_.emplace(std::move(seg));
     }
     std::vector<checkpoint::ConstBuffer> buffers;
     for (const auto& t : state) buffers.push_back({t.bytes.data(), t.bytes.size()});
@@ -836,8 +817,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       auto t0 = Clock::now();
       engine_->setActivity("data wait");
       startTakes(s, std::min(from + steps, s + 1 + prefetch_));
-      auto batch = finishTake(s);
-      if (!batch.isOk()) return batch.status();
+      TROUPE_ASSIGN_OR_RETURN(auto batch, finishTake(s));
       double wait = since(t0);
       if (s == hangAtStep_) {  // tests: this rank stops making progress (until killed)
         engine_->setActivity("hung (test fault)");
@@ -848,9 +828,8 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       auto slow0 = Clock::now();
       if (slowMs_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slowMs_));  // tests: a straggler
       double slow = since(slow0);
-      auto m = engine_->step(*batch);
-      if (!m.isOk()) return m.status();
-      m->compute_s += slow;  // the delay stands for a slower machine: it counts as compute
+      TROUPE_ASSIGN_OR_RETURN(auto m, engine_->step(batch));
+      m.compute_s += slow;  // the delay stands for a slower machine: it counts as compute
       // One member of each ring completes the rows (every member took them before the step's
       // ring could run).
       if (rank_ % ringSize() == 0) {
@@ -866,11 +845,11 @@ class Trainer final : public TypedActor<rpc::Trainer> {
         if (!done.isOk()) return done.status();
       }
       auto t1 = Clock::now();
-      if (snapshotEvery_ > 0 && m->step % snapshotEvery_ == 0) {
+      if (snapshotEvery_ > 0 && m.step % snapshotEvery_ == 0) {
         int64_t snapshot_us = wallUs();
         engine_->setActivity("snapshot");
         TROUPE_RETURN_IF_ERROR(snapshot());
-        engine_->record({"snapshot", snapshot_us, wallUs() - snapshot_us, m->step});
+        engine_->record({"snapshot", snapshot_us, wallUs() - snapshot_us, m.step});
         static metrics::Counter& snapshots = metrics::counter("troupe_checkpoint_snapshots_total");
         static metrics::Counter& snapshotBytes = metrics::counter("troupe_checkpoint_snapshot_bytes_total");
         static metrics::Counter& snapshotTime =
@@ -879,13 +858,12 @@ class Trainer final : public TypedActor<rpc::Trainer> {
         snapshotBytes.add(layout_->imageBytes());
         snapshotTime.addTime(std::chrono::microseconds(wallUs() - snapshot_us));
       }
-      m->wait_s = wait;
-      trained.steps.push_back(StepReport{*m, since(t1), std::move(batch->sample_ids)});
+      m.wait_s = wait;
+      trained.steps.push_back(StepReport{m, since(t1), std::move(batch.sample_ids)});
     }
-    auto pinned = pin();
-    if (!pinned.isOk()) return pinned.status();
+    TROUPE_ASSIGN_OR_RETURN(auto pinned, pin());
     trained.hash = engine_->parameterHash();
-    trained.pinned = *pinned;
+    trained.pinned = pinned;
     return trained;
   }
 
@@ -913,12 +891,11 @@ class Trainer final : public TypedActor<rpc::Trainer> {
       TROUPE_RETURN_IF_ERROR(snapshot());
       resnapshot_ = false;
     }
-    auto o = segmentOptions();
-    if (!o.isOk()) return o.status();
+    TROUPE_ASSIGN_OR_RETURN(auto o, segmentOptions());
     std::optional<checkpoint::FlashSegment> opened;
     checkpoint::FlashSegment* seg = segment_ ? &*segment_ : nullptr;
     if (seg == nullptr) {  // not written since this process started: pin what is there
-      auto existing = checkpoint::FlashSegment::openExisting(*o, /*writable=*/true);
+      auto existing = checkpoint::FlashSegment::openExisting(o, /*writable=*/true);
       if (!existing.isOk()) {
         if (existing.status().code() == StatusCode::kNotFound) return std::optional<int64_t>();
         return existing.status();

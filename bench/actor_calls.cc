@@ -18,10 +18,11 @@
 #include "bench_cluster.h"
 #include "pingpong.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/clock.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using troupe::Clock;
 using troupe::ActorHandle;
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }

@@ -14,8 +14,10 @@
 
 #include "bench_cluster.h"
 
+#include "troupe/runtime/clock.h"
+
 namespace {
-using Clock = std::chrono::steady_clock;
+using troupe::Clock;
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 constexpr int kRuns = 5;

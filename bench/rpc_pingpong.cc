@@ -19,11 +19,12 @@
 #include "pingpong.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/process.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/rpc.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using troupe::Clock;
 constexpr const char* kToken = "bench-token";
 
 class PingService final : public troupe::rpc::NodeAgent::Server {

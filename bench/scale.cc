@@ -37,6 +37,7 @@
 
 #include "troupe.capnp.h"
 #include "troupe/runtime/client.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/ids.h"
@@ -49,7 +50,6 @@ namespace troupe::bench {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 constexpr int kTtlMs = 3000;         // troupe-controller's default heartbeat TTL

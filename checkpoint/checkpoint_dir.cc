@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "troupe/checkpoint/checksum.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
 
@@ -157,11 +158,6 @@ void removeStepDir(const std::string& dir) {
   if (ec) TROUPE_LOG(kWarning, "could not remove old checkpoint {}: {}", dir, ec.message());
 }
 
-int64_t nowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 }  // namespace
 
 CheckpointDirectory::CheckpointDirectory(DirectoryOptions options) : options_(std::move(options)) {}
@@ -261,9 +257,8 @@ Result<PersistOutcome> CheckpointDirectory::persistRank(const PersistRequest& re
     TROUPE_RETURN_IF_ERROR(fsyncPath(stepDir));
     outcome.bytes = written;
   }
-  auto complete = commitIfComplete(step, request.stamp.worldSize);
-  if (!complete.isOk()) return complete.status();
-  outcome.stepComplete = *complete;
+  TROUPE_ASSIGN_OR_RETURN(auto complete, commitIfComplete(step, request.stamp.worldSize));
+  outcome.stepComplete = complete;
   outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return outcome;
 }
@@ -277,7 +272,7 @@ Result<bool> CheckpointDirectory::commitIfComplete(uint64_t step, uint32_t world
       if (!fs::exists(rankPath(step, r), ec)) return false;
     }
     nlohmann::json manifest = {{"format", "troupe-checkpoint"}, {"version", 1},          {"step", step},
-                               {"world_size", worldSize},       {"created_ms", nowMs()}, {"ranks", nlohmann::json::array()}};
+                               {"world_size", worldSize},       {"created_ms", wallClockMs()}, {"ranks", nlohmann::json::array()}};
     for (uint32_t r = 0; r < worldSize; ++r) {
       auto file = RankFile::open(rankPath(step, r));
       if (!file.isOk()) {
@@ -556,14 +551,13 @@ Result<PersistOutcome> persistTensors(CheckpointDirectory& dir, const ImageLayou
 
 Result<LoadedRank> loadRank(const CheckpointDirectory& dir, uint32_t rank, const TensorAllocator& allocate,
                             uint64_t maxStep) {
-  auto steps = dir.completeSteps();
-  if (!steps.isOk()) return steps.status();
+  TROUPE_ASSIGN_OR_RETURN(auto steps, dir.completeSteps());
   LoadedRank loaded;
   auto skip = [&](uint64_t step, const std::string& why) {
     TROUPE_LOG(kWarning, "checkpoint step {} in {} skipped: {}", step, dir.path(), why);
     loaded.skipped.push_back(fmt::format("step {}: {}", step, why));
   };
-  for (uint64_t step : *steps) {
+  for (uint64_t step : steps) {
     if (step > maxStep) continue;
     auto manifest = dir.readManifest(step);
     if (!manifest.isOk()) {
@@ -582,9 +576,8 @@ Result<LoadedRank> loadRank(const CheckpointDirectory& dir, uint32_t rank, const
     Status status;
     const auto& specs = file->header().layout.tensors();
     for (size_t i = 0; i < specs.size() && status.isOk(); ++i) {
-      auto dst = allocate(i, specs[i]);
-      if (!dst.isOk()) return dst.status();
-      status = file->readTensor(i, *dst);
+      TROUPE_ASSIGN_OR_RETURN(auto dst, allocate(i, specs[i]));
+      status = file->readTensor(i, dst);
     }
     if (!status.isOk()) {
       skip(step, status.message());

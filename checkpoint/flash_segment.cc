@@ -234,9 +234,8 @@ FlashSegment::~FlashSegment() {
 }
 
 Result<FlashSegment> FlashSegment::openForWrite(const SegmentOptions& options, uint64_t imageBytes) {
-  auto checkedDir = segmentDir(options);
-  if (!checkedDir.isOk()) return checkedDir.status();
-  const std::string& dir = *checkedDir;
+  TROUPE_ASSIGN_OR_RETURN(auto checkedDir, segmentDir(options));
+  const std::string& dir = checkedDir;
   if (options.name.empty() || options.name.find('/') != std::string::npos) {
     return Status(StatusCode::kInvalidArgument, fmt::format("bad segment name '{}'", options.name));
   }
@@ -347,10 +346,9 @@ Result<FlashSegment> FlashSegment::create(const SegmentOptions& options, const s
 
 Result<FlashSegment> FlashSegment::openExisting(const SegmentOptions& options, bool writable) {
   FlashSegment segment;
-  auto dir = segmentDir(options);
-  if (!dir.isOk()) return dir.status();
+  TROUPE_ASSIGN_OR_RETURN(auto dir, segmentDir(options));
   segment.options_ = options;
-  segment.path_ = *dir + "/" + options.name;
+  segment.path_ = dir + "/" + options.name;
   // Never a blocking open: a FIFO someone made at the name would hang the restore. Owner and
   // mode are checked by mapAndCheck, with what to do.
   auto opened = openRegularFile(segment.path_, writable ? O_RDWR : O_RDONLY, RegularFileOptions{.mustBeMine = false});
@@ -574,14 +572,13 @@ Result<SlotInfo> FlashSegment::beginImage(uint64_t imageBytes) {
 
 Result<SlotInfo> FlashSegment::commitImage(int slot, bool verifyData) {
   const uint8_t* image = slotData(slot);
-  auto header = parseImageHeader(image, slotBytes_);
-  if (!header.isOk()) return header.status();
-  if (header->layout.imageBytes() > slotBytes_) {
+  TROUPE_ASSIGN_OR_RETURN(auto header, parseImageHeader(image, slotBytes_));
+  if (header.layout.imageBytes() > slotBytes_) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("image in {} is larger than its slot", path_));
   }
-  if (verifyData) TROUPE_RETURN_IF_ERROR(verifyImageData(*header, image));
-  finishWrite(slot, SlotState::kComplete, header->stamp.step, header->layout.imageBytes());
-  dropFrom(header->stamp.step, slot);
+  if (verifyData) TROUPE_RETURN_IF_ERROR(verifyImageData(header, image));
+  finishWrite(slot, SlotState::kComplete, header.stamp.step, header.layout.imageBytes());
+  dropFrom(header.stamp.step, slot);
   return slotInfo(slot);
 }
 

@@ -167,10 +167,9 @@ Result<ImageExtent> peekImage(const uint8_t* data, uint64_t size) {
 }
 
 Result<ImageHeader> parseImageHeader(const uint8_t* data, uint64_t size) {
-  auto extent = peekImage(data, size);
-  if (!extent.isOk()) return extent.status();
-  if (size < extent->headerBytes) {
-    return corrupt(fmt::format("header region is {} bytes, only {} available", extent->headerBytes, size));
+  TROUPE_ASSIGN_OR_RETURN(auto extent, peekImage(data, size));
+  if (size < extent.headerBytes) {
+    return corrupt(fmt::format("header region is {} bytes, only {} available", extent.headerBytes, size));
   }
   ImageHeader header;
   ImageLayout& layout = header.layout;
@@ -178,8 +177,8 @@ Result<ImageHeader> parseImageHeader(const uint8_t* data, uint64_t size) {
   layout.tableBytes_ = get<uint32_t>(data, kTableBytes);
   layout.metaOffset_ = get<uint64_t>(data, kMetaOffset);
   layout.metaCapacity_ = get<uint64_t>(data, kMetaCapacity);
-  layout.headerBytes_ = extent->headerBytes;
-  layout.imageBytes_ = extent->imageBytes;
+  layout.headerBytes_ = extent.headerBytes;
+  layout.imageBytes_ = extent.imageBytes;
   uint64_t metaBytes = get<uint64_t>(data, kMetaBytes);
   // Each bound is checked before it is added to another: a crafted offset must not wrap around.
   if (layout.metaOffset_ > layout.headerBytes_ || kFixedHeaderBytes + layout.tableBytes_ > layout.metaOffset_ ||
@@ -193,10 +192,10 @@ Result<ImageHeader> parseImageHeader(const uint8_t* data, uint64_t size) {
   if (crc32c(header.meta.data(), header.meta.size()) != get<uint32_t>(data, kMetaCrc)) {
     return corrupt("metadata checksum does not match");
   }
-  header.stamp.step = extent->step;
+  header.stamp.step = extent.step;
   header.stamp.rank = get<uint32_t>(data, kRank);
   header.stamp.worldSize = get<uint32_t>(data, kWorldSize);
-  header.headerCrc = extent->headerCrc;
+  header.headerCrc = extent.headerCrc;
   if (header.stamp.worldSize == 0 || header.stamp.rank >= header.stamp.worldSize) {
     return corrupt(fmt::format("rank {} of world size {}", header.stamp.rank, header.stamp.worldSize));
   }

@@ -56,9 +56,8 @@ size_t dtypeSize(std::string_view dtype) {
 }
 
 Result<TensorSpec> makeTensorSpec(std::string name, std::string dtype, std::vector<int64_t> shape) {
-  auto bytes = byteSize(name, dtype, shape);
-  if (!bytes.isOk()) return bytes.status();
-  return TensorSpec{std::move(name), std::move(dtype), std::move(shape), *bytes};
+  TROUPE_ASSIGN_OR_RETURN(auto bytes, byteSize(name, dtype, shape));
+  return TensorSpec{std::move(name), std::move(dtype), std::move(shape), bytes};
 }
 
 Status validateTensorSpec(const TensorSpec& spec) {

@@ -22,6 +22,7 @@
 
 #include "troupe/testing/redis_server.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/process.h"
@@ -30,7 +31,6 @@ namespace troupe::collectives {
 namespace {
 
 using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
 
 int64_t monotonicNs() {
   timespec ts{};

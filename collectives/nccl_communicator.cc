@@ -16,6 +16,7 @@
 
 #include "rendezvous.h"
 #include "troupe/collectives/nccl_communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe::collectives {
@@ -30,7 +31,6 @@ int cudaDeviceCount() {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr auto kPollInterval = std::chrono::microseconds(50);
 
 Result<ncclDataType_t> ncclType(DataType type) {

@@ -30,6 +30,7 @@
 
 #include <fmt/format.h>
 
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/ids.h"
 #include "troupe/runtime/logging.h"
@@ -55,7 +56,6 @@ std::string recreateAdvice(const CommunicatorOptions& options) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kHelloMagic = 0x43505254;  // "TRPC" on the wire (little-endian)
 constexpr uint16_t kHelloVersion = 1;
@@ -221,9 +221,8 @@ Result<Fd> connectTo(const Entry& entry, const CommunicatorOptions& options, Con
   tuneSocket(fd.get(), kind);
   if (!options.tlsToken.empty()) {
     // TLS on a relay thread; the communicator keeps using a plain (socketpair) descriptor.
-    auto plain = tls::relay(fd.release(), options.tlsToken, false, std::chrono::milliseconds(millisLeft(deadline)));
-    if (!plain.isOk()) return plain.status();
-    fd = Fd(*plain);
+    TROUPE_ASSIGN_OR_RETURN(auto plain, tls::relay(fd.release(), options.tlsToken, false, std::chrono::milliseconds(millisLeft(deadline))));
+    fd = Fd(plain);
     TROUPE_RETURN_IF_ERROR(setNonBlocking(fd.get()));
   }
   Hello hello;

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "troupe/runtime/ids.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/logging.h"
 
 namespace troupe::collectives {
@@ -31,7 +32,6 @@ static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word i
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kSegmentMagic = 0x314d485343525454;  // "TTRCSHM1"
 constexpr uint32_t kSegmentVersion = 2;  // 2: life locks
@@ -451,9 +451,8 @@ Result<std::optional<ShmLink>> setUpSharedMemory(const CommunicatorOptions& opti
   auto holdLife = [&]() -> Status {
     const size_t bytes = mapping.bytes;
     link.segment = std::make_shared<ShmSegment>(mapping.release(), bytes, localCount, pipeBytes);
-    auto life = LifeLocks::hold(link.segment, link.segment->lifeLock(link.myLocal));
-    if (!life.isOk()) return life.status();
-    link.life = std::move(*life);
+    TROUPE_ASSIGN_OR_RETURN(auto life, LifeLocks::hold(link.segment, link.segment->lifeLock(link.myLocal)));
+    link.life = std::move(life);
     return Status::ok();
   };
 

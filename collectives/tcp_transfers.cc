@@ -18,12 +18,13 @@
 #include "reduce.h"
 #include "wire.h"
 
+#include "troupe/runtime/clock.h"
+
 namespace troupe::collectives {
 
 namespace {
 
 using asio::ip::tcp;
-using Clock = std::chrono::steady_clock;
 
 constexpr size_t kMaxGatherItems = 16;      // buffers per writev
 constexpr size_t kMaxWriteBytes = 4 << 20;  // bytes per write, so events are checked often

@@ -10,7 +10,7 @@
 
 #include <kj/async-io.h>
 
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 
 namespace {
 struct Loop {

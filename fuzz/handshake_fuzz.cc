@@ -5,7 +5,7 @@
 
 #include <kj/async-io.h>
 
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 
 namespace {
 struct Loop {

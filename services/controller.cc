@@ -171,13 +171,12 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
   kj::Promise<std::pair<std::string, bool>> storeEndpointFor(bool head) {
     if (head) return std::make_pair(HostPort{redis_.host, redis_.port}.toString(), false);
     return onIo([](Controller::IoState& s) -> Result<std::pair<std::string, bool>> {
-      auto meta = s.store->getMeta();
-      if (!meta.isOk()) return meta.status();
-      if (!meta->has_value() || (*meta)->storeGateway.empty()) {
+      TROUPE_ASSIGN_OR_RETURN(auto meta, s.store->getMeta());
+      if (!meta.has_value() || meta->storeGateway.empty()) {
         return Status(StatusCode::kUnavailable,
                       "the head's store gateway is not running (is the head node up? see its logs/gateway.log)");
       }
-      return std::make_pair((*meta)->storeGateway, true);
+      return std::make_pair(meta->storeGateway, true);
     });
   }
 
@@ -211,25 +210,20 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
       }
     }
     return onIo([withActors, page](Controller::IoState& s) -> Result<Snapshot> {
-             auto nodes = s.store->listNodes();
-             if (!nodes.isOk()) return nodes.status();
+             TROUPE_ASSIGN_OR_RETURN(auto nodes, s.store->listNodes());
              ActorPage actors;
              if (page) {
-               auto got = s.store->listActorsPage(*page);
-               if (!got.isOk()) return got.status();
-               actors = std::move(*got);
+               TROUPE_ASSIGN_OR_RETURN(auto got, s.store->listActorsPage(*page));
+               actors = std::move(got);
              } else if (withActors) {
-               auto got = s.store->listActors();
-               if (!got.isOk()) return got.status();
-               actors.actors = std::move(*got);
+               TROUPE_ASSIGN_OR_RETURN(auto got, s.store->listActors());
+               actors.actors = std::move(got);
                actors.matching = actors.actors.size();
                for (const auto& a : actors.actors) actors.countsByState[a.state] += 1;
              }
-             auto groups = s.store->listPlacementGroups();
-             if (!groups.isOk()) return groups.status();
-             auto elastic = s.store->listElasticGroups();
-             if (!elastic.isOk()) return elastic.status();
-             return Snapshot{std::move(*nodes), std::move(actors), std::move(*groups), std::move(*elastic)};
+             TROUPE_ASSIGN_OR_RETURN(auto groups, s.store->listPlacementGroups());
+             TROUPE_ASSIGN_OR_RETURN(auto elastic, s.store->listElasticGroups());
+             return Snapshot{std::move(nodes), std::move(actors), std::move(groups), std::move(elastic)};
            })
         .then([context](Snapshot snap) mutable {
           auto results = context.getResults();
@@ -440,9 +434,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     for (uint32_t i : p.getIndices()) indices.push_back(i);
     return onIo([id, indices](Controller::IoState& s) -> Result<std::pair<PlacementGroupRecord, Actions>> {
              Actions actions;
-             auto group = s.core.removeBundles(id, indices, actions);
-             if (!group.isOk()) return group.status();
-             return std::make_pair(std::move(*group), std::move(actions));
+             TROUPE_ASSIGN_OR_RETURN(auto group, s.core.removeBundles(id, indices, actions));
+             return std::make_pair(std::move(group), std::move(actions));
            })
         .then([this, context](std::pair<PlacementGroupRecord, Actions> done) mutable {
           notifyWaiters();
@@ -462,9 +455,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     std::string id = resume.empty() ? randomHex(8) : resume;
     return onIo([id, resume, info](Controller::IoState& s) -> Result<bool> {
              if (!resume.empty()) {
-               auto open = s.store->listSessions();
-               if (!open.isOk()) return open.status();
-               if (open->count(resume) == 0) {
+               TROUPE_ASSIGN_OR_RETURN(auto open, s.store->listSessions());
+               if (open.count(resume) == 0) {
                  return Status(StatusCode::kNotFound,
                                fmt::format("session {} has ended (it was not resumed in time after the controller "
                                            "restarted): its actors were reclaimed; connect again",
@@ -651,9 +643,8 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
     auto state = state_;
     tasks_.add(io_.call([state]() -> Result<Done> {
                     Actions actions;
-                    auto more = state->core.reconcileDeadNodes(actions, 1);
-                    if (!more.isOk()) return more.status();
-                    return Done(std::move(actions), *more);
+                    TROUPE_ASSIGN_OR_RETURN(auto more, state->core.reconcileDeadNodes(actions, 1));
+                    return Done(std::move(actions), more);
                   })
                    .then([this](Result<Done> done) {
                      reconciling_ = false;
@@ -899,12 +890,11 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
 Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& ioThread, ControllerOptions options) {
   auto store = connectRedisStore(options.redis);
   if (!store.isOk()) return store.status();
-  auto meta = (*store)->getMeta();
-  if (!meta.isOk()) return meta.status();
+  TROUPE_ASSIGN_OR_RETURN(auto meta, (*store)->getMeta());
 
   ClusterMeta cluster;
-  if (meta->has_value()) {
-    cluster = **meta;
+  if (meta.has_value()) {
+    cluster = *meta;
     TROUPE_LOG(kInfo, "continuing cluster '{}' found in Redis (created at {} ms)", options.redis.cluster,
                cluster.createdMs);
   } else {
@@ -920,9 +910,8 @@ Result<kj::Own<Controller>> Controller::start(kj::AsyncIoContext& io, IoThread& 
                                  kj::_::HeapDisposer<Controller>::instance);
   auto service = kj::heap<ControllerService>(io, ioThread, state, options.redis, options.heartbeatTtl,
                                              options.reapInterval, cluster.token);
-  auto server = RpcServer::listen(io, options.bind, cluster.token, rpc::Controller::Client(kj::mv(service)));
-  if (!server.isOk()) return server.status();
-  controller->server_ = kj::mv(*server);
+  TROUPE_ASSIGN_OR_RETURN(auto server, RpcServer::listen(io, options.bind, cluster.token, rpc::Controller::Client(kj::mv(service))));
+  controller->server_ = kj::mv(server);
 
   // Recorded only once we listen, so the address in Redis is always one that answers. The
   // store is used from this thread only until the service's first I/O-thread call.

@@ -72,10 +72,9 @@ Status ControllerCore::place(ActorRecord& actor) {
       return Status(StatusCode::kUnavailable, fmt::format("pending: bundle {} of group {} is not placed yet", actor.bundleIndex, pg.id.hex()));
     }
     // The bundle's claim covers every actor in it; check what the others already use.
-    auto all = store_.listGroupActors(actor.placementGroup);
-    if (!all.isOk()) return all.status();
+    TROUPE_ASSIGN_OR_RETURN(auto all, store_.listGroupActors(actor.placementGroup));
     Resources used;
-    for (const auto& other : *all) {
+    for (const auto& other : all) {
       if (other.id != actor.id && other.placementGroup == actor.placementGroup && other.bundleIndex == actor.bundleIndex &&
           other.state != ActorState::kDead && !other.nodeId.empty()) {
         used = scheduler::add(used, other.resources);
@@ -90,17 +89,15 @@ Status ControllerCore::place(ActorRecord& actor) {
   }
   for (int attempt = 0; attempt < kReserveAttempts; ++attempt) {
     bool fresh = attempt > 0;
-    auto nodes = nodeView(fresh);
-    if (!nodes.isOk()) return nodes.status();
+    TROUPE_ASSIGN_OR_RETURN(auto nodes, nodeView(fresh));
     std::optional<NodeId> picked = pickIndexed(actor.resources);
     // None fits: pickNode over every node says why (pending or infeasible).
-    auto node = picked ? Result<NodeId>(*picked) : scheduler::pickNode(**nodes, actor.resources);
+    auto node = picked ? Result<NodeId>(*picked) : scheduler::pickNode(*nodes, actor.resources);
     if (!node.isOk() && !fresh) continue;  // decided on a recent view: ask the store
     if (!node.isOk()) return node.status();
     std::vector<Reservation> claims = {Reservation{*node, actorHolder(actor.id), actor.resources}};
-    auto reserved = store_.reserve(claims);
-    if (!reserved.isOk()) return reserved.status();
-    if (*reserved) {
+    TROUPE_ASSIGN_OR_RETURN(auto reserved, store_.reserve(claims));
+    if (reserved) {
       counted(claims);
       actor.nodeId = *node;
       return Status::ok();
@@ -479,11 +476,10 @@ Status ControllerCore::restartAll(std::vector<ActorRecord> actors, const std::st
     actor.nodeId = NodeId();
     placing.push_back(&actor);
   }
-  auto placed = placeAll(placing);
-  if (!placed.isOk()) return placed.status();
+  TROUPE_ASSIGN_OR_RETURN(auto placed, placeAll(placing));
   for (size_t k = 0; k < actors.size(); ++k) {
     ActorRecord& actor = actors[k];
-    const Status& status = (*placed)[k];
+    const Status& status = placed[k];
     if (!status.isOk()) {
       actor.nodeId = NodeId();
       if (status.code() != StatusCode::kUnavailable) {
@@ -495,26 +491,24 @@ Status ControllerCore::restartAll(std::vector<ActorRecord> actors, const std::st
   }
   TROUPE_RETURN_IF_ERROR(store_.putActors(actors));
   for (size_t k = 0; k < actors.size(); ++k) {
-    if ((*placed)[k].isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actors[k], restartBackoff(quick[k])});
+    if (placed[k].isOk()) actions.push_back({WorkerAction::Kind::kSpawn, actors[k], restartBackoff(quick[k])});
   }
   return Status::ok();
 }
 
 Status ControllerCore::workerExited(const ActorId& id, uint32_t incarnation, const std::string& reason,
                                     std::vector<WorkerAction>& actions, bool final) {
-  auto actor = getActor(id);
-  if (!actor.isOk()) return actor.status();
-  if (actor->incarnation != incarnation || actor->state == ActorState::kDead) return Status::ok();  // stale or repeated
-  return endIncarnation(*actor, reason, !final, actions);
+  TROUPE_ASSIGN_OR_RETURN(auto actor, getActor(id));
+  if (actor.incarnation != incarnation || actor.state == ActorState::kDead) return Status::ok();  // stale or repeated
+  return endIncarnation(actor, reason, !final, actions);
 }
 
 Status ControllerCore::killActor(const ActorId& id, bool noRestart, std::vector<WorkerAction>& actions) {
-  auto actor = getActor(id);
-  if (!actor.isOk()) return actor.status();
-  if (actor->state == ActorState::kDead) return Status::ok();
-  if (!actor->nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, *actor});
+  TROUPE_ASSIGN_OR_RETURN(auto actor, getActor(id));
+  if (actor.state == ActorState::kDead) return Status::ok();
+  if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
   if (!noRestart) return Status::ok();  // its exit report applies the restart policy
-  return endIncarnation(*actor, "killed on request (kill with no_restart)", false, actions);
+  return endIncarnation(actor, "killed on request (kill with no_restart)", false, actions);
 }
 
 Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<WorkerAction>& actions) {
@@ -533,27 +527,25 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
       if (auto group = bundleHolderGroup(holder)) groups.insert(*group);
     }
     for (const PlacementGroupId& id : groups) {
-      auto group = store_.getPlacementGroup(id);
-      if (!group.isOk()) return group.status();
-      if (!group->has_value() || (*group)->state == PlacementGroupState::kRemoved) continue;
+      TROUPE_ASSIGN_OR_RETURN(auto group, store_.getPlacementGroup(id));
+      if (!group.has_value() || group->state == PlacementGroupState::kRemoved) continue;
       bool changed = false;
-      for (Bundle& b : (*group)->bundles) {
+      for (Bundle& b : group->bundles) {
         if (!b.nodeId.empty() && dead.count(b.nodeId)) {
           b.nodeId = NodeId();
           changed = true;
         }
       }
       if (changed) {
-        (*group)->state = PlacementGroupState::kPending;
-        (*group)->pendingReason = "pending: a node holding some of its bundles died";
-        TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(**group));
+        group->state = PlacementGroupState::kPending;
+        group->pendingReason = "pending: a node holding some of its bundles died";
+        TROUPE_RETURN_IF_ERROR(store_.putPlacementGroup(*group));
       }
     }
-    auto actors = store_.listNodeActors(node);
-    if (!actors.isOk()) return actors.status();
+    TROUPE_ASSIGN_OR_RETURN(auto actors, store_.listNodeActors(node));
     const std::string reason = fmt::format("its node {} died", node.hex());
     std::vector<ActorRecord> restarting;  // moved together (their claims go with the node's, below)
-    for (const auto& actor : *actors) {
+    for (const auto& actor : actors) {
       if (actor.state == ActorState::kDead || actor.nodeId != node) continue;
       bool restarts = actor.maxRestarts == -1 || actor.restarts < actor.maxRestarts;
       if (restarts && actor.placementGroup.empty()) {
@@ -573,10 +565,9 @@ Status ControllerCore::nodesDied(const std::vector<NodeId>& nodes, std::vector<W
 
 Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAction>& actions) {
   if (owner.empty()) return Status::ok();
-  auto actors = store_.listLiveActors();
-  if (!actors.isOk()) return actors.status();
+  TROUPE_ASSIGN_OR_RETURN(auto actors, store_.listLiveActors());
   Incident incident(*this);
-  for (const auto& actor : *actors) {
+  for (const auto& actor : actors) {
     if (actor.owner != owner || actor.detached || actor.state == ActorState::kDead) continue;
     if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
     TROUPE_RETURN_IF_ERROR(
@@ -587,28 +578,25 @@ Status ControllerCore::ownerGone(const std::string& owner, std::vector<WorkerAct
 }
 
 Status ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions) {
-  auto dead = store_.listDeadNodesWithWork();
-  if (!dead.isOk()) return dead.status();
-  if (dead->empty()) return Status::ok();
-  return nodesDied(*dead, actions);
+  TROUPE_ASSIGN_OR_RETURN(auto dead, store_.listDeadNodesWithWork());
+  if (dead.empty()) return Status::ok();
+  return nodesDied(dead, actions);
 }
 
 Result<bool> ControllerCore::reconcileDeadNodes(std::vector<WorkerAction>& actions, size_t maxNodes) {
-  auto dead = store_.listDeadNodesWithWork();
-  if (!dead.isOk()) return dead.status();
-  if (dead->empty()) return false;
-  bool more = dead->size() > maxNodes;
-  if (more) dead->resize(maxNodes);
-  TROUPE_RETURN_IF_ERROR(nodesDied(*dead, actions));
+  TROUPE_ASSIGN_OR_RETURN(auto dead, store_.listDeadNodesWithWork());
+  if (dead.empty()) return false;
+  bool more = dead.size() > maxNodes;
+  if (more) dead.resize(maxNodes);
+  TROUPE_RETURN_IF_ERROR(nodesDied(dead, actions));
   return more;
 }
 
 Result<const std::vector<scheduler::NodeView>*> ControllerCore::nodeView(bool fresh) {
   auto now = std::chrono::steady_clock::now();
   if (fresh || views_.empty() || now - nodesRead_ > kNodeViewMaxAge) {
-    auto nodes = store_.listNodes();
-    if (!nodes.isOk()) return nodes.status();
-    views_ = scheduler::viewsOf(*nodes);
+    TROUPE_ASSIGN_OR_RETURN(auto nodes, store_.listNodes());
+    views_ = scheduler::viewsOf(nodes);
     viewIndex_.clear();
     byFree_.clear();
     keyOf_.assign(views_.size(), RankKey{});
@@ -729,9 +717,8 @@ Status ControllerCore::placeBundles(PlacementGroupRecord& group, size_t from, co
       claims.push_back({chosen[k], bundleHolder(group.id, todo[k]), demands[k]});
     }
     for (size_t k = 0; k < todo.size(); ++k) group.bundles[todo[k]].nodeId = chosen[k];
-    auto reserved = claim(claims);
-    if (!reserved.isOk()) return reserved.status();
-    if (*reserved) {
+    TROUPE_ASSIGN_OR_RETURN(auto reserved, claim(claims));
+    if (reserved) {
       counted(claims);
       return Status::ok();
     }
@@ -755,28 +742,25 @@ Result<PlacementGroupRecord> ControllerCore::createPlacementGroup(PlacementGroup
   std::optional<PlacementGroupRecord> existing;
   Status placed = placeBundles(group, 0, [&](const std::vector<Reservation>& claims) -> Result<bool> {
     group.state = PlacementGroupState::kCreated;
-    auto created = store_.createPlacementGroup(group, claims);
-    if (!created.isOk()) return created.status();
-    if (created->outcome == GroupCreation::Outcome::kExists) existing = std::move(created->existing);
-    return created->outcome != GroupCreation::Outcome::kRefused;
+    TROUPE_ASSIGN_OR_RETURN(auto created, store_.createPlacementGroup(group, claims));
+    if (created.outcome == GroupCreation::Outcome::kExists) existing = std::move(created.existing);
+    return created.outcome != GroupCreation::Outcome::kRefused;
   });
   if (existing) return std::move(*existing);
   if (placed.isOk()) return group;
   if (placed.code() != StatusCode::kUnavailable) return placed;
   group.state = PlacementGroupState::kPending;
   group.pendingReason = placed.message();
-  auto created = store_.createPlacementGroup(group, {});
-  if (!created.isOk()) return created.status();
-  if (created->outcome == GroupCreation::Outcome::kExists) return std::move(*created->existing);
+  TROUPE_ASSIGN_OR_RETURN(auto created, store_.createPlacementGroup(group, {}));
+  if (created.outcome == GroupCreation::Outcome::kExists) return std::move(*created.existing);
   return group;
 }
 
 Status ControllerCore::removePlacementGroup(const PlacementGroupId& id, std::vector<WorkerAction>& actions) {
   // A group without live actors goes in one store call; one with actors ends them first.
-  auto removal = store_.removePlacementGroup(id);
-  if (!removal.isOk()) return removal.status();
-  if (removal->outcome != GroupRemoval::Outcome::kHasActors) {
-    return removal->pendingWork ? retryPending(actions) : Status::ok();
+  TROUPE_ASSIGN_OR_RETURN(auto removal, store_.removePlacementGroup(id));
+  if (removal.outcome != GroupRemoval::Outcome::kHasActors) {
+    return removal.pendingWork ? retryPending(actions) : Status::ok();
   }
   auto group = getPlacementGroup(id);
   if (group.status().code() == StatusCode::kNotFound) return Status::ok();  // already removed
@@ -834,10 +818,9 @@ Status ControllerCore::releaseBundles(PlacementGroupRecord& group, const std::ve
   }
   if (removing.empty()) return Status::ok();
   // Actors in removed bundles end first (no restart: their bundle is gone), in one epoch advance.
-  auto actors = store_.listGroupActors(group.id);
-  if (!actors.isOk()) return actors.status();
+  TROUPE_ASSIGN_OR_RETURN(auto actors, store_.listGroupActors(group.id));
   Incident incident(*this);
-  for (const auto& actor : *actors) {
+  for (const auto& actor : actors) {
     if (actor.placementGroup == group.id && removing.count(actor.bundleIndex) && actor.state != ActorState::kDead) {
       if (!actor.nodeId.empty()) actions.push_back({WorkerAction::Kind::kKill, actor});
       TROUPE_RETURN_IF_ERROR(endIncarnation(actor, fmt::format("its bundle {} of placement group {} was removed",
@@ -865,9 +848,8 @@ Result<PlacementGroupRecord> ControllerCore::removeBundles(const PlacementGroupI
 }
 
 Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
-  auto pending = store_.listPendingWork();
-  if (!pending.isOk()) return pending.status();
-  for (auto& group : pending->groups) {
+  TROUPE_ASSIGN_OR_RETURN(auto pending, store_.listPendingWork());
+  for (auto& group : pending.groups) {
     if (group.state != PlacementGroupState::kPending) continue;
     Status placed = placeBundles(group, 0);
     if (placed.isOk()) {
@@ -880,14 +862,13 @@ Status ControllerCore::retryPending(std::vector<WorkerAction>& actions) {
   }
   // The waiting actors together: one claims script, one read of the nodes at most, one write.
   std::vector<ActorRecord*> waiting;
-  for (auto& actor : pending->actors) {
+  for (auto& actor : pending.actors) {
     if (waitsForNode(actor)) waiting.push_back(&actor);
   }
-  auto placed = placeAll(waiting);
-  if (!placed.isOk()) return placed.status();
+  TROUPE_ASSIGN_OR_RETURN(auto placed, placeAll(waiting));
   std::vector<ActorRecord> writes;
   for (size_t k = 0; k < waiting.size(); ++k) {
-    if (!(*placed)[k].isOk()) continue;  // still waiting; its reason stays
+    if (!placed[k].isOk()) continue;  // still waiting; its reason stays
     ActorRecord& actor = *waiting[k];
     if (actor.state == ActorState::kPending) actor.deathReason.clear();
     actor.updatedMs = wallClockMs();
@@ -906,10 +887,9 @@ Result<ActorRecord> ControllerCore::getActor(const ActorId& id) {
 }
 
 Result<ActorRecord> ControllerCore::getActorByName(const std::string& name) {
-  auto id = store_.lookupActorName(name);
-  if (!id.isOk()) return id.status();
-  if (!id->has_value()) return Status(StatusCode::kNotFound, fmt::format("no live actor named '{}'", name));
-  return getActor(**id);
+  TROUPE_ASSIGN_OR_RETURN(auto id, store_.lookupActorName(name));
+  if (!id.has_value()) return Status(StatusCode::kNotFound, fmt::format("no live actor named '{}'", name));
+  return getActor(*id);
 }
 
 Result<PlacementGroupRecord> ControllerCore::getPlacementGroup(const PlacementGroupId& id) {

@@ -22,11 +22,10 @@ namespace troupe {
 Result<std::pair<RedisOptions, std::string>> headRedis(const std::string& runDir) {
   auto cluster = readClusterFile(runDir);
   if (!cluster.isOk()) return cluster.status();
-  auto address = parseHostPort(cluster->redisAddress);
-  if (!address.isOk()) return address.status();
+  TROUPE_ASSIGN_OR_RETURN(auto address, parseHostPort(cluster->redisAddress));
   RedisOptions redis;
-  redis.host = address->host;
-  redis.port = address->port;
+  redis.host = address.host;
+  redis.port = address.port;
   redis.password = cluster->redisPassword;
   redis.cluster = cluster->cluster;
   return std::make_pair(redis, cluster->token);

@@ -57,11 +57,10 @@ Result<FileDescriptor> LogPump::open(const std::string& path) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto file = files_.find(path);
   if (file == files_.end()) {
-    auto fd = openRegularFile(path, O_WRONLY | O_CREAT | O_APPEND);
-    if (!fd.isOk()) return fd.status();
+    TROUPE_ASSIGN_OR_RETURN(auto fd, openRegularFile(path, O_WRONLY | O_CREAT | O_APPEND));
     struct stat st {};
-    uint64_t size = ::fstat(fd->get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
-    file = files_.emplace(path, File{std::move(*fd), size, 0}).first;
+    uint64_t size = ::fstat(fd.get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+    file = files_.emplace(path, File{std::move(fd), size, 0}).first;
   }
   epoll_event event{};
   event.events = EPOLLIN;

@@ -344,9 +344,8 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
         // The store is created on the I/O thread, which owns it from then on.
         auto state = a.state_;
         return a.ioThread_.call([state, redis]() {
-          auto store = connectRedisStore(redis);
-          if (!store.isOk()) return store.status();
-          state->store = std::move(*store);
+          TROUPE_ASSIGN_OR_RETURN(auto store, connectRedisStore(redis));
+          state->store = std::move(store);
           return Status::ok();
         });
       })
@@ -369,9 +368,8 @@ kj::Promise<kj::Own<NodeAgent>> NodeAgent::start(kj::AsyncIoContext& io, IoThrea
         // The first beat goes at once: `troupe start` reports a node only once it has beaten.
         auto state = a.state_;
         return a.ioThread_.call([state]() {
-          auto alive = state->store->heartbeat(state->id, state->ttl);
-          if (!alive.isOk()) return alive.status();
-          if (!*alive) {
+          TROUPE_ASSIGN_OR_RETURN(auto alive, state->store->heartbeat(state->id, state->ttl));
+          if (!alive) {
             return Status(StatusCode::kAborted, "the cluster declared this node dead right after it registered");
           }
           scheduleHeartbeat(state);
@@ -557,11 +555,10 @@ kj::Promise<int64_t> NodeAgent::spawnWorker(const ActorRecord& actor, std::strin
 }
 
 Result<int64_t> NodeAgent::spawnDirect(const ActorId& id, uint32_t incarnation, const SpawnOptions& spawn) {
-  auto pid = spawnProcess(spawn);
-  if (!pid.isOk()) return pid.status();
-  TROUPE_LOG(kInfo, "started worker {} for actor {} incarnation {}", *pid, id.hex(), incarnation);
-  tasks_->add(watchWorker(id, incarnation, *pid));
-  return static_cast<int64_t>(*pid);
+  TROUPE_ASSIGN_OR_RETURN(auto pid, spawnProcess(spawn));
+  TROUPE_LOG(kInfo, "started worker {} for actor {} incarnation {}", pid, id.hex(), incarnation);
+  tasks_->add(watchWorker(id, incarnation, pid));
+  return static_cast<int64_t>(pid);
 }
 
 int64_t NodeAgent::adoptForked(const ActorId& id, uint32_t incarnation, ForkedWorker forked) {

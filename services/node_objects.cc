@@ -214,10 +214,9 @@ Result<NodeObjects> NodeObjects::open(const NodeId& node, const std::string& run
   objects.refs_ = objects.directory_ + "/.refs";
   TROUPE_RETURN_IF_ERROR(makePrivateDirectory(objects.refs_));
   objects.record_ = runDir + "/objects/" + node.hex();
-  auto out = openRegularFile(objects.record_, O_WRONLY | O_CREAT | O_TRUNC);
-  if (!out.isOk()) return out.status();
+  TROUPE_ASSIGN_OR_RETURN(auto out, openRegularFile(objects.record_, O_WRONLY | O_CREAT | O_TRUNC));
   std::string line = objects.directory_ + "\n";
-  if (::write(out->get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+  if (::write(out.get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
     return Status(StatusCode::kResourceExhausted, fmt::format("cannot write {}: {}", objects.record_, std::strerror(errno)));
   }
   return objects;
@@ -286,16 +285,15 @@ Result<NodeObjects::Opened> NodeObjects::openObject(std::string_view name) const
 }
 
 Result<NodeObjects::Read> NodeObjects::read(std::string_view name, uint64_t offset, kj::ArrayPtr<kj::byte> into) const {
-  auto opened = openObject(name);
-  if (!opened.isOk()) return opened.status();
+  TROUPE_ASSIGN_OR_RETURN(auto opened, openObject(name));
   Read out;
-  out.size = opened->size;
+  out.size = opened.size;
   if (offset > out.size) {
     return Status(StatusCode::kInvalidArgument, fmt::format("offset {} is past the end of object {} ({} bytes)", offset, name, out.size));
   }
   size_t want = static_cast<size_t>(std::min<uint64_t>(into.size(), out.size - offset));
   while (out.length < want) {
-    ssize_t got = ::pread(opened->fd.get(), into.begin() + out.length, want - out.length,
+    ssize_t got = ::pread(opened.fd.get(), into.begin() + out.length, want - out.length,
                           static_cast<off_t>(offset + out.length));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) return Status(StatusCode::kUnavailable, fmt::format("cannot read object {}: {}", name, std::strerror(errno)));

@@ -29,11 +29,11 @@
 #include "troupe/optimizers/lamb.h"
 #include "troupe/optimizers/lars.h"
 #include "troupe/optimizers/wsam.h"
+#include "troupe/runtime/clock.h"
 
 namespace troupe::actors {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using train::NamedTensors;
 using train::TrainModel;
 

@@ -19,13 +19,13 @@
 #include "troupe/actors/dataset.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 
 namespace troupe::actors {
 namespace {
 
 using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
 using collectives::Communicator;
 using testing::TempDir;
 using namespace testing;

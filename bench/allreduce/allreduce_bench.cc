@@ -36,6 +36,7 @@
 #include "../bench_ranks.h"
 #include "troupe/testing/redis_server.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/process.h"
 
 #ifndef TROUPE_GLOO_PEER
@@ -46,7 +47,6 @@ namespace troupe::collectives {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 struct SizeSpec {
   size_t bytes;

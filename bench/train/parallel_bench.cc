@@ -41,13 +41,13 @@
 #include "troupe/testing/redis_server.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/process.h"
 
 namespace troupe::actors {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 using bench::median;
 using bench::readText;
 

@@ -34,6 +34,7 @@
 #include "troupe/actors/shard_queue.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/process.h"
 
 #ifndef TROUPE_TORCH_PEER
@@ -44,7 +45,6 @@ namespace troupe::actors {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 using bench::median;
 using bench::readText;
 

@@ -41,6 +41,7 @@
 #include <fmt/format.h>
 
 #include "troupe/collectives/communicator.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/rendezvous_store.h"
 #include "troupe/collectives/torch_adapter.h"
 #include "troupe/runtime/cluster_store.h"
@@ -267,7 +268,6 @@ class ClusterC10dStore final : public c10d::Store {
 
   // Waits until every key exists; `timeout` 0 (kNoTimeout) waits without end.
   void waitFor(const std::vector<std::string>& keys, std::chrono::milliseconds timeout, const char* op) {
-    using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
     const bool bounded = timeout != kNoTimeout;
     auto pause = std::chrono::milliseconds(1);

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from troupe import _serialization
 from troupe.exceptions import ActorExit
 
-EXIT_ACTOR_ENDED = 75  # runtime/include/troupe/runtime/actor.h kExitActorEnded
+EXIT_ACTOR_ENDED = 75  # runtime/rpc/include/troupe/runtime/actor.h kExitActorEnded
 EXIT_INIT_FAILED = 76  # kExitInitFailed
 
 TERMINATE_METHODS = ("__troupe_terminate__", "__ray_terminate__")

@@ -68,7 +68,7 @@ class GetTimeoutError(TroupeError, TimeoutError):
     """`troupe.get(..., timeout=)` ran out of time."""
 
 
-# Errors from the runtime carry a status code (runtime/include/troupe/runtime/status.h) across
+# Errors from the runtime carry a status code (runtime/base/include/troupe/runtime/status.h) across
 # the RPC edge; each code has its class here, raised by _core from the code, never from the text.
 # Each is also an instance of the matching built-in exception, so `except TimeoutError` works.
 class InvalidArgumentError(TroupeError, ValueError):

@@ -19,18 +19,24 @@
 
 #include <fmt/format.h>
 
-#include "../redis_connection.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/ids.h"
 
 namespace troupe::testing {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr std::chrono::seconds kStartDeadline{10};
 constexpr int kPortAttempts = 3;
 
-using redis::ContextPtr;
-using redis::ReplyPtr;
+// hiredis objects freed with their owners (the store's own helpers are its library's internals).
+struct ContextDeleter {
+  void operator()(redisContext* context) const { redisFree(context); }
+};
+using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
+struct ReplyDeleter {
+  void operator()(redisReply* reply) const { freeReplyObject(reply); }
+};
+using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
 
 std::string readFile(const std::string& path) {
   std::ifstream in(path);

@@ -38,12 +38,11 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
   auto runDir = latestRunDir();
   Result<ClusterFile> file = runDir.isOk() ? readClusterFile(*runDir) : Result<ClusterFile>(runDir.status());
   if (!address.empty()) {
-    auto hp = parseHostPort(address);
-    if (!hp.isOk()) return hp.status();
-    target.controller = *hp;
+    TROUPE_ASSIGN_OR_RETURN(auto hp, parseHostPort(address));
+    target.controller = hp;
     target.token = token;
     // The newest run directory on this machine may belong to the same cluster.
-    if (file.isOk() && file->controllerAddress == hp->toString()) {
+    if (file.isOk() && file->controllerAddress == hp.toString()) {
       if (target.token.empty()) target.token = file->token;
       target.runDir = *runDir;
       if (file->tls) tls::require();  // known to be a --tls cluster: never start in plaintext
@@ -57,9 +56,8 @@ Result<ClusterTarget> resolveCluster(const std::string& address, const std::stri
     return target;
   }
   if (!file.isOk()) return file.status();
-  auto hp = parseHostPort(file->controllerAddress);
-  if (!hp.isOk()) return hp.status();
-  target.controller = *hp;
+  TROUPE_ASSIGN_OR_RETURN(auto hp, parseHostPort(file->controllerAddress));
+  target.controller = hp;
   target.token = token.empty() ? file->token : token;
   target.runDir = *runDir;
   if (file->tls) tls::require();
@@ -70,9 +68,8 @@ Result<std::vector<NodeRecord>> fetchNodes(kj::AsyncIoContext& io, const Cluster
                                            kj::Duration timeout) {
   StatusQuery nodesOnly;
   nodesOnly.actors = false;
-  auto snapshot = fetchStatus(io, target, timeout, nodesOnly);
-  if (!snapshot.isOk()) return snapshot.status();
-  return std::move(snapshot->nodes);
+  TROUPE_ASSIGN_OR_RETURN(auto snapshot, fetchStatus(io, target, timeout, nodesOnly));
+  return std::move(snapshot.nodes);
 }
 
 Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget& target, kj::Duration timeout,

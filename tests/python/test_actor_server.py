@@ -1,4 +1,4 @@
-"""Python workers serve their actor with the server C++ workers use (runtime/actor_server.h): one
+"""Python workers serve their actor with the server C++ workers use (runtime/rpc/include/troupe/runtime/actor_server.h): one
 caller's calls run in the order it sent them, also when they go out as one batch, when one takes a
 while and while another caller's calls interleave; an async actor's calls start in that order."""
 import asyncio

@@ -7,13 +7,13 @@
 
 #include <kj/vector.h>
 
-#include "held_buffers.h"
+#include "troupe/runtime/clock.h"
+#include "troupe/runtime/held_buffers.h"
 #include "troupe/runtime/metrics.h"
 
 namespace troupe {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 std::string_view view(capnp::Data::Reader data) {
   return std::string_view(reinterpret_cast<const char*>(data.begin()), data.size());

@@ -70,7 +70,7 @@
 #include "redis_watchers.h"
 #include "store_args.h"
 #include "store_records.h"
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 #include "troupe/runtime/tls.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
@@ -453,9 +453,8 @@ return 1
       if (state) page.countsByState[*state] += static_cast<uint64_t>(counts.element[i + 1]->integer);
     }
     page.matching = static_cast<uint64_t>(std::max<long long>(0, r.element[1]->integer));
-    auto actors = decodeActors(*r.element[2]);
-    if (!actors.isOk()) return actors.status();
-    page.actors = std::move(*actors);
+    TROUPE_ASSIGN_OR_RETURN(auto actors, decodeActors(*r.element[2]));
+    page.actors = std::move(actors);
     return page;
   }
 
@@ -1037,11 +1036,10 @@ Result<RedisOptions> workerRedisOptions() {
                   "TROUPE_REDIS_ADDRESS, TROUPE_REDIS_PASSWORD and TROUPE_CLUSTER are not set: this is not a worker "
                   "started by a node agent");
   }
-  auto hp = parseHostPort(address);
-  if (!hp.isOk()) return hp.status();
+  TROUPE_ASSIGN_OR_RETURN(auto hp, parseHostPort(address));
   RedisOptions options;
-  options.host = hp->host;
-  options.port = hp->port;
+  options.host = hp.host;
+  options.port = hp.port;
   options.password = password;
   options.cluster = cluster;
   if (gateway && std::string(gateway) == "1") {

@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 #include <kj/debug.h>
 
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 #include "redis_connection.h"
 #include "troupe/runtime/logging.h"
 
@@ -231,9 +231,8 @@ class StoreGatewayImpl final : public StoreGateway {
 
 Result<kj::Own<StoreGateway>> StoreGateway::listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
                                                    RedisOptions redis) {
-  auto listener = handshake::listen(io, bind);
-  if (!listener.isOk()) return listener.status();
-  auto gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(redis));
+  TROUPE_ASSIGN_OR_RETURN(auto listener, handshake::listen(io, bind));
+  auto gateway = kj::heap<StoreGatewayImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(redis));
   gateway->startBeating();
   return kj::Own<StoreGateway>(kj::mv(gateway));
 }

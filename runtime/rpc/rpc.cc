@@ -20,8 +20,8 @@
 #include <fmt/format.h>
 
 #include "forwarding_stream.h"
-#include "handshake.h"
-#include "held_buffers.h"
+#include "troupe/runtime/handshake.h"
+#include "troupe/runtime/held_buffers.h"
 #include "spinning.h"
 #include "troupe/runtime/logging.h"
 
@@ -276,10 +276,9 @@ Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostP
 Result<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const HostPort& bind,
                                              std::string token, ConnectionBootstrap bootstrap,
                                              PeerWait wait) {
-  auto listener = handshake::listen(io, bind);
-  if (!listener.isOk()) return listener.status();
+  TROUPE_ASSIGN_OR_RETURN(auto listener, handshake::listen(io, bind));
   kj::Own<RpcServer> server =
-      kj::heap<RpcServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(bootstrap), wait);
+      kj::heap<RpcServerImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(bootstrap), wait);
   return server;
 }
 
@@ -445,9 +444,8 @@ kj::Promise<kj::Own<RpcClient>> RpcClient::connect(kj::AsyncIoContext& io, const
 
 Result<kj::Own<BulkServer>> BulkServer::listen(kj::AsyncIoContext& io, const HostPort& bind, std::string token,
                                                std::string what, Serve serve) {
-  auto listener = handshake::listen(io, bind);
-  if (!listener.isOk()) return listener.status();
-  kj::Own<BulkServer> server = kj::heap<BulkServerImpl>(io, kj::mv(*listener), kj::mv(token), kj::mv(what), kj::mv(serve));
+  TROUPE_ASSIGN_OR_RETURN(auto listener, handshake::listen(io, bind));
+  kj::Own<BulkServer> server = kj::heap<BulkServerImpl>(io, kj::mv(listener), kj::mv(token), kj::mv(what), kj::mv(serve));
   return server;
 }
 

@@ -17,7 +17,7 @@
 #include <fmt/format.h>
 
 #include "troupe.capnp.h"
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 #include "spinning.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"

@@ -230,9 +230,8 @@ class ResourceStore {
   virtual Result<std::vector<bool>> reserveEach(const std::vector<Reservation>& reservations) {
     std::vector<bool> made;
     for (const Reservation& r : reservations) {
-      auto one = reserve({r});
-      if (!one.isOk()) return one.status();
-      made.push_back(*one);
+      TROUPE_ASSIGN_OR_RETURN(auto one, reserve({r}));
+      made.push_back(one);
     }
     return made;
   }
@@ -260,9 +259,8 @@ class ActorStore {
   virtual Result<std::vector<std::optional<ActorRecord>>> getActors(const std::vector<ActorId>& ids) {
     std::vector<std::optional<ActorRecord>> out;
     for (const ActorId& id : ids) {
-      auto one = getActor(id);
-      if (!one.isOk()) return one.status();
-      out.push_back(std::move(*one));
+      TROUPE_ASSIGN_OR_RETURN(auto one, getActor(id));
+      out.push_back(std::move(one));
     }
     return out;
   }

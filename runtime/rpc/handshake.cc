@@ -1,4 +1,4 @@
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

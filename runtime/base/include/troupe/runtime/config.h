@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "troupe/runtime/clock.h"  // wallClockMs(), which most readers of the config use too
 #include "troupe/runtime/status.h"
 
 namespace troupe {
@@ -59,8 +60,5 @@ Status writeClusterFile(const std::string& runDir, const ClusterFile& file);
 // blocking on a FIFO. kNotFound when missing, kFailedPrecondition when foreign, open or corrupt.
 constexpr off_t kMaxClusterFileBytes = 64 * 1024;
 Result<ClusterFile> readClusterFile(const std::string& runDir);
-
-// Milliseconds since the Unix epoch (wall clock, for records shown to people).
-int64_t wallClockMs();
 
 }  // namespace troupe

@@ -19,6 +19,7 @@
 
 #include "redis_scripts.h"
 #include "troupe/testing/redis_server.h"
+#include "troupe/runtime/clock.h"
 #include "troupe/runtime/cluster_store.h"
 #include "troupe/runtime/config.h"
 #include "troupe/runtime/process.h"
@@ -27,7 +28,6 @@ namespace troupe {
 namespace {
 
 using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
 
 // Short enough to keep the suite fast, long enough that a loaded machine does not miss a
 // heartbeat sent every ~20 ms.

@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/tls.h"
 

@@ -12,7 +12,7 @@
 #include <future>
 #include <string>
 
-#include "handshake.h"
+#include "troupe/runtime/handshake.h"
 #include "troupe/runtime/process.h"
 #include "troupe/runtime/rpc.h"
 #include "troupe/runtime/tls.h"

@@ -72,12 +72,11 @@ Result<FileDescriptor> openRegularFile(const std::string& path, int flags, const
 }
 
 Result<std::string> readRegularFile(const std::string& path, size_t maxBytes) {
-  auto fd = openRegularFile(path, O_RDONLY);
-  if (!fd.isOk()) return fd.status();
+  TROUPE_ASSIGN_OR_RETURN(auto fd, openRegularFile(path, O_RDONLY));
   std::string out;
   char buf[65536];
   for (;;) {
-    ssize_t got = ::read(fd->get(), buf, sizeof(buf));
+    ssize_t got = ::read(fd.get(), buf, sizeof(buf));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) return Status(StatusCode::kUnavailable, fmt::format("cannot read {}: {}", path, std::strerror(errno)));
     if (got == 0) return out;

@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "held_buffers.h"
+#include "troupe/runtime/held_buffers.h"
 #include "troupe/runtime/schema_convert.h"
 #include "troupe.capnp.h"
 #include "troupe/runtime/config.h"

@@ -148,10 +148,9 @@ ActorCalls& actorCalls() {
 
 Result<std::vector<Sample>> read(const std::string& path) {
   // The worker that writes it could have put a FIFO there instead: never block on it.
-  auto fd = openRegularFile(path, O_RDONLY);
-  if (!fd.isOk()) return fd.status();
+  TROUPE_ASSIGN_OR_RETURN(auto fd, openRegularFile(path, O_RDONLY));
   std::string bytes(kFileBytes + 1, '\0');
-  ssize_t got = ::pread(fd->get(), bytes.data(), bytes.size(), 0);
+  ssize_t got = ::pread(fd.get(), bytes.data(), bytes.size(), 0);
   if (got != static_cast<ssize_t>(kFileBytes)) {
     return Status(StatusCode::kFailedPrecondition, fmt::format("{}: {} bytes, not a counter file of {}", path, got, kFileBytes));
   }

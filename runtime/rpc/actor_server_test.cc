@@ -13,7 +13,7 @@
 #include "troupe/runtime/actor.h"
 #include "troupe/runtime/actor_server.h"
 #include "troupe/runtime/rpc.h"
-#include "held_buffers.h"
+#include "troupe/runtime/held_buffers.h"
 
 namespace troupe {
 namespace {

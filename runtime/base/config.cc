@@ -223,10 +223,4 @@ Result<ClusterFile> readClusterFile(const std::string& runDir) {
   }
 }
 
-int64_t wallClockMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 }  // namespace troupe

@@ -78,4 +78,15 @@ class [[nodiscard]] Result {
     if (!troupe_status_.isOk()) return troupe_status_; \
   } while (0)
 
+// Evaluates `rexpr`, a Result<T>: returns its status when it failed, else declares or assigns
+// `lhs` from its value. TROUPE_ASSIGN_OR_RETURN(auto store, connectRedisStore(options));
+#define TROUPE_ASSIGN_OR_RETURN(lhs, rexpr) \
+  TROUPE_ASSIGN_OR_RETURN_IMPL_(TROUPE_CONCAT_(troupe_result_, __LINE__), lhs, rexpr)
+#define TROUPE_ASSIGN_OR_RETURN_IMPL_(result, lhs, rexpr) \
+  auto result = (rexpr);                                  \
+  if (!result.isOk()) return result.status();             \
+  lhs = std::move(result).value()
+#define TROUPE_CONCAT_INNER_(a, b) a##b
+#define TROUPE_CONCAT_(a, b) TROUPE_CONCAT_INNER_(a, b)
+
 }  // namespace troupe
