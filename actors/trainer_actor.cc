@@ -944,7 +944,7 @@ class Trainer final : public TypedActor<rpc::Trainer> {
   // under engineMutex_ (the compute thread takes it to replace the engine):
   std::mutex engineMutex_;
   std::unique_ptr<TrainerEngine> engine_;
-  std::unique_ptr<ClusterStore> store_;
+  std::unique_ptr<RendezvousStore> store_;  // the communicators' rendezvous: its one role
   std::shared_ptr<collectives::Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;

@@ -32,7 +32,7 @@ namespace troupe {
 struct NodeAgent::IoState {
   explicit IoState(asio::io_context& context) : timer(context) {}
   NodeId id;
-  std::unique_ptr<ClusterStore> store;
+  std::unique_ptr<NodeStore> store;  // its one role of the cluster store: membership, heartbeats
   asio::steady_timer timer;
   std::chrono::milliseconds ttl{3000};
   bool stopping = false;
