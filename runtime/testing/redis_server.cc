@@ -29,14 +29,8 @@ constexpr std::chrono::seconds kStartDeadline{10};
 constexpr int kPortAttempts = 3;
 
 // hiredis objects freed with their owners (the store's own helpers are its library's internals).
-struct ContextDeleter {
-  void operator()(redisContext* context) const { redisFree(context); }
-};
-using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
-struct ReplyDeleter {
-  void operator()(redisReply* reply) const { freeReplyObject(reply); }
-};
-using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
+using ContextPtr = std::unique_ptr<redisContext, decltype(&redisFree)>;
+using ReplyPtr = std::unique_ptr<redisReply, decltype(&freeReplyObject)>;
 
 std::string readFile(const std::string& path) {
   std::ifstream in(path);
@@ -65,15 +59,15 @@ void writePrivateFile(const std::string& path, const std::string& text) {
 // True once the server answers PING, after AUTH when it has a password.
 bool answersPing(const std::string& host, int port, const std::string& password) {
   const timeval timeout{0, 200 * 1000};
-  ContextPtr context(redisConnectWithTimeout(host.c_str(), port, timeout));
+  ContextPtr context(redisConnectWithTimeout(host.c_str(), port, timeout), &redisFree);
   if (!context || context->err) return false;
   if (redisSetTimeout(context.get(), timeout) != REDIS_OK) return false;
   if (!password.empty()) {
     ReplyPtr auth(static_cast<redisReply*>(
-        redisCommand(context.get(), "AUTH %b", password.data(), password.size())));
+        redisCommand(context.get(), "AUTH %b", password.data(), password.size())), &freeReplyObject);
     if (!auth || auth->type == REDIS_REPLY_ERROR) return false;
   }
-  ReplyPtr pong(static_cast<redisReply*>(redisCommand(context.get(), "PING")));
+  ReplyPtr pong(static_cast<redisReply*>(redisCommand(context.get(), "PING")), &freeReplyObject);
   return pong && pong->type == REDIS_REPLY_STATUS && std::string(pong->str, pong->len) == "PONG";
 }
 
