@@ -124,6 +124,7 @@ TcpCommunicator::TcpCommunicator(const CommunicatorOptions& options, RendezvousR
     for (int local = 0; local < static_cast<int>(shm_->localRanks.size()); ++local) {
       if (local != shm_->myLocal) {
         mates.push_back({shm_->localRanks[local], shm_->segment->lifeLock(local), shm_->segment->lifeDied(local)});
+        deathMarks_.emplace_back(shm_->localRanks[local], shm_->segment->lifeDied(local));
       }
     }
     shm_->life->watch(mates, [this](int rank) {
@@ -173,7 +174,11 @@ void TcpCommunicator::onLifeLockReleased(const Peer& peer) {
 
 std::vector<int> TcpCommunicator::deadPeers() const {
   std::lock_guard lock(healthMutex_);
-  return deadPeers_;
+  std::vector<int> dead = deadPeers_;
+  for (const auto& [rank, mark] : deathMarks_) {  // the segment stays mapped while shm_ lives
+    if (mark->load() != 0 && std::find(dead.begin(), dead.end(), rank) == dead.end()) dead.push_back(rank);
+  }
+  return dead;
 }
 
 void TcpCommunicator::noteDeath(int rank) {

@@ -228,6 +228,9 @@ class TcpCommunicator final : public Communicator {
   mutable std::mutex healthMutex_;
   Status health_;  // a copy of broken_ for other threads
   std::vector<int> deadPeers_;  // under healthMutex_
+  // Host mates' death marks beside their life locks (rank, mark): a mate that another rank's
+  // watcher found dead is dead here too, even when that rank's ABORT arrived first.
+  std::vector<std::pair<int, const std::atomic<uint32_t>*>> deathMarks_;
 
   std::thread ioThread_;
   std::unique_ptr<EpochWatcher> epochWatcher_;
