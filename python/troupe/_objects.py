@@ -202,7 +202,6 @@ class _Store:
         self.free = []  # files of freed objects kept for reuse: (size, path, writable mapping or None)
         self.free_bytes = 0
         self.writers = {}  # owned object id -> the writable mapping its file was written through
-        self.writer_bytes = 0  # what the writable mappings (of live objects and kept files) span
         self.kept = queue.SimpleQueue()  # pulled copies' files kept once their mapping went
         self.pulled_files = {}  # path -> size of the pulled copies mapped now
         self.pulled = weakref.WeakValueDictionary()  # object id -> the mapping of its pulled copy
@@ -322,18 +321,17 @@ class _Store:
             except OSError as e:
                 os.close(fd)
                 os.unlink(temp)
-                _close(writer)
+                self.unmap(writer)
                 if e.errno == errno.ENOSPC and attempt == 0 and (self.trim() or self.make_room(offset)):
                     continue  # kept files went back to the system, or objects to disk: once more
                 raise TroupeError(f"cannot store a {offset}-byte object in {self.root}: {e} "
                                   "(is the shared-memory file system full?)") from None
             os.close(fd)
-            if writer is not None:
-                if keep_writer:
-                    with self.lock:  # before the rename, which makes it spillable
-                        self.writers[object_id] = writer
-                else:
-                    _close(writer)
+            if writer is not None and keep_writer:
+                with self.lock:  # before the rename, which makes it spillable
+                    self.writers[object_id] = writer
+            else:
+                self.unmap(writer)  # a call's argument or result: its file leaves this process
             os.rename(temp, path)
             return object_id, offset
 
@@ -425,20 +423,14 @@ class _Store:
         freed = 0
         _, files = self.scan()
         files.sort()
-        gone = set()
         for _, name, have in files:
             if freed < want and _KEPT.fullmatch(name):
                 _unlink(os.path.join(self.root, name))  # its process's reuse() finds it gone
-                gone.add(os.path.join(self.root, name))
                 freed += have
+        self.forget_gone()  # this process's among them: else their mappings would keep the pages
         with self.lock:
             mapped = {object_id.rpartition("/")[2] for object_id in self.maps}
             writers = {object_id.rpartition("/")[2]: object_id for object_id in self.writers}
-            ours = [entry for entry in self.free if entry[1] in gone]
-            self.free = [entry for entry in self.free if entry[1] not in gone]
-            self.free_bytes -= sum(entry[0] for entry in ours)
-        for _, _, writer in ours:
-            self.unmap(writer)  # else its mapping would keep the pages
         for _, name, have in files:
             if freed >= want:
                 break
@@ -504,7 +496,7 @@ class _Store:
             room = vfs.f_bavail * vfs.f_frsize
         except OSError:
             room = 0
-        if size < RECYCLE_MIN_BYTES or size > min(RECYCLE_MAX_BYTES, self.limit // 4, room // 2) - self.free_bytes:
+        if size < RECYCLE_MIN_BYTES or size > min(self.keep_cap(), room // 2) - self.free_bytes:
             _unlink(path)
             return None
         free = os.path.join(self.root, f"{self.pid}-free-{next(self.counter)}")
@@ -572,16 +564,15 @@ class _Store:
                 writer = mmap.mmap(fd, have, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
                 writer = None
-            else:
-                with self.lock:
-                    self.writer_bytes += len(writer)
         return fd, writer
 
     def forget_gone(self):
         """Drops the kept files that other processes deleted from the free list."""
         with self.lock:
-            gone = [entry for entry in self.free if not os.path.exists(entry[1])]
-            self.free = [entry for entry in self.free if entry not in gone]
+            kept, gone = [], []
+            for entry in self.free:
+                (kept if os.path.exists(entry[1]) else gone).append(entry)
+            self.free = kept
             self.free_bytes -= sum(entry[0] for entry in gone)
         for _, _, writer in gone:
             self.unmap(writer)
@@ -590,11 +581,16 @@ class _Store:
         """The most bytes of kept files, and of writable mappings, this process holds."""
         return min(RECYCLE_MAX_BYTES, self.limit // 4)
 
-    def unmap(self, writer):
+    @property
+    def writer_bytes(self):
+        """What the writable mappings (of live objects and of kept files) span."""
+        with self.lock:
+            return sum(len(w) for w in self.writers.values()) + sum(len(w) for _, _, w in self.free if w is not None)
+
+    @staticmethod
+    def unmap(writer):
         """Closes a writable mapping (None: nothing)."""
         if writer is not None:
-            with self.lock:
-                self.writer_bytes -= len(writer)
             writer.close()
 
     def recycle(self, object_id):

@@ -239,3 +239,25 @@ def test_a_put_into_a_reused_file_writes_through_its_kept_mapping_and_reads_back
     assert np.array_equal(troupe.get(ref), c)
     assert ref.hex() not in store.writers
     assert not any(writer is not None for _, _, writer in store.free) and store.writer_bytes == 0
+
+
+@troupe.remote
+def checksum(x):
+    return float(np.asarray(x).sum())
+
+
+def test_a_call_argument_written_into_a_kept_file_with_a_mapping_leaves_it_closed():
+    from troupe import _objects
+
+    store = _objects.store()
+    a = np.arange(7 << 20, dtype=np.float64)  # 56 MB: arguments of 48 MB or more travel in object files
+    ref = troupe.put(a)
+    del ref
+    ref = troupe.put(-a)  # reuses the kept file and maps it for writing
+    del ref  # the file goes back to the free list with its mapping
+    assert any(writer is not None for _, _, writer in store.free)
+    # A slightly smaller argument reuses that file. Its file leaves this process (the worker
+    # reads it, the call deletes it): it is written through the kept mapping, which then closes.
+    arg = a[:-4096] + 1
+    assert troupe.get(checksum.remote(arg)) == float(arg.sum())
+    assert not any(writer is not None for _, _, writer in store.free)
