@@ -104,7 +104,7 @@ def main():
         create_s = time.perf_counter() - t0
         print(f"{len(created)} actors created in {create_s:.1f} s ({len(created) / create_s:.0f}/s)", file=sys.stderr)
 
-        runtime = troupe._api._runtime()
+        runtime = troupe._api.runtime()
         status_ms = []
         for _ in range(5):
             t0 = time.perf_counter()

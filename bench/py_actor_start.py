@@ -26,7 +26,7 @@ def ready_all(n):
     """(seconds from the first request to the last of n actors ALIVE, seconds until the last
     request was answered); kills them after. `.remote()` returns once the controller has recorded
     the actor, so the requests go one after another while the first workers start."""
-    rt = _api._runtime()
+    rt = _api.runtime()
     t0 = time.perf_counter()
     handles = [Idle.remote() for _ in range(n)]
     submitted = time.perf_counter() - t0

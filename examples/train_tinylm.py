@@ -43,7 +43,7 @@ def main():
 
     troupe.init(num_cpus=2, log_to_driver=False)
     try:
-        text = corpus(os.path.join(troupe._api._session.run_root or "/tmp", "licences.txt"))
+        text = corpus(os.path.join(troupe._session.current.run_root or "/tmp", "licences.txt"))
         trainer = ElasticTrainer(model="tinylm", data=text, optimizer={"name": "adamw", "lr": 3e-3},
                                  global_batch_size=32, max_micro_batch=16, context=64, min_workers=1,
                                  max_workers=2, steps_per_call=10, seed=0)

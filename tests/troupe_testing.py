@@ -134,7 +134,7 @@ def local_cluster(**init_kwargs):
     yields the run root; checks that shutdown() leaves no process behind."""
     troupe = import_troupe()
     troupe.init(**init_kwargs)
-    root = troupe._api._session.run_root
+    root = troupe._session.current.run_root
     yield root
     troupe.shutdown()
     assert processes_under(root) == [], "shutdown() left processes behind"

@@ -101,8 +101,8 @@ _HOST = None  # (pid, host id of a process of no node given by use_node): forks 
 # (directory, node id, spill directory, limit) of the node a driver found it runs on (use_node);
 # workers have theirs in their environment, from their node agent.
 _node = None
-# How to reach other nodes' agents (set by _api): nodes.pull(node, name, path), .drop(node, name).
-nodes: Any = None  # troupe._api._Nodes: other nodes' agents (set by _api)
+# How to reach other nodes' agents (set by _session): nodes.pull(node, name, path), .drop(node, name).
+nodes: Any = None  # troupe._session._Nodes: other nodes' agents (set by _session)
 
 
 def host_id():
@@ -1009,7 +1009,7 @@ _ours = threading.local()  # .depth: Troupe itself is pickling on this thread (a
 class ours:
     """Marks Troupe's own pickling (puts here, calls and replies in _serialization): a ref
     pickled outside it (pickle.dumps by the user, a function's closure) is out of band, and
-    pinned (see _api._StoredRef.__reduce__)."""
+    pinned (see _refs._StoredRef.__reduce__)."""
 
     def __enter__(self):
         _ours.depth = getattr(_ours, "depth", 0) + 1

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import cloudpickle
 
-from . import _api, _objects, _serialization
+from . import _checks, _objects, _refs, _remote, _serialization, _session
 from .exceptions import ArgumentTypeError, InvalidArgumentError, TroupeError
 
 OPTION_NAMES = {"num_cpus", "num_gpus", "memory", "resources", "num_returns", "max_retries", "retry_exceptions",
@@ -44,7 +44,7 @@ class RemoteFunction:
     """A function made remote with @troupe.remote: `f.remote(*args)` runs it as a task."""
 
     def __init__(self, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
-        _api._check_options(options, "task")
+        _remote._check_options(options, "task")
         if options.get("num_returns") == "dynamic" or options.get("num_returns") == "streaming":
             raise InvalidArgumentError("num_returns='dynamic' and 'streaming' are not supported by Troupe")
         self._fn = fn
@@ -70,8 +70,8 @@ class RemoteFunction:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Submits a call; its ObjectRef (a list of them with num_returns > 1)."""
-        _api._check_call(self._signature, args, kwargs, f"{self.__name__}.remote()")
-        _api._auto_init()
+        _checks._check_call(self._signature, args, kwargs, f"{self.__name__}.remote()")
+        _session._auto_init()
         return submit(self, args, kwargs)
 
     def bind(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -89,7 +89,7 @@ class RemoteFunction:
             module = getattr(self._fn, "__module__", None)
             holder = type("Holder", (), {"__module__": module}) if module else None
             if holder is not None:
-                _api._by_value(holder)
+                _remote._by_value(holder)
             self._blob = cloudpickle.dumps(self._fn)
             self._key = hashlib.blake2b(self._blob, digest_size=12).hexdigest()
         return self._key, self._blob
@@ -115,7 +115,7 @@ class _TaskWorker:
 
 class _Pool:
     def __init__(self, key, size, options):
-        self.names = [f"__troupe_tasks__/{_api._job_id()}/{key}/{i}" for i in range(size)]
+        self.names = [f"__troupe_tasks__/{_session._job_id()}/{key}/{i}" for i in range(size)]
         self.handles = [None] * size
         self.inflight = [0] * size
         self.options = options
@@ -134,8 +134,8 @@ class _Pool:
     def handle(self, i):
         h = self.handles[i]
         if h is None:
-            cls = _api.ActorClass(_TaskWorker, dict(self.options, name=self.names[i], get_if_exists=True,
-                                                    namespace=_api.DEFAULT_NAMESPACE, max_restarts=-1))
+            cls = _remote.ActorClass(_TaskWorker, dict(self.options, name=self.names[i], get_if_exists=True,
+                                                    namespace=_session.DEFAULT_NAMESPACE, max_restarts=-1))
             h = self.handles[i] = cls.remote()
         return h
 
@@ -148,7 +148,7 @@ def _pool_for(options):
     if options.get("memory"):
         shape["memory"] = float(options["memory"])
     cpus = float(options["num_cpus"]) if options.get("num_cpus") is not None else 1.0
-    pg, index = _api._placement(options)
+    pg, index = _remote._placement(options)
     runtime_env = options.get("runtime_env")
     key = (tuple(sorted(shape.items())), pg, index, repr(runtime_env))
     pool = _pools.get(key)
@@ -164,7 +164,7 @@ def _pool_for(options):
 
 def _make_pool(shape, pg, index, runtime_env):
     """A pool for one shape: its size from the cluster's resources now."""
-    total = _api.cluster_resources()
+    total = _session.cluster_resources()
     worker = {"max_restarts": -1}
     if runtime_env:
         worker["runtime_env"] = runtime_env
@@ -181,7 +181,7 @@ def _make_pool(shape, pg, index, runtime_env):
             raise InvalidArgumentError(f"infeasible task: it needs {shape} but the cluster has {total}")
         # No more workers than fit in what is free now: a worker that cannot be placed (actors
         # hold the rest) would take its share of the tasks and hold them until it could.
-        free = _api.available_resources()
+        free = _session.available_resources()
         fits_free = [int(free.get(k, 0.0) // v) for k, v in shape.items() if v > 0]
         size = min(size, MAX_POOL, max(1, min(fits_free, default=1)))
         worker.update(num_gpus=shape.get("GPU") or None, memory=shape.get("memory"),
@@ -223,7 +223,7 @@ class _Retry:
         return self._again()
 
     def exception(self, exc):
-        return _api._wants_retry(exc, self.retry_exceptions) and self._again()
+        return _refs._wants_retry(exc, self.retry_exceptions) and self._again()
 
     def finished(self):
         self.pool.done(self.index)
@@ -241,19 +241,19 @@ def submit(rf, args, kwargs):
     retries = options.get("max_retries")
     retry = _Retry(None, pool, None, DEFAULT_MAX_RETRIES if retries is None else retries,
                    options.get("retry_exceptions"))
-    ref = _api.ObjectRef(None, None, options.get("name") or rf.__name__, retry)
+    ref = _refs.ObjectRef(None, None, options.get("name") or rf.__name__, retry)
     retry.ref = ref
 
     def send():
-        a, k = _api._top_level_args(args, kwargs)
+        a, k = _refs._top_level_args(args, kwargs)
         plain = _serialization._plain(a) and _serialization._plain(k)
         files = []
-        with _api._keeping(ref):
+        with _refs._keeping(ref):
             payload = _serialization.dumps_call(((key, blob, a, k), {}, _objects.host_id()), plain, files)
-        runtime = _api.runtime()
+        runtime = _session.runtime()
 
         def to(i):
-            return _api.runtime_call(runtime.submit, pool.handle(i)._id, "run", payload)
+            return _session.runtime_call(runtime.submit, pool.handle(i)._id, "run", payload)
 
         index = pool.pick()
         try:
@@ -264,9 +264,9 @@ def submit(rf, args, kwargs):
         retry.send, retry.index = to, index
         ref._files = files or None
 
-    _api._submit(("task", id(ref)), ref, send)  # tasks keep no order among themselves
+    _refs._submit(("task", id(ref)), ref, send)  # tasks keep no order among themselves
     num_returns = options.get("num_returns")
-    return _api._split(ref, 1 if num_returns is None else num_returns)
+    return _refs._split(ref, 1 if num_returns is None else num_returns)
 
 
 def reset():
@@ -279,4 +279,5 @@ def reset():
 
 __all__ = ["RemoteFunction", "TroupeError"]
 
-_api._task_layer = sys.modules[__name__]  # see troupe._api: this layer sits above it
+_remote._task_layer = sys.modules[__name__]  # see troupe._remote: this layer sits above it
+_session.on_shutdown.append(reset)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _actors, _api
+from . import _actors, _refs
 
 
-def call(handle: Any, interface: str, method: str, **params: Any) -> _api.ObjectRef:
+def call(handle: Any, interface: str, method: str, **params: Any) -> _refs.ObjectRef:
     """Calls `interface`.`method` on the actor `handle` with `params`; the ref's value is the
     results message (pass it to reply())."""
     return getattr(handle, method).remote(_actors.encode(interface, method, params))
@@ -26,4 +26,4 @@ def reply(interface: str, method: str, data: bytes) -> dict[str, Any]:
 
 def get(handle: Any, interface: str, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
     """call() and wait for its results."""
-    return reply(interface, method, _api.get(call(handle, interface, method, **params), timeout=timeout))
+    return reply(interface, method, _refs.get(call(handle, interface, method, **params), timeout=timeout))

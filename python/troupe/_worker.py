@@ -47,7 +47,7 @@ def _end(code):
 
 
 def _serve_context(context):
-    from . import _api
+    from . import _session
 
     env = (context.get("runtime_env") or {})
     os.environ.update({str(k): str(v) for k, v in (env.get("env_vars") or {}).items()})
@@ -56,7 +56,7 @@ def _serve_context(context):
         sys.path.insert(0, env["working_dir"])
     for name, digest, ref in env.get("py_modules") or ():
         sys.path.insert(0, _unpack_module(name, digest, ref))
-    _api._worker_context.update(context)
+    _session._worker_context.update(context)
 
 
 def _unpack_module(name, digest, ref):
@@ -67,12 +67,12 @@ def _unpack_module(name, digest, ref):
     import tempfile
     import zipfile
 
-    from . import _api
+    from . import _refs
 
     where = os.path.join(tempfile.gettempdir(), f"troupe-py-modules-{digest}")
     if os.path.isdir(where):
         return where
-    data = _api.get(ref)
+    data = _refs.get(ref)
     if hashlib.sha256(data).hexdigest()[:32] != digest:
         raise RuntimeError(f"runtime_env py_modules {name!r}: the packed copy does not match its digest")
     part = tempfile.mkdtemp(prefix=f"troupe-py-modules-{digest}.", dir=tempfile.gettempdir())
@@ -173,7 +173,7 @@ class _Drainer:
     HANDOVER_S = 0.01
 
     def __init__(self, execute, threads):
-        from . import _api
+        from . import _refs
 
         self.execute = execute
         self.pending = collections.deque()
@@ -184,7 +184,7 @@ class _Drainer:
         self.starting = False
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="troupe-task")
         threading.Thread(target=self.watch, name="troupe-task-watchdog", daemon=True).start()
-        _api._blocking_hook = self.blocking
+        _refs._blocking_hook = self.blocking
 
     def dispatch(self, method, payload, reply):
         with self.lock:
@@ -280,13 +280,13 @@ def _titled(title):
 
 def _resolve_args(call_args, call_kwargs):
     """Top-level ObjectRef arguments become their values (put() objects are mapped here)."""
-    from . import _api
+    from . import _refs
 
-    ref = _api.ObjectRef
+    ref = _refs.ObjectRef
     if any(isinstance(a, ref) for a in call_args):
-        call_args = tuple(_api.get(a) if isinstance(a, ref) else a for a in call_args)
+        call_args = tuple(_refs.get(a) if isinstance(a, ref) else a for a in call_args)
     if any(isinstance(v, ref) for v in call_kwargs.values()):
-        call_kwargs = {k: _api.get(v) if isinstance(v, ref) else v for k, v in call_kwargs.items()}
+        call_kwargs = {k: _refs.get(v) if isinstance(v, ref) else v for k, v in call_kwargs.items()}
     return call_args, call_kwargs
 
 

@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import time
 
-from ._api import _free_port, _package_dir, _troupe_binary
+from ._session import _free_port, _package_dir, _troupe_binary
 from .exceptions import TroupeError
 from .exceptions import ArgumentTypeError, InvalidArgumentError
 
@@ -154,7 +154,7 @@ class Cluster:
                 break
             if fixed_port or "already in use" not in p.stderr or attempt == 2:
                 raise TroupeError(f"could not start the head node: {p.stderr.strip()}")
-        from ._api import _read_cluster_file
+        from ._session import _read_cluster_file
 
         cluster = _read_cluster_file(self.temp_dir)  # the CLI's owner-and-mode checks
         self.run_dir = cluster["run_dir"]

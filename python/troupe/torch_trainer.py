@@ -62,9 +62,8 @@ from typing import Any, Callable, cast
 
 from . import _api, _typed
 from . import checkpoint as _ckpt
-from ._api import ActorDiedError, ActorError, TroupeError
+from .exceptions import ActorDiedError, ActorError, ArgumentTypeError, InvalidArgumentError, TroupeError
 from .train import (CheckpointConfig, FailureConfig, GroupCoordinator, ScalingConfig, _configs, _data_spec)
-from .exceptions import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["GroupChanged", "TorchContext", "TorchTrainer", "TrainLoopError"]
 

@@ -76,8 +76,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _api, _tensorboard, _typed
-from ._api import ActorDiedError, ActorError, TroupeError
-from .exceptions import ArgumentTypeError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from .exceptions import (ActorDiedError, ActorError, ArgumentTypeError, InvalidArgumentError, ResourceExhaustedError,
+                         TroupeError, UnavailableError)
 
 if TYPE_CHECKING:  # torch is imported only where a module is given
     import torch

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from . import _api
+from . import _api, _checks, _session
 from .exceptions import TroupeError
 from .exceptions import ArgumentTypeError, InvalidArgumentError
 
@@ -106,7 +106,7 @@ def placement_group_table(pg: PlacementGroup | str | None = None) -> dict[str, A
 def get_placement_group(placement_group_name: str) -> PlacementGroup:
     """The placement group named `placement_group_name` (Ray's ray.util.get_placement_group;
     names are cluster-wide). ValueError when no live group has it."""
-    _api._check_name(placement_group_name, "placement group name")
+    _checks._check_name(placement_group_name, "placement group name")
     for g in _api.runtime_call(_api.runtime().snapshot)["placement_groups"]:
         if g["name"] == placement_group_name and g.get("state") != "REMOVED":
             return PlacementGroup(g["id"], [dict(b) for b in g["bundles"]])
@@ -117,11 +117,11 @@ def list_named_actors(all_namespaces: bool = False) -> list[str] | list[dict[str
     """Ray's ray.util.list_named_actors: the names of the live named actors in this job's
     namespace, or with all_namespaces=True [{"name", "namespace"}] of every namespace's."""
     out: list[Any] = []
-    here = _api._current_namespace()
+    here = _session._current_namespace()
     for a in _api.actors():
         if not a.get("name") or a.get("state") == "DEAD":
             continue
-        namespace, _, name = a["name"].rpartition("/")  # names hold no '/': see _api._scoped_name
+        namespace, _, name = a["name"].rpartition("/")  # names hold no '/': see _session._scoped_name
         namespace = namespace or _api.DEFAULT_NAMESPACE
         if all_namespaces:
             out.append({"name": name, "namespace": namespace})

@@ -34,9 +34,9 @@ def test_nan_and_inf_quantities_are_refused_everywhere(troupe):
             except ValueError as e:
                 print("refused")
         # Past the Python check, straight to the controller's RPC: refused there too.
-        rt = troupe._api._runtime()
+        rt = troupe._api.runtime()
         try:
-            troupe._api._call(rt.create_actor, "py:A", "", {"CPU": math.nan}, 0, 0, False, b"", "", -1)
+            troupe._api.runtime_call(rt.create_actor, "py:A", "", {"CPU": math.nan}, 0, 0, False, b"", "", -1)
             print("accepted raw")
         except Exception as e:
             print("raw refused:", e)

@@ -23,14 +23,14 @@ class Probe:
 @pytest.fixture
 def cluster():
     troupe.init(num_cpus=2)  # log_to_driver on, as a user runs it
-    root = troupe._api._session.run_root
+    root = troupe._session.current.run_root
     yield Path(root) / "latest" / "logs"
     troupe.shutdown()
     assert processes_under(root) == [], "shutdown() left processes behind"
 
 
 def state(handle):
-    return troupe._api._runtime().actor_info(handle._id)
+    return troupe._api.runtime().actor_info(handle._id)
 
 
 def test_an_application_error_of_one_spawn_fails_only_that_actor(cluster):

@@ -135,7 +135,7 @@ def test_actors_spread_over_three_hosts_are_called_and_found_from_any_host(testb
     out = driver(bed.hosts[1], controller, token, """
         import os
         from troupe import _api
-        rt = _api._runtime()
+        rt = _api.runtime()
         pg = rt.create_placement_group("SPREAD", [{"CPU": 1.0}] * 3, "spread3")
 
         @troupe.remote(num_cpus=1)
@@ -206,7 +206,7 @@ troupe.init(%(controller)r, token=%(token)r)
 t = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3", optimizer={"name": "adamw", "lr": 3e-3},
                    global_batch_size=12, max_micro_batch=4, min_workers=1, max_workers=3, context=32,
                    steps_per_call=2, progress=False, seed=7, checkpoint={"snapshot_every": 1}, recovery_timeout=60.0)
-rt = _api._runtime()
+rt = _api.runtime()
 
 def where():
     nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}
@@ -371,7 +371,7 @@ def test_a_tls_cluster_encrypts_every_connection_across_hosts(testbed3):
         marker = "troupe-plaintext-marker-5f1c"
         out = driver(bed.hosts[1], controller, token, f"""
             from troupe import _api
-            pg = _api._runtime().create_placement_group("SPREAD", [{{"CPU": 1.0}}] * 3, "spread3")
+            pg = _api.runtime().create_placement_group("SPREAD", [{{"CPU": 1.0}}] * 3, "spread3")
 
             @troupe.remote(num_cpus=1)
             class Echo:

@@ -205,7 +205,7 @@ from troupe.train import ElasticTrainer
 t = ElasticTrainer(model="tinylm", data="/usr/share/common-licenses/GPL-3", optimizer={"name": "adamw", "lr": 3e-3},
                    global_batch_size=12, max_micro_batch=4, min_workers=1, max_workers=3, context=32,
                    steps_per_call=2, progress=False, seed=7, checkpoint={"snapshot_every": 1}, recovery_timeout=60.0)
-rt = _api._runtime()
+rt = _api.runtime()
 
 def where():
     nodes = {n["id"]: n["address"].rsplit(":", 1)[0] for n in _api.nodes()}

@@ -21,5 +21,5 @@ def loop(ctx):
 g = torch.Generator().manual_seed(1)
 xs, ys = torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g)
 data = [(xs[i], int(ys[i])) for i in range(256)]
-rt = _api._runtime()
+rt = _api.runtime()
 """

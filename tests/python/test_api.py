@@ -54,7 +54,7 @@ class Counter:
 @pytest.fixture
 def embedded():
     troupe.init(num_cpus=4)
-    root = troupe._api._session.run_root
+    root = troupe._session.current.run_root
     yield root
     troupe.shutdown()
     assert processes_under(root) == [], "shutdown() left processes behind"
@@ -215,7 +215,7 @@ def test_embedded_cluster_is_cleaned_up_when_the_driver_is_killed(tmp_path):
          "class A:\n"
          "    def f(self): return 1\n"
          "a = A.remote(); troupe.get(a.f.remote())\n"
-         "print(troupe._api._session.run_root, flush=True)\n"
+         "print(troupe._session.current.run_root, flush=True)\n"
          "time.sleep(600)\n"],
         env=dict(os.environ, PYTHONPATH=str(PYTHON_PACKAGE)), stdout=subprocess.PIPE, text=True)
     root = driver.stdout.readline().strip()

@@ -311,7 +311,7 @@ class HandleKeeper:
 
 
 def actor_state(actor_id):
-    return troupe._api._runtime().actor_info(actor_id)["state"]
+    return troupe._api.runtime().actor_info(actor_id)["state"]
 
 
 def test_an_actor_whose_handle_was_passed_ends_when_the_last_handle_anywhere_goes():

@@ -24,7 +24,7 @@ cluster = cluster_fixture(num_cpus=2, object_store_memory=LIMIT)
 
 def node_store():
     """The node's object store, as its agent reports it (`troupe status` asks the same)."""
-    session = troupe._api._session
+    session = troupe._session.current
     head = next(n for n in session.runtime.nodes() if n["is_head"])
     return session.runtime.object_store(head["address"])
 

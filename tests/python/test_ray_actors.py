@@ -19,7 +19,7 @@ cluster = cluster_fixture(num_cpus=2)
 
 
 def state_of(handle):
-    return troupe._api._runtime().actor_info(handle.actor_id)["state"]
+    return troupe._api.runtime().actor_info(handle.actor_id)["state"]
 
 
 @troupe.remote
@@ -155,8 +155,8 @@ def test_names_conflicts_get_if_exists_and_namespaces():
 
 
 def test_namespace_of_a_driver_scopes_its_names():
-    address = troupe._api._session.address
-    cluster_file = os.path.join(troupe._api._session.run_root, "latest", "cluster.json")
+    address = troupe._session.current.address
+    cluster_file = os.path.join(troupe._session.current.run_root, "latest", "cluster.json")
     import json
 
     tok = json.load(open(cluster_file))["token"]
@@ -182,10 +182,10 @@ def test_namespace_of_a_driver_scopes_its_names():
 
 def test_each_driver_has_an_anonymous_namespace_its_actors_and_tasks_share():
     # Ray's rule: without init(namespace=...), one driver's names are not another's.
-    address = troupe._api._session.address
+    address = troupe._session.current.address
     import json
 
-    tok = json.load(open(os.path.join(troupe._api._session.run_root, "latest", "cluster.json")))["token"]
+    tok = json.load(open(os.path.join(troupe._session.current.run_root, "latest", "cluster.json")))["token"]
     mine = troupe.get_runtime_context().namespace
     assert mine.startswith("anonymous-")
     here = Counter.options(name="mine-only", lifetime="detached").remote(1)
@@ -477,7 +477,7 @@ def test_exit_actor_ends_it_for_good_after_running_atexit(tmp_path):
     with pytest.raises(troupe.ActorDiedError, match="ended itself"):
         troupe.get(e.end.remote(), timeout=60)
     assert (tmp_path / "e1").read_text() == "atexit ran"
-    info = troupe._api._runtime().actor_info(e.actor_id)
+    info = troupe._api.runtime().actor_info(e.actor_id)
     assert info["state"] == "DEAD" and info["restarts"] == 0  # max_restarts=-1, yet no restart
 
 
@@ -500,7 +500,7 @@ def test_dropping_the_last_handle_ends_an_unnamed_actor():
     del c
     assert state_of(copy) == "ALIVE"  # one handle is left
     del copy, named
-    rt = troupe._api._runtime()
+    rt = troupe._api.runtime()
     eventually(lambda: rt.actor_info(actor_id)["state"] == "DEAD", 30, "the unreferenced actor to end")
     assert state_of(troupe.get_actor("kept")) == "ALIVE"  # named actors live on
     troupe.kill(troupe.get_actor("kept"))

@@ -59,7 +59,7 @@ def test_a_constructor_that_raises_ends_the_actor_with_its_error():
     b = BadInit.remote()
     with pytest.raises(troupe.ActorDiedError, match="constructor raised.*no config file"):
         troupe.get(b.ping.remote(), timeout=60)
-    info = troupe._api._runtime().actor_info(b.actor_id)
+    info = troupe._api.runtime().actor_info(b.actor_id)
     assert info["state"] == "DEAD" and info["restarts"] == 0
 
 

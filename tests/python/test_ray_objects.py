@@ -170,7 +170,7 @@ def test_a_get_of_an_object_whose_owner_died_says_so():
     inner = troupe.get(h.put_array.remote(10))  # the actor owns it; we borrow the ref
     assert list(troupe.get(inner)) == [2.0] * 10
     os.kill(troupe.get(h.pid.remote()), signal.SIGKILL)
-    eventually(lambda: troupe._api._runtime().actor_info(h.actor_id)["state"] == "DEAD", 30, "the owner to die")
+    eventually(lambda: troupe._api.runtime().actor_info(h.actor_id)["state"] == "DEAD", 30, "the owner to die")
     with pytest.raises(troupe.ObjectLostError, match="owner .* died"):
         troupe.get(inner)
 

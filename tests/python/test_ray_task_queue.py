@@ -56,7 +56,7 @@ def test_calls_queued_before_the_runner_starts_still_wake_the_watchdog():
     # the first runs long. The second must still be handed to a new runner, though no dispatch
     # came after the long one started to wake the watchdog.
     import threading
-    from troupe import _api, _worker
+    from troupe import _refs, _worker
 
     release, second_ran = threading.Event(), threading.Event()
 
@@ -65,9 +65,9 @@ def test_calls_queued_before_the_runner_starts_still_wake_the_watchdog():
             release.wait(30)
         return method
 
-    hook = _api._blocking_hook
+    hook = _refs._blocking_hook
     drainer = _worker._Drainer(execute, 8)
-    _api._blocking_hook = hook
+    _refs._blocking_hook = hook
     held, pool = [], drainer.pool
 
     class Deferred:

@@ -183,7 +183,7 @@ def test_placement_groups_from_python():
     big = placement_group([{"CPU": 2}])  # cannot be placed while pg holds both CPUs
     assert not big.wait(0.5)
     remove_placement_group(pg)
-    eventually(lambda: troupe._api._runtime().actor_info(r.actor_id)["state"] == "DEAD", 30,
+    eventually(lambda: troupe._api.runtime().actor_info(r.actor_id)["state"] == "DEAD", 30,
                "the actor in the removed group to end")
     assert big.wait(30)
     remove_placement_group(big)

@@ -55,12 +55,12 @@ class Probe:
 def zygote_pids():
     """Live zygotes, from their node agent's log (the workers they fork keep their command line)."""
     said = re.findall(r"Python zygote ready \(pid (\d+)\)", "".join(p.read_text() for p in log_dir().glob("node-*.log")))
-    live = {pid for pid, _ in processes_under(troupe._api._session.run_root)}
+    live = {pid for pid, _ in processes_under(troupe._session.current.run_root)}
     return [int(pid) for pid in said if int(pid) in live]
 
 
 def log_dir():
-    return Path(troupe._api._session.run_root) / "latest" / "logs"
+    return Path(troupe._session.current.run_root) / "latest" / "logs"
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_a_killed_zygote_leaves_its_workers_running_and_is_replaced(cluster):
 def test_without_the_zygote_each_worker_is_a_new_process(monkeypatch):
     monkeypatch.setenv("TROUPE_PYTHON_ZYGOTE", "0")
     troupe.init(num_cpus=2)
-    root = troupe._api._session.run_root
+    root = troupe._session.current.run_root
     try:
         a = Probe.remote()
         facts = troupe.get(a.facts.remote())

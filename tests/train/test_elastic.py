@@ -508,7 +508,7 @@ def test_a_hung_step_is_reported_with_what_each_rank_is_doing(cluster):
         assert re.search(r"rank 0 \(Trainer \w+, pid \d+\): allreduce wait", text), text  # waiting for rank 1
         # ... and the communicator names the peer it waits on, which never started that all-reduce.
         assert re.search(r"rank 0 [^;]*waiting on rank 1 \([^)]*\): has not started allreduce #\d+", text), text
-        assert troupe._api._runtime().group(t.group_id)["doc"].count('"HUNG"') == 1
+        assert troupe._api.runtime().group(t.group_id)["doc"].count('"HUNG"') == 1
         # The hung rank killed: the group recovers and the run completes.
         os.kill(int(re.search(r"rank 1 \(Trainer \w+, pid (\d+)\)", text).group(1)), signal.SIGKILL)
         runner.join(timeout=120)

@@ -335,7 +335,7 @@ def test_a_hung_rank_is_reported_naming_the_peer_the_others_wait_on(cluster, dat
         runner.start()
 
         def report():
-            events = troupe._api._runtime().group(t.group_id)["events"]
+            events = troupe._api.runtime().group(t.group_id)["events"]
             return next((e for e in events if "no progress for" in e), None)
 
         eventually(report, 60, "the hang to be reported")
@@ -515,7 +515,7 @@ def test_a_dataset_reaches_a_node_that_does_not_see_the_drivers_files(cluster, d
         t.fit(steps=5)
         assert any(e["text"].startswith("data: staged ") for e in t.events), [e["text"] for e in t.events]
         # A node whose services are made again after its stager ended gets the files from a new one.
-        rt = troupe._api._runtime()
+        rt = troupe._api.runtime()
         node, stager = next(iter(t._kind.stagers.items()))
         os.kill(rt.actor_info(stager.actor_id)["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 30

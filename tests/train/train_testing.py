@@ -30,7 +30,7 @@ def make(**overrides):
 
 
 def group_record(trainer):
-    return troupe._api._runtime().group(trainer.group_id)
+    return troupe._api.runtime().group(trainer.group_id)
 
 
 def events(trainer):
