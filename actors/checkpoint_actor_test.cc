@@ -15,6 +15,7 @@
 #include "checkpoint.capnp.h"
 #include "troupe/checkpoint/testing.h"
 #include "troupe/testing/cluster_fixture.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/checkpoint/checkpoint_dir.h"
 #include "troupe/checkpoint/flash_segment.h"
 #include "troupe/runtime/client.h"
@@ -78,7 +79,9 @@ struct CheckpointCluster {
     o.type = "Checkpoint";
     o.name = name;
     o.resources = {{"CPU", 0.5}, {node == "a" ? "ckA" : "ckB", 0.5}};
-    o.initArgs = args.dump();
+    auto encoded = actors::encodeInitArgs(o.type, args.dump());
+    REQUIRE(encoded.isOk());
+    o.initArgs = *encoded;
     return wait(client->createActor(o));
   }
   // Calls `method` through rpc::Checkpoint with the arguments in `args` and shows the results as

@@ -6,15 +6,13 @@
 #include <utility>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
+#include "troupe/actors/init_args.h"
 #include "troupe/runtime/logging.h"
 #include "troupe/runtime/rpc.h"
 
 namespace troupe::actors::checkpoint_actor {
 namespace {
-
-using nlohmann::json;
 
 constexpr size_t kMaxErrors = 10;  // recent errors kept for status
 
@@ -51,34 +49,30 @@ Status badArgs(const std::string& what) {
 }
 
 Result<Options> parseOptions(std::string_view initArgs) {
+  TROUPE_ASSIGN_OR_RETURN(auto init, decodeInitArgs<rpc::CheckpointArgs>("Checkpoint", initArgs));
+  auto args = init.get();
   Options o;
-  try {
-    auto j = json::parse(initArgs.empty() ? std::string_view("{}") : initArgs);
-    if (!j.is_object()) return badArgs("init args must be a JSON object");
-    o.group = j.value("group", "");
-    o.node = j.value("node", "");
-    o.self = j.value("self", "");
-    o.members = j.value("members", std::vector<std::string>{});
-    o.dir = j.value("dir", "");
-    o.fileMode = j.value("file_mode", 0600u);
-    if ((o.fileMode & ~0777u) != 0 || (o.fileMode & 0600u) != 0600u) {
-      return badArgs(fmt::format("\"file_mode\" {:o} must be a permission mode that lets its owner read and write",
-                                 o.fileMode));
-    }
-    o.keep = j.value("keep", 3u);
-    o.shmDir = j.value("shm_dir", ck::defaultShmDir());
-    if (j.contains("replica_to")) {
-      o.replicaTo = j.at("replica_to").get<std::string>();
-    } else if (o.members.size() > 1) {
-      auto it = std::find(o.members.begin(), o.members.end(), o.self);
-      if (it == o.members.end()) return badArgs("\"self\" must be one of \"members\" to pick a replica target");
-      o.replicaTo = *(++it == o.members.end() ? o.members.begin() : it);
-    }
-    TROUPE_ASSIGN_OR_RETURN(auto fault, ck::FaultInjection::parse(j.value("fault", "")));
-    o.fault = fault;
-  } catch (const std::exception& e) {
-    return badArgs(fmt::format("bad init args: {}", e.what()));
+  o.group = args.getGroup().cStr();
+  o.node = args.getNode().cStr();
+  o.self = args.getSelf().cStr();
+  for (auto member : args.getMembers()) o.members.emplace_back(member.cStr());
+  o.dir = args.getDir().cStr();
+  o.fileMode = args.getFileMode();
+  if ((o.fileMode & ~0777u) != 0 || (o.fileMode & 0600u) != 0600u) {
+    return badArgs(fmt::format("\"file_mode\" {:o} must be a permission mode that lets its owner read and write",
+                               o.fileMode));
   }
+  o.keep = args.getKeep();
+  o.shmDir = args.getShmDir().size() > 0 ? args.getShmDir().cStr() : ck::defaultShmDir();
+  if (args.hasReplicaTo()) {
+    o.replicaTo = args.getReplicaTo().cStr();
+  } else if (o.members.size() > 1) {
+    auto it = std::find(o.members.begin(), o.members.end(), o.self);
+    if (it == o.members.end()) return badArgs("\"self\" must be one of \"members\" to pick a replica target");
+    o.replicaTo = *(++it == o.members.end() ? o.members.begin() : it);
+  }
+  TROUPE_ASSIGN_OR_RETURN(auto fault, ck::FaultInjection::parse(args.getFault().cStr()));
+  o.fault = fault;
   TROUPE_ASSIGN_OR_RETURN(auto name, ck::segmentName(o.group, o.node, ck::SegmentKind::kPrimary, 0));
   if (o.replicaTo == o.self && !o.replicaTo.empty()) return badArgs("an actor cannot keep its own replicas");
   return o;

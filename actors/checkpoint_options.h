@@ -1,5 +1,5 @@
-// Internal to actors/: the Checkpoint actor's init args (Options; the JSON object
-// troupe/actors/checkpoint_actor.h describes) and the small things its units share: the
+// Internal to actors/: the Checkpoint actor's init args (Options, from rpc::CheckpointArgs of
+// actors/schema/init_args.capnp) and the small things its units share: the
 // mappings of segments by name (SegmentCache), what identifies one save (SnapshotId), the recent
 // errors kept for status, and the error handler of their task sets.
 // Thread-safety: Options is a value, copied to a thread that needs it; a SegmentCache, a
@@ -48,8 +48,9 @@ struct Options {
 // kInvalidArgument naming what is wrong with the init args or the call.
 Status badArgs(const std::string& what);
 
-// The init args, checked: names that make valid segment names, a replica target that is not
-// this actor, a file mode its owner can read and write.
+// The init args (an rpc::CheckpointArgs message, troupe/actors/init_args.h), checked: a message
+// that decodes, names that make valid segment names, a replica target that is not this actor, a
+// file mode its owner can read and write. kInvalidArgument otherwise.
 Result<Options> parseOptions(std::string_view initArgs);
 
 // A peer's failure with the code that crossed the RPC edge (NOT_FOUND, ...; UNAVAILABLE when

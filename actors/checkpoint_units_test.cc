@@ -13,6 +13,7 @@
 
 #include "checkpoint.capnp.h"
 #include "troupe/actors/checkpoint_actor.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/checkpoint/testing.h"
 #include "troupe/runtime/rpc.h"
 #include "checkpoint_options.h"
@@ -26,26 +27,40 @@ namespace {
 using ck::testing::ScratchDir;
 using ck::testing::TestState;
 
+// The options of init args written as a driver writes them: JSON, encoded to the schema's message.
+Result<Options> parse(std::string_view json) {
+  auto bytes = encodeInitArgs("Checkpoint", json);
+  REQUIRE(bytes.isOk());
+  return parseOptions(*bytes);
+}
+
 Options optionsIn(const ScratchDir& shm) {
-  auto o = parseOptions(R"({"group": "g1", "node": "a", "self": "ck-a"})");
+  auto o = parse(R"({"group": "g1", "node": "a", "self": "ck-a"})");
   REQUIRE(o.isOk());
   o->shmDir = shm.str();
   return *o;
 }
 
 TEST_CASE("checkpoint options: the replica target follows self among the members; bad args are named") {
-  auto o = parseOptions(R"({"group": "g", "node": "a", "self": "y", "members": ["x", "y", "z"]})");
+  auto o = parse(R"({"group": "g", "node": "a", "self": "y", "members": ["x", "y", "z"]})");
   REQUIRE(o.isOk());
   CHECK(o->replicaTo == "z");
-  o = parseOptions(R"({"group": "g", "node": "a", "self": "z", "members": ["x", "y", "z"]})");
+  o = parse(R"({"group": "g", "node": "a", "self": "z", "members": ["x", "y", "z"]})");
   REQUIRE(o.isOk());
   CHECK(o->replicaTo == "x");
   CHECK(o->primary(3) != o->replica(3));
-  auto self = parseOptions(R"({"group": "g", "node": "a", "self": "x", "replica_to": "x"})");
+  auto self = parse(R"({"group": "g", "node": "a", "self": "x", "replica_to": "x"})");
   CHECK(self.status().code() == StatusCode::kInvalidArgument);
-  auto mode = parseOptions(R"({"group": "g", "node": "a", "file_mode": 256})");
+  auto mode = parse(R"({"group": "g", "node": "a", "file_mode": 256})");
   CHECK(mode.status().message().find("file_mode") != std::string::npos);
-  CHECK(parseOptions(R"({"group": "bad name", "node": "a"})").status().code() != StatusCode::kOk);
+  CHECK(parse(R"({"group": "bad name", "node": "a"})").status().code() != StatusCode::kOk);
+  // JSON itself is not the actor's init args: the driver encodes it (troupe/actors/init_args.h).
+  auto raw = parseOptions(R"({"group": "g", "node": "a"})");
+  CHECK(raw.status().code() == StatusCode::kInvalidArgument);
+  CHECK(raw.status().message().find("not a CheckpointArgs message") != std::string::npos);
+  auto none = parse(R"({"group": "g", "node": "a", "replica_to": "", "members": ["x", "y"], "self": "x"})");
+  REQUIRE(none.isOk());
+  CHECK(none->replicaTo.empty());  // "" turns replicas off; absent picks the next member
 }
 
 TEST_CASE("held replicas: an image is held once committed, and only as what was announced") {
@@ -134,7 +149,9 @@ TEST_CASE("checkpoint actor: needs its loop's timer; a caller holding its interf
   ScratchDir shm;
   ActorRegistry registry;
   registerCheckpointActor(registry);
-  std::string args = R"({"group": "g1", "node": "a", "self": "ck-a", "shm_dir": ")" + shm.str() + R"("})";
+  auto encoded = encodeInitArgs("Checkpoint", R"({"group": "g1", "node": "a", "self": "ck-a", "shm_dir": ")" + shm.str() + R"("})");
+  REQUIRE(encoded.isOk());
+  std::string args = *encoded;
   ActorContext context;
   context.type = "Checkpoint";
   auto refused = registry.create(context, args);

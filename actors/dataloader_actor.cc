@@ -6,9 +6,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <nlohmann/json.hpp>
 
 #include "troupe/actors/dataset.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/actors/shard_queue.h"
 #include "troupe/actors/train_actors.h"
 #include "troupe/runtime/rpc.h"
@@ -17,22 +17,15 @@
 namespace troupe::actors {
 namespace {
 
-using Json = nlohmann::json;
-
-Result<Json> parseJson(std::string_view payload) {
-  Json j = Json::parse(payload.empty() ? std::string_view("{}") : payload, nullptr, false);
-  if (!j.is_object()) return Status(StatusCode::kInvalidArgument, "payload is not a JSON object");
-  return j;
-}
-
 class Dataloader final : public TypedActor<rpc::Dataloader> {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext&, std::string_view args) {
-    TROUPE_ASSIGN_OR_RETURN(auto j, parseJson(args));
+    TROUPE_ASSIGN_OR_RETURN(auto init, decodeInitArgs<rpc::DataloaderArgs>("Dataloader", args));
+    auto spec = init.get();
+    auto data = spec.getData();
     auto self = std::unique_ptr<Dataloader>(new Dataloader());
-    const Json& data = j["data"];
-    std::string kind = data.value("kind", "");
-    int64_t context = j.value("context", 64);
+    std::string kind = data.getKind().cStr();
+    int64_t context = spec.getContext();
     Result<std::unique_ptr<Dataset>> dataset = Status(StatusCode::kInvalidArgument, "data.kind must be text, tokens or npy");
     if (kind == "text") {
       // Bytes are the tokens: build the token file once per incarnation, in a directory of its
@@ -46,19 +39,19 @@ class Dataloader final : public TypedActor<rpc::Dataloader> {
       }
       self->tokenDir_ = dir;
       self->tokenFile_ = dir + "/tokens.u16";
-      TROUPE_RETURN_IF_ERROR(buildTokenFile(data.value("path", ""), self->tokenFile_, "uint16").status());
+      TROUPE_RETURN_IF_ERROR(buildTokenFile(data.getPath().cStr(), self->tokenFile_, "uint16").status());
       dataset = openTokenDataset({self->tokenFile_, "uint16", context});
     } else if (kind == "tokens") {
-      dataset = openTokenDataset({data.value("path", ""), data.value("dtype", "uint16"), context});
+      dataset = openTokenDataset({data.getPath().cStr(), data.getDtype().cStr(), context});
     } else if (kind == "npy") {
-      dataset = openNpyDataset(data.value("features", ""), data.value("labels", ""));
+      dataset = openNpyDataset(data.getFeatures().cStr(), data.getLabels().cStr());
     }
     if (!dataset.isOk()) return dataset.status();
     self->dataset_ = std::move(*dataset);
     ShardQueueOptions q;
     q.num_samples = self->dataset_->size();
-    q.global_batch = j.value("global_batch", 32);
-    q.seed = j.value("seed", 0);
+    q.global_batch = spec.getGlobalBatch();
+    q.seed = spec.getSeed();
     TROUPE_ASSIGN_OR_RETURN(auto queue, ShardQueue::create(q));
     self->queue_.emplace(std::move(queue));
     return std::unique_ptr<Actor>(std::move(self));

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "troupe.capnp.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/rpc.h"
 
@@ -65,8 +66,9 @@ class Counter final : public TestActor {
   }
 
  private:
-  // The typed interface shares the value with the generic one: both are the same counter.
-  class TypedCounter final : public rpc::Counter::Server {
+  // The typed interface shares the value with the generic one: both are the same counter. (Its
+  // schema is the runtime's troupe.capnp: troupe::rpc, not the actors' rpc namespace.)
+  class TypedCounter final : public troupe::rpc::Counter::Server {
    public:
     explicit TypedCounter(std::shared_ptr<int64_t> value) : value_(std::move(value)) {}
 
@@ -171,12 +173,8 @@ void registerTestActors(ActorRegistry& registry) {
     return std::unique_ptr<Actor>(std::make_unique<Relay>(context));
   });
   registry.add("Counter", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
-    int64_t start = 0;
-    if (!args.empty()) {
-      TROUPE_ASSIGN_OR_RETURN(auto v, parseInt(args, "Counter's start value"));
-      start = v;
-    }
-    return std::unique_ptr<Actor>(std::make_unique<Counter>(context, start));
+    TROUPE_ASSIGN_OR_RETURN(auto init, decodeInitArgs<rpc::CounterArgs>("Counter", args));
+    return std::unique_ptr<Actor>(std::make_unique<Counter>(context, init.get().getStart()));
   });
   registry.add("Echo", [](const ActorContext& context, std::string_view) -> Result<std::unique_ptr<Actor>> {
     return std::unique_ptr<Actor>(std::make_unique<Echo>(context));
@@ -185,7 +183,10 @@ void registerTestActors(ActorRegistry& registry) {
     return std::unique_ptr<Actor>(std::make_unique<Sleeper>(context));
   });
   registry.add("Crasher", [](const ActorContext& context, std::string_view args) -> Result<std::unique_ptr<Actor>> {
-    if (args == "fail_on_start") return Status(StatusCode::kFailedPrecondition, "Crasher refused to start (fail_on_start)");
+    TROUPE_ASSIGN_OR_RETURN(auto init, decodeInitArgs<rpc::CrasherArgs>("Crasher", args));
+    if (init.get().getFailOnStart()) {
+      return Status(StatusCode::kFailedPrecondition, "Crasher refused to start (fail_on_start)");
+    }
     return std::unique_ptr<Actor>(std::make_unique<Crasher>(context));
   });
 }

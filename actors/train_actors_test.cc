@@ -19,7 +19,10 @@
 
 #include "dataloader.capnp.h"
 #include "trainer.capnp.h"
+#include "troupe/actors/dataset.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/actors/train_actors.h"
+#include "troupe/actors/trainer_engine.h"
 #include "troupe/runtime/actor_server.h"
 #include "troupe/testing/redis_server.h"
 
@@ -27,6 +30,56 @@ namespace troupe::actors {
 namespace {
 
 namespace fs = std::filesystem;
+
+// `type`'s init args as a driver encodes them from JSON (actors/schema/init_args.capnp).
+std::string initArgs(std::string_view type, const std::string& json) {
+  auto encoded = encodeInitArgs(type, json);
+  REQUIRE(encoded.isOk());
+  return *encoded;
+}
+
+TEST_CASE("init args: an engine spec's defaults are TrainerEngineOptions' and a dataloader's ShardQueue's") {
+  auto spec = decodeInitArgs<rpc::TrainerArgs>("Trainer", "");
+  REQUIRE(spec.isOk());
+  auto e = spec->get().getEngine();
+  TrainerEngineOptions o;
+  CHECK(o.model == e.getModel().cStr());
+  CHECK(o.loss == e.getLoss().cStr());
+  CHECK(o.optimizer == e.getOptimizer().cStr());
+  CHECK(o.wsam_base == e.getWsamBase().cStr());
+  CHECK(o.lr == e.getLr());
+  CHECK(o.weight_decay == e.getWeightDecay());
+  CHECK(o.momentum == e.getMomentum());
+  CHECK(o.wsam_rho == e.getWsamRho());
+  CHECK(o.wsam_gamma == e.getWsamGamma());
+  CHECK(o.seed == e.getSeed());
+  CHECK(o.threads == e.getThreads());
+  CHECK(o.global_batch == e.getGlobalBatch());
+  CHECK(o.max_micro_batch == e.getMaxMicroBatch());
+  CHECK(o.tinylm.context == e.getContext());
+  CHECK(o.zero == e.getZero());
+  CHECK(o.sequence_parallel == e.getSequenceParallel());
+  std::vector<int64_t> sizes;
+  for (int64_t width : e.getMlpSizes()) sizes.push_back(width);
+  CHECK(o.mlp_sizes == sizes);
+  auto loader = decodeInitArgs<rpc::DataloaderArgs>("Dataloader", "");
+  REQUIRE(loader.isOk());
+  CHECK(TokenDatasetOptions{}.context == loader->get().getContext());
+  CHECK(TokenDatasetOptions{}.token_type == loader->get().getData().getDtype().cStr());
+}
+
+TEST_CASE("init args: a Trainer or Dataloader given JSON instead of its message is refused at creation") {
+  ActorRegistry registry;
+  registerTrainActors(registry);
+  for (const char* type : {"Trainer", "Dataloader"}) {
+    ActorContext context;
+    context.type = type;
+    auto made = registry.create(context, R"({"group": "g"})");
+    REQUIRE(!made.isOk());
+    CHECK(made.status().code() == StatusCode::kInvalidArgument);
+    CHECK(made.status().message().find(std::string(type) + " init args") != std::string::npos);
+  }
+}
 
 // A file of `n` uint16 tokens 0, 1, 2, ..., removed at the end of the test.
 struct TokenFile {
@@ -53,9 +106,9 @@ struct Loader {
     registerTrainActors(registry);
     ActorContext context;
     context.type = "Dataloader";
-    std::string args = R"({"group": "t", "node": "a", "data": {"kind": "tokens", "path": ")" + tokens.path.string() +
+    std::string args = R"({"data": {"kind": "tokens", "path": ")" + tokens.path.string() +
                        R"(", "dtype": "uint16"}, "global_batch": 4, "context": 8, "seed": 1})";
-    auto made = registry.create(context, args);
+    auto made = registry.create(context, initArgs("Dataloader", args));
     REQUIRE(made.isOk());
     actor = std::move(*made);
     KJ_IF_MAYBE(cap, actor->typed()) { client = cap->castAs<rpc::Dataloader>(); }
@@ -142,8 +195,8 @@ TEST_CASE("dataloader: a text data set's token file is private, not at a name an
     registerTrainActors(registry);
     ActorContext context;
     context.type = "Dataloader";
-    auto made = registry.create(context, R"({"group": "planted", "node": "a", "data": {"kind": "text", "path": ")" +
-                                             text.string() + R"("}, "global_batch": 4, "context": 8})");
+    auto made = registry.create(context, initArgs("Dataloader", R"({"data": {"kind": "text", "path": ")" +
+                                                                    text.string() + R"("}, "global_batch": 4, "context": 8})"));
     REQUIRE(made.isOk());
   }
   std::ifstream in(victim);
@@ -204,7 +257,7 @@ struct Trainers {
   std::unique_ptr<Actor> make() {
     ActorContext context;
     context.type = "Trainer";
-    auto made = registry.create(context, R"({"group": "g", "engine": {"model": "mlp", "seed": 7}})");
+    auto made = registry.create(context, initArgs("Trainer", R"({"group": "g", "engine": {"model": "mlp", "seed": 7}})"));
     REQUIRE(made.isOk());
     return std::move(*made);
   }

@@ -24,6 +24,7 @@
 #include <utility>
 #include <unistd.h>
 
+#include "troupe/actors/init_args.h"
 #include "troupe/actors/train_actors.h"
 #include "troupe/actors/trainer_engine.h"
 #include "troupe/checkpoint/checkpoint_dir.h"
@@ -55,23 +56,26 @@ using Json = nlohmann::json;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-Result<TrainerEngineOptions> engineOptions(const Json& e) {
+TrainerEngineOptions engineOptions(rpc::EngineSpec::Reader e) {
   TrainerEngineOptions o;
-  o.model = e.value("model", o.model);
-  o.loss = e.value("loss", o.loss);
-  o.optimizer = e.value("optimizer", o.optimizer);
-  o.lr = e.value("lr", o.lr);
-  o.weight_decay = e.value("weight_decay", o.weight_decay);
-  o.momentum = e.value("momentum", o.momentum);
-  o.seed = e.value("seed", o.seed);
-  o.threads = e.value("threads", o.threads);
-  o.global_batch = e.value("global_batch", o.global_batch);
-  o.max_micro_batch = e.value("max_micro_batch", o.max_micro_batch);
-  o.tinylm.context = e.value("context", o.tinylm.context);
-  o.zero = e.value("zero", o.zero);
-  o.sequence_parallel = e.value("sequence_parallel", o.sequence_parallel);
-  o.wsam_base = e.value("wsam_base", o.wsam_base);
-  if (e.contains("mlp_sizes")) o.mlp_sizes = e["mlp_sizes"].get<std::vector<int64_t>>();
+  o.model = e.getModel().cStr();
+  o.loss = e.getLoss().cStr();
+  o.optimizer = e.getOptimizer().cStr();
+  o.wsam_base = e.getWsamBase().cStr();
+  o.lr = e.getLr();
+  o.weight_decay = e.getWeightDecay();
+  o.momentum = e.getMomentum();
+  o.wsam_rho = e.getWsamRho();
+  o.wsam_gamma = e.getWsamGamma();
+  o.seed = e.getSeed();
+  o.threads = e.getThreads();
+  o.global_batch = e.getGlobalBatch();
+  o.max_micro_batch = e.getMaxMicroBatch();
+  o.tinylm.context = e.getContext();
+  o.zero = e.getZero();
+  o.sequence_parallel = e.getSequenceParallel();
+  o.mlp_sizes.clear();
+  for (int64_t width : e.getMlpSizes()) o.mlp_sizes.push_back(width);
   return o;
 }
 
@@ -127,15 +131,15 @@ void spanToWire(const TimelineSpan& span, rpc::TimelineSpan::Builder out) {
 class Trainer final : public TypedActor<rpc::Trainer> {
  public:
   static Result<std::unique_ptr<Actor>> create(const ActorContext& context, std::string_view args) {
-    Json j = Json::parse(args, nullptr, false);
-    if (!j.is_object()) return Status(StatusCode::kInvalidArgument, "Trainer init args are not a JSON object");
+    TROUPE_ASSIGN_OR_RETURN(auto init, decodeInitArgs<rpc::TrainerArgs>("Trainer", args));
+    auto spec = init.get();
     // tests: a member whose first start fails (its restart starts again)
-    if (context.incarnation == 1 && j.value("fault_kill_at_start", false)) ::raise(SIGKILL);
-    TROUPE_ASSIGN_OR_RETURN(auto options, engineOptions(j.value("engine", Json::object())));
+    if (context.incarnation == 1 && spec.getFaultKillAtStart()) ::raise(SIGKILL);
+    auto options = engineOptions(spec.getEngine());
     TROUPE_ASSIGN_OR_RETURN(auto engine, TrainerEngine::create(options));
     TROUPE_ASSIGN_OR_RETURN(auto redis, workerRedisOptions());
     TROUPE_ASSIGN_OR_RETURN(auto store, connectRedisStore(redis));
-    auto self = std::unique_ptr<Trainer>(new Trainer(context, j, options));
+    auto self = std::unique_ptr<Trainer>(new Trainer(context, spec, options));
     self->engine_ = std::move(engine);
     self->store_ = std::move(store);
     return std::unique_ptr<Actor>(std::move(self));
@@ -336,20 +340,20 @@ class Trainer final : public TypedActor<rpc::Trainer> {
     }
   };
 
-  Trainer(const ActorContext& context, const Json& spec, TrainerEngineOptions options)
+  Trainer(const ActorContext& context, rpc::TrainerArgs::Reader spec, TrainerEngineOptions options)
       : context_(context),
         executor_(kj::getCurrentThreadExecutor().addRef()),
-        group_(spec.value("group", "")),
-        dataloader_(spec.value("dataloader", "")),
-        checkpoint_(spec.value("checkpoint", "")),
-        snapshotEvery_(spec.value("snapshot_every", 1)),
-        persistEvery_(spec.value("persist_every", 0)),
-        slotRank_(spec.value("bundle", 0)),
-        minWorld_(std::max(1, spec.value("min_workers", 1))),
-        killAtStep_(context.incarnation == 1 ? spec.value("fault_kill_at_step", int64_t{-1}) : -1),
-        slowMs_(spec.value("fault_slow_ms", int64_t{0})),
-        hangAtStep_(context.incarnation == 1 ? spec.value("fault_hang_at_step", int64_t{-1}) : -1),
-        killInJoin_(context.incarnation == 1 && spec.value("fault_kill_in_join", false)),
+        group_(spec.getGroup().cStr()),
+        dataloader_(spec.getDataloader().cStr()),
+        checkpoint_(spec.getCheckpoint().cStr()),
+        snapshotEvery_(spec.getSnapshotEvery()),
+        persistEvery_(spec.getPersistEvery()),
+        slotRank_(spec.getBundle()),
+        minWorld_(std::max(1, spec.getMinWorkers())),
+        killAtStep_(context.incarnation == 1 ? spec.getFaultKillAtStep() : -1),
+        slowMs_(spec.getFaultSlowMs()),
+        hangAtStep_(context.incarnation == 1 ? spec.getFaultHangAtStep() : -1),
+        killInJoin_(context.incarnation == 1 && spec.getFaultKillInJoin()),
         options_(std::move(options)) {
     serve<Server>(*this);
     compute_ = std::thread([this]() { computeLoop(); });

@@ -31,7 +31,7 @@ def main():
     counter = Counter.remote(10)
     print("add(5) ->", troupe.get(counter.add.remote(5)))
     print("three pipelined adds ->", troupe.get([counter.add.remote() for _ in range(3)]))
-    cpp = troupe.cpp_actor("Counter", init_args="100")
+    cpp = troupe.cpp_actor("Counter", init_args='{"start": 100}')  # CounterArgs, actors/schema/init_args.capnp
     print("C++ Counter add(1) ->", troupe.get(cpp.add.remote("1")))
     try:
         troupe.get(counter.crash.remote())

@@ -5,6 +5,7 @@
 #include "troupe/testing/cluster_fixture.h"
 #include <fstream>
 
+#include "troupe/actors/init_args.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/rpc.h"
 
@@ -13,6 +14,13 @@ namespace {
 
 using testing::Cluster;
 using testing::eventually;
+
+// `type`'s init args as a driver encodes them from JSON (actors/schema/init_args.capnp).
+std::string initArgs(std::string_view type, std::string_view json) {
+  auto encoded = actors::encodeInitArgs(type, json);
+  REQUIRE(encoded.isOk());
+  return *encoded;
+}
 
 // A cluster of `nodes` node agents (2 CPUs each) and a connected client.
 struct ActorCluster {
@@ -113,7 +121,7 @@ TEST_CASE("actors: named lookup, handles by id, kill, and unknown types") {
   ActorCluster c;
   auto o = c.options("Counter");
   o.name = "shared-counter";
-  o.initArgs = "100";
+  o.initArgs = initArgs("Counter", R"({"start": 100})");
   auto created = c.wait(c.client->createActor(o));
   auto found = c.wait(c.client->getActor("shared-counter"));
   CHECK(found.id() == created.id());
@@ -233,10 +241,19 @@ TEST_CASE("actors: a segfault is reported with SIGSEGV and the last stderr line;
 TEST_CASE("actors: a worker that fails in its constructor is reported with its message") {
   ActorCluster c;
   auto o = c.options("Crasher");
-  o.initArgs = "fail_on_start";
+  o.initArgs = initArgs("Crasher", R"({"fail_on_start": true})");
   std::string err = c.error(c.client->createActor(o));
   CHECK(err.find("exited with code 1") != std::string::npos);
   CHECK(err.find("fail_on_start") != std::string::npos);
+}
+
+TEST_CASE("actors: init args that are not their type's message stop the worker, named") {
+  ActorCluster c;
+  auto o = c.options("Counter");
+  o.initArgs = "100";  // a decimal start value: the contract before actors/schema/init_args.capnp
+  std::string err = c.error(c.client->createActor(o));
+  CAPTURE(err);
+  CHECK(err.find("Counter init args (3 bytes) are not a CounterArgs message") != std::string::npos);
 }
 
 TEST_CASE("actors: killing a node agent moves restartable actors to another node") {

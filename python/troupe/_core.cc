@@ -30,6 +30,7 @@
 #include <kj/vector.h>
 
 #include "troupe.capnp.h"
+#include "troupe/actors/init_args.h"
 #include "troupe/runtime/actor_server.h"
 #include "troupe/runtime/client.h"
 #include "troupe/runtime/config.h"
@@ -114,6 +115,26 @@ struct StatusError {
   Status status;
 };
 
+// The bytes a `type` actor is created with. A built-in type whose init args have a schema
+// (troupe/actors/init_args.h) takes JSON text or a mapping, encoded here to its message, so a bad
+// field raises InvalidArgumentError in the driver instead of stopping a worker; any other type's
+// bytes (a Python actor's pickle) pass unchanged. Called with the GIL held.
+std::string initArgsFor(const std::string& type, const py::object& given) {
+  const bool typed = actors::initArgsSchema(type) != nullptr;
+  std::string text;
+  if (py::isinstance<py::bytes>(given) || py::isinstance<py::str>(given)) {
+    text = given.cast<std::string>();
+  } else if (typed && py::isinstance(given, py::module_::import("collections.abc").attr("Mapping"))) {
+    text = py::module_::import("json").attr("dumps")(py::dict(given)).cast<std::string>();
+  } else {
+    throw WrongType(fmt::format("init_args of a {} actor must be bytes or str{}, not {}", type,
+                                typed ? " (JSON) or a dict" : "", py::str(py::type::of(given).attr("__name__")).cast<std::string>()));
+  }
+  if (!typed) return text;
+  auto encoded = actors::encodeInitArgs(type, text);
+  if (!encoded.isOk()) throw InvalidArgument(encoded.status().message());
+  return std::move(encoded).value();
+}
 
 // A driver's connection to a cluster. Thread-safety: every public method may be called from
 // any Python thread (they release the GIL while they wait); KJ objects belong to the background
@@ -203,16 +224,16 @@ class Runtime {
   }
 
   std::string createActor(const std::string& type, const std::string& name, const std::map<std::string, double>& resources,
-                          int maxRestarts, int maxTaskRetries, bool detached, const py::bytes& initArgs,
+                          int maxRestarts, int maxTaskRetries, bool detached, const py::object& initArgs,
                           const std::string& placementGroup, int bundleIndex) {
     ActorOptions o;
+    o.initArgs = initArgsFor(type, initArgs);
     o.type = type;
     o.name = name;
     o.resources = Resources(resources.begin(), resources.end());
     o.maxRestarts = maxRestarts;
     o.maxTaskRetries = maxTaskRetries;
     o.detached = detached;
-    o.initArgs = initArgs;
     o.placementGroup = PlacementGroupId(placementGroup);
     o.bundleIndex = bundleIndex;
     return onLoop([this, o]() {

@@ -1,5 +1,6 @@
 # The runtime's extension (python/troupe/_core.cc): a driver's or worker's connection to its
 # cluster. Errors arrive as troupe.exceptions types, chosen by their StatusCode.
+from collections.abc import Mapping
 from typing import Any, Callable
 
 class Runtime:
@@ -8,7 +9,8 @@ class Runtime:
     def add_bundles(self, group_id: str, bundles: list[dict[str, float]], /) -> dict[str, Any]: ...
     def close(self) -> None: ...
     def create_actor(self, type_name: str, name: str, resources: dict[str, float], max_restarts: int,
-                     max_task_retries: int, detached: bool, init_args: bytes, placement_group: str,
+                     max_task_retries: int, detached: bool, init_args: bytes | str | Mapping[str, Any],
+                     placement_group: str,
                      bundle_index: int, /) -> str: ...
     def create_placement_group(self, strategy: str, bundles: list[dict[str, float]], name: str, /) -> dict[str, Any]: ...
     def drop_object(self, address: str, name: str, /) -> None: ...

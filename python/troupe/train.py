@@ -358,7 +358,8 @@ class _CppTrainers:
     def spawn(self, group, bundle):
         node = group._pg["bundle_nodes"][bundle]
         loader, ckpt = group._node_services[node]
-        spec = {"group": group.group_id, "node": node, "engine": group._engine, "dataloader": loader.actor_id,
+        # TrainerArgs of actors/schema/init_args.capnp: cpp_actor refuses a key it does not name.
+        spec = {"group": group.group_id, "engine": group._engine, "dataloader": loader.actor_id,
                 "checkpoint": ckpt.actor_id, "snapshot_every": group._checkpoint["snapshot_every"],
                 "persist_every": group._checkpoint["persist_every"], "bundle": bundle,
                 "min_workers": group.min_workers,
@@ -483,14 +484,15 @@ class GroupCoordinator:
         for index, node in enumerate(self._pg["bundle_nodes"]):
             if node in self._node_services or not node:
                 continue
-            common = {"group": self.group_id, "node": node}
+            # Their init args are DataloaderArgs and CheckpointArgs of actors/schema/init_args.capnp.
             data = self._kind.data_for(self, node, index) if hasattr(self._kind, "data_for") else self._data
-            loader = _api.cpp_actor("Dataloader", json.dumps({**common, "data": data, "seed": self._engine["seed"],
+            loader = _api.cpp_actor("Dataloader", json.dumps({"data": data, "seed": self._engine["seed"],
                                                               "global_batch": self._engine["global_batch"],
                                                               "context": self._engine["context"]}).encode(),
                                     num_cpus=0, max_restarts=-1, placement_group=self.group_id, bundle_index=index,
                                     lifetime=self._lifetime)
-            ckpt_args = {**common, **self._checkpoint, "self": self._ckpt_name(node), "members": members}
+            ckpt_args = {"group": self.group_id, "node": node, "dir": self._checkpoint["dir"],
+                         "keep": self._checkpoint["keep"], "self": self._ckpt_name(node), "members": members}
             if self._fault.get("checkpoint"):  # tests: a checkpoint fault spec (checkpoint/.../fault.h)
                 ckpt_args["fault"] = self._fault["checkpoint"]
             ckpt = _api.cpp_actor("Checkpoint", json.dumps(ckpt_args).encode(),

@@ -1,4 +1,5 @@
 """The Python driver API against real clusters: embedded, attached with "auto" and by address."""
+import json
 import os
 import signal
 import subprocess
@@ -161,7 +162,7 @@ def test_named_actors_nodes_resources_and_cpp_actors(embedded):
     nodes = troupe.nodes()
     assert len(nodes) == 1 and nodes[0]["state"] == "ALIVE"
     assert troupe.cluster_resources()["CPU"] == 4
-    cpp = troupe.cpp_actor("Counter", init_args="7", name="cpp-counter")
+    cpp = troupe.cpp_actor("Counter", init_args='{"start": 7}', name="cpp-counter")
     assert troupe.get(cpp.add.remote("3")) == b"10"
     assert troupe.get(troupe.get_actor("cpp-counter").get.remote()) == b"10"
     # A C++ actor's status code reaches Python: an ActorError that is also the code's type.
@@ -173,6 +174,25 @@ def test_named_actors_nodes_resources_and_cpp_actors(embedded):
         Counter.options(num_cpus=64).remote()
     with pytest.raises(TypeError, match="unknown actor option"):
         Counter.options(colour="red")
+
+
+def test_cpp_actor_init_args_are_checked_against_their_schema_in_the_driver(embedded):
+    # Encoded in the driver (actors/schema/init_args.capnp): a bad field fails here, and no actor
+    # is submitted, so no worker starts.
+    for bad, why in [({"strat": 1}, 'unknown field "strat" (CounterArgs has: start)'),
+                     ('{"start": "1"}', '"start" must be an integer, got a string'),
+                     ("7", "must be an object of the fields of CounterArgs, got a number")]:
+        with pytest.raises(troupe.exceptions.InvalidArgumentError, match="Counter init args") as caught:
+            troupe.cpp_actor("Counter", init_args=bad, name="bad-counter")
+        assert why in str(caught.value)
+    with pytest.raises(troupe.exceptions.InvalidArgumentError, match='"engine.learning_rate"'):
+        troupe.cpp_actor("Trainer", init_args=json.dumps({"engine": {"learning_rate": 0.1}}))
+    with pytest.raises(troupe.exceptions.ArgumentTypeError, match="must be bytes or str"):
+        troupe.cpp_actor("Echo", init_args={"x": 1})
+    assert troupe.actors() == []
+    # A dict is encoded like its JSON text.
+    cpp = troupe.cpp_actor("Counter", init_args={"start": 40})
+    assert troupe.get(cpp.add.remote("2")) == b"42"
 
 
 def test_attach_auto_and_by_address_across_two_drivers(troupe_cli_cluster):

@@ -5,7 +5,8 @@
 // other nodes send it), and serves restores: the newest step complete on every rank, from this
 // node's memory, else another node's memory or replica, else disk.
 //
-// Init args (JSON object):
+// Init args: rpc::CheckpointArgs (actors/schema/init_args.capnp), written from a JSON object with
+// these keys (troupe/actors/init_args.h):
 //   "group"      required  the group's name, [A-Za-z0-9_-]{1,64}; part of every segment name
 //   "node"       required  this node's tag, same characters; unique among the group's actors
 //   "self"                 this actor's name (as created with name=...), used by peers and to
@@ -17,6 +18,8 @@
 //   "dir"                  checkpoint directory (shared by the group's actors); "" or absent: no
 //                          persistence
 //   "keep"                 complete steps kept on disk (default 3)
+//   "file_mode"            persisted files' permission mode (default 0600; its owner must read
+//                          and write)
 //   "shm_dir"              shared-memory directory (default /dev/shm, or $TROUPE_SHM_DIR)
 //   "fault"                a fault-injection spec (checkpoint/fault.h), for tests
 //
