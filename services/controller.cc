@@ -266,6 +266,16 @@ class ControllerService final : public rpc::Controller::Server, private kj::Task
            }).ignoreResult();
   }
 
+  kj::Promise<void> groupCommand(GroupCommandContext context) override {
+    auto params = context.getParams();
+    std::string id = params.getId().cStr();
+    std::string nonce = params.getNonce().cStr();
+    GroupCommand command = valueOrThrow(fromGroupCommand(params.getCommand()));
+    if (command.timeMs <= 0) command.timeMs = wallClockMs();
+    return onIo([id, command, nonce](Controller::IoState& s) { return s.store->appendGroupCommand(id, command, nonce); })
+        .then([context](uint64_t seq) mutable { context.getResults().setSeq(seq); });
+  }
+
   kj::Promise<void> removeGroup(RemoveGroupContext context) override {
     std::string id = context.getParams().getId().cStr();
     return onIo([id](Controller::IoState& s) -> Result<bool> {

@@ -70,6 +70,9 @@ class ScanRefusingStore final : public ClusterStore {
   Status deleteKeySpace(const std::string& space) override { return inner_->deleteKeySpace(space); }
   Status putElasticGroup(const std::string& id, const std::string& doc) override { return inner_->putElasticGroup(id, doc); }
   Status appendGroupEvent(const std::string& id, const std::string& text) override { return inner_->appendGroupEvent(id, text); }
+  Result<uint64_t> appendGroupCommand(const std::string& id, const GroupCommand& command, const std::string& nonce) override {
+    return inner_->appendGroupCommand(id, command, nonce);
+  }
   Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override { return inner_->getElasticGroup(id); }
   Result<std::vector<ElasticGroupRecord>> listElasticGroups() override { return inner_->listElasticGroups(); }
   Status deleteElasticGroup(const std::string& id) override { return inner_->deleteElasticGroup(id); }

@@ -446,16 +446,42 @@ TEST_CASE("controller RPC handlers are idempotent") {
     r.setTimeMs(1234);
     return r;
   });
+  // A command sent twice with its nonce (a retry) is one command, and both calls get its seq.
+  auto commanded = twice([&]() {
+    auto r = controller.groupCommandRequest();
+    r.setId("g-twice");
+    r.initCommand().setResize(3);
+    r.setNonce("nonce-1");
+    return r;
+  });
+  CHECK(commanded.first.getSeq() == 1);
+  CHECK(commanded.second.getSeq() == 1);
   auto group = controller.getGroupRequest();
   group.setId("g-twice");
-  auto events = group.send().wait(ws).getGroup().getEvents();
+  auto reply = group.send().wait(ws);
+  auto events = reply.getGroup().getEvents();
   REQUIRE(events.size() == 1);
   CHECK(std::string(events[0].cStr()) == "1234 resized to 2");
+  auto commands = reply.getGroup().getCommands();
+  REQUIRE(commands.size() == 1);
+  CHECK(commands[0].getSeq() == 1);
+  REQUIRE(commands[0].isResize());
+  CHECK(commands[0].getResize() == 3);
+  CHECK(commands[0].getTimeMs() > 0);  // 0 sent: the controller's clock
   twice([&]() {
     auto r = controller.removeGroupRequest();
     r.setId("g-twice");
     return r;
   });
+  // A command to the removed group is refused with NOT_FOUND, not dropped.
+  auto late = controller.groupCommandRequest();
+  late.setId("g-twice");
+  late.initCommand().setStop();
+  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { late.send().wait(ws); })) {
+    CHECK(statusFromException(*e, "groupCommand").code() == StatusCode::kNotFound);
+  } else {
+    FAIL("a command to a removed group was accepted");
+  }
 }
 
 }  // namespace

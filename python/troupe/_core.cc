@@ -792,6 +792,23 @@ class Runtime {
     onLoop([this, id, text]() { return client_->groupEvent(id, text); });
   }
 
+  // Sends a command ("resize" to `workers` trainers, or "stop") to the group's coordinator;
+  // returns its seq. NotFoundError for an unknown group, InvalidArgumentError for another kind
+  // or a resize to fewer than 1 (or more than 2**32 - 1) workers.
+  uint64_t groupCommand(const std::string& id, const std::string& kind, int64_t workers) {
+    auto parsed = groupCommandKindFromName(kind);
+    if (!parsed) throw InvalidArgument(fmt::format("group command '{}': use 'resize' or 'stop'", kind));
+    GroupCommand command;
+    command.kind = *parsed;
+    if (command.kind == GroupCommand::Kind::kResize) {
+      if (workers < 1 || workers > int64_t(UINT32_MAX)) {
+        throw InvalidArgument(fmt::format("resize to {} workers: ask for at least 1", workers));
+      }
+      command.workers = static_cast<uint32_t>(workers);
+    }
+    return onLoop([this, id, command]() { return client_->groupCommand(id, command); });
+  }
+
   void removeGroup(const std::string& id) {
     onLoop([this, id]() { return client_->removeGroup(id); });
   }
@@ -815,6 +832,17 @@ class Runtime {
     d["doc"] = record.doc;
     d["events"] = record.events;
     d["epoch"] = record.epoch;
+    py::list commands;
+    for (const auto& c : record.commands) {
+      py::dict command;
+      command["seq"] = c.seq;
+      command["kind"] = groupCommandKindName(c.kind);
+      command["workers"] = c.workers;
+      command["time_ms"] = c.timeMs;
+      command["from"] = c.from;
+      commands.append(command);
+    }
+    d["commands"] = commands;
     return d;
   }
 
@@ -1202,6 +1230,7 @@ PYBIND11_MODULE(_core, m) {
       .def("remove_bundles", &Runtime::removeBundles)
       .def("put_group", &Runtime::putGroup)
       .def("group_event", &Runtime::groupEvent)
+      .def("group_command", &Runtime::groupCommand, py::arg("group_id"), py::arg("kind"), py::arg("workers") = 0)
       .def("remove_group", &Runtime::removeGroup)
       .def("group", &Runtime::group)
       .def("groups", &Runtime::groups);

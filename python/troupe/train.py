@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import re
 import shutil
@@ -401,7 +402,7 @@ class GroupCoordinator:
         self._lifetime = "detached" if detached else None
         self._last_extra: dict[str, Any] = {}
         self._stop_beat = threading.Event()
-        self._handled: set[str] = set()  # control requests (events) already acted on
+        self._handled = 0  # the highest seq of the group's commands (GroupHandle) already acted on
         if name is not None:
             found = _find_group(self._rt, name)
             if found is not None:
@@ -711,17 +712,16 @@ class GroupCoordinator:
 
         threading.Thread(target=beat, daemon=True, name=f"troupe-train-{self.name}-heartbeat").start()
 
-    def _requests(self):
-        """Control requests other drivers made since the last look (ElasticTrainer.attach)."""
+    def _commands(self):
+        """The commands other drivers sent since the last look (GroupHandle.resize / stop), oldest
+        first: the group's commands with a seq above the highest handled."""
         try:
-            events = self._rt.group(self.group_id).get("events", [])
-        except Exception:
+            commands = self._rt.group(self.group_id).get("commands", [])
+        except Exception:  # the controller is restarting: the next chunk looks again
             return []
-        out = []
-        for line in events:
-            if REQUEST in line and line not in self._handled:
-                self._handled.add(line)
-                out.append(line.split(REQUEST, 1)[1].split())
+        out = [c for c in commands if c["seq"] > self._handled]
+        if out:
+            self._handled = max(c["seq"] for c in out)
         return out
 
     # ---- Adoption: a new coordinator for a running group ----
@@ -772,7 +772,7 @@ class GroupCoordinator:
         self._tuner = _api.ActorHandle(doc["tuner"], "py:_TunerActor") if doc.get("tuner") else None
         self._lifetime = "detached"
         self.step = int(doc.get("step", 0))
-        self._handled = set(line for line in record.get("events", []) if REQUEST in line)
+        self._handled = _newest_command(record)
         t0 = time.monotonic()
         # The members finish what the dead coordinator asked of them, then every one restores
         # the newest step they all hold, as after a failure.
@@ -824,11 +824,15 @@ class GroupCoordinator:
         try:
             while self.step < target:
                 stop = False
-                for request in self._requests():
-                    if request[:1] == ["stop"]:
+                for command in self._commands():
+                    if command["kind"] == "stop":
                         stop = True
-                    elif request[:1] == ["resize"] and len(request) == 2 and request[1].isdigit():
-                        n = max(self.min_workers, min(self.max_workers, int(request[1])))
+                    elif command["kind"] == "resize":
+                        n = max(self.min_workers, min(self.max_workers, command["workers"]))
+                        if n % self._seq():  # resize() would raise here, ending fit: the sender erred
+                            self._event(f"resize to {n} trainer(s) requested by another driver ignored: not a "
+                                        f"multiple of sequence_parallel={self._seq()}")
+                            continue
                         self._event(f"resize to {n} trainer(s) requested by another driver")
                         self.resize(n)
                 if stop:
@@ -1432,7 +1436,6 @@ class ElasticTrainer(GroupCoordinator):
 
 HEARTBEAT_S = 1.0
 HEARTBEAT_STALE_S = 4.0
-REQUEST = "request: "
 
 
 def _reserve_trainers(rt: Any, name: str, workers: int, min_workers: int, seq: int) -> dict[str, Any]:
@@ -1453,6 +1456,13 @@ def _reserve_trainers(rt: Any, name: str, workers: int, min_workers: int, seq: i
         rt.remove_placement_group(pg["id"])
     raise GroupPlacementError(f"group {name} cannot be placed with at least {min_workers} trainer(s) of 1 CPU "
                               f"each: " + "; ".join(reasons))
+
+
+def _newest_command(record: dict[str, Any]) -> int:
+    """The seq of the newest command in a group's record (0: none), where an adopting coordinator
+    starts: the commands sent before are not replayed, since the dead coordinator may have
+    carried them out already (a stop replayed would end the new coordinator's fit at once)."""
+    return max((c["seq"] for c in record.get("commands", [])), default=0)
 
 
 def _find_group(rt: Any, name: str) -> dict[str, Any] | None:
@@ -1484,13 +1494,23 @@ class GroupHandle:
         doc["coordinator_alive"] = time.time() * 1000 - doc.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
         return doc
 
-    def resize(self, workers: int) -> None:
-        """Asks the coordinator to resize the group to `workers` trainers at its next chunk."""
-        self._rt.group_event(self.group_id, f"{REQUEST}resize {int(workers)}")
+    def resize(self, workers: int) -> int:
+        """Asks the coordinator to resize the group to `workers` trainers at its next chunk
+        (clamped to its [min_workers, max_workers]); returns the command's seq.
+        InvalidArgumentError unless `workers` is a positive int; NotFoundError when the group is
+        gone."""
+        try:
+            n = operator.index(workers)  # an int or a numpy integer, not a float or a string
+        except TypeError:
+            n = 0
+        if isinstance(workers, bool) or n < 1:
+            raise InvalidArgumentError(f"resize({workers!r}): the number of trainers must be a positive int")
+        return self._rt.group_command(self.group_id, "resize", n)
 
-    def stop(self) -> None:
-        """Asks the coordinator to stop training at its next chunk."""
-        self._rt.group_event(self.group_id, f"{REQUEST}stop")
+    def stop(self) -> int:
+        """Asks the coordinator to stop training at its next chunk; returns the command's seq.
+        NotFoundError when the group is gone."""
+        return self._rt.group_command(self.group_id, "stop")
 
     def wait(self, step: int | None = None, timeout: float = 60.0,
              states: tuple[str, ...] = ("STOPPED", "CLOSED")) -> dict[str, Any]:

@@ -738,11 +738,7 @@ kj::Promise<ClusterClient::Snapshot> ClusterClient::snapshot() {
       for (auto n : response.getNodes()) out.nodes.push_back(fromNodeInfo(n));
       for (auto a : response.getActors()) out.actors.push_back(fromActorInfo(a));
       for (auto g : response.getPlacementGroups()) out.placementGroups.push_back(fromPlacementGroupInfo(g));
-      for (auto g : response.getGroups()) {
-        ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
-        for (auto e : g.getEvents()) record.events.push_back(e.cStr());
-        out.groups.push_back(std::move(record));
-      }
+      for (auto g : response.getGroups()) out.groups.push_back(fromElasticGroupInfo(g));
       return out;
     });
   });
@@ -789,6 +785,21 @@ kj::Promise<void> ClusterClient::groupEvent(const std::string& id, const std::st
   });
 }
 
+kj::Promise<uint64_t> ClusterClient::groupCommand(const std::string& id, GroupCommand command) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  command.timeMs = wallClockMs();
+  command.from = fmt::format("{} pid {}", host, getpid());
+  // The nonce is chosen once: a call retried on a new connection returns the first one's seq.
+  return shared_->withController([id, command, nonce = randomHex(8)](rpc::Controller::Client& c) {
+    auto request = c.groupCommandRequest();
+    request.setId(id);
+    toGroupCommand(command, request.initCommand());
+    request.setNonce(nonce);
+    return request.send().then([](auto response) { return response.getSeq(); });
+  });
+}
+
 kj::Promise<void> ClusterClient::removeGroup(const std::string& id) {
   return shared_->withController([id](rpc::Controller::Client& c) {
     auto request = c.removeGroupRequest();
@@ -803,11 +814,7 @@ kj::Promise<std::vector<ElasticGroupRecord>> ClusterClient::listGroups() {
     request.setActors(false);
     return request.send().then([](auto response) {
       std::vector<ElasticGroupRecord> out;
-      for (auto g : response.getGroups()) {
-        ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
-        for (auto e : g.getEvents()) record.events.push_back(e.cStr());
-        out.push_back(std::move(record));
-      }
+      for (auto g : response.getGroups()) out.push_back(fromElasticGroupInfo(g));
       return out;
     });
   });
@@ -819,10 +826,7 @@ kj::Promise<std::optional<ElasticGroupRecord>> ClusterClient::group(const std::s
     request.setId(id);
     return request.send().then([](auto response) -> std::optional<ElasticGroupRecord> {
       if (!response.getFound()) return std::nullopt;
-      auto g = response.getGroup();
-      ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
-      for (auto e : g.getEvents()) record.events.push_back(e.cStr());
-      return record;
+      return fromElasticGroupInfo(response.getGroup());
     });
   });
 }

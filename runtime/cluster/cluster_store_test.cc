@@ -1503,6 +1503,89 @@ TEST_CASE("elastic groups: document, capped events, epoch, delete") {
   CHECK(store->putElasticGroup("", "{}").code() == StatusCode::kInvalidArgument);
 }
 
+GroupCommand resizeCommand(uint32_t workers, std::string from = "host-a pid 7") {
+  GroupCommand c;
+  c.kind = GroupCommand::Kind::kResize;
+  c.workers = workers;
+  c.timeMs = 1700000000123;
+  c.from = std::move(from);
+  return c;
+}
+
+GroupCommand stopCommand() {
+  GroupCommand c;
+  c.kind = GroupCommand::Kind::kStop;
+  c.timeMs = 1700000000456;
+  c.from = "host-b pid 8";
+  return c;
+}
+
+std::vector<uint64_t> commandSeqs(ClusterStore& store, const std::string& id) {
+  auto group = store.getElasticGroup(id);
+  REQUIRE(group.isOk());
+  REQUIRE(group->has_value());
+  std::vector<uint64_t> seqs;
+  for (const auto& c : (*group)->commands) seqs.push_back(c.seq);
+  return seqs;
+}
+
+TEST_CASE("elastic groups: commands are typed, numbered, kept once per retry, capped and deleted with the group") {
+  Backend backend;
+  auto store = backend.open();
+  // A command to a group that does not exist is refused, not dropped: its sender must learn.
+  auto unknown = store->appendGroupCommand("gc", resizeCommand(2), "n0");
+  REQUIRE_FALSE(unknown.isOk());
+  CHECK(unknown.status().code() == StatusCode::kNotFound);
+  CHECK(unknown.status().message().find("'gc'") != std::string::npos);
+
+  REQUIRE(store->putElasticGroup("gc", "{}").isOk());
+  CHECK(*store->appendGroupCommand("gc", resizeCommand(3, "h\"ost\" \xc3\xa9 pid 1"), "n1") == 1);
+  CHECK(*store->appendGroupCommand("gc", stopCommand(), "n2") == 2);
+  CHECK(*store->appendGroupCommand("gc", resizeCommand(3), "n1") == 1);  // a retry of the first: kept once
+  CHECK(*store->appendGroupCommand("gc", stopCommand(), "") == 3);       // without a nonce every call is one
+  CHECK(*store->appendGroupCommand("gc", stopCommand(), "") == 4);
+  auto group = store->getElasticGroup("gc");
+  REQUIRE(group.isOk());
+  REQUIRE((*group)->commands.size() == 4);
+  const GroupCommand& first = (*group)->commands[0];
+  CHECK(first.seq == 1);
+  CHECK(first.kind == GroupCommand::Kind::kResize);
+  CHECK(first.workers == 3);
+  CHECK(first.timeMs == 1700000000123);
+  CHECK(first.from == "h\"ost\" \xc3\xa9 pid 1");
+  const GroupCommand& second = (*group)->commands[1];
+  CHECK(second.seq == 2);
+  CHECK(second.kind == GroupCommand::Kind::kStop);
+  CHECK(second.workers == 0);
+  CHECK(second.from == "host-b pid 8");
+  CHECK((*group)->events.empty());  // commands are not events
+  auto listed = store->listElasticGroups();
+  REQUIRE(listed.isOk());
+  REQUIRE(listed->size() == 1);
+  CHECK((*listed)[0].commands.size() == 4);
+
+  CHECK(store->appendGroupCommand("gc", resizeCommand(0), "").status().code() == StatusCode::kInvalidArgument);
+  CHECK(store->appendGroupCommand("", stopCommand(), "").status().code() == StatusCode::kInvalidArgument);
+  CHECK(commandSeqs(*store, "gc").size() == 4);
+
+  // The newest kMaxGroupCommands are kept; the seq goes on past the trimmed ones.
+  for (int i = 0; i < kMaxGroupCommands; ++i) {
+    REQUIRE(store->appendGroupCommand("gc", resizeCommand(static_cast<uint32_t>(i + 1)), fmt::format("m{}", i)).isOk());
+  }
+  auto seqs = commandSeqs(*store, "gc");
+  REQUIRE(seqs.size() == size_t(kMaxGroupCommands));
+  CHECK(seqs.front() == 5);
+  CHECK(seqs.back() == uint64_t(kMaxGroupCommands) + 4);
+  for (size_t i = 1; i < seqs.size(); ++i) CHECK(seqs[i] == seqs[i - 1] + 1);
+  CHECK(*store->appendGroupCommand("gc", stopCommand(), "n1") == uint64_t(kMaxGroupCommands) + 5);  // n1 was trimmed
+
+  REQUIRE(store->deleteElasticGroup("gc").isOk());
+  CHECK(store->appendGroupCommand("gc", stopCommand(), "late").status().code() == StatusCode::kNotFound);
+  REQUIRE(store->putElasticGroup("gc", "{}").isOk());  // the id made again has none of the old commands
+  CHECK(commandSeqs(*store, "gc").empty());
+  CHECK(*store->appendGroupCommand("gc", stopCommand(), "n9") == 1);
+}
+
 TEST_CASE("group epoch watch: interrupt wakes a blocked next() at once") {
   Backend backend;
   auto store = backend.open();
@@ -1838,6 +1921,45 @@ TEST_CASE("redis store: a heartbeat asks no INFO, and a reap reads only the node
   // A whole walk would be 200 node reads per reap; the index leaves the one due node, a few times.
   CHECK(commandCalls(admin.get(), {"cmdstat_hget:", "cmdstat_hmget:", "cmdstat_exists:"}) <= 4 * reaps + 20);
   CHECK(mustGet(**store, nodes[1].id).state == NodeState::kAlive);
+}
+
+TEST_CASE("redis store: a group's command written by another version or by hand is refused, not misread") {
+  testing::RedisServerProcess server;
+  auto store = connectRedisStore(server.options("test"));
+  REQUIRE(store.isOk());
+  ContextPtr admin = rawConnect(server);
+  REQUIRE(rawCommand(admin.get(), {"AUTH", server.password()})->type != REDIS_REPLY_ERROR);
+  const std::string key = "troupe:test:egroup_commands:g";
+  for (const std::string bad :
+       {"not json", R"({"seq":0,"time_ms":1,"from":"x","kind":"stop","workers":0})",
+        R"({"seq":-2,"time_ms":1,"from":"x","kind":"stop","workers":0})",
+        R"({"seq":1,"time_ms":1,"from":"x","kind":"resize","workers":0})",
+        R"({"seq":1,"time_ms":1,"from":"x","kind":"resize","workers":4294967296})",
+        R"({"seq":1,"time_ms":1,"from":"x","kind":"resize","workers":-1})",
+        R"({"seq":1,"time_ms":1,"from":"x","kind":"grow","workers":1})",
+        R"({"seq":1,"time_ms":"soon","from":"x","kind":"stop","workers":0})",
+        R"({"seq":1,"time_ms":1,"kind":"stop","workers":0})"}) {
+    CAPTURE(bad);
+    REQUIRE((*store)->putElasticGroup("g", "{}").isOk());
+    REQUIRE(rawCommand(admin.get(), {"RPUSH", key, bad})->type == REDIS_REPLY_INTEGER);
+    auto group = (*store)->getElasticGroup("g");
+    REQUIRE_FALSE(group.isOk());
+    CHECK(group.status().code() == StatusCode::kInternal);
+    CHECK(group.status().message().find(key) != std::string::npos);
+    REQUIRE((*store)->deleteElasticGroup("g").isOk());
+  }
+  // Seqs out of order are as wrong as a bad field.
+  REQUIRE((*store)->putElasticGroup("g", "{}").isOk());
+  for (const char* seq : {"2", "2"}) {
+    REQUIRE(rawCommand(admin.get(), {"RPUSH", key, fmt::format(R"({{"seq":{},"time_ms":1,"from":"x","kind":"stop"}})", seq)})
+                ->type == REDIS_REPLY_INTEGER);
+  }
+  auto repeated = (*store)->getElasticGroup("g");
+  REQUIRE_FALSE(repeated.isOk());
+  CHECK(repeated.status().message().find("command 2 follows command 2") != std::string::npos);
+  // The script reads the kept commands too: one it cannot read fails the append, never numbers it 1.
+  REQUIRE(rawCommand(admin.get(), {"RPUSH", key, "not json"})->type == REDIS_REPLY_INTEGER);
+  CHECK_FALSE((*store)->appendGroupCommand("g", stopCommand(), "").isOk());
 }
 
 TEST_CASE("redis store: the nodes behind a store gateway that went quiet are not reaped, and get a TTL after it beats") {

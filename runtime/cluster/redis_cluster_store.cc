@@ -47,6 +47,9 @@
 //   P egroups          zset  elastic group ids scored by created_ms
 //   P egroup:<id>      string: the group's JSON document, written by its driver
 //   P egroup_events:<id> list of event lines, the newest kMaxGroupEvents
+//   P egroup_commands:<id> list of drivers' commands to the group's coordinator, the newest
+//                             kMaxGroupCommands, oldest first: JSON {seq, nonce, time_ms, from,
+//                             kind, workers}
 //   P kv:<space>       hash  key -> value: a key space (setKey, ...; a torch.distributed store's
 //                             keys), PEXPIRE'd by every write; a group's epoch has the space
 //                             "<group>:<epoch>" (groupKeySpace), deleted with the elastic group
@@ -871,16 +874,61 @@ return 1
     return reply ? Status::ok() : reply.status();
   }
 
+  Result<uint64_t> appendGroupCommand(const std::string& id, const GroupCommand& command,
+                                      const std::string& nonce) override {
+    TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
+    if (command.kind == GroupCommand::Kind::kResize && command.workers == 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("group '{}': a resize to 0 workers; ask for at least 1 (or stop the group)", id));
+    }
+    // Without the caller's nonce this call's own guards the connection's one retry.
+    const std::string once = nonce.empty() ? fmt::format("{}:{}", addIdPrefix_, ++adds_) : nonce;
+    auto reply = connection_.run({"EVAL", kAppendGroupCommandScript, "2", elasticKey(id), elasticCommandsKey(id),
+                                  store_records::groupCommandJson(command, once), once,
+                                  std::to_string(kMaxGroupCommands)},
+                                 "appendGroupCommand");
+    if (!reply) return reply.status();
+    const redisReply& r = **reply;
+    if (r.type != REDIS_REPLY_ARRAY || r.elements != 2 || r.element[0]->type != REDIS_REPLY_INTEGER) {
+      return unexpected("appendGroupCommand", r);
+    }
+    if (r.element[0]->integer == 0) {
+      return Status(StatusCode::kNotFound,
+                    fmt::format("no elastic group '{}' (removed, or never made): its {} command was not sent", id,
+                                groupCommandKindName(command.kind)));
+    }
+    uint64_t seq = 0;
+    const std::string text = replyText(*r.element[1]);
+    if (!parseInteger(text, seq) || seq == 0) {
+      return malformed(elasticCommandsKey(id), fmt::format("the newest command's seq '{}' is not a positive integer",
+                                                           text.substr(0, 64)));
+    }
+    return seq;
+  }
+
   Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
     auto doc = connection_.run({"GET", elasticKey(id)}, "getElasticGroup");
     if (!doc) return doc.status();
     if ((*doc)->type == REDIS_REPLY_NIL) return std::optional<ElasticGroupRecord>();
-    ElasticGroupRecord record{id, replyText(**doc), {}, 0};
+    ElasticGroupRecord record{id, replyText(**doc), {}, 0, {}};
     auto events = connection_.run({"LRANGE", elasticEventsKey(id), "0", "-1"}, "getElasticGroup");
     if (!events) return events.status();
     if ((*events)->type == REDIS_REPLY_ARRAY) {
       for (size_t i = 0; i < (*events)->elements; ++i) record.events.push_back(replyText(*(*events)->element[i]));
+    }
+    auto commands = connection_.run({"LRANGE", elasticCommandsKey(id), "0", "-1"}, "getElasticGroup");
+    if (!commands) return commands.status();
+    if ((*commands)->type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < (*commands)->elements; ++i) {
+        auto command = store_records::decodeGroupCommand(replyText(*(*commands)->element[i]), elasticCommandsKey(id));
+        if (!command) return command.status();
+        if (!record.commands.empty() && command->seq <= record.commands.back().seq) {
+          return malformed(elasticCommandsKey(id), fmt::format("command {} follows command {}", command->seq,
+                                                               record.commands.back().seq));
+        }
+        record.commands.push_back(std::move(*command));
+      }
     }
     auto epoch = groupEpoch(id);
     if (!epoch) return epoch.status();
@@ -903,8 +951,9 @@ return 1
 
   Status deleteElasticGroup(const std::string& id) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
-    auto reply = connection_.run({"EVAL", kDeleteElasticGroupScript, "4", elasticKey(id), elasticEventsKey(id),
-                                  elasticListKey(), groupEpochKey(id), id, prefix_ + "rendezvous:" + id + ":",
+    auto reply = connection_.run({"EVAL", kDeleteElasticGroupScript, "5", elasticKey(id), elasticEventsKey(id),
+                                  elasticListKey(), groupEpochKey(id), elasticCommandsKey(id), id,
+                                  prefix_ + "rendezvous:" + id + ":",
                                   // groupKeySpace(id, e) is "<id>:<e>"
                                   keySpaceKey(id + ":"), keySpaceAddsKey(id + ":")},
                                  "deleteElasticGroup");
@@ -915,6 +964,7 @@ return 1
   std::string elasticListKey() const { return prefix_ + "egroups"; }
   std::string elasticKey(const std::string& id) const { return prefix_ + "egroup:" + id; }
   std::string elasticEventsKey(const std::string& id) const { return prefix_ + "egroup_events:" + id; }
+  std::string elasticCommandsKey(const std::string& id) const { return prefix_ + "egroup_commands:" + id; }
 
   std::string groupEpochKey(const std::string& group) const {
     return prefix_ + "group_epoch:" + group;

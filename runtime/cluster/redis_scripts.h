@@ -641,13 +641,33 @@ redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
 return 1
 )lua";
 
-// KEYS: document, events, groups zset, epoch. ARGV: id, the rendezvous key prefix, the key
+// KEYS: the group's document, its commands list. ARGV: the command as a JSON object without its
+// seq (store_records::groupCommandJson), its nonce ('' for none), how many to keep. Returns
+// {1, seq} (the seq as text), or {0, ''} for an unknown group. The seq is one more than the
+// newest kept command's; a command whose nonce is one kept already is a retry: its seq is
+// returned and nothing appended. The seq is prepended as text ('%d'), so no number of the
+// caller's passes through Lua's doubles.
+inline constexpr const char* kAppendGroupCommandScript = R"lua(
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
+local newest = 0
+for _, line in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+  local command = cjson.decode(line)
+  if ARGV[2] ~= '' and command.nonce == ARGV[2] then return {1, string.format('%d', command.seq)} end
+  newest = command.seq
+end
+local seq = string.format('%d', newest + 1)
+redis.call('RPUSH', KEYS[2], '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2))
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[3]), -1)
+return {1, seq}
+)lua";
+
+// KEYS: document, events, groups zset, epoch, commands. ARGV: id, the rendezvous key prefix, the key
 // space prefixes (values, adds done) of its epochs (the rendezvous and the key space of each
 // epoch up to the current one are deleted; they expire anyway).
 inline constexpr const char* kDeleteElasticGroupScript = R"lua(
 local epoch = tonumber(redis.call('GET', KEYS[4]) or '0')
 for e = 0, epoch do redis.call('DEL', ARGV[2] .. e, ARGV[3] .. e, ARGV[4] .. e) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 )lua";

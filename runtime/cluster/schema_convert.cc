@@ -1,5 +1,7 @@
 #include "troupe/runtime/schema_convert.h"
 
+#include <fmt/format.h>
+
 namespace troupe {
 
 void toResources(const Resources& r, capnp::List<rpc::Resource>::Builder out) {
@@ -99,12 +101,57 @@ ActorRecord fromActorInfo(rpc::ActorInfo::Reader in) {
   return a;
 }
 
+void toGroupCommand(const GroupCommand& c, rpc::GroupCommand::Builder out) {
+  out.setSeq(c.seq);
+  out.setTimeMs(c.timeMs);
+  out.setFrom(c.from);
+  switch (c.kind) {
+    case GroupCommand::Kind::kResize: out.setResize(c.workers); break;
+    case GroupCommand::Kind::kStop: out.setStop(); break;
+  }
+}
+
+Result<GroupCommand> fromGroupCommand(rpc::GroupCommand::Reader in) {
+  GroupCommand c;
+  c.seq = in.getSeq();
+  c.timeMs = in.getTimeMs();
+  c.from = in.getFrom().cStr();
+  switch (in.which()) {
+    case rpc::GroupCommand::RESIZE:
+      c.kind = GroupCommand::Kind::kResize;
+      c.workers = in.getResize();
+      return c;
+    case rpc::GroupCommand::STOP:
+      c.kind = GroupCommand::Kind::kStop;
+      return c;
+  }
+  // A newer peer's command this build does not know.
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("group command of unknown kind {}: is the sender a newer Troupe version?",
+                            static_cast<unsigned>(in.which())));
+}
+
 void toElasticGroupInfo(const ElasticGroupRecord& g, rpc::ElasticGroupInfo::Builder out) {
   out.setId(g.id);
   out.setDoc(g.doc);
   out.setEpoch(g.epoch);
   auto events = out.initEvents(static_cast<unsigned>(g.events.size()));
   for (unsigned i = 0; i < g.events.size(); ++i) events.set(i, g.events[i]);
+  auto commands = out.initCommands(static_cast<unsigned>(g.commands.size()));
+  for (unsigned i = 0; i < g.commands.size(); ++i) toGroupCommand(g.commands[i], commands[i]);
+}
+
+ElasticGroupRecord fromElasticGroupInfo(rpc::ElasticGroupInfo::Reader in) {
+  ElasticGroupRecord g;
+  g.id = in.getId().cStr();
+  g.doc = in.getDoc().cStr();
+  g.epoch = in.getEpoch();
+  for (auto e : in.getEvents()) g.events.push_back(e.cStr());
+  for (auto c : in.getCommands()) {
+    auto command = fromGroupCommand(c);
+    if (command) g.commands.push_back(std::move(*command));  // one of a kind this build does not know: not shown
+  }
+  return g;
 }
 
 void toPlacementGroupInfo(const PlacementGroupRecord& g, rpc::PlacementGroupInfo::Builder out) {

@@ -75,6 +75,21 @@ const char* placementGroupStateName(PlacementGroupState state) {
   return "UNKNOWN";
 }
 
+const char* groupCommandKindName(GroupCommand::Kind kind) {
+  switch (kind) {
+    case GroupCommand::Kind::kResize: return "resize";
+    case GroupCommand::Kind::kStop: return "stop";
+  }
+  return "unknown";
+}
+
+std::optional<GroupCommand::Kind> groupCommandKindFromName(const std::string& name) {
+  for (GroupCommand::Kind kind : {GroupCommand::Kind::kResize, GroupCommand::Kind::kStop}) {
+    if (name == groupCommandKindName(kind)) return kind;
+  }
+  return std::nullopt;
+}
+
 namespace store_records {
 
 using json = nlohmann::json;
@@ -132,6 +147,49 @@ std::vector<Bundle> parseBundlesJson(const std::string& text) {
                              NodeId(item.at("node_id").get<std::string>())});
   }
   return bundles;
+}
+
+std::string groupCommandJson(const GroupCommand& command, const std::string& nonce) {
+  json out{{"nonce", nonce},
+           {"time_ms", command.timeMs},
+           {"from", command.from},
+           {"kind", groupCommandKindName(command.kind)},
+           {"workers", command.kind == GroupCommand::Kind::kResize ? command.workers : 0}};
+  // A host name is not promised to be UTF-8: replace what is not instead of throwing.
+  return out.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+Result<GroupCommand> decodeGroupCommand(const std::string& text, const std::string& key) {
+  json c = json::parse(text, nullptr, false);
+  if (!c.is_object()) return malformed(key, "a command is not a JSON object");
+  GroupCommand command;
+  auto seq = c.find("seq");
+  if (seq == c.end() || !seq->is_number_unsigned() || seq->get<uint64_t>() == 0) {
+    return malformed(key, fmt::format("a command's seq is not a positive integer: {}", text.substr(0, 200)));
+  }
+  command.seq = seq->get<uint64_t>();
+  auto time = c.find("time_ms");
+  auto millis = time == c.end() ? std::nullopt : millisOf(*time);
+  if (!millis) return malformed(key, fmt::format("command {} has no time_ms", command.seq));
+  command.timeMs = *millis;
+  auto from = c.find("from");
+  if (from == c.end() || !from->is_string()) return malformed(key, fmt::format("command {} has no sender", command.seq));
+  command.from = from->get<std::string>();
+  auto kindName = c.find("kind");
+  auto kind = kindName != c.end() && kindName->is_string() ? groupCommandKindFromName(kindName->get<std::string>())
+                                                           : std::nullopt;
+  if (!kind) return malformed(key, fmt::format("command {} is neither resize nor stop", command.seq));
+  command.kind = *kind;
+  if (command.kind == GroupCommand::Kind::kResize) {
+    auto workers = c.find("workers");
+    if (workers == c.end() || !workers->is_number_unsigned() || workers->get<uint64_t>() == 0 ||
+        workers->get<uint64_t>() > UINT32_MAX) {
+      return malformed(key, fmt::format("command {} resizes to no number of workers in [1, {}]", command.seq,
+                                        UINT32_MAX));
+    }
+    command.workers = static_cast<uint32_t>(workers->get<uint64_t>());
+  }
+  return command;
 }
 
 std::string eventMessage(ClusterEventType type, const NodeId& id, const std::string& reason,

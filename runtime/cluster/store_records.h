@@ -35,6 +35,13 @@ std::string bundlesJson(const std::vector<Bundle>& bundles);
 // Throws json::exception when `text` is not an array of {"resources": {...}, "node_id": "..."}.
 std::vector<Bundle> parseBundlesJson(const std::string& text);
 
+// An elastic group's command as the append-command script takes it: a JSON object of its nonce,
+// time_ms, from, kind and workers, to which the script prepends the seq it assigns.
+std::string groupCommandJson(const GroupCommand& command, const std::string& nonce);
+// A command as the script stored it (read at `key`, named in errors); malformed() when a field
+// is missing, of another type or out of range (a resize to 0 or more than UINT32_MAX workers).
+Result<GroupCommand> decodeGroupCommand(const std::string& text, const std::string& key);
+
 // A NODE_ADDED / NODE_DEAD message on the events channel, and back; nullopt for anything else.
 std::string eventMessage(ClusterEventType type, const NodeId& id, const std::string& reason, int64_t timeMs);
 std::optional<ClusterEvent> parseEventMessage(const std::string& text);

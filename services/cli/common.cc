@@ -90,11 +90,7 @@ Result<ClusterSnapshot> fetchStatus(kj::AsyncIoContext& io, const ClusterTarget&
     snap.actorsMatching = response.getActorsMatching();
     for (auto c : response.getActorCounts()) snap.actorCounts[c.getState().cStr()] = c.getCount();
     for (auto group : response.getPlacementGroups()) snap.placementGroups.push_back(fromPlacementGroupInfo(group));
-    for (auto g : response.getGroups()) {
-      ElasticGroupRecord record{g.getId().cStr(), g.getDoc().cStr(), {}, g.getEpoch()};
-      for (auto e : g.getEvents()) record.events.push_back(e.cStr());
-      snap.groups.push_back(std::move(record));
-    }
+    for (auto g : response.getGroups()) snap.groups.push_back(fromElasticGroupInfo(g));
   })) {
     Status s = statusFromException(*e, "");
     return Status(s.code(), fmt::format("{}; is the cluster running? ('troupe start --head' starts one)",

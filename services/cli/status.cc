@@ -69,7 +69,7 @@ nlohmann::json toJson(const PlacementGroupRecord& g) {
 }
 
 // The driver's document (world_size, step, members, samples_per_s, ...) with the controller's
-// epoch and the events ("<wall ms> <text>") as {"time_ms", "text"}.
+// epoch, the events ("<wall ms> <text>") as {"time_ms", "text"} and the drivers' commands.
 nlohmann::json toJson(const ElasticGroupRecord& g) {
   nlohmann::json out = nlohmann::json::parse(g.doc, nullptr, false);
   if (!out.is_object()) out = {{"doc_error", "the driver's document is not a JSON object"}};
@@ -87,6 +87,12 @@ nlohmann::json toJson(const ElasticGroupRecord& g) {
     events.push_back({{"time_ms", ms}, {"text", space == std::string::npos ? e : e.substr(space + 1)}});
   }
   out["events"] = events;
+  nlohmann::json commands = nlohmann::json::array();
+  for (const auto& c : g.commands) {
+    commands.push_back({{"seq", c.seq}, {"kind", groupCommandKindName(c.kind)}, {"workers", c.workers},
+                        {"time_ms", c.timeMs}, {"from", c.from}});
+  }
+  out["commands"] = commands;
   for (const char* key : {"world_size", "step"}) {
     if (!out.contains(key)) out[key] = 0;
   }
@@ -268,6 +274,12 @@ int statusCommand(const StatusFlags& flags) {
       std::cout << fmt::format("  straggler: rank {} (Trainer {}) {:.3f} s compute per step, {:.1f}x the others' median\n",
                                s.value("rank", -1), s.value("trainer", std::string("?")), s.value("compute_s", 0.0),
                                s.value("ratio", 0.0));
+    }
+    if (!record.commands.empty()) {
+      const GroupCommand& c = record.commands.back();
+      std::cout << fmt::format("  last command: #{} {} from {} ({})\n", c.seq,
+                               c.kind == GroupCommand::Kind::kResize ? fmt::format("resize to {}", c.workers) : "stop",
+                               displayText(c.from), ago(c.timeMs));
     }
     auto& events = g["events"];
     size_t from = events.size() > 5 ? events.size() - 5 : 0;

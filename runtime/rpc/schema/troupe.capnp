@@ -92,6 +92,20 @@ struct ElasticGroupInfo {
   doc @1 :Text;              # JSON object written by the driver: members, world size, step, ...
   events @2 :List(Text);     # "<wall ms> <text>", oldest first
   epoch @3 :Int64;
+  commands @4 :List(GroupCommand);  # the newest commands drivers sent it, oldest first
+}
+
+# A driver's command to an elastic group's coordinator (GroupHandle.resize / stop), kept with
+# the group until it is removed (the newest ClusterStore kMaxGroupCommands). The coordinator
+# carries out those with a seq above the highest it has handled, at its next chunk.
+struct GroupCommand {
+  seq @0 :UInt64;            # assigned by the store: 1, 2, ... per group (ignored when sent)
+  timeMs @1 :Int64;          # the sender's wall clock (0 when sent: the controller's)
+  from @2 :Text;             # who sent it: "<host> pid <pid>"
+  union {
+    resize @3 :UInt32;       # to this many trainers (at least 1)
+    stop @4 :Void;           # stop training
+  }
 }
 
 # How a worker process ended, as its node agent saw it.
@@ -168,6 +182,11 @@ interface Controller {
   # at once, instead of waiting for their sockets to notice. Returns no ids on timeout.
   watchNodeDeaths @20 (instance :UInt64, after :UInt64, timeoutMs :UInt32)
       -> (instance :UInt64, next :UInt64, nodes :List(Text));
+  # Sends a command to an elastic group's coordinator: the store appends it to the group's
+  # commands with the next seq, which is returned. `nonce` (chosen once by the caller; "" for
+  # none) makes a retry return the first call's seq instead of appending the command again.
+  # NOT_FOUND for an unknown (or removed) group; INVALID_ARGUMENT for a resize to 0 trainers.
+  groupCommand @21 (id :Text, command :GroupCommand, nonce :Text) -> (seq :UInt64);
 }
 
 interface Session {}

@@ -139,6 +139,10 @@ class ClusterClient {
   // id is its placement group's. group() resolves to nullopt for an unknown group.
   kj::Promise<void> putGroup(const std::string& id, const std::string& doc);
   kj::Promise<void> groupEvent(const std::string& id, const std::string& text);
+  // Sends `command` (its kind and workers; the time and sender are filled in here) to the
+  // group's coordinator (troupe.capnp: groupCommand) and resolves to its seq. Rejected with
+  // NOT_FOUND for an unknown group, INVALID_ARGUMENT for a resize to 0 workers.
+  kj::Promise<uint64_t> groupCommand(const std::string& id, GroupCommand command);
   kj::Promise<void> removeGroup(const std::string& id);
   kj::Promise<std::optional<ElasticGroupRecord>> group(const std::string& id);
   kj::Promise<std::vector<ElasticGroupRecord>> listGroups();

@@ -152,14 +152,29 @@ struct PendingWork {
   std::vector<ActorRecord> actors;
 };
 
+// A driver's command to an elastic group's coordinator (ElasticGroupStore::appendGroupCommand).
+struct GroupCommand {
+  enum class Kind { kResize, kStop };
+  uint64_t seq = 0;      // assigned by the store: 1, 2, ... per group
+  int64_t timeMs = 0;    // the sender's wall clock
+  std::string from;      // who sent it ("<host> pid <pid>")
+  Kind kind = Kind::kStop;
+  uint32_t workers = 0;  // kResize: the trainers wanted (at least 1); 0 otherwise
+};
+const char* groupCommandKindName(GroupCommand::Kind kind);  // "resize" / "stop"
+// The kind a name from groupCommandKindName() stands for; nullopt for any other text.
+std::optional<GroupCommand::Kind> groupCommandKindFromName(const std::string& name);
+
 // An elastic training group as its driver describes it, with its recent events and epoch.
 struct ElasticGroupRecord {
   std::string id;                   // also the id of its placement group and collective group
   std::string doc;                  // a JSON object written by the driver (members, step, ...)
   std::vector<std::string> events;  // oldest first, at most kMaxGroupEvents
   int64_t epoch = 0;                // the collective epoch (groupEpoch(id))
+  std::vector<GroupCommand> commands;  // oldest first (ascending seq), at most kMaxGroupCommands
 };
 constexpr int kMaxGroupEvents = 50;
+constexpr int kMaxGroupCommands = 50;
 
 enum class ClusterEventType { kNodeAdded, kNodeDead };
 const char* clusterEventTypeName(ClusterEventType type);  // "NODE_ADDED" / "NODE_DEAD"
@@ -373,9 +388,17 @@ class ElasticGroupStore {
   // ignored (an event may race with the group's removal). A line equal to one of the newest 32
   // is not appended again: a retried call (same "<ms> text") adds it once.
   virtual Status appendGroupEvent(const std::string& id, const std::string& text) = 0;
+  // Appends a command to the group's commands (kept: the newest kMaxGroupCommands) and returns
+  // its seq, one more than the newest command's (the first is 1); command.seq is ignored. A
+  // call with the nonce of a command still kept is a retry: it returns that command's seq and
+  // appends nothing ("" for no nonce: every call appends). kNotFound for an unknown group (a
+  // command must not vanish unseen); kInvalidArgument for an empty id or a resize to 0 workers.
+  virtual Result<uint64_t> appendGroupCommand(const std::string& id, const GroupCommand& command,
+                                              const std::string& nonce) = 0;
   virtual Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) = 0;
   virtual Result<std::vector<ElasticGroupRecord>> listElasticGroups() = 0;
-  // Forgets the group: its document, events, epoch and rendezvous. Unknown ids are ignored.
+  // Forgets the group: its document, events, commands, epoch and rendezvous. Unknown ids are
+  // ignored.
   virtual Status deleteElasticGroup(const std::string& id) = 0;
 };
 

@@ -19,6 +19,11 @@ ActorRecord fromActorInfo(rpc::ActorInfo::Reader in);
 
 void toPlacementGroupInfo(const PlacementGroupRecord& group, rpc::PlacementGroupInfo::Builder out);
 void toElasticGroupInfo(const ElasticGroupRecord& group, rpc::ElasticGroupInfo::Builder out);
+// Leaves out a command of a kind this build does not know (sent by a newer version).
+ElasticGroupRecord fromElasticGroupInfo(rpc::ElasticGroupInfo::Reader in);
+void toGroupCommand(const GroupCommand& command, rpc::GroupCommand::Builder out);
+// kInvalidArgument for a command of a kind this build does not know.
+Result<GroupCommand> fromGroupCommand(rpc::GroupCommand::Reader in);
 PlacementGroupRecord fromPlacementGroupInfo(rpc::PlacementGroupInfo::Reader in);
 
 }  // namespace troupe
