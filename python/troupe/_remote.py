@@ -328,8 +328,12 @@ def remote(*args: Any, **options: Any) -> Any:
     return wrap
 
 
-def cpp_actor(type_name: str, init_args: bytes | str = b"", **options: Any) -> ActorHandle:
-    """Starts a built-in C++ actor (e.g. "Counter", "Echo"); its methods take and return bytes."""
+def cpp_actor(type_name: str, init_args: bytes | str | Mapping[str, Any] = b"", **options: Any) -> ActorHandle:
+    """Starts a built-in C++ actor (e.g. "Counter", "Echo"); its methods take and return bytes.
+    The init args of Trainer, Dataloader, Checkpoint, Counter and Crasher are a dict, or its
+    JSON text, checked here against their struct in actors/schema/init_args.capnp (an unknown
+    key or a wrong value raises InvalidArgumentError before anything starts); other types take
+    bytes as they are."""
     _check_options(options)
     if "num_cpus" not in options:
         options["num_cpus"] = 1  # C++ actors keep holding a CPU by default (the training actors)

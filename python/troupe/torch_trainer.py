@@ -63,7 +63,7 @@ from typing import Any, Callable, cast
 from . import _api, _typed
 from . import checkpoint as _ckpt
 from .exceptions import ActorDiedError, ActorError, ArgumentTypeError, InvalidArgumentError, TroupeError
-from .train import (CheckpointConfig, FailureConfig, GroupCoordinator, ScalingConfig, _configs, _data_spec)
+from ._group import (CheckpointConfig, FailureConfig, GroupCoordinator, ScalingConfig, _configs, _data_spec)
 
 __all__ = ["GroupChanged", "TorchContext", "TorchTrainer", "TrainLoopError"]
 

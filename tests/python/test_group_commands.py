@@ -91,7 +91,7 @@ def test_a_command_to_a_removed_or_unknown_group_raises_not_found(cluster):
 def test_the_coordinator_takes_each_new_command_once_and_an_adopter_skips_the_old(cluster):
     """GroupCoordinator._commands: what fit() acts on at each chunk boundary; the highest seq
     present at adoption is where an adopting coordinator starts (as _adopt sets it)."""
-    from troupe.train import GroupCoordinator, GroupHandle, _newest_command
+    from troupe._group import GroupCoordinator, GroupHandle, _newest_command
 
     rt = troupe._api.runtime()
     group_id = make_group(rt, "coordinated")

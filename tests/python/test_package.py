@@ -10,7 +10,7 @@ import pytest
 from troupe_testing import BUILD, PYTHON_PACKAGE, import_troupe
 
 troupe = import_troupe()
-from troupe import train  # noqa: E402 (after the build's package is on sys.path)
+from troupe import _group, train  # noqa: E402 (after the build's package is on sys.path)
 from troupe.exceptions import ResourceExhaustedError, UnavailableError  # noqa: E402
 from troupe.train import (CheckpointConfig, ElasticTrainer, FailureConfig, GroupPlacementError,  # noqa: E402
                           ScalingConfig)
@@ -85,15 +85,15 @@ KEYWORDS = dict(min_workers=2, max_workers=4, workers=2, threads_per_worker=2, s
 
 
 def test_configs_and_keywords_give_the_same_settings():
-    by_keyword = train._configs(None, None, {"dir": "/tmp/c", "persist_every": 5}, KEYWORDS)
-    by_config = train._configs(
+    by_keyword = _group._configs(None, None, {"dir": "/tmp/c", "persist_every": 5}, KEYWORDS)
+    by_config = _group._configs(
         ScalingConfig(min_workers=2, max_workers=4, workers=2, threads_per_worker=2, sequence_parallel=2, zero=1,
                       tuner={"warmup_chunks": 2}),
         FailureConfig(recovery_timeout=12.0, replace_timeout=3.0, hang_timeout=40.0),
         CheckpointConfig(dir="/tmp/c", persist_every=5), {})
     assert by_keyword == by_config
     # Nothing given: the configs' defaults, which are the keywords' old defaults.
-    assert train._configs(None, None, None, {}) == (ScalingConfig(min_workers=1, max_workers=2, threads_per_worker=1,
+    assert _group._configs(None, None, None, {}) == (ScalingConfig(min_workers=1, max_workers=2, threads_per_worker=1,
                                                                   sequence_parallel=1, zero=0, tuner=False),
                                                     FailureConfig(recovery_timeout=30.0, replace_timeout=10.0,
                                                                   hang_timeout=120.0),
@@ -101,7 +101,7 @@ def test_configs_and_keywords_give_the_same_settings():
 
 
 def test_a_config_may_be_completed_by_the_keywords_of_the_other_config():
-    scaling, failure, _ = train._configs(ScalingConfig(max_workers=3), None, None, {"hang_timeout": 5.0})
+    scaling, failure, _ = _group._configs(ScalingConfig(max_workers=3), None, None, {"hang_timeout": 5.0})
     assert scaling.max_workers == 3 and failure.hang_timeout == 5.0
 
 
@@ -154,14 +154,14 @@ class FakeRuntime:
 
 def test_an_infeasible_group_is_placed_smaller():
     rt = FakeRuntime({3: ResourceExhaustedError("infeasible: the request needs CPU 3")}, pending=[2])
-    assert train._reserve_trainers(rt, "g", 3, 1, 1)["id"] == "pg1"
+    assert _group._reserve_trainers(rt, "g", 3, 1, 1)["id"] == "pg1"
     assert rt.asked == [3, 2, 1] and rt.removed == ["pg2"]
 
 
 def test_a_group_that_fits_nowhere_says_why():
     rt = FakeRuntime({n: ResourceExhaustedError(f"infeasible {n}") for n in (1, 2)})
     with pytest.raises(GroupPlacementError, match="at least 1 trainer.*2 trainer\\(s\\): infeasible 2"):
-        train._reserve_trainers(rt, "g", 2, 1, 1)
+        _group._reserve_trainers(rt, "g", 2, 1, 1)
 
 
 @pytest.mark.parametrize("error", [UnavailableError("the controller is gone"), RuntimeError("a bug"),
@@ -169,7 +169,7 @@ def test_a_group_that_fits_nowhere_says_why():
 def test_other_errors_of_placement_are_not_read_as_infeasible(error):
     rt = FakeRuntime({2: error})
     with pytest.raises(type(error)) as raised:
-        train._reserve_trainers(rt, "g", 2, 1, 1)
+        _group._reserve_trainers(rt, "g", 2, 1, 1)
     assert raised.value is error and not isinstance(raised.value, GroupPlacementError)
     assert rt.asked == [2], "a smaller group was tried after an error that is not infeasibility"
 
