@@ -1329,6 +1329,15 @@ class GroupHandle:
             n = 0
         if isinstance(workers, bool) or n < 1:
             raise InvalidArgumentError(f"resize({workers!r}): the number of trainers must be a positive int")
+        # What the coordinator would refuse is refused here, where the sender learns it: a world
+        # size (after clamping) that is not whole rings of sequence_parallel trainers.
+        record = self._rt.group(self.group_id)
+        doc = json.loads(record["doc"]) if record else {}
+        seq = int(doc.get("engine", {}).get("sequence_parallel", 1) or 1)
+        clamped = max(doc.get("min_workers", n), min(doc.get("max_workers", n), n))
+        if clamped % seq:
+            raise InvalidArgumentError(f"resize({n}): {clamped} trainer(s) after clamping to [{doc.get('min_workers')}, "
+                                       f"{doc.get('max_workers')}] is not a multiple of sequence_parallel={seq}")
         return self._rt.group_command(self.group_id, "resize", n)
 
     def stop(self) -> int:

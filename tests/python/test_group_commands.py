@@ -59,6 +59,24 @@ def test_a_resize_to_no_positive_int_is_refused_before_it_is_sent(cluster, worke
     assert rt.group(group_id)["commands"] == []
 
 
+def test_a_resize_to_broken_rings_is_refused_at_the_sender(cluster):
+    # Rings of 2 trainers (sequence_parallel=2), 2 to 6 trainers: 3 and 5 break a ring; 1 clamps
+    # to 2 and 7 to 6, both whole rings.
+    from troupe.train import GroupHandle
+
+    rt = troupe._api.runtime()
+    group_id = uuid.uuid4().hex[:16]
+    rt.put_group(group_id, json.dumps({"name": "rings", "state": "RUNNING", "step": 0, "min_workers": 2,
+                                       "max_workers": 6, "engine": {"sequence_parallel": 2}}))
+    handle = GroupHandle(rt, "rings", group_id)
+    for broken in (3, 5):
+        with pytest.raises(InvalidArgumentError, match="sequence_parallel=2"):
+            handle.resize(broken)
+    assert rt.group(group_id)["commands"] == []
+    assert handle.resize(1) == 1 and handle.resize(7) == 2
+    assert [c["workers"] for c in rt.group(group_id)["commands"]] == [1, 7]
+
+
 def test_the_binding_checks_the_kind_and_the_number(cluster):
     rt = troupe._api.runtime()
     group_id = make_group(rt, "binding")
