@@ -6,6 +6,7 @@ troupe.train is the public module; see its docstring for how a group trains."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import operator
@@ -237,8 +238,9 @@ def _data_spec(data: str | os.PathLike[str] | Mapping[str, str]) -> dict[str, st
     return {"kind": "text", "path": path}
 
 
-class GroupState:
-    """The coordinator's phases, as the group record's "state" says them."""
+class GroupState(enum.StrEnum):
+    """The coordinator's phases, as the group record's "state" says them (a str: the record is
+    JSON, and a state compares equal to its name)."""
 
     STARTING = "STARTING"      # placing the group
     JOINING = "JOINING"        # the trainers join a new epoch and restore a step
@@ -248,6 +250,7 @@ class GroupState:
     HUNG = "HUNG"              # a chunk made no progress for hang_timeout
     STOPPED = "STOPPED"        # stopped at another driver's request
     FAILED = "FAILED"          # a failure that was not recovered
+    CLOSED = "CLOSED"          # its record is gone (GroupHandle.progress of a closed group)
 
 
 class GroupCoordinator:
@@ -1296,7 +1299,7 @@ def _find_group(rt: Any, name: str) -> dict[str, Any] | None:
             doc = json.loads(g["doc"])
         except ValueError:
             continue
-        if doc.get("name") == name and doc.get("state") != "CLOSED":
+        if doc.get("name") == name and doc.get("state") != GroupState.CLOSED:
             return g
     return None
 
@@ -1312,7 +1315,7 @@ class GroupHandle:
         `events` (its newest events) and `coordinator_alive`."""
         record = self._rt.group(self.group_id)
         if not record:
-            return {"name": self.name, "state": "CLOSED", "events": [], "coordinator_alive": False}
+            return {"name": self.name, "state": GroupState.CLOSED, "events": [], "coordinator_alive": False}
         doc = json.loads(record["doc"])
         doc["events"] = list(record.get("events", []))
         doc["coordinator_alive"] = time.time() * 1000 - doc.get("heartbeat_ms", 0) < HEARTBEAT_STALE_S * 1000
@@ -1346,7 +1349,7 @@ class GroupHandle:
         return self._rt.group_command(self.group_id, "stop")
 
     def wait(self, step: int | None = None, timeout: float = 60.0,
-             states: tuple[str, ...] = ("STOPPED", "CLOSED")) -> dict[str, Any]:
+             states: tuple[str, ...] = (GroupState.STOPPED, GroupState.CLOSED)) -> dict[str, Any]:
         """Waits until the group reaches `step` (or, without one, one of `states`); returns
         progress(). TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + timeout

@@ -224,3 +224,14 @@ def test_every_error_of_the_package_is_a_troupe_error_keeping_its_python_base():
         assert issubclass(cls, troupe.TroupeError) and issubclass(cls, base), cls
     e = checkpoint.CheckpointNotFoundError("NOT_FOUND", "no step")
     assert e.code == "NOT_FOUND" and str(e) == "NOT_FOUND: no step"
+
+
+def test_group_states_are_an_enum_that_the_json_record_spells_by_name():
+    from troupe.train import GroupState
+
+    assert [s.name for s in GroupState] == ["STARTING", "JOINING", "RUNNING", "RECOVERING", "ADOPTING", "HUNG",
+                                            "STOPPED", "FAILED", "CLOSED"]
+    assert json.loads(json.dumps({"state": GroupState.HUNG})) == {"state": "HUNG"}
+    assert GroupState("RUNNING") is GroupState.RUNNING
+    with pytest.raises(ValueError):
+        GroupState("RUNNNING")
