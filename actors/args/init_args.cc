@@ -1,6 +1,7 @@
 #include "troupe/actors/init_args.h"
 
 #include <capnp/compat/json.h>
+#include <capnp/dynamic.h>
 #include <capnp/schema.h>
 #include <capnp/serialize.h>
 #include <fmt/format.h>
@@ -23,6 +24,24 @@ constexpr uint64_t kJsonNameAnnotation = 0xfa5b1fd61c2e7c3dull;
 // 64 levels) leave no room for a message that makes its reader work.
 constexpr uint64_t kMaxWords = 1 << 20;  // 8 MiB
 constexpr int kMaxNesting = 16;
+
+// Reads every field as the schema types it. Copying a message checks each pointer's bounds, not
+// its kind: a struct where text is expected would throw in the actor that reads it, not here.
+void readAll(capnp::DynamicValue::Reader value) {
+  switch (value.getType()) {
+    case capnp::DynamicValue::STRUCT: {
+      auto fields = value.as<capnp::DynamicStruct>();
+      for (auto field : fields.getSchema().getNonUnionFields()) readAll(fields.get(field));
+      KJ_IF_MAYBE(active, fields.which()) { readAll(fields.get(*active)); }
+      break;
+    }
+    case capnp::DynamicValue::LIST:
+      for (auto element : value.as<capnp::DynamicList>()) readAll(element);
+      break;
+    default:
+      break;
+  }
+}
 
 const std::map<std::string_view, capnp::StructSchema>& table() {
   static const auto* types = new std::map<std::string_view, capnp::StructSchema>{
@@ -245,8 +264,10 @@ Result<std::unique_ptr<capnp::MallocMessageBuilder>> copyInitArgs(std::string_vi
                 if (reader.getEnd() != words.end()) {
                   KJ_FAIL_REQUIRE("bytes after the message", words.end() - reader.getEnd());
                 }
-                // Copying reads every pointer of the message, each checked against its segment.
+                // Copying reads every pointer of the message, each checked against its segment;
+                // reading every field then checks that each pointer is of its field's kind.
                 copy->setRoot(reader.getRoot<capnp::DynamicStruct>(schema));
+                readAll(copy->getRoot<capnp::DynamicStruct>(schema).asReader());
               })) {
     return invalid(e->getDescription().cStr());
   }

@@ -153,5 +153,16 @@ TEST_CASE("init args: truncated, corrupt or oversized bytes are refused, never r
   }
 }
 
+TEST_CASE("init args: a pointer of another kind than its field's is refused, not thrown in the actor") {
+  // DataloaderArgs' first pointer is a struct (data); TrainerArgs' is text (group). Bounds and
+  // sizes are all fine: only the kind is wrong, which reading `group` would throw on.
+  capnp::MallocMessageBuilder message;
+  message.initRoot<rpc::DataloaderArgs>().initData().setKind("text");
+  auto args = decodeInitArgs<rpc::TrainerArgs>("Trainer", initArgsBytes(message));
+  REQUIRE(!args.isOk());
+  CHECK(args.status().code() == StatusCode::kInvalidArgument);
+  CHECK(has(args.status().message(), "not a TrainerArgs message"));
+}
+
 }  // namespace
 }  // namespace troupe::actors

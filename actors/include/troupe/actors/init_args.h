@@ -48,8 +48,9 @@ class InitArgs {
 
 // Copies `bytes` (a flat message whose root is `schema`) into a message of its own, checking
 // every size and pointer in it against `bytes` first. kInvalidArgument naming `type` for bytes
-// that are not a whole number of words, a segment table or pointer that runs past them, bytes
-// after the message, or a message nested or sized beyond what init args need.
+// that are not a whole number of words, a segment table or pointer that runs past them, a
+// pointer of another kind than its field's (a struct where text is expected), bytes after the
+// message, or a message nested or sized beyond what init args need.
 [[nodiscard]] Result<std::unique_ptr<capnp::MallocMessageBuilder>> copyInitArgs(std::string_view type,
                                                                                  capnp::StructSchema schema,
                                                                                  std::string_view bytes);
