@@ -1261,6 +1261,12 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("root"), py::arg("latest") = true);
   m.def("default_run_root", &troupe::runRoot);
+  // A built-in actor's init args as create_actor would send them (JSON text or a mapping, to its
+  // message): what troupe.train checks before it places anything.
+  m.def(
+      "encode_init_args",
+      [](const std::string& type, const py::object& initArgs) { return py::bytes(troupe::initArgsFor(type, initArgs)); },
+      py::arg("type"), py::arg("init_args"));
   // A --tls cluster (its cluster file says so): every connection of this process starts with
   // TLS, so nothing on the path can make it speak plaintext.
   m.def("require_tls", &troupe::tls::require);

@@ -296,7 +296,11 @@ class GroupCoordinator:
                     except TroupeError:
                         pass
         self._workdir = tempfile.mkdtemp(prefix="troupe-train-")
-        self._engine, self._data = kind.prepare(self._workdir)
+        try:
+            self._engine, self._data = kind.prepare(self._workdir)
+        except BaseException:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
         self._engine.setdefault("threads", scaling.threads_per_worker)
         self._snapshot_fixed = ckpt.snapshot_every is not None
         self._checkpoint = {"dir": ckpt.dir or "", "snapshot_every": ckpt.snapshot_every or 1,
@@ -318,20 +322,32 @@ class GroupCoordinator:
         # tests: {"rank": r, "kill_at_step": s, "join_kill_bundle": b, "start_kill_bundle": b, "checkpoint": fault spec}
         self._fault = dict(fault or {})
         self.recoveries: list[dict[str, Any]] = []
-        self._place(scaling.workers or scaling.max_workers)
-        if ckpt.resume:
-            self._resume_from_disk()
         self._tuner = None
         self._settings = {"threads": scaling.threads_per_worker, "prefetch": 2}
         self.tuner_decisions: list[dict[str, Any]] = []
-        if scaling.tuner:
-            # The tuner is a member of the group (0 CPU, in the first bundle); it keeps the model
-            # and the decisions, and the driver applies what it decides at chunk boundaries.
-            options = {"warmup_chunks": 1, **(scaling.tuner if isinstance(scaling.tuner, dict) else {})}
-            self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id, bundle_index=self._bundles[0],
-                                              max_restarts=-1, lifetime=self._lifetime).remote(
-                                                  self.min_workers, self.max_workers, options)
-            self._record({"state": GroupState.RUNNING, "tuner": self._tuner.actor_id})
+        self.trainers, self._node_services = [], {}
+        try:
+            self._place(scaling.workers or scaling.max_workers)
+            if ckpt.resume:
+                self._resume_from_disk()
+            if scaling.tuner:
+                # The tuner is a member of the group (0 CPU, in the first bundle); it keeps the model
+                # and the decisions, and the driver applies what it decides at chunk boundaries.
+                options = {"warmup_chunks": 1, **(scaling.tuner if isinstance(scaling.tuner, dict) else {})}
+                self._tuner = _TunerActor.options(num_cpus=0, placement_group=self.group_id,
+                                                  bundle_index=self._bundles[0], max_restarts=-1,
+                                                  lifetime=self._lifetime).remote(self.min_workers, self.max_workers,
+                                                                                  options)
+                self._record({"state": GroupState.RUNNING, "tuner": self._tuner.actor_id})
+        except BaseException:
+            # A start that fails once something is placed (a trainer that cannot start, a step
+            # that cannot be resumed) takes it all back: the caller has no group to close().
+            if getattr(self, "group_id", None):
+                try:
+                    self.close()
+                except Exception:
+                    pass
+            raise
         self._start_heartbeat()
 
     # ---- Membership ----

@@ -193,6 +193,12 @@ class ElasticTrainer(GroupCoordinator):
                 "global_batch": int(global_batch_size), "max_micro_batch": int(max_micro_batch or global_batch_size),
                 "context": int(context), "zero": scaling.zero, "sequence_parallel": seq, **{k: v for k, v in opt.items()},
             }
+            from . import _core
+
+            try:  # the engine as the trainers' init args (EngineSpec): refused now, before anything is placed
+                _core.encode_init_args("Trainer", {"engine": engine})
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"ElasticTrainer: {e}") from None
             return engine, _data_spec(data)
 
         self._start(_CppTrainers(prepare), scaling, failure, ckpt, name=name, detached=detached, progress=progress,

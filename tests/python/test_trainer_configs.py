@@ -46,3 +46,39 @@ def test_configs_reach_the_group_and_max_failures_stops_fit(cluster, tmp_path):
         assert isinstance(e.value.__cause__, (troupe.ActorDiedError, troupe.ActorError))
         assert t.recoveries == [] and t.step == 2
         assert any("max_failures=0 reached" in ev["text"] for ev in t.events)
+
+
+def test_an_engine_setting_the_trainers_do_not_take_is_refused_before_anything_is_placed(cluster):
+    # AdamW's eps is not an option of the engine's optimizers: it would be ignored by the
+    # trainers, so the group is refused whole, naming it, and nothing is left placed.
+    from troupe.exceptions import InvalidArgumentError
+    from troupe.train import ElasticTrainer
+
+    rt = troupe._api.runtime()
+    with pytest.raises(InvalidArgumentError, match="engine.eps"):
+        ElasticTrainer(model="tinylm", data=TEXT, optimizer={"name": "adamw", "lr": 3e-3, "eps": 1e-8},
+                       global_batch_size=8, context=32, workers=1, max_workers=1, progress=False)
+    with pytest.raises(InvalidArgumentError, match="engine.momentum"):
+        ElasticTrainer(model="tinylm", data=TEXT, optimizer={"name": "sgd", "momentum": "high"},
+                       global_batch_size=8, context=32, workers=1, max_workers=1, progress=False)
+    assert rt.snapshot()["placement_groups"] == [] and troupe.actors() == [] and rt.groups() == []
+
+
+def test_a_start_that_fails_once_placed_takes_back_what_it_placed(cluster, tmp_path):
+    # The newest persisted step is of a model of another shape (context 32, not 64): the trainers
+    # refuse to load it after the group is placed, and the start undoes the placement, as the
+    # caller gets an error and no group to close().
+    from troupe.exceptions import TroupeError
+    from troupe.train import ElasticTrainer
+
+    rt = troupe._api.runtime()
+    ckpt = str(tmp_path / "ckpt")
+    common = dict(model="tinylm", data=TEXT, global_batch_size=8, workers=1, max_workers=1, progress=False,
+                  steps_per_call=2)
+    with ElasticTrainer(context=32, checkpoint={"dir": ckpt, "snapshot_every": 1, "persist_every": 2}, **common) as t:
+        t.fit(2)
+    with pytest.raises(TroupeError) as refused:
+        ElasticTrainer(context=64, checkpoint={"dir": ckpt, "resume": True}, **common)
+    assert "pos_emb" in str(refused.value), refused.value  # the trainers' own refusal, after placement
+    assert rt.snapshot()["placement_groups"] == [] and rt.groups() == []
+    assert [a["state"] for a in troupe.actors() if a["state"] != "DEAD"] == []
