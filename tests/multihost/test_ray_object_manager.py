@@ -17,6 +17,9 @@ COMMON = DIGEST + textwrap.dedent("""
         def __init__(self):
             self.seen = {}
         def set_weights(self, w):  # a top-level ref argument: its value arrives
+            # Kept, as weights are: a pulled copy lives while its value does (a copy freed
+            # between two calls is pulled again: pulled copies are per process and not cached).
+            self.w = w
             self.seen[digest(w)] = self.seen.get(digest(w), 0) + 1
             return digest(w)
         def make(self, n, seed):
