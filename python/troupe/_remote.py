@@ -337,8 +337,6 @@ def cpp_actor(type_name: str, init_args: bytes | str | Mapping[str, Any] = b"", 
     _check_options(options)
     if "num_cpus" not in options:
         options["num_cpus"] = 1  # C++ actors keep holding a CPU by default (the training actors)
-    if isinstance(init_args, str):
-        init_args = init_args.encode()
     return ActorHandle(_create(type_name, init_args, options), type_name)
 
 

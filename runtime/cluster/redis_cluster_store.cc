@@ -715,9 +715,14 @@ return 1
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(group, 0));
     auto reply = connection_.run({"GET", groupEpochKey(group)}, "groupEpoch");
     if (!reply) return reply.status();
-    if ((*reply)->type == REDIS_REPLY_NIL) return int64_t{0};
+    return epochOf(**reply, group);
+  }
+
+  // A group's epoch as GET returns it: none yet is 0.
+  Result<int64_t> epochOf(const redisReply& reply, const std::string& group) const {
+    if (reply.type == REDIS_REPLY_NIL) return int64_t{0};
     int64_t epoch = 0;
-    if ((*reply)->type != REDIS_REPLY_STRING || !parseInteger(replyText(**reply), epoch)) {
+    if (reply.type != REDIS_REPLY_STRING || !parseInteger(replyText(reply), epoch)) {
       return malformed(groupEpochKey(group), "the epoch is not an integer");
     }
     return epoch;
@@ -908,20 +913,25 @@ return 1
 
   Result<std::optional<ElasticGroupRecord>> getElasticGroup(const std::string& id) override {
     TROUPE_RETURN_IF_ERROR(checkGroupArgs(id, 0));
-    auto doc = connection_.run({"GET", elasticKey(id)}, "getElasticGroup");
-    if (!doc) return doc.status();
-    if ((*doc)->type == REDIS_REPLY_NIL) return std::optional<ElasticGroupRecord>();
-    ElasticGroupRecord record{id, replyText(**doc), {}, 0, {}};
-    auto events = connection_.run({"LRANGE", elasticEventsKey(id), "0", "-1"}, "getElasticGroup");
-    if (!events) return events.status();
-    if ((*events)->type == REDIS_REPLY_ARRAY) {
-      for (size_t i = 0; i < (*events)->elements; ++i) record.events.push_back(replyText(*(*events)->element[i]));
+    // Document, events, commands and epoch in one round trip: a coordinator reads its record
+    // every chunk, and listElasticGroups every group's.
+    auto replies = connection_.runAll({{"GET", elasticKey(id)},
+                                       {"LRANGE", elasticEventsKey(id), "0", "-1"},
+                                       {"LRANGE", elasticCommandsKey(id), "0", "-1"},
+                                       {"GET", groupEpochKey(id)}},
+                                      "getElasticGroup");
+    if (!replies) return replies.status();
+    const redisReply& doc = *(*replies)[0];
+    const redisReply& events = *(*replies)[1];
+    const redisReply& commands = *(*replies)[2];
+    if (doc.type == REDIS_REPLY_NIL) return std::optional<ElasticGroupRecord>();
+    ElasticGroupRecord record{id, replyText(doc), {}, 0, {}};
+    if (events.type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < events.elements; ++i) record.events.push_back(replyText(*events.element[i]));
     }
-    auto commands = connection_.run({"LRANGE", elasticCommandsKey(id), "0", "-1"}, "getElasticGroup");
-    if (!commands) return commands.status();
-    if ((*commands)->type == REDIS_REPLY_ARRAY) {
-      for (size_t i = 0; i < (*commands)->elements; ++i) {
-        auto command = store_records::decodeGroupCommand(replyText(*(*commands)->element[i]), elasticCommandsKey(id));
+    if (commands.type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < commands.elements; ++i) {
+        auto command = store_records::decodeGroupCommand(replyText(*commands.element[i]), elasticCommandsKey(id));
         if (!command) return command.status();
         if (!record.commands.empty() && command->seq <= record.commands.back().seq) {
           return malformed(elasticCommandsKey(id), fmt::format("command {} follows command {}", command->seq,
@@ -930,9 +940,7 @@ return 1
         record.commands.push_back(std::move(*command));
       }
     }
-    auto epoch = groupEpoch(id);
-    if (!epoch) return epoch.status();
-    record.epoch = *epoch;
+    TROUPE_ASSIGN_OR_RETURN(record.epoch, epochOf(*(*replies)[3], id));
     return std::optional<ElasticGroupRecord>(std::move(record));
   }
 
